@@ -1,0 +1,285 @@
+//! [`Lease`]: the single owner of a request's pages, and the only way to
+//! write into them.
+//!
+//! A lease is not `Clone`; dropping it is what gives its pages back (I8).
+//! Every write is fenced by a [`PageRef`]: the page must be held by *this*
+//! lease and carry the generation it was leased in (I3). Writes need
+//! `&mut Lease`, reads `&Lease`, so the borrow checker keeps a caller from
+//! writing into pages it is still reading through a [`ReadView`].
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::element::KvElement;
+use crate::error::PoolError;
+use crate::page::{PageRef, RequestId};
+use crate::pool::{Counters, Holder, Shared};
+use crate::view::ReadView;
+
+/// Identity of one lease, unique for the life of a pool. Pages record it so
+/// ownership checks read the page table itself, not the caller's word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct LeaseId(pub(crate) u64);
+
+/// Pages leased to one request.
+pub struct Lease {
+    shared: Arc<Shared>,
+    id: LeaseId,
+    owner: RequestId,
+    tokens: usize,
+    pages: Vec<PageRef>,
+    one_sided: bool,
+}
+
+impl Lease {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        id: LeaseId,
+        owner: RequestId,
+        tokens: usize,
+        pages: Vec<PageRef>,
+    ) -> Self {
+        Lease {
+            shared,
+            id,
+            owner,
+            tokens,
+            pages,
+            one_sided: false,
+        }
+    }
+
+    /// The request that holds this lease.
+    pub fn owner(&self) -> RequestId {
+        self.owner
+    }
+
+    /// The pages held, in token order: page `i` holds positions
+    /// `i * page_size .. (i + 1) * page_size`.
+    pub fn pages(&self) -> &[PageRef] {
+        &self.pages
+    }
+
+    /// Tokens asked for when the lease was granted.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Tokens the held pages can store (whole pages).
+    pub fn capacity_tokens(&self) -> usize {
+        self.pages.len() * self.shared.geometry.page_size
+    }
+
+    /// From now on, a one-sided writer may store into these pages behind the
+    /// pool's back. When the lease is dropped its pages go to `Quarantined`,
+    /// not `Free`, until [`crate::Pool::drain`] is called for this request (I4).
+    pub fn expose_to_one_sided_writer(&mut self) {
+        self.one_sided = true;
+    }
+
+    /// Writes K and V of `layer` for `slots` of one page, fenced by `page`.
+    ///
+    /// `k` and `v` are token-major: `[slot][kv_head][head_dim]`. Refused,
+    /// counted and without effect if the page is not held by this lease or
+    /// `page.generation` is not its current generation (I3).
+    pub fn write<E: KvElement>(
+        &mut self,
+        page: PageRef,
+        layer: usize,
+        slots: Range<usize>,
+        k: &[E],
+        v: &[E],
+    ) -> Result<(), PoolError> {
+        let geometry = &self.shared.geometry;
+        self.check_elem::<E>()?;
+        self.check_layer(layer)?;
+        if slots.start >= slots.end || slots.end > geometry.page_size {
+            return Err(PoolError::SlotsOutOfRange {
+                start: slots.start,
+                end: slots.end,
+                page_size: geometry.page_size,
+            });
+        }
+        let expected = slots.len() * geometry.token_elements();
+        if let Some(got) = [k.len(), v.len()].into_iter().find(|&n| n != expected) {
+            return Err(PoolError::ShapeMismatch { expected, got });
+        }
+        let foreign = || {
+            Counters::bump(&self.shared.counters.foreign_writes_rejected);
+            PoolError::PageNotInLease {
+                page: page.id,
+                owner: self.owner,
+            }
+        };
+        let cell = self.shared.pages.get(page.id.index()).ok_or_else(foreign)?;
+        let mut guard = cell.write();
+        match guard.holder {
+            Holder::Leased { lease, .. } if lease == self.id => {}
+            _ => return Err(foreign()),
+        }
+        if guard.generation != page.generation {
+            Counters::bump(&self.shared.counters.stale_writes_rejected);
+            return Err(PoolError::StaleGeneration {
+                page: page.id,
+                got: page.generation,
+                current: guard.generation,
+            });
+        }
+        let head_dim = geometry.shape.head_dim;
+        let data: &mut [E] = bytemuck::cast_slice_mut(&mut guard.data);
+        for (t, slot) in slots.clone().enumerate() {
+            for head in 0..geometry.shape.kv_heads {
+                let src = (t * geometry.shape.kv_heads + head) * head_dim;
+                for (kv, values) in [k, v].into_iter().enumerate() {
+                    let dst = geometry.block_offset(layer, kv, head) + slot * head_dim;
+                    data[dst..dst + head_dim].copy_from_slice(&values[src..src + head_dim]);
+                }
+            }
+        }
+        guard.coverage.mark(layer, slots);
+        Ok(())
+    }
+
+    /// Writes K and V of `layer` for consecutive token positions starting at
+    /// `start`, across page boundaries. `k` and `v` are token-major as in
+    /// [`Lease::write`]; the fencing tokens are this lease's own.
+    pub fn write_positions<E: KvElement>(
+        &mut self,
+        layer: usize,
+        start: usize,
+        k: &[E],
+        v: &[E],
+    ) -> Result<(), PoolError> {
+        let geometry = self.shared.geometry;
+        let per_token = geometry.token_elements();
+        if k.len() != v.len() || k.len() % per_token != 0 {
+            return Err(PoolError::ShapeMismatch {
+                expected: k.len().div_ceil(per_token) * per_token,
+                got: if k.len() % per_token != 0 {
+                    k.len()
+                } else {
+                    v.len()
+                },
+            });
+        }
+        let end = start + k.len() / per_token;
+        if end > self.capacity_tokens() {
+            return Err(PoolError::BeyondLease {
+                owner: self.owner,
+                end,
+                capacity: self.capacity_tokens(),
+            });
+        }
+        let mut pos = start;
+        while pos < end {
+            let (index, slot) = (pos / geometry.page_size, pos % geometry.page_size);
+            let run = (geometry.page_size - slot).min(end - pos);
+            let from = (pos - start) * per_token;
+            let to = from + run * per_token;
+            let page = self.pages[index];
+            self.write(page, layer, slot..slot + run, &k[from..to], &v[from..to])?;
+            pos += run;
+        }
+        Ok(())
+    }
+
+    /// A view of positions `0..len` of every layer, refused unless every one
+    /// of them was written in the current generation (I2).
+    pub fn read_view<E: KvElement>(&self, len: usize) -> Result<ReadView<'_, E>, PoolError> {
+        self.read(0..self.shared.geometry.shape.layers, len)
+    }
+
+    /// A view of positions `0..len` of one layer, refused unless each of them
+    /// was written in the current generation (I2). Attention reads through
+    /// this while later layers of the same tokens are not yet computed.
+    pub fn read_layer<E: KvElement>(
+        &self,
+        layer: usize,
+        len: usize,
+    ) -> Result<ReadView<'_, E>, PoolError> {
+        self.check_layer(layer)?;
+        self.read(layer..layer + 1, len)
+    }
+
+    fn read<E: KvElement>(
+        &self,
+        layers: Range<usize>,
+        len: usize,
+    ) -> Result<ReadView<'_, E>, PoolError> {
+        let refuse = |error: PoolError| {
+            Counters::bump(&self.shared.counters.reads_refused);
+            Err(error)
+        };
+        self.check_elem::<E>()?;
+        if len > self.capacity_tokens() {
+            return refuse(PoolError::BeyondLease {
+                owner: self.owner,
+                end: len,
+                capacity: self.capacity_tokens(),
+            });
+        }
+        let page_size = self.shared.geometry.page_size;
+        let mut guards = Vec::with_capacity(len.div_ceil(page_size));
+        for (index, page_ref) in self.pages[..len.div_ceil(page_size)].iter().enumerate() {
+            let guard = self.shared.pages[page_ref.id.index()].read();
+            assert!(
+                matches!(guard.holder, Holder::Leased { lease, .. } if lease == self.id)
+                    && guard.generation == page_ref.generation,
+                "I1: page {page_ref} changed hands while leased to {}",
+                self.owner
+            );
+            let slots = page_size.min(len - index * page_size);
+            for layer in layers.clone() {
+                if let Some(gap) = guard.coverage.first_gap(layer, slots) {
+                    return refuse(PoolError::NotCovered {
+                        len,
+                        layer,
+                        position: index * page_size + gap,
+                    });
+                }
+            }
+            guards.push(guard);
+        }
+        Ok(ReadView::new(&self.shared.geometry, layers, len, guards))
+    }
+
+    fn check_elem<E: KvElement>(&self) -> Result<(), PoolError> {
+        let pool = self.shared.geometry.elem;
+        if E::ELEM == pool {
+            Ok(())
+        } else {
+            Err(PoolError::ElemMismatch {
+                pool,
+                asked: E::ELEM,
+            })
+        }
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), PoolError> {
+        let layers = self.shared.geometry.shape.layers;
+        if layer < layers {
+            Ok(())
+        } else {
+            Err(PoolError::LayerOutOfRange { layer, layers })
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let pages = std::mem::take(&mut self.pages);
+        self.shared
+            .give_back(self.id, self.owner, pages, self.one_sided);
+    }
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("owner", &self.owner)
+            .field("tokens", &self.tokens)
+            .field("pages", &self.pages.len())
+            .field("one_sided", &self.one_sided)
+            .finish()
+    }
+}

@@ -1,0 +1,31 @@
+//! The fenced KV page pool: kvfence's memory-ownership primitive.
+//!
+//! KV memory is an arena of pages. A request holds pages only through a
+//! [`Lease`] (one owner, all-or-nothing, given back on drop); every page
+//! names its allocation with a [`Generation`] that grows on each lease; every
+//! write carries a [`PageRef`] fencing token; every read goes through a
+//! [`ReadView`] that exists only if the positions read were written in the
+//! page's current generation. Pages a one-sided writer may still reach wait
+//! in quarantine until [`Pool::drain`].
+//!
+//! Invariants enforced here (see DESIGN.md §2): I1 single owner, I2 written
+//! before read, I3 fenced writes, I4 drain before reuse, I8 no leak.
+
+mod coverage;
+mod element;
+mod error;
+mod lease;
+mod page;
+mod pool;
+mod spec;
+mod view;
+
+pub use element::KvElement;
+pub use error::PoolError;
+pub use lease::Lease;
+pub use page::{Generation, PageId, PageRef, PageState, RequestId};
+pub use pool::{Pool, PoolStats};
+pub use spec::{
+    ElemType, Geometry, KvShape, MAX_PAGE_SIZE, PoolSize, PoolSpec, ReusePolicy, Scrub,
+};
+pub use view::ReadView;

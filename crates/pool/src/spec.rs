@@ -1,0 +1,229 @@
+//! What a pool is built from ([`PoolSpec`]) and the geometry derived from it.
+//!
+//! The spec says what the caller wants; [`Geometry`] says what was actually
+//! allocated. Capacity is always reported from the geometry, never from the
+//! request, because admission (I6) must be computed from real memory.
+
+use crate::error::PoolError;
+
+/// Element type of the K and V values stored in pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ElemType {
+    /// 32-bit IEEE float.
+    F32,
+    /// 16-bit IEEE float.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl ElemType {
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            ElemType::F32 => 4,
+            ElemType::F16 | ElemType::BF16 => 2,
+        }
+    }
+}
+
+/// The per-token shape of a model's KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    /// Decoder layers.
+    pub layers: usize,
+    /// Key/value heads per layer (after grouped-query sharing).
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+/// How large the pool should be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolSize {
+    /// Exactly this many pages.
+    Pages(usize),
+    /// As many whole pages as fit in this many bytes.
+    Bytes(usize),
+    /// Enough whole pages for at least this many tokens.
+    Tokens(usize),
+}
+
+/// What happens to a page's contents when it returns to `Free`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scrub {
+    /// Leave old contents in place (fastest; isolation rests on the checks).
+    Off,
+    /// Overwrite with zeros.
+    Zero,
+    /// Overwrite with a NaN pattern, so any read that slipped past the checks
+    /// would show up as NaN in outputs.
+    Poison,
+}
+
+impl Scrub {
+    /// Poison in debug builds (tests), off in release builds, as DESIGN.md §4 asks.
+    pub fn default_for_build() -> Scrub {
+        if cfg!(debug_assertions) {
+            Scrub::Poison
+        } else {
+            Scrub::Off
+        }
+    }
+}
+
+/// Which free page a lease gets first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReusePolicy {
+    /// Least recently freed first: freed pages rest as long as possible.
+    OldestFreedFirst,
+    /// Most recently freed first: reuse is immediate, the harshest setting
+    /// for isolation tests.
+    NewestFreedFirst,
+}
+
+/// Everything needed to build a [`crate::Pool`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolSpec {
+    /// Per-token KV shape.
+    pub shape: KvShape,
+    /// Token slots per page.
+    pub page_size: usize,
+    /// Element type of stored K/V.
+    pub elem: ElemType,
+    /// Requested size.
+    pub size: PoolSize,
+    /// Scrub policy on release.
+    pub scrub: Scrub,
+    /// Free-page reuse order.
+    pub reuse: ReusePolicy,
+}
+
+/// Largest page the pool accepts; coverage bitmaps and chunk frames assume
+/// pages of modest size.
+pub const MAX_PAGE_SIZE: usize = 4096;
+
+impl PoolSpec {
+    /// A spec with the build's default scrub policy and oldest-first reuse.
+    pub fn new(shape: KvShape, page_size: usize, elem: ElemType, size: PoolSize) -> Self {
+        PoolSpec {
+            shape,
+            page_size,
+            elem,
+            size,
+            scrub: Scrub::default_for_build(),
+            reuse: ReusePolicy::OldestFreedFirst,
+        }
+    }
+
+    /// Same spec with another scrub policy.
+    pub fn with_scrub(mut self, scrub: Scrub) -> Self {
+        self.scrub = scrub;
+        self
+    }
+
+    /// Same spec with another reuse order.
+    pub fn with_reuse(mut self, reuse: ReusePolicy) -> Self {
+        self.reuse = reuse;
+        self
+    }
+
+    /// Checks the spec and computes what will actually be allocated.
+    pub fn geometry(&self) -> Result<Geometry, PoolError> {
+        let invalid = |reason: String| PoolError::InvalidSpec { reason };
+        let KvShape {
+            layers,
+            kv_heads,
+            head_dim,
+        } = self.shape;
+        if layers == 0 || kv_heads == 0 || head_dim == 0 {
+            return Err(invalid(format!(
+                "layers ({layers}), kv heads ({kv_heads}) and head dim ({head_dim}) must all be positive"
+            )));
+        }
+        if self.page_size == 0 || self.page_size > MAX_PAGE_SIZE {
+            return Err(invalid(format!(
+                "page size {} must be between 1 and {MAX_PAGE_SIZE} tokens",
+                self.page_size
+            )));
+        }
+        let elements = [layers, 2, kv_heads, self.page_size, head_dim]
+            .iter()
+            .try_fold(1usize, |acc, &n| acc.checked_mul(n))
+            .ok_or_else(|| invalid("page size in elements overflows".into()))?;
+        let page_bytes = elements
+            .checked_mul(self.elem.size_bytes())
+            .ok_or_else(|| invalid("page size in bytes overflows".into()))?;
+        let num_pages = match self.size {
+            PoolSize::Pages(n) => n,
+            PoolSize::Bytes(budget) => budget / page_bytes,
+            PoolSize::Tokens(tokens) => tokens.div_ceil(self.page_size),
+        };
+        if num_pages == 0 {
+            return Err(invalid(format!(
+                "{:?} leaves room for no page of {page_bytes} bytes ({} tokens)",
+                self.size, self.page_size
+            )));
+        }
+        if num_pages > u32::MAX as usize {
+            return Err(invalid(format!(
+                "{num_pages} pages exceed the page id range"
+            )));
+        }
+        Ok(Geometry {
+            shape: self.shape,
+            page_size: self.page_size,
+            elem: self.elem,
+            num_pages,
+            page_elements: elements,
+            page_bytes,
+        })
+    }
+}
+
+/// The pool's real dimensions, derived from a validated [`PoolSpec`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Per-token KV shape.
+    pub shape: KvShape,
+    /// Token slots per page.
+    pub page_size: usize,
+    /// Element type.
+    pub elem: ElemType,
+    /// Pages allocated.
+    pub num_pages: usize,
+    /// Elements in one page (all layers, K and V).
+    pub page_elements: usize,
+    /// Bytes in one page.
+    pub page_bytes: usize,
+}
+
+impl Geometry {
+    /// Tokens the whole pool holds.
+    pub fn capacity_tokens(&self) -> usize {
+        self.num_pages * self.page_size
+    }
+
+    /// Bytes of KV the whole pool holds.
+    pub fn capacity_bytes(&self) -> usize {
+        self.num_pages * self.page_bytes
+    }
+
+    /// Elements of one K (or V) block: one layer, one head, every slot.
+    pub fn head_block(&self) -> usize {
+        self.page_size * self.shape.head_dim
+    }
+
+    /// Offset of the first element of `(layer, kv, head)` in a page, where
+    /// `kv` is 0 for K and 1 for V. A page is laid out
+    /// `[layer][K|V][kv_head][slot][dim]`, so one head's keys for every slot
+    /// of a page are contiguous: attention streams through them.
+    pub fn block_offset(&self, layer: usize, kv: usize, head: usize) -> usize {
+        ((layer * 2 + kv) * self.shape.kv_heads + head) * self.head_block()
+    }
+
+    /// Elements one token contributes to one layer's K (or V): all heads.
+    pub fn token_elements(&self) -> usize {
+        self.shape.kv_heads * self.shape.head_dim
+    }
+}
