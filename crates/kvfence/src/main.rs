@@ -1,9 +1,14 @@
 //! The `kvfence` binary: parse arguments, build the parts, run them.
 //! Logic lives in the library crates.
 
+mod generate;
+mod plan;
+
+use std::path::PathBuf;
+
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use kvfence_pool::{ElemType, KvShape, PoolSize, PoolSpec};
+use clap::{Parser, Subcommand, ValueEnum};
+use kvfence_model::{Builtin, DiskDtype, LoadedModel};
 
 /// kvfence: multi-tenant LLM serving with fenced KV memory.
 ///
@@ -19,86 +24,118 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run one prompt through a model on the paged runtime and print the completion.
+    Generate(generate::GenerateArgs),
+    /// Inspect and export models.
+    #[command(subcommand)]
+    Model(ModelCommand),
     /// Inspect KV pool sizing.
     #[command(subcommand)]
     Pool(PoolCommand),
 }
 
 #[derive(Subcommand, Debug)]
+enum ModelCommand {
+    /// Print a model's shape, parameter count and KV bytes per token.
+    Info {
+        /// builtin:tiny, builtin:small, or a Hugging Face model directory.
+        model: String,
+    },
+    /// Write a built-in model as a Hugging Face directory (config.json,
+    /// safetensors, tokenizer.json, tokenizer_config.json).
+    Export {
+        /// builtin:tiny or builtin:small.
+        model: String,
+        /// Directory to write (created if missing).
+        dir: PathBuf,
+        /// Number of safetensors shards; more than one also writes the index file.
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
+        /// Element type on disk.
+        #[arg(long, value_enum, default_value_t = Dtype::F32)]
+        dtype: Dtype,
+    },
+}
+
+#[derive(Subcommand, Debug)]
 enum PoolCommand {
     /// Show what a KV pool of the given shape and budget really holds:
     /// pages, bytes and the token capacity admission will advertise.
-    Plan(PlanArgs),
+    Plan(plan::PlanArgs),
 }
 
-#[derive(Args, Debug)]
-struct PlanArgs {
-    /// Decoder layers of the model.
-    #[arg(long)]
-    layers: usize,
-    /// Key/value heads per layer.
-    #[arg(long)]
-    kv_heads: usize,
-    /// Elements per head.
-    #[arg(long)]
-    head_dim: usize,
-    /// Token slots per page.
-    #[arg(long, default_value_t = 16)]
-    page_size: usize,
-    /// Element type of stored K/V.
-    #[arg(long, value_enum, default_value_t = Elem::F32)]
-    dtype: Elem,
-    /// Memory budget for the pool, in MiB.
-    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
-    mib: Option<usize>,
-    /// Tokens the pool must hold at least.
-    #[arg(long)]
-    tokens: Option<usize>,
-}
-
+/// An element type named on the command line.
 #[derive(ValueEnum, Clone, Copy, Debug)]
-enum Elem {
+pub(crate) enum Dtype {
     F32,
     F16,
     Bf16,
 }
 
-impl From<Elem> for ElemType {
-    fn from(e: Elem) -> Self {
-        match e {
-            Elem::F32 => ElemType::F32,
-            Elem::F16 => ElemType::F16,
-            Elem::Bf16 => ElemType::BF16,
+impl From<Dtype> for DiskDtype {
+    fn from(d: Dtype) -> Self {
+        match d {
+            Dtype::F32 => DiskDtype::F32,
+            Dtype::F16 => DiskDtype::F16,
+            Dtype::Bf16 => DiskDtype::BF16,
         }
     }
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Pool(PoolCommand::Plan(args)) => plan(&args),
+        Command::Generate(args) => generate::run(&args),
+        Command::Model(ModelCommand::Info { model }) => info(&model),
+        Command::Model(ModelCommand::Export {
+            model,
+            dir,
+            shards,
+            dtype,
+        }) => {
+            let builtin = Builtin::parse(&model).with_context(|| {
+                format!("{model:?} is not a built-in model (builtin:tiny, builtin:small)")
+            })?;
+            builtin
+                .export(&dir, shards, dtype.into())
+                .with_context(|| format!("exporting {model} to {}", dir.display()))?;
+            println!("wrote {model} to {}", dir.display());
+            Ok(())
+        }
+        Command::Pool(PoolCommand::Plan(args)) => plan::run(&args),
     }
 }
 
-fn plan(args: &PlanArgs) -> anyhow::Result<()> {
-    let size = match (args.mib, args.tokens) {
-        (Some(mib), _) => PoolSize::Bytes(mib.saturating_mul(1 << 20)),
-        (None, Some(tokens)) => PoolSize::Tokens(tokens),
-        (None, None) => unreachable!("clap requires --mib or --tokens"),
-    };
-    let shape = KvShape {
-        layers: args.layers,
-        kv_heads: args.kv_heads,
-        head_dim: args.head_dim,
-    };
-    let geometry = PoolSpec::new(shape, args.page_size, args.dtype.into(), size)
-        .geometry()
-        .context("this pool cannot be built")?;
-    println!("pages           {}", geometry.num_pages);
+fn info(name: &str) -> anyhow::Result<()> {
+    let loaded = LoadedModel::load(name).with_context(|| format!("loading {name}"))?;
+    let c = loaded.model.config();
+    println!("model             {}", loaded.name);
+    println!("architecture      {}", c.architecture.hf_name());
+    println!("layers            {}", c.num_layers);
     println!(
-        "page size       {} tokens, {} bytes",
-        geometry.page_size, geometry.page_bytes
+        "hidden / ffn      {} / {}",
+        c.hidden_size, c.intermediate_size
     );
-    println!("capacity        {} tokens", geometry.capacity_tokens());
-    println!("memory          {} bytes", geometry.capacity_bytes());
+    println!(
+        "heads / kv heads  {} / {} (head dim {})",
+        c.num_heads, c.num_kv_heads, c.head_dim
+    );
+    println!("vocabulary        {}", c.vocab_size);
+    println!("max positions     {}", c.max_position_embeddings);
+    println!(
+        "weights read/step {} bytes (f32)",
+        loaded.model.weight_bytes()
+    );
+    println!(
+        "KV per token      {} bytes (f32)",
+        2 * c.num_layers * c.kv_dim() * 4
+    );
+    println!(
+        "chat template     {}",
+        if loaded.chat_template.is_some() {
+            "yes"
+        } else {
+            "no"
+        }
+    );
     Ok(())
 }

@@ -49,6 +49,11 @@ impl<'a, E: KvElement> ReadView<'a, E> {
         self.len == 0
     }
 
+    /// Token slots per page.
+    pub fn page_size(&self) -> usize {
+        self.geometry.page_size
+    }
+
     /// Pages the view spans.
     pub fn num_pages(&self) -> usize {
         self.guards.len()

@@ -1,0 +1,118 @@
+//! Forward-pass throughput on `builtin:small` (SmolLM2-135M's shape, f32):
+//! prefill tokens/s and decode tokens/s at batch 1, 8 and 32, next to the
+//! machine's measured read bandwidth (the decode roofline's denominator).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kvfence_model::{Builtin, Logits, Model, Sequence};
+use kvfence_pool::{ElemType, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
+use rayon::prelude::*;
+
+const CONTEXT: usize = 128;
+
+fn setup() -> (Model, Pool) {
+    let model = Model::from_tensors(Builtin::Small.config(), &Builtin::Small.tensors())
+        .expect("builtin loads");
+    let spec = PoolSpec::new(
+        model.kv_shape(),
+        16,
+        ElemType::F32,
+        PoolSize::Tokens(40 * 1024),
+    )
+    .with_scrub(Scrub::Off);
+    let pool = Pool::new(&spec).expect("bench pool");
+    (model, pool)
+}
+
+fn prompt(seed: usize, len: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| ((i * 31 + seed * 17) % 256) as u32)
+        .collect()
+}
+
+fn prefilled(model: &Model, pool: &Pool, owner: u64) -> Lease {
+    let mut lease = pool.lease(RequestId(owner), CONTEXT + 1).expect("room");
+    let tokens = prompt(owner as usize, CONTEXT);
+    model
+        .forward(&mut [Sequence {
+            lease: &mut lease,
+            past: 0,
+            tokens: &tokens,
+            logits: Logits::None,
+        }])
+        .expect("prefill");
+    lease
+}
+
+fn bench(c: &mut Criterion) {
+    let (model, pool) = setup();
+    let mut group = c.benchmark_group("builtin:small");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(2))
+        .measurement_time(Duration::from_secs(8));
+
+    for len in [128usize, 512] {
+        let tokens = prompt(0, len);
+        group.throughput(Throughput::Elements(len as u64));
+        group.bench_function(format!("prefill {len} tokens"), |b| {
+            b.iter(|| {
+                let mut lease = pool.lease(RequestId(1), len).expect("room");
+                let mut batch = [Sequence {
+                    lease: &mut lease,
+                    past: 0,
+                    tokens: &tokens,
+                    logits: Logits::Last,
+                }];
+                black_box(model.forward(&mut batch).expect("prefill"))
+            })
+        });
+    }
+
+    for batch_size in [1usize, 8, 32] {
+        let mut leases: Vec<Lease> = (0..batch_size)
+            .map(|i| prefilled(&model, &pool, 10 + i as u64))
+            .collect();
+        group.throughput(Throughput::Elements(batch_size as u64));
+        group.bench_function(
+            format!("decode batch {batch_size} at context {CONTEXT}"),
+            |b| {
+                b.iter(|| {
+                    // Each step rewrites position CONTEXT: a constant-context decode step.
+                    let mut batch: Vec<Sequence<'_>> = leases
+                        .iter_mut()
+                        .map(|lease| Sequence {
+                            lease,
+                            past: CONTEXT,
+                            tokens: &[65],
+                            logits: Logits::Last,
+                        })
+                        .collect();
+                    black_box(model.forward(&mut batch).expect("decode"))
+                })
+            },
+        );
+    }
+    group.finish();
+
+    let mut bw = c.benchmark_group("memory");
+    bw.sample_size(10);
+    let buffer = vec![1.0f32; 64 << 20]; // 256 MiB, far past any cache
+    bw.throughput(Throughput::Bytes((buffer.len() * 4) as u64));
+    bw.bench_function("read 256 MiB, all threads", |b| {
+        b.iter(|| {
+            black_box(
+                buffer
+                    .par_chunks(1 << 16)
+                    .map(|c| c.iter().fold(0.0f32, |a, x| a.max(*x)))
+                    .reduce(|| 0.0, f32::max),
+            )
+        })
+    });
+    bw.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,355 @@
+//! [`ModelConfig`]: a decoder's hyper-parameters, read from a Hugging Face
+//! `config.json` or built in, and checked for consistency once, here.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ModelError;
+
+/// The Llama-family variants the runtime implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// `LlamaForCausalLM` (Llama 2/3, SmolLM).
+    Llama,
+    /// `MistralForCausalLM`.
+    Mistral,
+    /// `Qwen2ForCausalLM`: biases on the Q, K and V projections.
+    Qwen2,
+}
+
+impl Architecture {
+    /// The name `config.json` uses.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+}
+
+/// Llama-3 style RoPE frequency scaling.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Llama3RopeScaling {
+    /// Overall scale factor.
+    pub factor: f32,
+    /// Wavelengths above `original / low_freq_factor` are scaled fully.
+    pub low_freq_factor: f32,
+    /// Wavelengths below `original / high_freq_factor` are not scaled.
+    pub high_freq_factor: f32,
+    /// Context the model was pre-trained at.
+    pub original_max_position_embeddings: usize,
+}
+
+/// Everything the forward pass needs to know about a model's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Variant.
+    pub architecture: Architecture,
+    /// Vocabulary size (rows of the embedding).
+    pub vocab_size: usize,
+    /// Residual stream width.
+    pub hidden_size: usize,
+    /// MLP inner width.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `num_heads`).
+    pub num_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// Optional Llama-3 RoPE scaling.
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Longest context the model supports.
+    pub max_position_embeddings: usize,
+    /// Whether `lm_head` shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Whether Q, K and V projections have biases.
+    pub qkv_bias: bool,
+    /// Beginning-of-sequence token, if the model uses one.
+    pub bos_token_id: Option<u32>,
+    /// Tokens that end generation.
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// The subset of `config.json` kvfence reads. Unknown fields are ignored.
+#[derive(Debug, Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    #[serde(default = "default_eps")]
+    rms_norm_eps: f32,
+    #[serde(default = "default_theta")]
+    rope_theta: f32,
+    rope_scaling: Option<serde_json::Value>,
+    #[serde(default = "default_max_pos")]
+    max_position_embeddings: usize,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    attention_bias: bool,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<serde_json::Value>,
+}
+
+fn default_eps() -> f32 {
+    1e-6
+}
+fn default_theta() -> f32 {
+    10_000.0
+}
+fn default_max_pos() -> usize {
+    2048
+}
+
+impl ModelConfig {
+    /// Reads and checks a Hugging Face `config.json`.
+    pub fn from_hf_file(path: &Path) -> Result<ModelConfig, ModelError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        Self::from_hf_json(&text, path)
+    }
+
+    /// Parses and checks `config.json` text; `path` is named in errors.
+    pub fn from_hf_json(text: &str, path: &Path) -> Result<ModelConfig, ModelError> {
+        let hf: HfConfig = serde_json::from_str(text)
+            .map_err(|e| ModelError::config(path, format!("invalid config.json: {e}")))?;
+        let name = hf.architectures.first().cloned().unwrap_or_default();
+        let architecture = match name.as_str() {
+            "LlamaForCausalLM" => Architecture::Llama,
+            "MistralForCausalLM" => Architecture::Mistral,
+            "Qwen2ForCausalLM" => Architecture::Qwen2,
+            _ => {
+                return Err(ModelError::UnsupportedArchitecture {
+                    path: path.into(),
+                    architecture: name,
+                });
+            }
+        };
+        let rope_scaling = match hf.rope_scaling {
+            None | Some(serde_json::Value::Null) => None,
+            Some(value) => Some(parse_rope_scaling(&value, path)?),
+        };
+        let eos_token_ids = match hf.eos_token_id {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(value) => serde_json::from_value::<EosIds>(value)
+                .map_err(|e| ModelError::config(path, format!("eos_token_id: {e}")))?
+                .into_vec(),
+        };
+        let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
+        let config = ModelConfig {
+            architecture,
+            vocab_size: hf.vocab_size,
+            hidden_size: hf.hidden_size,
+            intermediate_size: hf.intermediate_size,
+            num_layers: hf.num_hidden_layers,
+            num_heads: hf.num_attention_heads,
+            num_kv_heads,
+            head_dim: hf
+                .head_dim
+                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            rms_norm_eps: hf.rms_norm_eps,
+            rope_theta: hf.rope_theta,
+            rope_scaling,
+            max_position_embeddings: hf.max_position_embeddings,
+            tie_word_embeddings: hf.tie_word_embeddings,
+            qkv_bias: architecture == Architecture::Qwen2 || hf.attention_bias,
+            bos_token_id: hf.bos_token_id,
+            eos_token_ids,
+        };
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Checks that the numbers describe a model the runtime can run.
+    pub fn validate(&self, path: &Path) -> Result<(), ModelError> {
+        let fail = |reason: String| Err(ModelError::config(path, reason));
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return fail(format!("{name} must be positive"));
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return fail(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return fail(format!(
+                "head_dim ({}) must be even for RoPE",
+                self.head_dim
+            ));
+        }
+        if u32::try_from(self.vocab_size).is_err() {
+            return fail(format!("vocab_size {} exceeds u32", self.vocab_size));
+        }
+        if !(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0) {
+            return fail("rms_norm_eps and rope_theta must be positive".into());
+        }
+        if let Some(&bad) = self
+            .eos_token_ids
+            .iter()
+            .find(|&&id| id as usize >= self.vocab_size)
+        {
+            return fail(format!("eos token {bad} is outside the vocabulary"));
+        }
+        Ok(())
+    }
+
+    /// The config as Hugging Face `config.json` text, for export.
+    pub fn to_hf_json(&self) -> String {
+        let mut json = serde_json::json!({
+            "architectures": [self.architecture.hf_name()],
+            "model_type": match self.architecture {
+                Architecture::Llama => "llama",
+                Architecture::Mistral => "mistral",
+                Architecture::Qwen2 => "qwen2",
+            },
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids,
+            "torch_dtype": "float32",
+        });
+        if let Some(scaling) = self.rope_scaling {
+            json["rope_scaling"] = serde_json::json!({
+                "rope_type": "llama3",
+                "factor": scaling.factor,
+                "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            });
+        }
+        serde_json::to_string_pretty(&json).expect("a JSON value always serialises")
+    }
+
+    /// Output width of the Q projection.
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// Output width of each of the K and V projections.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum EosIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl EosIds {
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            EosIds::One(id) => vec![id],
+            EosIds::Many(ids) => ids,
+        }
+    }
+}
+
+fn parse_rope_scaling(
+    value: &serde_json::Value,
+    path: &Path,
+) -> Result<Llama3RopeScaling, ModelError> {
+    let kind = value
+        .get("rope_type")
+        .or_else(|| value.get("type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    if kind != "llama3" {
+        return Err(ModelError::config(
+            path,
+            format!("rope_scaling type {kind:?} is not supported (only llama3)"),
+        ));
+    }
+    serde_json::from_value(value.clone())
+        .map_err(|e| ModelError::config(path, format!("rope_scaling: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMOL: &str = r#"{
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": true,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"
+    }"#;
+
+    #[test]
+    fn reads_a_smollm_config() {
+        let c = ModelConfig::from_hf_json(SMOL, Path::new("config.json")).unwrap();
+        assert_eq!(
+            (c.head_dim, c.num_kv_heads, c.eos_token_ids.clone()),
+            (64, 3, vec![2])
+        );
+        assert!(c.tie_word_embeddings && !c.qkv_bias);
+        let again = ModelConfig::from_hf_json(&c.to_hf_json(), Path::new("x")).unwrap();
+        assert_eq!(again, c, "export round-trips");
+    }
+
+    #[test]
+    fn qwen2_has_qkv_bias_and_llama3_scaling_is_read() {
+        let text = SMOL.replace("LlamaForCausalLM", "Qwen2ForCausalLM").replace(
+            "\"bos_token_id\": 1",
+            "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 8192}, \"bos_token_id\": 1",
+        );
+        let c = ModelConfig::from_hf_json(&text, Path::new("c")).unwrap();
+        assert!(c.qkv_bias);
+        assert_eq!(c.rope_scaling.unwrap().factor, 8.0);
+    }
+
+    #[test]
+    fn unsupported_architecture_and_bad_shapes_are_named() {
+        let gpt = SMOL.replace("LlamaForCausalLM", "GPT2LMHeadModel");
+        let err = ModelConfig::from_hf_json(&gpt, Path::new("/m/config.json")).unwrap_err();
+        assert!(
+            err.to_string().contains("GPT2LMHeadModel")
+                && err.to_string().contains("/m/config.json")
+        );
+        let bad = SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4");
+        assert!(
+            ModelConfig::from_hf_json(&bad, Path::new("c"))
+                .unwrap_err()
+                .to_string()
+                .contains("multiple")
+        );
+    }
+}

@@ -1,0 +1,398 @@
+//! [`Model`]: a Llama-family decoder whose KV cache lives in fenced pool
+//! pages. Each forward pass takes a batch of sequences — prefill chunks and
+//! decode steps mixed — writes every new token's K and V into that
+//! sequence's own lease, and reads attention context only through the
+//! lease's coverage-checked views (I2). Nothing gathers a context into a
+//! private copy; a read the pool refuses is an error, never a computation.
+
+use kvfence_pool::{KvShape, Lease, ReadView};
+use rayon::prelude::*;
+
+use crate::config::ModelConfig;
+use crate::error::ModelError;
+use crate::kernels::{self, PackedMatrix, Rope};
+use crate::tensors::TensorMap;
+
+/// Which logits a sequence wants back from a forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// None (a prefill chunk that is not the last).
+    None,
+    /// The last token's row only (the usual case).
+    Last,
+    /// Every token's row (scoring, tests).
+    All,
+}
+
+/// One sequence's part of a batch: `tokens` at positions
+/// `past..past + tokens.len()`, whose KV goes into `lease`.
+#[derive(Debug)]
+pub struct Sequence<'a> {
+    /// The sequence's pages; positions `0..past` must already be written.
+    pub lease: &'a mut Lease,
+    /// Tokens already in the KV cache.
+    pub past: usize,
+    /// New tokens to run.
+    pub tokens: &'a [u32],
+    /// Which logits to return.
+    pub logits: Logits,
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    /// Q, K and V projections stacked: `[q_dim + 2 * kv_dim][hidden]`.
+    qkv: PackedMatrix,
+    qkv_bias: Option<Vec<f32>>,
+    o: PackedMatrix,
+    mlp_norm: Vec<f32>,
+    /// Gate and up projections stacked: `[2 * intermediate][hidden]`.
+    gate_up: PackedMatrix,
+    down: PackedMatrix,
+}
+
+/// A loaded decoder, ready to run.
+pub struct Model {
+    config: ModelConfig,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    lm_head: PackedMatrix,
+    rope: Rope,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+fn stack(parts: &[&[f32]]) -> Vec<f32> {
+    parts.concat()
+}
+
+impl Model {
+    /// Builds the model from Hugging Face-named tensors, checking every shape.
+    pub fn from_tensors(config: ModelConfig, tensors: &TensorMap) -> Result<Model, ModelError> {
+        let c = &config;
+        let h = c.hidden_size;
+        let embed = tensors
+            .get("model.embed_tokens.weight", &[c.vocab_size, h])?
+            .data
+            .clone();
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let name = |suffix: &str| format!("model.layers.{i}.{suffix}");
+            let weight = |suffix: &str, shape: &[usize]| -> Result<&[f32], ModelError> {
+                Ok(&tensors.get(&name(suffix), shape)?.data)
+            };
+            let q = weight("self_attn.q_proj.weight", &[c.q_dim(), h])?;
+            let k = weight("self_attn.k_proj.weight", &[c.kv_dim(), h])?;
+            let v = weight("self_attn.v_proj.weight", &[c.kv_dim(), h])?;
+            let qkv_bias = if c.qkv_bias {
+                Some(stack(&[
+                    weight("self_attn.q_proj.bias", &[c.q_dim()])?,
+                    weight("self_attn.k_proj.bias", &[c.kv_dim()])?,
+                    weight("self_attn.v_proj.bias", &[c.kv_dim()])?,
+                ]))
+            } else {
+                None
+            };
+            let gate = weight("mlp.gate_proj.weight", &[c.intermediate_size, h])?;
+            let up = weight("mlp.up_proj.weight", &[c.intermediate_size, h])?;
+            layers.push(Layer {
+                attn_norm: weight("input_layernorm.weight", &[h])?.to_vec(),
+                qkv: PackedMatrix::from_rows(&stack(&[q, k, v]), c.q_dim() + 2 * c.kv_dim(), h),
+                qkv_bias,
+                o: PackedMatrix::from_rows(
+                    weight("self_attn.o_proj.weight", &[h, c.q_dim()])?,
+                    h,
+                    c.q_dim(),
+                ),
+                mlp_norm: weight("post_attention_layernorm.weight", &[h])?.to_vec(),
+                gate_up: PackedMatrix::from_rows(&stack(&[gate, up]), 2 * c.intermediate_size, h),
+                down: PackedMatrix::from_rows(
+                    weight("mlp.down_proj.weight", &[h, c.intermediate_size])?,
+                    h,
+                    c.intermediate_size,
+                ),
+            });
+        }
+        let lm_head = if c.tie_word_embeddings {
+            PackedMatrix::from_rows(&embed, c.vocab_size, h)
+        } else {
+            PackedMatrix::from_rows(
+                &tensors.get("lm_head.weight", &[c.vocab_size, h])?.data,
+                c.vocab_size,
+                h,
+            )
+        };
+        Ok(Model {
+            norm: tensors.get("model.norm.weight", &[h])?.data.clone(),
+            rope: Rope::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref()),
+            embed,
+            layers,
+            lm_head,
+            config,
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The per-token KV shape a pool for this model must have.
+    pub fn kv_shape(&self) -> KvShape {
+        KvShape {
+            layers: self.config.num_layers,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    /// Bytes of weights one decode step reads (the bandwidth roofline's numerator).
+    pub fn weight_bytes(&self) -> usize {
+        let per_layer =
+            |l: &Layer| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes();
+        self.layers.iter().map(per_layer).sum::<usize>() + self.lm_head.bytes()
+    }
+
+    fn check(&self, seq: &Sequence<'_>) -> Result<(), ModelError> {
+        let invalid = |reason: String| Err(ModelError::InvalidBatch { reason });
+        if seq.tokens.is_empty() {
+            return invalid(format!(
+                "sequence of request {} has no new tokens",
+                seq.lease.owner()
+            ));
+        }
+        if let Some(&token) = seq
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::TokenOutOfVocab {
+                token,
+                vocab: self.config.vocab_size,
+            });
+        }
+        let end = seq.past + seq.tokens.len();
+        if end > self.config.max_position_embeddings {
+            return invalid(format!(
+                "request {} reaches position {end}, past the model's {} positions",
+                seq.lease.owner(),
+                self.config.max_position_embeddings
+            ));
+        }
+        if end > seq.lease.capacity_tokens() {
+            return invalid(format!(
+                "request {} reaches position {end} but its lease holds {} tokens",
+                seq.lease.owner(),
+                seq.lease.capacity_tokens()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs one batched forward pass. Returns, per sequence, its logits rows
+    /// (`[rows][vocab]`, rows as its [`Logits`] asked) in batch order.
+    pub fn forward(&self, batch: &mut [Sequence<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        for seq in batch.iter() {
+            self.check(seq)?;
+        }
+        let c = &self.config;
+        let (h, hd, q_dim, kv_dim) = (c.hidden_size, c.head_dim, c.q_dim(), c.kv_dim());
+        let qkv_width = q_dim + 2 * kv_dim;
+        let total: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        // Row r of every activation belongs to (sequence row_seq[r], position positions[r]).
+        let mut positions = Vec::with_capacity(total);
+        let mut row_seq = Vec::with_capacity(total);
+        for (i, seq) in batch.iter().enumerate() {
+            positions.extend(seq.past..seq.past + seq.tokens.len());
+            row_seq.extend(std::iter::repeat_n(i, seq.tokens.len()));
+        }
+        let (cos, sin) = self.rope.tables(&positions);
+        let half = hd / 2;
+
+        let mut x = Vec::with_capacity(total * h);
+        for seq in batch.iter() {
+            for &t in seq.tokens {
+                x.extend_from_slice(&self.embed[t as usize * h..(t as usize + 1) * h]);
+            }
+        }
+        let mut normed = vec![0.0; total * h];
+        let mut qkv = vec![0.0; total * qkv_width];
+        let mut attn = vec![0.0; total * q_dim];
+        let mut proj = vec![0.0; total * h];
+        let mut gate_up = vec![0.0; total * 2 * c.intermediate_size];
+        let mut act = vec![0.0; total * c.intermediate_size];
+
+        for (layer_index, layer) in self.layers.iter().enumerate() {
+            kernels::rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
+            kernels::matmul(&normed, total, &layer.qkv, &mut qkv);
+            for (r, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
+                if let Some(bias) = &layer.qkv_bias {
+                    row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+                }
+                let (cos, sin) = (
+                    &cos[r * half..(r + 1) * half],
+                    &sin[r * half..(r + 1) * half],
+                );
+                Rope::apply(&mut row[..q_dim + kv_dim], hd, cos, sin);
+            }
+            self.store_kv(batch, layer_index, &qkv)?;
+            self.attention(batch, layer_index, &qkv, &positions, &row_seq, &mut attn)?;
+            kernels::matmul(&attn, total, &layer.o, &mut proj);
+            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+
+            kernels::rms_norm(&x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
+            kernels::matmul(&normed, total, &layer.gate_up, &mut gate_up);
+            kernels::silu_mul(&gate_up, c.intermediate_size, &mut act);
+            kernels::matmul(&act, total, &layer.down, &mut proj);
+            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+        }
+        self.logits(batch, &x)
+    }
+
+    /// Writes each sequence's new K and V rows of one layer into its lease.
+    fn store_kv(
+        &self,
+        batch: &mut [Sequence<'_>],
+        layer: usize,
+        qkv: &[f32],
+    ) -> Result<(), ModelError> {
+        let (q_dim, kv_dim) = (self.config.q_dim(), self.config.kv_dim());
+        let width = q_dim + 2 * kv_dim;
+        let mut row = 0;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for seq in batch.iter_mut() {
+            k.clear();
+            v.clear();
+            for r in row..row + seq.tokens.len() {
+                let line = &qkv[r * width..(r + 1) * width];
+                k.extend_from_slice(&line[q_dim..q_dim + kv_dim]);
+                v.extend_from_slice(&line[q_dim + kv_dim..]);
+            }
+            seq.lease.write_positions(layer, seq.past, &k, &v)?;
+            row += seq.tokens.len();
+        }
+        Ok(())
+    }
+
+    /// Causal attention for every row, reading K/V through read views.
+    fn attention(
+        &self,
+        batch: &[Sequence<'_>],
+        layer: usize,
+        qkv: &[f32],
+        positions: &[usize],
+        row_seq: &[usize],
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let c = &self.config;
+        let views = batch
+            .iter()
+            .map(|s| s.lease.read_layer::<f32>(layer, s.past + s.tokens.len()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let width = c.q_dim() + 2 * c.kv_dim();
+        let work: usize = positions.iter().map(|p| p + 1).sum::<usize>() * c.q_dim();
+        let run = |(r, out_row): (usize, &mut [f32])| {
+            let q_row = &qkv[r * width..r * width + c.q_dim()];
+            attend_row(
+                c,
+                q_row,
+                &views[row_seq[r]],
+                layer,
+                positions[r] + 1,
+                out_row,
+            );
+        };
+        if work >= 1 << 16 {
+            out.par_chunks_mut(c.q_dim()).enumerate().for_each(run);
+        } else {
+            out.chunks_mut(c.q_dim()).enumerate().for_each(run);
+        }
+        Ok(())
+    }
+
+    fn logits(&self, batch: &[Sequence<'_>], x: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let mut picked = Vec::new();
+        let mut counts = Vec::with_capacity(batch.len());
+        let mut row = 0;
+        for seq in batch {
+            let n = seq.tokens.len();
+            let rows = match seq.logits {
+                Logits::None => 0..0,
+                Logits::Last => row + n - 1..row + n,
+                Logits::All => row..row + n,
+            };
+            counts.push(rows.len());
+            picked.extend_from_slice(&x[rows.start * h..rows.end * h]);
+            row += n;
+        }
+        let m = picked.len() / h;
+        let mut normed = vec![0.0; picked.len()];
+        kernels::rms_norm(&picked, &self.norm, self.config.rms_norm_eps, &mut normed);
+        let mut logits = vec![0.0; m * vocab];
+        kernels::matmul(&normed, m, &self.lm_head, &mut logits);
+        let mut rest = logits.as_slice();
+        Ok(counts
+            .into_iter()
+            .map(|n| {
+                let (mine, tail) = rest.split_at(n * vocab);
+                rest = tail;
+                mine.to_vec()
+            })
+            .collect())
+    }
+}
+
+/// Attention of one token (all query heads) over positions `0..upto`.
+fn attend_row(
+    c: &ModelConfig,
+    q_row: &[f32],
+    view: &ReadView<'_, f32>,
+    layer: usize,
+    upto: usize,
+    out_row: &mut [f32],
+) {
+    let hd = c.head_dim;
+    let group = c.num_heads / c.num_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let pages = upto.div_ceil(view.page_size());
+    let mut scores = Vec::with_capacity(upto);
+    for (head, out) in out_row.chunks_exact_mut(hd).enumerate() {
+        let kv_head = head / group;
+        let q = &q_row[head * hd..(head + 1) * hd];
+        scores.clear();
+        let mut seen = 0;
+        for page in 0..pages {
+            let keys = view.keys(page, layer, kv_head);
+            let slots = (keys.len() / hd).min(upto - seen);
+            for key in keys[..slots * hd].chunks_exact(hd) {
+                scores.push(kernels::dot(q, key) * scale);
+            }
+            seen += slots;
+        }
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        out.fill(0.0);
+        let mut seen = 0;
+        for page in 0..pages {
+            let values = view.values(page, layer, kv_head);
+            let slots = (values.len() / hd).min(upto - seen);
+            for (value, &w) in values[..slots * hd].chunks_exact(hd).zip(&scores[seen..]) {
+                kernels::axpy(w, value, out);
+            }
+            seen += slots;
+        }
+        let inv = 1.0 / sum;
+        out.iter_mut().for_each(|o| *o *= inv);
+    }
+}

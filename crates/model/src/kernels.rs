@@ -1,0 +1,337 @@
+//! CPU compute kernels: matrix multiply over packed weights, RMSNorm, RoPE,
+//! SiLU, dot products. This module is the seam where another backend (CUDA,
+//! vendor BLAS) would plug in: the forward pass calls only these functions.
+//!
+//! # Batch invariance
+//!
+//! Every output element is computed by the same sequence of floating-point
+//! operations whatever the batch size or thread count: `matmul` accumulates
+//! each `(row, column)` over `k` in ascending order with a separate multiply
+//! and add (Rust never fuses them on its own), whether the row is processed in
+//! a tile of four or alone; reductions (`dot`, `sum_squares`) use a fixed
+//! lane layout. So a request's logits are bit-identical alone or batched, and
+//! any difference between the two is evidence that memory crossed requests.
+//! (candle's CPU matmul, measured, picks different kernels for a 1-row input
+//! than for the same row in a larger batch; that is why this crate owns it.)
+
+use rayon::prelude::*;
+
+/// Output columns per packed panel.
+pub const PANEL: usize = 16;
+/// Rows computed together, sharing each loaded weight vector.
+const ROW_TILE: usize = 4;
+/// Multiply-adds below which a matmul runs on the calling thread: handing
+/// tiny work to the pool costs more than it saves.
+const PARALLEL_MIN_MACS: usize = 1 << 18;
+
+/// A weight matrix `[n][k]` (Hugging Face's `[out][in]`) repacked into
+/// column panels `[n / PANEL][k][PANEL]`, so a panel streams contiguously
+/// while its `PANEL` outputs stay in registers. Columns past `n` are zero.
+#[derive(Debug, Clone)]
+pub struct PackedMatrix {
+    n: usize,
+    k: usize,
+    panels: Vec<f32>,
+}
+
+impl PackedMatrix {
+    /// Packs a row-major `[n][k]` matrix.
+    pub fn from_rows(w: &[f32], n: usize, k: usize) -> PackedMatrix {
+        assert_eq!(w.len(), n * k, "weight matrix must hold n * k elements");
+        let n_panels = n.div_ceil(PANEL);
+        let mut panels = vec![0.0; n_panels * k * PANEL];
+        for col in 0..n {
+            let (panel, lane) = (col / PANEL, col % PANEL);
+            let base = panel * k * PANEL + lane;
+            for (kk, &value) in w[col * k..(col + 1) * k].iter().enumerate() {
+                panels[base + kk * PANEL] = value;
+            }
+        }
+        PackedMatrix { n, k, panels }
+    }
+
+    /// Output width.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Input width.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Bytes of weights one full pass reads.
+    pub fn bytes(&self) -> usize {
+        self.panels.len() * 4
+    }
+}
+
+/// `out[m][n] = x[m][k] · wᵀ`.
+pub fn matmul(x: &[f32], m: usize, w: &PackedMatrix, out: &mut [f32]) {
+    let (n, k) = (w.n, w.k);
+    assert_eq!(x.len(), m * k, "matmul input must be m * k");
+    assert_eq!(out.len(), m * n, "matmul output must be m * n");
+    if m == 0 {
+        return;
+    }
+    let n_panels = n.div_ceil(PANEL);
+    // Panel-major scratch: each panel's outputs for every row are one
+    // contiguous chunk, so panels can be computed in parallel safely.
+    let mut scratch = vec![0.0f32; n_panels * m * PANEL];
+    let work = |(panel, chunk): (usize, &mut [f32])| {
+        panel_kernel(
+            x,
+            m,
+            k,
+            &w.panels[panel * k * PANEL..(panel + 1) * k * PANEL],
+            chunk,
+        )
+    };
+    if m * n * k >= PARALLEL_MIN_MACS {
+        scratch.par_chunks_mut(m * PANEL).enumerate().for_each(work);
+    } else {
+        scratch.chunks_mut(m * PANEL).enumerate().for_each(work);
+    }
+    for (panel, chunk) in scratch.chunks(m * PANEL).enumerate() {
+        let cols = PANEL.min(n - panel * PANEL);
+        for row in 0..m {
+            out[row * n + panel * PANEL..][..cols].copy_from_slice(&chunk[row * PANEL..][..cols]);
+        }
+    }
+}
+
+/// One panel for every row: tiles of `ROW_TILE` rows, then single rows,
+/// with identical per-element arithmetic in both.
+///
+/// Compiled for several instruction sets and picked at run time by CPU
+/// features. Rust never fuses a multiply and an add unless asked, so every
+/// variant rounds exactly alike: dispatch changes speed, never bits.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn panel_kernel(x: &[f32], m: usize, k: usize, panel: &[f32], out: &mut [f32]) {
+    let mut row = 0;
+    while row + ROW_TILE <= m {
+        let mut acc = [[0.0f32; PANEL]; ROW_TILE];
+        let rows: [&[f32]; ROW_TILE] =
+            std::array::from_fn(|i| &x[(row + i) * k..(row + i + 1) * k]);
+        for (kk, w) in panel.chunks_exact(PANEL).enumerate() {
+            for (acc_row, x_row) in acc.iter_mut().zip(rows) {
+                let a = x_row[kk];
+                for (o, &wj) in acc_row.iter_mut().zip(w) {
+                    *o += a * wj;
+                }
+            }
+        }
+        for (i, acc_row) in acc.iter().enumerate() {
+            out[(row + i) * PANEL..][..PANEL].copy_from_slice(acc_row);
+        }
+        row += ROW_TILE;
+    }
+    while row < m {
+        let mut acc = [0.0f32; PANEL];
+        let x_row = &x[row * k..(row + 1) * k];
+        for (kk, w) in panel.chunks_exact(PANEL).enumerate() {
+            let a = x_row[kk];
+            for (o, &wj) in acc.iter_mut().zip(w) {
+                *o += a * wj;
+            }
+        }
+        out[row * PANEL..][..PANEL].copy_from_slice(&acc);
+        row += 1;
+    }
+}
+
+const LANES: usize = 8;
+
+/// Dot product with a fixed lane layout: deterministic and vectorisable.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut lanes = [0.0f32; LANES];
+    let split = a.len() - a.len() % LANES;
+    for (ca, cb) in a[..split]
+        .chunks_exact(LANES)
+        .zip(b[..split].chunks_exact(LANES))
+    {
+        for i in 0..LANES {
+            lanes[i] += ca[i] * cb[i];
+        }
+    }
+    let mut total = lanes.iter().sum::<f32>();
+    for (x, y) in a[split..].iter().zip(&b[split..]) {
+        total += x * y;
+    }
+    total
+}
+
+/// `out += weight * v`, elementwise.
+pub fn axpy(weight: f32, v: &[f32], out: &mut [f32]) {
+    for (o, x) in out.iter_mut().zip(v) {
+        *o += weight * x;
+    }
+}
+
+/// RMSNorm of each `weight.len()`-wide row of `x` into `out`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let width = weight.len();
+    for (row, dst) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        let mean_square = dot(row, row) / width as f32;
+        let scale = 1.0 / (mean_square + eps).sqrt();
+        for ((d, &v), &w) in dst.iter_mut().zip(row).zip(weight) {
+            *d = v * scale * w;
+        }
+    }
+}
+
+/// `gate_up` rows are `[gate | up]`; writes `silu(gate) * up` into `out`.
+pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    for (row, dst) in gate_up
+        .chunks_exact(2 * width)
+        .zip(out.chunks_exact_mut(width))
+    {
+        let (gate, up) = row.split_at(width);
+        for ((d, &g), &u) in dst.iter_mut().zip(gate).zip(up) {
+            *d = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+}
+
+/// Rotary position embedding frequencies (Hugging Face's rotate-half form).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    /// Frequencies for `head_dim`, base `theta`, optional Llama-3 scaling.
+    pub fn new(
+        head_dim: usize,
+        theta: f32,
+        scaling: Option<&crate::config::Llama3RopeScaling>,
+    ) -> Rope {
+        let half = head_dim / 2;
+        let inv_freq = (0..half)
+            .map(|i| {
+                let freq = 1.0 / f64::from(theta).powf((2 * i) as f64 / head_dim as f64);
+                let Some(s) = scaling else { return freq as f32 };
+                let original = s.original_max_position_embeddings as f64;
+                let low_wavelen = original / f64::from(s.low_freq_factor);
+                let high_wavelen = original / f64::from(s.high_freq_factor);
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                let factor = f64::from(s.factor);
+                let scaled = if wavelen < high_wavelen {
+                    freq
+                } else if wavelen > low_wavelen {
+                    freq / factor
+                } else {
+                    let smooth = (original / wavelen - f64::from(s.low_freq_factor))
+                        / f64::from(s.high_freq_factor - s.low_freq_factor);
+                    (1.0 - smooth) * freq / factor + smooth * freq
+                };
+                scaled as f32
+            })
+            .collect();
+        Rope { inv_freq }
+    }
+
+    /// `(cos, sin)` tables for `positions`, `[position][head_dim / 2]` each.
+    pub fn tables(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &pos in positions {
+            for &f in &self.inv_freq {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        (cos, sin)
+    }
+
+    /// Rotates every head of one token's `x` (`[heads][head_dim]`) in place,
+    /// given that token's rows of the tables.
+    pub fn apply(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+        let half = head_dim / 2;
+        for head in x.chunks_exact_mut(head_dim) {
+            let (lo, hi) = head.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (lo[i], hi[i]);
+                lo[i] = a * cos[i] - b * sin[i];
+                hi[i] = b * cos[i] + a * sin[i];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn naive(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                out[r * n + c] = (0..k).map(|i| x[r * k + i] * w[c * k + i]).sum();
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #[test]
+        fn matmul_matches_naive_and_rows_are_batch_invariant(
+            m in 1usize..11, n in 1usize..40, k in 1usize..70, seed in any::<u64>()
+        ) {
+            let mut s = seed | 1;
+            let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s % 2000) as f32 / 1000.0 - 1.0 };
+            let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let packed = PackedMatrix::from_rows(&w, n, k);
+            let mut out = vec![0.0; m * n];
+            matmul(&x, m, &packed, &mut out);
+            for (a, b) in out.iter().zip(naive(&x, m, &w, n, k)) {
+                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+            }
+            for r in 0..m {
+                let mut alone = vec![0.0; n];
+                matmul(&x[r * k..(r + 1) * k], 1, &packed, &mut alone);
+                prop_assert_eq!(&alone[..], &out[r * n..(r + 1) * n], "row {} differs alone", r);
+            }
+        }
+    }
+
+    #[test]
+    fn large_matmul_uses_the_pool_and_stays_batch_invariant() {
+        let (m, n, k) = (9, 300, 256);
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 104_729) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let packed = PackedMatrix::from_rows(&w, n, k);
+        let mut out = vec![0.0; m * n];
+        matmul(&x, m, &packed, &mut out);
+        let mut last = vec![0.0; n];
+        matmul(&x[(m - 1) * k..], 1, &packed, &mut last);
+        assert_eq!(&last[..], &out[(m - 1) * n..]);
+    }
+
+    #[test]
+    fn rope_rotation_preserves_norm_and_position_zero_is_identity() {
+        let rope = Rope::new(8, 10_000.0, None);
+        let (cos, sin) = rope.tables(&[0, 5]);
+        let orig = [1.0f32, 2.0, 3.0, 4.0, -1.0, 0.5, 0.25, 2.0];
+        let mut x = orig;
+        Rope::apply(&mut x, 8, &cos[..4], &sin[..4]);
+        assert_eq!(x, orig);
+        Rope::apply(&mut x, 8, &cos[4..], &sin[4..]);
+        let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+        assert!((norm(&x) - norm(&orig)).abs() < 1e-4);
+        assert_ne!(x, orig);
+    }
+}

@@ -1,0 +1,32 @@
+//! kvfence's model runtime: Llama-family decoders (Llama, Mistral, Qwen2,
+//! SmolLM) whose attention reads KV only through the fenced pool's
+//! coverage-checked views.
+//!
+//! - [`config`]: hyper-parameters from `config.json`.
+//! - [`tensors`]: safetensors in and out (sharded, f32/f16/bf16).
+//! - [`tokenizer`], [`chat`]: text ⇄ ids, chat templates.
+//! - [`kernels`]: batch-invariant CPU kernels; the seam for other backends.
+//! - [`forward`]: the batched, paged forward pass.
+//! - [`sampling`]: token choice and stop strings.
+//! - [`builtin`]: deterministic built-in models; [`loader`]: load by name.
+
+pub mod builtin;
+pub mod chat;
+pub mod config;
+mod error;
+pub mod forward;
+pub mod kernels;
+pub mod loader;
+pub mod sampling;
+pub mod tensors;
+pub mod tokenizer;
+
+pub use builtin::Builtin;
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::{Architecture, ModelConfig};
+pub use error::ModelError;
+pub use forward::{Logits, Model, Sequence};
+pub use loader::LoadedModel;
+pub use sampling::{Sampler, SamplingParams, StopStrings};
+pub use tensors::{DiskDtype, Tensor, TensorMap};
+pub use tokenizer::Tokenizer;
