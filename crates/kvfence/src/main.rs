@@ -3,6 +3,7 @@
 
 mod generate;
 mod plan;
+mod serve;
 
 use std::path::PathBuf;
 
@@ -24,6 +25,11 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Serve a model over the OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
+    /// Manage tenants (API keys and limits).
+    #[command(subcommand)]
+    Tenant(TenantCommand),
     /// Run one prompt through a model on the paged runtime and print the completion.
     Generate(generate::GenerateArgs),
     /// Inspect and export models.
@@ -32,6 +38,23 @@ enum Command {
     /// Inspect KV pool sizing.
     #[command(subcommand)]
     Pool(PoolCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum TenantCommand {
+    /// Create a tenant: prints a new API key once, and the lines to add to
+    /// the tenants file given to `serve --config`. Only the key's SHA-256 is
+    /// stored there.
+    Add {
+        /// Tenant name (appears in logs and metrics).
+        name: String,
+        /// Requests the tenant may have in flight at once.
+        #[arg(long, default_value_t = 16)]
+        max_concurrent: usize,
+        /// Largest max_tokens one request may ask for.
+        #[arg(long)]
+        max_tokens: Option<usize>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -84,6 +107,18 @@ impl From<Dtype> for DiskDtype {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Serve(args) => serve::run(args),
+        Command::Tenant(TenantCommand::Add {
+            name,
+            max_concurrent,
+            max_tokens,
+        }) => {
+            anyhow::ensure!(max_concurrent > 0, "--max-concurrent must be at least 1");
+            let (key, lines) = kvfence_server::new_tenant(&name, max_concurrent, max_tokens);
+            println!("API key for {name} (shown once; store it now):\n\n    {key}\n");
+            println!("Add to the tenants file passed to `kvfence serve --config`:\n\n{lines}");
+            Ok(())
+        }
         Command::Generate(args) => generate::run(&args),
         Command::Model(ModelCommand::Info { model }) => info(&model),
         Command::Model(ModelCommand::Export {

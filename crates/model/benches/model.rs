@@ -1,6 +1,5 @@
 //! Forward-pass throughput on `builtin:small` (SmolLM2-135M's shape, f32):
-//! prefill tokens/s and decode tokens/s at batch 1, 8 and 32, next to the
-//! machine's measured read bandwidth (the decode roofline's denominator).
+//! prefill tokens/s and decode tokens/s at batch 1, 8 and 32.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -8,7 +7,6 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvfence_model::{Builtin, Logits, Model, Sequence};
 use kvfence_pool::{ElemType, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
-use rayon::prelude::*;
 
 const CONTEXT: usize = 128;
 
@@ -96,22 +94,6 @@ fn bench(c: &mut Criterion) {
         );
     }
     group.finish();
-
-    let mut bw = c.benchmark_group("memory");
-    bw.sample_size(10);
-    let buffer = vec![1.0f32; 64 << 20]; // 256 MiB, far past any cache
-    bw.throughput(Throughput::Bytes((buffer.len() * 4) as u64));
-    bw.bench_function("read 256 MiB, all threads", |b| {
-        b.iter(|| {
-            black_box(
-                buffer
-                    .par_chunks(1 << 16)
-                    .map(|c| c.iter().fold(0.0f32, |a, x| a.max(*x)))
-                    .reduce(|| 0.0, f32::max),
-            )
-        })
-    });
-    bw.finish();
 }
 
 criterion_group!(benches, bench);

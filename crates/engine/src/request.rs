@@ -1,0 +1,132 @@
+//! What a client asks the engine for ([`GenerationRequest`]) and what it gets
+//! back ([`Event`]s through a [`RequestHandle`]).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use kvfence_model::{SamplingParams, StopStrings};
+use kvfence_pool::RequestId;
+use tokio::sync::mpsc;
+
+/// One generation request, already tokenized.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Completion tokens at most.
+    pub max_tokens: usize,
+    /// How to pick tokens.
+    pub sampling: SamplingParams,
+    /// Strings that end the completion (excluded from it).
+    pub stop: StopStrings,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl GenerationRequest {
+    /// Tokens of KV the request needs at most: its whole reservation.
+    pub fn kv_tokens(&self) -> usize {
+        self.prompt.len() + self.max_tokens
+    }
+}
+
+/// Why a completion ended normally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End-of-sequence token or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub completion_tokens: usize,
+}
+
+/// What kind of failure ended a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The engine or model failed; nothing computed from unverified KV was sent (I7).
+    Internal,
+    /// The engine stopped before the request finished.
+    ShuttingDown,
+}
+
+/// One event of a request's life, in order. After `Finished` or `Failed`
+/// nothing more comes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// One token was generated; `text` is the newly printable text (possibly
+    /// empty: an incomplete character, or text that may begin a stop string).
+    Token {
+        /// Text to append.
+        text: String,
+    },
+    /// The completion ended normally.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The request ended with an error: the client must get an error, never
+    /// a normal finish (I5, I7).
+    Failed {
+        /// What kind.
+        kind: FailureKind,
+        /// A message fit for the client (never prompt text).
+        message: String,
+    },
+}
+
+/// The client's end of a request. Dropping it cancels the request: its pages
+/// are freed at the engine's next step (I8).
+#[derive(Debug)]
+pub struct RequestHandle {
+    id: RequestId,
+    events: mpsc::UnboundedReceiver<Event>,
+    _cancel: CancelOnDrop,
+}
+
+#[derive(Debug)]
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+impl RequestHandle {
+    pub(crate) fn new(
+        id: RequestId,
+        events: mpsc::UnboundedReceiver<Event>,
+        cancel: Arc<AtomicBool>,
+    ) -> Self {
+        RequestHandle {
+            id,
+            events,
+            _cancel: CancelOnDrop(cancel),
+        }
+    }
+
+    /// The engine's id for this request (for logs).
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The next event, or `None` once the engine has dropped the request.
+    pub async fn next(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+
+    /// The next event, blocking the thread (outside async code only).
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        self.events.blocking_recv()
+    }
+}

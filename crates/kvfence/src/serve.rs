@@ -1,0 +1,210 @@
+//! `kvfence serve`: load a model, size the KV pool, start the engine and the
+//! HTTP API, stop cleanly on SIGINT/SIGTERM.
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use kvfence_engine::{Engine, EngineConfig};
+use kvfence_model::LoadedModel;
+use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
+use kvfence_server::{ApiOptions, AppState, Capacity, ServerError, Tenants};
+use tracing::{info, warn};
+
+#[derive(Args, Debug)]
+pub(crate) struct ServeArgs {
+    /// builtin:tiny (no download), builtin:small, or a Hugging Face model directory.
+    #[arg(long, default_value = "builtin:tiny")]
+    model: String,
+    /// Address to listen on. Without --config only loopback is allowed.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Tenants file (TOML; see `kvfence tenant add`). Without it, local mode:
+    /// one unauthenticated tenant, loopback only.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Tokens of KV cache to allocate (rounded up to whole pages).
+    #[arg(long, default_value_t = 16384)]
+    kv_pool_tokens: usize,
+    /// Token slots per KV page.
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
+    /// Largest prompt + completion to accept. Defaults to what the model and
+    /// the pool can really hold; larger values are refused unless --clamp-context.
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Lower a --max-context that exceeds the real capacity instead of refusing to start.
+    #[arg(long)]
+    clamp_context: bool,
+    /// max_tokens for requests that give none.
+    #[arg(long, default_value_t = 256)]
+    default_max_tokens: usize,
+    /// Requests running at once.
+    #[arg(long, default_value_t = 64)]
+    max_running: usize,
+    /// Requests waiting for KV pages at most; beyond it requests get 429.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Tokens per forward pass (decode steps plus prefill chunks).
+    #[arg(long, default_value_t = 256)]
+    step_tokens: usize,
+    /// Model id clients send; defaults to the model's name.
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout: u64,
+}
+
+pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    anyhow::ensure!(
+        args.max_running > 0 && args.step_tokens > 0,
+        "--max-running and --step-tokens must be positive"
+    );
+
+    let tenants = match &args.config {
+        Some(path) => Tenants::from_file(path)?,
+        None => {
+            if !args.host.is_loopback() {
+                return Err(ServerError::PublicWithoutTenants {
+                    host: args.host.to_string(),
+                }
+                .into());
+            }
+            Tenants::local()
+        }
+    };
+
+    eprintln!("loading {} ...", args.model);
+    let started = Instant::now();
+    let model = Arc::new(
+        LoadedModel::load(&args.model).with_context(|| format!("loading model {}", args.model))?,
+    );
+    eprintln!(
+        "loaded {} in {:.1} s",
+        model.name,
+        started.elapsed().as_secs_f64()
+    );
+
+    let spec = PoolSpec::new(
+        model.model.kv_shape(),
+        args.page_size,
+        ElemType::F32,
+        PoolSize::Tokens(args.kv_pool_tokens),
+    );
+    let pool = Pool::new(&spec).context("allocating the KV pool")?;
+    let capacity = Capacity::compute(
+        model.model.config().max_position_embeddings,
+        pool.capacity_tokens(),
+        args.max_context,
+        args.clamp_context,
+    )?;
+    if capacity.clamped {
+        warn!(
+            configured = capacity.configured,
+            max_context = capacity.max_context,
+            "--max-context exceeds the real capacity; CLAMPED to what the pool and model hold"
+        );
+    }
+    info!(
+        pool_tokens = capacity.pool_tokens,
+        pool_bytes = pool.geometry().capacity_bytes(),
+        model_limit = capacity.model_limit,
+        max_context = capacity.max_context,
+        "KV pool allocated"
+    );
+    if tenants.is_local() {
+        info!("local mode: no --config, one unauthenticated tenant, loopback only");
+    }
+
+    let engine = Engine::start(
+        Arc::clone(&model),
+        pool,
+        EngineConfig {
+            max_running: args.max_running,
+            max_queue: args.max_queue,
+            step_tokens: args.step_tokens,
+        },
+    );
+    let model_id = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| default_model_id(&model.name));
+    let state = AppState::new(
+        engine,
+        model,
+        ApiOptions {
+            tenants,
+            model_id,
+            capacity,
+            default_max_tokens: args.default_max_tokens,
+        },
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.host, args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let address = listener.local_addr()?;
+        println!("listening on http://{address}");
+        std::io::stdout().flush()?;
+        kvfence_server::serve(
+            listener,
+            state,
+            shutdown_signal(),
+            Duration::from_secs(args.shutdown_timeout),
+        )
+        .await?;
+        info!("server stopped");
+        Ok(())
+    })
+}
+
+fn default_model_id(name: &str) -> String {
+    if name.starts_with("builtin:") {
+        return name.to_string();
+    }
+    std::path::Path::new(name)
+        .file_name()
+        .map_or_else(|| name.to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    info!("shutdown signal received; finishing in-flight requests");
+}

@@ -1,0 +1,170 @@
+//! A real `kvfence serve` process on a free loopback port, with its log
+//! (stderr) captured, plus small HTTP helpers.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub struct Server {
+    child: Child,
+    pub base: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `kvfence serve --port 0 ARGS...` and waits until it listens.
+    pub fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvfence"))
+            .arg("serve")
+            .args(["--port", "0"])
+            .args(args)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the kvfence binary starts");
+        let log = Arc::new(Mutex::new(String::new()));
+        let mut stderr = child.stderr.take().unwrap();
+        let sink = Arc::clone(&log);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stderr.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let base = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("server did not start: {line:?}\n{}", log.lock().unwrap()))
+            .to_string();
+        Server { child, base, log }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// Everything the server logged so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// One metric's value from `/metrics` (the sum over matching series).
+    pub async fn metric(&self, name_and_labels: &str) -> f64 {
+        let text = reqwest::get(self.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name_and_labels))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Waits until no KV page is leased (I8).
+    pub async fn wait_for_baseline(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let leased = self
+                .metric("kvfence_pool_pages{role=\"colocated\",state=\"leased\"}")
+                .await;
+            let running = self.metric("kvfence_running_requests").await;
+            if leased == 0.0 && running == 0.0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "I8: pool not back at baseline ({leased} pages leased)"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the process to exit by itself.
+    pub fn wait(mut self) -> std::process::ExitStatus {
+        let status = self.child.wait().unwrap();
+        std::mem::forget(self);
+        status
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// POSTs JSON; returns status and parsed body.
+pub async fn post(
+    url: &str,
+    key: Option<&str>,
+    body: serde_json::Value,
+) -> (u16, serde_json::Value) {
+    let mut request = reqwest::Client::new().post(url).json(&body);
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+/// Reads a whole SSE response; returns the `data:` payloads in order.
+pub async fn sse(url: &str, key: Option<&str>, body: serde_json::Value) -> (u16, Vec<String>) {
+    let mut request = reqwest::Client::new().post(url).json(&body);
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    let data = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect();
+    (status, data)
+}
+
+/// Creates a tenant with `kvfence tenant add`; returns (key, config lines).
+pub fn tenant(name: &str, extra: &[&str]) -> (String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args(["tenant", "add", name])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let key = text
+        .split_whitespace()
+        .find(|w| w.starts_with("kvf-"))
+        .unwrap()
+        .to_string();
+    let lines = text[text.find("[[tenants]]").unwrap()..].to_string();
+    (key, lines)
+}
+
+/// Writes a tenants file holding `configs`; keep the returned guard alive.
+pub fn tenants_file(configs: &[String]) -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), configs.concat()).unwrap();
+    file
+}

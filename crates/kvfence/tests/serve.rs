@@ -1,0 +1,462 @@
+//! `kvfence serve` over real HTTP on a real port: the OpenAI API, tenants,
+//! admission, back-pressure, cancellation and quiet logs.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Server, post, sse, tenant, tenants_file};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+fn chat_body(content: &str, max_tokens: usize, stream: bool) -> Value {
+    json!({
+        "model": "builtin:tiny",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": stream,
+    })
+}
+
+fn streamed_text(chunks: &[String], field: fn(&Value) -> Option<&str>) -> String {
+    chunks
+        .iter()
+        .filter(|c| *c != "[DONE]")
+        .map(|c| serde_json::from_str::<Value>(c).unwrap())
+        .filter_map(|v| v["choices"].get(0).and_then(field).map(str::to_string))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chat_and_completions_work_streaming_and_not() {
+    let server = Server::start(&[]);
+    let (status, body) = post(
+        &server.url("/v1/chat/completions"),
+        None,
+        chat_body("Hello there", 10, false),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(body["usage"]["completion_tokens"], 10);
+    let text = body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let (status, chunks) = sse(
+        &server.url("/v1/chat/completions"),
+        None,
+        chat_body("Hello there", 10, true),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(chunks.last().unwrap(), "[DONE]");
+    let first: Value = serde_json::from_str(&chunks[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(
+        streamed_text(&chunks, |c| c["delta"]["content"].as_str()),
+        text,
+        "streamed text equals the whole answer"
+    );
+    let last: Value = serde_json::from_str(&chunks[chunks.len() - 2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+
+    let completion = json!({"model": "builtin:tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let (status, body) = post(&server.url("/v1/completions"), None, completion.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    let text = body["choices"][0]["text"].as_str().unwrap().to_string();
+    let mut streaming = completion;
+    streaming["stream"] = json!(true);
+    streaming["stream_options"] = json!({"include_usage": true});
+    let (_, chunks) = sse(&server.url("/v1/completions"), None, streaming).await;
+    assert_eq!(streamed_text(&chunks, |c| c["text"].as_str()), text);
+    let usage: Value = serde_json::from_str(&chunks[chunks.len() - 2]).unwrap();
+    assert_eq!(
+        usage["usage"]["completion_tokens"], 8,
+        "include_usage sends a usage chunk"
+    );
+
+    let models: Value = reqwest::get(server.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "builtin:tiny");
+    assert_eq!(models["data"][0]["max_model_len"], 4096);
+    assert_eq!(
+        reqwest::get(server.url("/health")).await.unwrap().status(),
+        200
+    );
+    server.wait_for_baseline().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn thirty_two_concurrent_requests_from_four_tenants_equal_each_alone() {
+    let tenants: Vec<(String, String)> = (0..4)
+        .map(|i| tenant(&format!("tenant{i}"), &["--max-concurrent", "8"]))
+        .collect();
+    let file = tenants_file(&tenants.iter().map(|t| t.1.clone()).collect::<Vec<_>>());
+    let server = Server::start(&[
+        "--config",
+        file.path().to_str().unwrap(),
+        "--max-running",
+        "32",
+    ]);
+    let url = server.url("/v1/chat/completions");
+    let jobs: Vec<(String, Value)> = (0..32)
+        .map(|i| {
+            (
+                tenants[i % 4].0.clone(),
+                chat_body(&format!("request {i} {}", "x".repeat(i * 3)), 16, false),
+            )
+        })
+        .collect();
+    let mut alone = Vec::new();
+    for (key, body) in &jobs {
+        let (status, answer) = post(&url, Some(key), body.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+        alone.push(
+            answer["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    let together = futures_util::future::join_all(jobs.iter().map(|(key, body)| {
+        let url = url.clone();
+        async move {
+            let (status, answer) = post(&url, Some(key), body.clone()).await;
+            assert_eq!(status, 200, "{answer}");
+            answer["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        }
+    }))
+    .await;
+    assert_eq!(
+        together, alone,
+        "an answer changed when requests ran together"
+    );
+    server.wait_for_baseline().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_disconnect_mid_stream_returns_the_pool_to_baseline() {
+    let server = Server::start(&[]);
+    let response = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .json(&json!({"prompt": "tell me everything", "max_tokens": 3500, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut body = response.bytes_stream();
+    let mut seen = 0;
+    while seen < 3 {
+        seen += body
+            .next()
+            .await
+            .unwrap()
+            .unwrap()
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count()
+            / 2;
+    }
+    assert!(
+        server
+            .metric("kvfence_pool_pages{role=\"colocated\",state=\"leased\"}")
+            .await
+            > 0.0
+    );
+    drop(body);
+    server.wait_for_baseline().await;
+    assert_eq!(
+        server.metric("kvfence_requests_cancelled_total").await,
+        1.0,
+        "freed by cancellation, not by finishing"
+    );
+    assert!(server.metric("kvfence_generated_tokens_total").await < 3500.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_over_long_request_gets_400_and_leases_nothing() {
+    let server = Server::start(&["--kv-pool-tokens", "512"]);
+    let granted_before = server.metric("kvfence_pool_leases_granted_total").await;
+    let (status, body) = post(
+        &server.url("/v1/completions"),
+        None,
+        json!({"prompt": "a".repeat(400), "max_tokens": 200}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["code"], "context_length_exceeded");
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("512") && message.contains("600"),
+        "{message}"
+    );
+    assert_eq!(
+        server.metric("kvfence_pool_leases_granted_total").await,
+        granted_before,
+        "I6: no page leased"
+    );
+    let models: Value = reqwest::get(server.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        models["data"][0]["max_model_len"], 512,
+        "I6: the pool, not the model, bounds the context"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn i9_missing_or_bad_keys_get_401_and_keys_decide_the_tenant() {
+    let (key, lines) = tenant("acme", &[]);
+    let file = tenants_file(&[lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let url = server.url("/v1/chat/completions");
+    let (status, body) = post(&url, None, chat_body("hi", 2, false)).await;
+    assert_eq!(
+        (status, body["error"]["type"].as_str()),
+        (401, Some("authentication_error"))
+    );
+    let (status, _) = post(&url, Some("kvf-not-a-key"), chat_body("hi", 2, false)).await;
+    assert_eq!(status, 401);
+    let models = reqwest::get(server.url("/v1/models")).await.unwrap();
+    assert_eq!(models.status(), 401);
+    let (status, _) = post(&url, Some(&key), chat_body("hi", 2, false)).await;
+    assert_eq!(status, 200);
+    assert!(
+        server
+            .metric("kvfence_requests_total{tenant=\"acme\"")
+            .await
+            >= 1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_json_and_bad_parameters_get_400_in_the_openai_envelope() {
+    let server = Server::start(&[]);
+    let raw = reqwest::Client::new()
+        .post(server.url("/v1/chat/completions"))
+        .body("{\"messages\": [")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status(), 400);
+    let body: Value = raw.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    let url = server.url("/v1/chat/completions");
+    for (patch, param) in [
+        (json!({"temperature": 3.5}), "temperature"),
+        (json!({"top_p": 0}), "top_p"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"n": 2}), "n"),
+        (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
+        (json!({"messages": []}), "messages"),
+    ] {
+        let mut body = chat_body("hi", 4, false);
+        for (k, v) in patch.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, answer) = post(&url, None, body).await;
+        assert_eq!(status, 400, "{param}: {answer}");
+        assert_eq!(answer["error"]["param"], param, "{answer}");
+    }
+    let mut wrong_type = chat_body("hi", 4, false);
+    wrong_type["max_tokens"] = json!("many");
+    assert_eq!(post(&url, None, wrong_type).await.0, 400);
+    let mut unknown = chat_body("hi", 4, false);
+    unknown["model"] = json!("gpt-9");
+    let (status, answer) = post(&url, None, unknown).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tenant_limits_give_429_for_concurrency_and_400_for_max_tokens() {
+    let (key, lines) = tenant("small", &["--max-concurrent", "1", "--max-tokens", "4000"]);
+    let file = tenants_file(&[lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let url = server.url("/v1/completions");
+    let long = reqwest::Client::new()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&json!({"prompt": "go", "max_tokens": 3500, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200);
+    let (status, body) = post(
+        &url,
+        Some(&key),
+        json!({"prompt": "second", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["type"], "rate_limit_error");
+    drop(long);
+    let (status, body) = post(
+        &url,
+        Some(&key),
+        json!({"prompt": "big", "max_tokens": 4001}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("max_tokens"))
+    );
+    server.wait_for_baseline().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn i10_prompt_text_never_reaches_logs_metrics_or_error_messages() {
+    let server = Server::start(&[]);
+    let marker = "ZEBRA-CANARY-7f3a9c";
+    let chat = server.url("/v1/chat/completions");
+    let completions = server.url("/v1/completions");
+    post(
+        &chat,
+        None,
+        chat_body(&format!("my secret is {marker}"), 6, false),
+    )
+    .await;
+    sse(&chat, None, chat_body(marker, 6, true)).await;
+    post(
+        &completions,
+        None,
+        json!({"prompt": marker, "max_tokens": 4, "stop": [marker]}),
+    )
+    .await;
+    // Failures that involve the text: too long, wrong type, broken JSON.
+    let (_, a) = post(
+        &completions,
+        None,
+        json!({"prompt": marker.repeat(500), "max_tokens": 10}),
+    )
+    .await;
+    let (_, b) = post(
+        &completions,
+        None,
+        json!({"prompt": marker, "max_tokens": marker}),
+    )
+    .await;
+    let c: Value = reqwest::Client::new()
+        .post(&chat)
+        .body(format!("{{\"messages\": \"{marker}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    for error in [a, b, c] {
+        assert!(
+            !error.to_string().contains(marker),
+            "error body quotes the prompt: {error}"
+        );
+    }
+    let metrics = reqwest::get(server.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!metrics.contains(marker), "metrics contain prompt text");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let log = server.log();
+    assert!(
+        log.contains("request finished"),
+        "the log is captured: {log}"
+    );
+    assert!(!log.contains(marker), "log contains prompt text:\n{log}");
+}
+
+#[test]
+fn local_mode_refuses_to_listen_beyond_loopback() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args(["serve", "--host", "0.0.0.0", "--port", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("without --config"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn i6_a_max_context_beyond_the_pool_stops_start_up_unless_clamped() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--kv-pool-tokens",
+            "1024",
+            "--max-context",
+            "4096",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("4096") && stderr.contains("1024") && stderr.contains("--clamp-context"),
+        "{stderr}"
+    );
+
+    let server = Server::start(&[
+        "--kv-pool-tokens",
+        "1024",
+        "--max-context",
+        "4096",
+        "--clamp-context",
+    ]);
+    let models: Value = reqwest::get(server.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["max_model_len"], 1024);
+    assert_eq!(server.metric("kvfence_context_clamped").await, 1.0);
+    assert!(server.log().contains("CLAMPED"), "a loud warning");
+}
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_in_flight_requests_finish_then_exits_cleanly() {
+    let server = Server::start(&[]);
+    let url = server.url("/v1/completions");
+    let request = tokio::spawn(async move {
+        post(
+            &url,
+            None,
+            json!({"prompt": "finish me", "max_tokens": 300, "ignore_eos": true}),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (code, body) = request.await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 300);
+    assert!(server.wait().success());
+}

@@ -1,0 +1,97 @@
+//! Honest capacity (I6): the context the server advertises and enforces is
+//! computed from the real pool, never taken from a flag alone.
+
+use crate::error::ServerError;
+
+/// The server's context limits and where they come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// The model's own limit (`max_position_embeddings`).
+    pub model_limit: usize,
+    /// Tokens the KV pool really holds.
+    pub pool_tokens: usize,
+    /// `--max-context`, if given.
+    pub configured: Option<usize>,
+    /// What is advertised and enforced: the minimum of the above.
+    pub max_context: usize,
+    /// Whether `--max-context` was lowered to fit (`--clamp-context`).
+    pub clamped: bool,
+}
+
+impl Capacity {
+    /// `min(model limit, --max-context, pool capacity)`. A `--max-context`
+    /// above the real limit is an error unless `clamp` allows lowering it.
+    pub fn compute(
+        model_limit: usize,
+        pool_tokens: usize,
+        configured: Option<usize>,
+        clamp: bool,
+    ) -> Result<Capacity, ServerError> {
+        let real = model_limit.min(pool_tokens);
+        let (max_context, clamped) = match configured {
+            Some(asked) if asked > real => {
+                if !clamp {
+                    let why = if pool_tokens < model_limit {
+                        format!("the KV pool holds {pool_tokens} tokens")
+                    } else {
+                        format!("the model supports {model_limit} positions")
+                    };
+                    return Err(ServerError::ContextTooLarge {
+                        configured: asked,
+                        limit: real,
+                        why,
+                    });
+                }
+                (real, true)
+            }
+            Some(asked) => (asked, false),
+            None => (real, false),
+        };
+        Ok(Capacity {
+            model_limit,
+            pool_tokens,
+            configured,
+            max_context,
+            clamped,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn i6_effective_context_is_the_minimum_of_model_flag_and_pool() {
+        assert_eq!(
+            Capacity::compute(4096, 1000, None, false)
+                .unwrap()
+                .max_context,
+            1000
+        );
+        assert_eq!(
+            Capacity::compute(4096, 9000, None, false)
+                .unwrap()
+                .max_context,
+            4096
+        );
+        assert_eq!(
+            Capacity::compute(4096, 9000, Some(2000), false)
+                .unwrap()
+                .max_context,
+            2000
+        );
+    }
+
+    #[test]
+    fn i6_a_flag_beyond_the_pool_stops_start_up_unless_clamped() {
+        let err = Capacity::compute(1_048_576, 681_280, Some(1_048_576), false).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("1048576") && msg.contains("681280") && msg.contains("--clamp-context"),
+            "{msg}"
+        );
+        let clamped = Capacity::compute(1_048_576, 681_280, Some(1_048_576), true).unwrap();
+        assert_eq!((clamped.max_context, clamped.clamped), (681_280, true));
+    }
+}

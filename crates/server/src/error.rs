@@ -1,0 +1,185 @@
+//! Errors of the server crate: [`ServerError`] for start-up and
+//! configuration, [`ApiError`] for HTTP answers. The mapping from failure to
+//! HTTP status (DESIGN.md §8) lives here and nowhere else.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use kvfence_engine::EngineError;
+use serde::Serialize;
+
+/// Why the server could not be configured or started.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// The tenants file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The tenants file is malformed.
+    #[error("{path}: {reason}")]
+    TenantsConfig {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The configured context cannot be served by the real pools (I6).
+    #[error(
+        "--max-context {configured} exceeds what this server can hold: {limit} tokens ({why}); lower it or pass --clamp-context"
+    )]
+    ContextTooLarge {
+        /// What the operator asked for.
+        configured: usize,
+        /// The real limit.
+        limit: usize,
+        /// Which limit binds.
+        why: String,
+    },
+    /// Local mode (no tenants file) may only listen on loopback.
+    #[error(
+        "refusing to listen on {host} without --config: local mode serves one unauthenticated tenant and binds loopback only"
+    )]
+    PublicWithoutTenants {
+        /// The host asked for.
+        host: String,
+    },
+}
+
+/// Kinds of error body, as OpenAI names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorType {
+    /// 400: the request is wrong.
+    InvalidRequestError,
+    /// 401: no or bad API key.
+    AuthenticationError,
+    /// 404: unknown model.
+    NotFoundError,
+    /// 429: tenant limit or full queue.
+    RateLimitError,
+    /// 500: our fault.
+    ServerError,
+    /// 503: cannot serve now.
+    ServiceUnavailable,
+}
+
+impl ErrorType {
+    fn status(self) -> StatusCode {
+        match self {
+            ErrorType::InvalidRequestError => StatusCode::BAD_REQUEST,
+            ErrorType::AuthenticationError => StatusCode::UNAUTHORIZED,
+            ErrorType::NotFoundError => StatusCode::NOT_FOUND,
+            ErrorType::RateLimitError => StatusCode::TOO_MANY_REQUESTS,
+            ErrorType::ServerError => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorType::ServiceUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+}
+
+/// An HTTP error answer in OpenAI's envelope:
+/// `{"error": {"message", "type", "param", "code"}}`. Messages never quote
+/// prompt text (I10).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ApiError {
+    /// Human-readable explanation.
+    pub message: String,
+    /// Error kind; decides the status.
+    #[serde(rename = "type")]
+    pub kind: ErrorType,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+    /// A stable machine-readable code.
+    pub code: Option<String>,
+}
+
+impl ApiError {
+    /// An error of `kind` with `message` and `code`.
+    pub fn new(kind: ErrorType, code: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            message: message.into(),
+            kind,
+            param: None,
+            code: Some(code.to_string()),
+        }
+    }
+
+    /// 400 about one parameter.
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            param: Some(param.to_string()),
+            ..Self::new(ErrorType::InvalidRequestError, "invalid_request", message)
+        }
+    }
+
+    /// 400 `context_length_exceeded`, with both numbers (I6).
+    pub fn context_length(
+        param: &str,
+        max_context: usize,
+        prompt: usize,
+        completion: usize,
+    ) -> Self {
+        ApiError {
+            param: Some(param.into()),
+            ..Self::new(
+                ErrorType::InvalidRequestError,
+                "context_length_exceeded",
+                format!(
+                    "This model's maximum context length is {max_context} tokens. However, you requested {} tokens ({prompt} in the prompt, {completion} for the completion). Please reduce the length of the prompt or max_tokens.",
+                    prompt + completion
+                ),
+            )
+        }
+    }
+
+    /// The HTTP status this error answers with.
+    pub fn status(&self) -> StatusCode {
+        self.kind.status()
+    }
+
+    /// The error envelope as JSON.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({ "error": self })
+    }
+
+    /// The reason label used in `kvfence_rejections_total`.
+    pub fn reason(&self) -> &str {
+        self.code.as_deref().unwrap_or("unknown")
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status(), Json(self.body())).into_response()
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(error: EngineError) -> Self {
+        match error {
+            EngineError::QueueFull { .. } => {
+                ApiError::new(ErrorType::RateLimitError, "queue_full", error.to_string())
+            }
+            EngineError::TooLong { .. } => ApiError::new(
+                ErrorType::InvalidRequestError,
+                "context_length_exceeded",
+                error.to_string(),
+            ),
+            EngineError::Invalid { .. } => ApiError::new(
+                ErrorType::InvalidRequestError,
+                "invalid_request",
+                error.to_string(),
+            ),
+            EngineError::ShuttingDown => ApiError::new(
+                ErrorType::ServiceUnavailable,
+                "shutting_down",
+                error.to_string(),
+            ),
+            other => ApiError::new(ErrorType::ServerError, "internal_error", other.to_string()),
+        }
+    }
+}
