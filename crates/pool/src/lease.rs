@@ -104,27 +104,7 @@ impl Lease {
         if let Some(got) = [k.len(), v.len()].into_iter().find(|&n| n != expected) {
             return Err(PoolError::ShapeMismatch { expected, got });
         }
-        let foreign = || {
-            Counters::bump(&self.shared.counters.foreign_writes_rejected);
-            PoolError::PageNotInLease {
-                page: page.id,
-                owner: self.owner,
-            }
-        };
-        let cell = self.shared.pages.get(page.id.index()).ok_or_else(foreign)?;
-        let mut guard = cell.write();
-        match guard.holder {
-            Holder::Leased { lease, .. } if lease == self.id => {}
-            _ => return Err(foreign()),
-        }
-        if guard.generation != page.generation {
-            Counters::bump(&self.shared.counters.stale_writes_rejected);
-            return Err(PoolError::StaleGeneration {
-                page: page.id,
-                got: page.generation,
-                current: guard.generation,
-            });
-        }
+        let mut guard = self.fenced_page(page)?;
         let head_dim = geometry.shape.head_dim;
         let data: &mut [E] = bytemuck::cast_slice_mut(&mut guard.data);
         for (t, slot) in slots.clone().enumerate() {
@@ -138,6 +118,83 @@ impl Lease {
         }
         guard.coverage.mark(layer, slots);
         Ok(())
+    }
+
+    /// Writes every layer's K and V for `slots` of one page from the raw
+    /// bytes of a hand-off chunk, laid out as [`ReadView::export_slots`]
+    /// produces them. Fenced exactly like [`Lease::write`] (I3); on success
+    /// the slots are covered in every layer.
+    pub fn write_slots_raw(
+        &mut self,
+        page: PageRef,
+        slots: Range<usize>,
+        bytes: &[u8],
+    ) -> Result<(), PoolError> {
+        let geometry = self.shared.geometry;
+        if slots.start >= slots.end || slots.end > geometry.page_size {
+            return Err(PoolError::SlotsOutOfRange {
+                start: slots.start,
+                end: slots.end,
+                page_size: geometry.page_size,
+            });
+        }
+        let run = slots.len() * geometry.shape.head_dim * geometry.elem.size_bytes();
+        let expected = run * geometry.shape.layers * 2 * geometry.shape.kv_heads;
+        if bytes.len() != expected {
+            return Err(PoolError::ShapeMismatch {
+                expected,
+                got: bytes.len(),
+            });
+        }
+        let mut guard = self.fenced_page(page)?;
+        let data: &mut [u8] = bytemuck::cast_slice_mut(&mut guard.data);
+        let elem = geometry.elem.size_bytes();
+        let head_dim = geometry.shape.head_dim;
+        let mut from = 0;
+        for layer in 0..geometry.shape.layers {
+            for kv in 0..2 {
+                for head in 0..geometry.shape.kv_heads {
+                    let at =
+                        (geometry.block_offset(layer, kv, head) + slots.start * head_dim) * elem;
+                    data[at..at + run].copy_from_slice(&bytes[from..from + run]);
+                    from += run;
+                }
+            }
+        }
+        for layer in 0..geometry.shape.layers {
+            guard.coverage.mark(layer, slots.clone());
+        }
+        Ok(())
+    }
+
+    /// Locks `page` for writing if this lease holds it in the generation
+    /// the token names; refusals are counted (I1, I3).
+    fn fenced_page(
+        &self,
+        page: PageRef,
+    ) -> Result<parking_lot::RwLockWriteGuard<'_, crate::pool::Page>, PoolError> {
+        let foreign = || {
+            Counters::bump(&self.shared.counters.foreign_writes_rejected);
+            PoolError::PageNotInLease {
+                page: page.id,
+                owner: self.owner,
+            }
+        };
+        let cell = self.shared.pages.get(page.id.index()).ok_or_else(foreign)?;
+        let guard = cell.write();
+        match guard.holder {
+            Holder::Leased { lease, .. } if lease == self.id => {}
+            _ => return Err(foreign()),
+        }
+        if guard.generation != page.generation {
+            Counters::bump(&self.shared.counters.stale_writes_rejected);
+            return Err(PoolError::StaleGeneration {
+                page: page.id,
+                got: page.generation,
+                current: guard.generation,
+            });
+        }
+        Ok(guard)
     }
 
     /// Writes K and V of `layer` for consecutive token positions starting at
@@ -183,6 +240,40 @@ impl Lease {
         Ok(())
     }
 
+    /// Checks, without reading, that positions `0..len` of every layer were
+    /// written in the current generation (I2): the hand-off's commit test.
+    pub fn check_covered(&self, len: usize) -> Result<(), PoolError> {
+        let page_size = self.shared.geometry.page_size;
+        if len > self.capacity_tokens() {
+            Counters::bump(&self.shared.counters.reads_refused);
+            return Err(PoolError::BeyondLease {
+                owner: self.owner,
+                end: len,
+                capacity: self.capacity_tokens(),
+            });
+        }
+        for (index, page_ref) in self.pages[..len.div_ceil(page_size)].iter().enumerate() {
+            let guard = self.shared.pages[page_ref.id.index()].read();
+            let slots = page_size.min(len - index * page_size);
+            for layer in 0..self.shared.geometry.shape.layers {
+                if let Some(gap) = guard.coverage.first_gap(layer, slots) {
+                    Counters::bump(&self.shared.counters.reads_refused);
+                    return Err(PoolError::NotCovered {
+                        len,
+                        layer,
+                        position: index * page_size + gap,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Token slots per page.
+    pub fn page_size(&self) -> usize {
+        self.shared.geometry.page_size
+    }
+
     /// A view of positions `0..len` of every layer, refused unless every one
     /// of them was written in the current generation (I2).
     pub fn read_view<E: KvElement>(&self, len: usize) -> Result<ReadView<'_, E>, PoolError> {
@@ -201,7 +292,22 @@ impl Lease {
         self.read(layer..layer + 1, len)
     }
 
+    /// A view of positions `0..len` of every layer for raw byte export,
+    /// whatever the element type; refused unless covered (I2).
+    pub fn read_view_raw(&self, len: usize) -> Result<ReadView<'_, u8>, PoolError> {
+        self.read_unchecked_elem(0..self.shared.geometry.shape.layers, len)
+    }
+
     fn read<E: KvElement>(
+        &self,
+        layers: Range<usize>,
+        len: usize,
+    ) -> Result<ReadView<'_, E>, PoolError> {
+        self.check_elem::<E>()?;
+        self.read_unchecked_elem(layers, len)
+    }
+
+    fn read_unchecked_elem<E>(
         &self,
         layers: Range<usize>,
         len: usize,
@@ -210,7 +316,6 @@ impl Lease {
             Counters::bump(&self.shared.counters.reads_refused);
             Err(error)
         };
-        self.check_elem::<E>()?;
         if len > self.capacity_tokens() {
             return refuse(PoolError::BeyondLease {
                 owner: self.owner,

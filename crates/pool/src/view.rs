@@ -23,7 +23,7 @@ pub struct ReadView<'a, E> {
     elem: PhantomData<E>,
 }
 
-impl<'a, E: KvElement> ReadView<'a, E> {
+impl<'a, E> ReadView<'a, E> {
     pub(crate) fn new(
         geometry: &'a Geometry,
         layers: Range<usize>,
@@ -38,7 +38,9 @@ impl<'a, E: KvElement> ReadView<'a, E> {
             elem: PhantomData,
         }
     }
+}
 
+impl<E> ReadView<'_, E> {
     /// Positions covered by the view.
     pub fn len(&self) -> usize {
         self.len
@@ -67,6 +69,37 @@ impl<'a, E: KvElement> ReadView<'a, E> {
             .min(self.len - page * self.geometry.page_size)
     }
 
+    /// Every layer's K and V of `slots` of page `page` as raw bytes, laid
+    /// out `[layer][K|V][kv_head][slot][head_dim]` over just those slots:
+    /// what a hand-off chunk carries. Needs a view of every layer.
+    pub fn export_slots(&self, page: usize, slots: std::ops::Range<usize>) -> Vec<u8> {
+        let g = self.geometry;
+        assert!(
+            self.layers == (0..g.shape.layers),
+            "export needs a view of every layer"
+        );
+        assert!(
+            slots.start < slots.end && slots.end <= self.slots_in_page(page),
+            "slots {slots:?} are outside the view's page {page}"
+        );
+        let data: &[u8] = bytemuck::cast_slice(&self.guards[page].data);
+        let elem = g.elem.size_bytes();
+        let run = slots.len() * g.shape.head_dim * elem;
+        let mut out = Vec::with_capacity(run * g.shape.layers * 2 * g.shape.kv_heads);
+        for layer in 0..g.shape.layers {
+            for kv in 0..2 {
+                for head in 0..g.shape.kv_heads {
+                    let at =
+                        (g.block_offset(layer, kv, head) + slots.start * g.shape.head_dim) * elem;
+                    out.extend_from_slice(&data[at..at + run]);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl<E: KvElement> ReadView<'_, E> {
     /// Keys of one head for the valid slots of one page:
     /// `[slot][head_dim]`, contiguous.
     pub fn keys(&self, page: usize, layer: usize, head: usize) -> &[E] {

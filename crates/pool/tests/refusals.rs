@@ -388,3 +388,45 @@ fn writes_across_page_boundaries_land_in_token_order() {
         }
     }
 }
+
+#[test]
+fn raw_export_and_fenced_raw_import_move_kv_between_pools_exactly() {
+    let source = pool(2);
+    let target = pool(2);
+    let mut from = source.lease(RequestId(1), 12).unwrap();
+    fill(&mut from, 12, 3.0);
+    let mut to = target.lease(RequestId(2), 12).unwrap();
+    let view = from.read_view::<f32>(12).unwrap();
+    for (index, page) in to.pages().to_vec().into_iter().enumerate() {
+        let slots = 0..view.slots_in_page(index);
+        to.write_slots_raw(page, slots.clone(), &view.export_slots(index, slots))
+            .unwrap();
+    }
+    let copied = to.read_view::<f32>(12).unwrap();
+    for page in 0..2 {
+        for layer in 0..SHAPE.layers {
+            for head in 0..SHAPE.kv_heads {
+                assert_eq!(copied.keys(page, layer, head), view.keys(page, layer, head));
+                assert_eq!(
+                    copied.values(page, layer, head),
+                    view.values(page, layer, head)
+                );
+            }
+        }
+    }
+    drop(copied);
+    // The same bytes under a stale token, or into someone else's page, never land.
+    let bytes = view.export_slots(0, 0..1);
+    let stale = PageRef {
+        id: to.pages()[0].id,
+        generation: Generation(0),
+    };
+    assert!(matches!(
+        to.write_slots_raw(stale, 0..1, &bytes),
+        Err(PoolError::StaleGeneration { .. })
+    ));
+    assert!(matches!(
+        to.write_slots_raw(to.pages()[0], 0..2, &bytes),
+        Err(PoolError::ShapeMismatch { .. })
+    ));
+}

@@ -1,0 +1,114 @@
+//! The one error type of the hand-off crate.
+
+use kvfence_pool::PoolError;
+
+use crate::wire::HandoffId;
+
+/// Why a frame could not be decoded, or a hand-off failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandoffError {
+    /// A frame larger than the protocol allows.
+    #[error("frame of {len} bytes exceeds the {max}-byte limit")]
+    FrameTooLarge {
+        /// Declared length.
+        len: usize,
+        /// Limit.
+        max: usize,
+    },
+    /// A frame whose contents do not parse.
+    #[error("malformed {kind} frame: {reason}")]
+    Malformed {
+        /// Frame type, as far as it was read.
+        kind: &'static str,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// A frame type byte no message has.
+    #[error("unknown frame type {0}")]
+    UnknownType(u8),
+    /// The sender's source does not hold every granted token (I5: no proof, no `Done`).
+    #[error("hand-off {id}: the source holds {have} written tokens, the grant needs {need}")]
+    SourceIncomplete {
+        /// Hand-off.
+        id: HandoffId,
+        /// Tokens the grant covers.
+        need: usize,
+        /// Tokens the source could prove written.
+        have: usize,
+    },
+    /// Sender and receiver disagree on page size.
+    #[error("hand-off {id}: grant pages hold {grant} tokens, the source's hold {source_size}")]
+    PageSizeMismatch {
+        /// Hand-off.
+        id: HandoffId,
+        /// Grant's page size.
+        grant: usize,
+        /// Source's page size.
+        source_size: usize,
+    },
+    /// A chunk's bytes do not match its checksum (I7).
+    #[error("hand-off {id}: checksum mismatch on page {page}")]
+    ChecksumMismatch {
+        /// Hand-off.
+        id: HandoffId,
+        /// Page index in the grant.
+        page: usize,
+    },
+    /// A chunk named a page outside the grant, or not whole granted slots.
+    #[error("hand-off {id}: chunk does not match the grant: {reason}")]
+    ChunkOutsideGrant {
+        /// Hand-off.
+        id: HandoffId,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// `Done` claimed a token count other than the grant's (I7; the incident's
+    /// one-token placeholder).
+    #[error("hand-off {id}: Done claims {claimed} tokens, the grant is for {granted}")]
+    TokenCountMismatch {
+        /// Hand-off.
+        id: HandoffId,
+        /// Tokens claimed.
+        claimed: usize,
+        /// Tokens granted.
+        granted: usize,
+    },
+    /// `Done` arrived before every granted page was received.
+    #[error("hand-off {id}: Done arrived with {missing} of {pages} granted pages never received")]
+    Incomplete {
+        /// Hand-off.
+        id: HandoffId,
+        /// Pages never received.
+        missing: usize,
+        /// Pages granted.
+        pages: usize,
+    },
+    /// `Done`'s digest does not match the chunks received (I7).
+    #[error("hand-off {id}: digest mismatch")]
+    DigestMismatch {
+        /// Hand-off.
+        id: HandoffId,
+    },
+    /// The other side rejected the hand-off.
+    #[error("hand-off {id} rejected by the peer: {reason:?}")]
+    Rejected {
+        /// Hand-off.
+        id: HandoffId,
+        /// Why.
+        reason: crate::wire::RejectReason,
+    },
+    /// The lease cannot hold what the grant would cover.
+    #[error("hand-off {id}: a lease of {capacity} tokens cannot hold a grant of {tokens}")]
+    GrantTooLarge {
+        /// Hand-off.
+        id: HandoffId,
+        /// Tokens to grant.
+        tokens: usize,
+        /// Lease capacity.
+        capacity: usize,
+    },
+    /// The pool refused a write or a coverage check (I2, I3).
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}

@@ -1,0 +1,22 @@
+//! The fenced KV hand-off between a prefill and a decode worker
+//! (DESIGN.md §5), written sans-IO: [`Receiver`] and [`send_kv`] consume and
+//! produce [`Message`]s; transports only move frames.
+//!
+//! The guarantees, each a checked fact rather than an assumption:
+//! - a `Done` can only be built from proof that every granted slot was sent
+//!   from a fully written source (I5);
+//! - every chunk is checked for epoch, grant membership, the page's current
+//!   generation and an xxh3 checksum before it lands (I3);
+//! - a hand-off commits only if `Done` names the granted token count, every
+//!   page arrived, coverage spans every granted slot and the digest matches;
+//!   anything else fails it and frees its pages (I2, I7, I8).
+
+mod error;
+mod receiver;
+mod sender;
+mod wire;
+
+pub use error::HandoffError;
+pub use receiver::{Committed, Outcome, Receiver, ReceiverStats};
+pub use sender::{AllSent, Grant, send_kv};
+pub use wire::{Epoch, HandoffId, MAX_FRAME, Message, RejectReason};

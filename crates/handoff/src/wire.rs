@@ -1,0 +1,406 @@
+//! The hand-off messages and their binary frames.
+//!
+//! A frame is `len: u32` (bytes after this field) `type: u8` then fixed
+//! little-endian fields; chunk payloads and page lists carry their own counts.
+//! [`Message::decode`] rejects anything malformed with an error — wrong
+//! length, unknown type, counts that overrun the frame, trailing bytes,
+//! oversized frames — and never panics: peers are untrusted input.
+
+use std::fmt;
+
+use kvfence_pool::{Generation, PageId, PageRef};
+
+use crate::error::HandoffError;
+
+/// Identifies one hand-off (one request) between a prefill and a decode worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HandoffId(pub u64);
+
+impl fmt::Display for HandoffId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "h{}", self.0)
+    }
+}
+
+/// The grant's generation: bumped on abort, so messages of a revoked grant
+/// are recognisably stale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Epoch(pub u32);
+
+/// Why a hand-off will never complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectReason {
+    /// The prompt can never fit the rejecting worker's pool.
+    TooLong,
+    /// The worker cannot take it now; a retry may succeed.
+    Busy,
+    /// The worker failed while working on it.
+    Failed,
+    /// The hand-off was aborted.
+    Aborted,
+}
+
+impl RejectReason {
+    fn code(self) -> u8 {
+        match self {
+            RejectReason::TooLong => 1,
+            RejectReason::Busy => 2,
+            RejectReason::Failed => 3,
+            RejectReason::Aborted => 4,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            1 => RejectReason::TooLong,
+            2 => RejectReason::Busy,
+            3 => RejectReason::Failed,
+            4 => RejectReason::Aborted,
+            _ => return None,
+        })
+    }
+}
+
+/// One protocol message (DESIGN.md §5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    /// decode → prefill: pages reserved for exactly `tokens` prompt tokens.
+    Grant {
+        /// Hand-off.
+        id: HandoffId,
+        /// Grant generation.
+        epoch: Epoch,
+        /// Token slots per page; sender and receiver must agree.
+        page_size: u32,
+        /// Prompt tokens granted.
+        tokens: u32,
+        /// The pages, in token order.
+        pages: Vec<PageRef>,
+    },
+    /// prefill → decode: every layer's KV for `slots` of one granted page.
+    Chunk {
+        /// Hand-off.
+        id: HandoffId,
+        /// Grant generation.
+        epoch: Epoch,
+        /// Target page (fencing token).
+        page: PageRef,
+        /// First slot.
+        slot_start: u16,
+        /// One past the last slot.
+        slot_end: u16,
+        /// xxh3-64 of `bytes`.
+        checksum: u64,
+        /// The KV bytes.
+        bytes: Vec<u8>,
+    },
+    /// prefill → decode: every granted token was sent.
+    Done {
+        /// Hand-off.
+        id: HandoffId,
+        /// Grant generation.
+        epoch: Epoch,
+        /// Tokens sent.
+        tokens: u32,
+        /// Digest over the chunk checksums, in page order.
+        digest: u64,
+        /// The first generated token, sampled by prefill.
+        first_token: u32,
+    },
+    /// either way: this hand-off will never complete.
+    Reject {
+        /// Hand-off.
+        id: HandoffId,
+        /// Why.
+        reason: RejectReason,
+    },
+    /// decode → prefill: stop; the grant is revoked.
+    Abort {
+        /// Hand-off.
+        id: HandoffId,
+        /// The epoch being revoked.
+        epoch: Epoch,
+    },
+    /// prefill → decode: the sender's writes for `epoch` have drained.
+    AbortAck {
+        /// Hand-off.
+        id: HandoffId,
+        /// The revoked epoch.
+        epoch: Epoch,
+    },
+}
+
+/// Largest frame accepted: a chunk of one page of a large model fits easily.
+pub const MAX_FRAME: usize = 64 << 20;
+
+const GRANT: u8 = 1;
+const CHUNK: u8 = 2;
+const DONE: u8 = 3;
+const REJECT: u8 = 4;
+const ABORT: u8 = 5;
+const ABORT_ACK: u8 = 6;
+
+const PAGE_REF_BYTES: usize = 12;
+
+impl Message {
+    /// The hand-off this message belongs to.
+    pub fn id(&self) -> HandoffId {
+        match self {
+            Message::Grant { id, .. }
+            | Message::Chunk { id, .. }
+            | Message::Done { id, .. }
+            | Message::Reject { id, .. }
+            | Message::Abort { id, .. }
+            | Message::AbortAck { id, .. } => *id,
+        }
+    }
+
+    /// Appends this message's frame to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.extend_from_slice(&[0; 4]);
+        match self {
+            Message::Grant {
+                id,
+                epoch,
+                page_size,
+                tokens,
+                pages,
+            } => {
+                out.push(GRANT);
+                put_u64(out, id.0);
+                put_u32(out, epoch.0);
+                put_u32(out, *page_size);
+                put_u32(out, *tokens);
+                put_u32(
+                    out,
+                    u32::try_from(pages.len()).expect("grants hold far fewer than 2^32 pages"),
+                );
+                for page in pages {
+                    put_u32(out, page.id.0);
+                    put_u64(out, page.generation.0);
+                }
+            }
+            Message::Chunk {
+                id,
+                epoch,
+                page,
+                slot_start,
+                slot_end,
+                checksum,
+                bytes,
+            } => {
+                out.push(CHUNK);
+                put_u64(out, id.0);
+                put_u32(out, epoch.0);
+                put_u32(out, page.id.0);
+                put_u64(out, page.generation.0);
+                out.extend_from_slice(&slot_start.to_le_bytes());
+                out.extend_from_slice(&slot_end.to_le_bytes());
+                put_u64(out, *checksum);
+                put_u32(
+                    out,
+                    u32::try_from(bytes.len()).expect("chunks are far below 4 GiB"),
+                );
+                out.extend_from_slice(bytes);
+            }
+            Message::Done {
+                id,
+                epoch,
+                tokens,
+                digest,
+                first_token,
+            } => {
+                out.push(DONE);
+                put_u64(out, id.0);
+                put_u32(out, epoch.0);
+                put_u32(out, *tokens);
+                put_u64(out, *digest);
+                put_u32(out, *first_token);
+            }
+            Message::Reject { id, reason } => {
+                out.push(REJECT);
+                put_u64(out, id.0);
+                out.push(reason.code());
+            }
+            Message::Abort { id, epoch } | Message::AbortAck { id, epoch } => {
+                out.push(if matches!(self, Message::Abort { .. }) {
+                    ABORT
+                } else {
+                    ABORT_ACK
+                });
+                put_u64(out, id.0);
+                put_u32(out, epoch.0);
+            }
+        }
+        let len = u32::try_from(out.len() - start - 4).expect("frames are far below 4 GiB");
+        out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    }
+
+    /// This message as one frame.
+    pub fn to_frame(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+
+    /// Decodes the first frame of `buf`. `Ok(None)`: more bytes are needed.
+    /// `Ok(Some((message, used)))`: one message and the bytes it took.
+    pub fn decode(buf: &[u8]) -> Result<Option<(Message, usize)>, HandoffError> {
+        let Some(len_bytes) = buf.get(..4) else {
+            return Ok(None);
+        };
+        let len = u32::from_le_bytes(len_bytes.try_into().expect("4 bytes")) as usize;
+        if len > MAX_FRAME {
+            return Err(HandoffError::FrameTooLarge {
+                len,
+                max: MAX_FRAME,
+            });
+        }
+        let Some(body) = buf.get(4..4 + len) else {
+            return Ok(None);
+        };
+        let mut r = Reader {
+            buf: body,
+            kind: "empty",
+        };
+        let message = match r.u8()? {
+            GRANT => {
+                r.kind = "Grant";
+                let (id, epoch, page_size, tokens) =
+                    (HandoffId(r.u64()?), Epoch(r.u32()?), r.u32()?, r.u32()?);
+                let count = r.u32()? as usize;
+                if count.checked_mul(PAGE_REF_BYTES) != Some(r.buf.len()) {
+                    return Err(r.malformed("page count does not match the frame length"));
+                }
+                let mut pages = Vec::with_capacity(count);
+                for _ in 0..count {
+                    pages.push(PageRef {
+                        id: PageId(r.u32()?),
+                        generation: Generation(r.u64()?),
+                    });
+                }
+                Message::Grant {
+                    id,
+                    epoch,
+                    page_size,
+                    tokens,
+                    pages,
+                }
+            }
+            CHUNK => {
+                r.kind = "Chunk";
+                let (id, epoch) = (HandoffId(r.u64()?), Epoch(r.u32()?));
+                let page = PageRef {
+                    id: PageId(r.u32()?),
+                    generation: Generation(r.u64()?),
+                };
+                let (slot_start, slot_end) = (r.u16()?, r.u16()?);
+                let checksum = r.u64()?;
+                let count = r.u32()? as usize;
+                if count != r.buf.len() {
+                    return Err(r.malformed("byte count does not match the frame length"));
+                }
+                let bytes = r.take(count)?.to_vec();
+                Message::Chunk {
+                    id,
+                    epoch,
+                    page,
+                    slot_start,
+                    slot_end,
+                    checksum,
+                    bytes,
+                }
+            }
+            DONE => {
+                r.kind = "Done";
+                Message::Done {
+                    id: HandoffId(r.u64()?),
+                    epoch: Epoch(r.u32()?),
+                    tokens: r.u32()?,
+                    digest: r.u64()?,
+                    first_token: r.u32()?,
+                }
+            }
+            REJECT => {
+                r.kind = "Reject";
+                let id = HandoffId(r.u64()?);
+                let reason = RejectReason::from_code(r.u8()?)
+                    .ok_or_else(|| r.malformed("unknown reject reason"))?;
+                Message::Reject { id, reason }
+            }
+            ABORT => {
+                r.kind = "Abort";
+                Message::Abort {
+                    id: HandoffId(r.u64()?),
+                    epoch: Epoch(r.u32()?),
+                }
+            }
+            ABORT_ACK => {
+                r.kind = "AbortAck";
+                Message::AbortAck {
+                    id: HandoffId(r.u64()?),
+                    epoch: Epoch(r.u32()?),
+                }
+            }
+            other => return Err(HandoffError::UnknownType(other)),
+        };
+        if !r.buf.is_empty() {
+            return Err(r.malformed("trailing bytes after the last field"));
+        }
+        Ok(Some((message, 4 + len)))
+    }
+}
+
+fn put_u32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_u64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    kind: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn malformed(&self, reason: &'static str) -> HandoffError {
+        HandoffError::Malformed {
+            kind: self.kind,
+            reason,
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], HandoffError> {
+        if self.buf.len() < n {
+            return Err(self.malformed("frame ends inside a field"));
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+
+    fn u8(&mut self) -> Result<u8, HandoffError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, HandoffError> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+
+    fn u32(&mut self) -> Result<u32, HandoffError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    fn u64(&mut self) -> Result<u64, HandoffError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+}

@@ -1,0 +1,150 @@
+//! The wire codec: every message round-trips; any byte string decodes to a
+//! message, a request for more bytes, or an error — never a panic.
+
+#![allow(clippy::unwrap_used)]
+
+use kvfence_handoff::{Epoch, HandoffId, MAX_FRAME, Message, RejectReason};
+use kvfence_pool::{Generation, PageId, PageRef};
+use proptest::prelude::*;
+
+fn page_ref() -> impl Strategy<Value = PageRef> {
+    (any::<u32>(), any::<u64>()).prop_map(|(id, g)| PageRef {
+        id: PageId(id),
+        generation: Generation(g),
+    })
+}
+
+fn message() -> impl Strategy<Value = Message> {
+    let id = any::<u64>().prop_map(HandoffId);
+    let epoch = any::<u32>().prop_map(Epoch);
+    prop_oneof![
+        (
+            id.clone(),
+            epoch.clone(),
+            any::<u32>(),
+            any::<u32>(),
+            proptest::collection::vec(page_ref(), 0..20)
+        )
+            .prop_map(|(id, epoch, page_size, tokens, pages)| Message::Grant {
+                id,
+                epoch,
+                page_size,
+                tokens,
+                pages
+            }),
+        (
+            id.clone(),
+            epoch.clone(),
+            page_ref(),
+            any::<u16>(),
+            any::<u16>(),
+            any::<u64>(),
+            proptest::collection::vec(any::<u8>(), 0..300)
+        )
+            .prop_map(|(id, epoch, page, slot_start, slot_end, checksum, bytes)| {
+                Message::Chunk {
+                    id,
+                    epoch,
+                    page,
+                    slot_start,
+                    slot_end,
+                    checksum,
+                    bytes,
+                }
+            }),
+        (
+            id.clone(),
+            epoch.clone(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<u32>()
+        )
+            .prop_map(|(id, epoch, tokens, digest, first_token)| Message::Done {
+                id,
+                epoch,
+                tokens,
+                digest,
+                first_token
+            }),
+        (
+            id.clone(),
+            prop_oneof![
+                Just(RejectReason::TooLong),
+                Just(RejectReason::Busy),
+                Just(RejectReason::Failed),
+                Just(RejectReason::Aborted)
+            ]
+        )
+            .prop_map(|(id, reason)| Message::Reject { id, reason }),
+        (id.clone(), epoch.clone()).prop_map(|(id, epoch)| Message::Abort { id, epoch }),
+        (id, epoch).prop_map(|(id, epoch)| Message::AbortAck { id, epoch }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn every_message_round_trips_and_truncations_ask_for_more(m in message(), cut in any::<prop::sample::Index>()) {
+        let frame = m.to_frame();
+        let (decoded, used) = Message::decode(&frame).unwrap().unwrap();
+        prop_assert_eq!(&decoded, &m);
+        prop_assert_eq!(used, frame.len());
+        let short = cut.index(frame.len());
+        prop_assert_eq!(Message::decode(&frame[..short]).unwrap(), None);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        let _ = Message::decode(&bytes);
+    }
+
+    #[test]
+    fn corrupting_a_frame_never_panics(m in message(), at in any::<prop::sample::Index>(), bit in 0u8..8) {
+        let mut frame = m.to_frame();
+        let i = at.index(frame.len());
+        frame[i] ^= 1 << bit;
+        let _ = Message::decode(&frame);
+    }
+}
+
+#[test]
+fn malformed_frames_are_errors() {
+    let mut grant = Message::Grant {
+        id: HandoffId(1),
+        epoch: Epoch(1),
+        page_size: 16,
+        tokens: 3,
+        pages: vec![],
+    }
+    .to_frame();
+    grant[4 + 1 + 8 + 4 + 4 + 4] = 5; // claims 5 pages, carries none
+    assert!(Message::decode(&grant).is_err());
+    let mut trailing = Message::Abort {
+        id: HandoffId(1),
+        epoch: Epoch(2),
+    }
+    .to_frame();
+    trailing.push(0);
+    trailing[0] += 1;
+    assert!(Message::decode(&trailing).is_err());
+    let mut unknown = Message::Abort {
+        id: HandoffId(1),
+        epoch: Epoch(2),
+    }
+    .to_frame();
+    unknown[4] = 99;
+    assert!(Message::decode(&unknown).is_err());
+    let huge = ((MAX_FRAME + 1) as u32).to_le_bytes();
+    assert!(
+        Message::decode(&huge).is_err(),
+        "an oversized length is refused before any read"
+    );
+    let mut bad_reason = Message::Reject {
+        id: HandoffId(1),
+        reason: RejectReason::Busy,
+    }
+    .to_frame();
+    *bad_reason.last_mut().unwrap() = 0;
+    assert!(Message::decode(&bad_reason).is_err());
+}

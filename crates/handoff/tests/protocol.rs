@@ -1,0 +1,341 @@
+//! The hand-off protocol between two real pools, every message passing
+//! through the wire codec: a clean transfer commits with exact KV; every
+//! violation is refused, counted and leaves both pools at baseline.
+
+#![allow(clippy::unwrap_used)]
+
+use kvfence_handoff::{
+    Epoch, Grant, HandoffError, HandoffId, Message, Outcome, Receiver, RejectReason, send_kv,
+};
+use kvfence_pool::{ElemType, Generation, KvShape, Lease, Pool, PoolSize, PoolSpec, RequestId};
+
+const SHAPE: KvShape = KvShape {
+    layers: 3,
+    kv_heads: 2,
+    head_dim: 4,
+};
+const PAGE: usize = 4;
+const TOKENS: usize = 10;
+const ID: HandoffId = HandoffId(7);
+
+fn pool(pages: usize) -> Pool {
+    Pool::new(&PoolSpec::new(
+        SHAPE,
+        PAGE,
+        ElemType::F32,
+        PoolSize::Pages(pages),
+    ))
+    .unwrap()
+}
+
+fn wire(message: &Message) -> Message {
+    let frame = message.to_frame();
+    let (decoded, used) = Message::decode(&frame).unwrap().unwrap();
+    assert_eq!(used, frame.len());
+    decoded
+}
+
+/// A prefill lease holding TOKENS written tokens.
+fn written_source(prefill: &Pool, tokens: usize) -> Lease {
+    let mut lease = prefill.lease(RequestId(1), TOKENS).unwrap();
+    for layer in 0..SHAPE.layers {
+        let k: Vec<f32> = (0..tokens * 8).map(|i| (layer * 1000 + i) as f32).collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        lease.write_positions(layer, 0, &k, &v).unwrap();
+    }
+    lease
+}
+
+struct Setup {
+    prefill: Pool,
+    decode: Pool,
+    receiver: Receiver,
+    grant: Grant,
+    source: Lease,
+}
+
+fn setup() -> Setup {
+    let (prefill, decode) = (pool(8), pool(8));
+    let mut receiver = Receiver::new();
+    let reservation = decode.lease(RequestId(100), TOKENS + 6).unwrap();
+    let grant_message = wire(&receiver.grant(ID, reservation, TOKENS).unwrap());
+    let grant = Grant::from_message(&grant_message).unwrap();
+    assert_eq!(grant.pages.len(), 3, "10 tokens in 4-slot pages");
+    let source = written_source(&prefill, TOKENS);
+    Setup {
+        prefill,
+        decode,
+        receiver,
+        grant,
+        source,
+    }
+}
+
+fn chunks(s: &Setup) -> (Vec<Message>, kvfence_handoff::AllSent) {
+    let mut out = Vec::new();
+    let proof = send_kv(&s.grant, &s.source, |m| out.push(wire(&m))).unwrap();
+    (out, proof)
+}
+
+fn assert_baseline(pool: &Pool) {
+    let stats = pool.stats();
+    assert_eq!(
+        (stats.leased_pages, stats.quarantined_pages),
+        (0, 0),
+        "I8: pool not at baseline"
+    );
+}
+
+#[test]
+fn a_clean_transfer_commits_with_exactly_the_sent_kv() {
+    let mut s = setup();
+    let (messages, proof) = chunks(&s);
+    for m in messages {
+        assert!(matches!(s.receiver.handle(m), Outcome::Accepted));
+    }
+    let Outcome::Committed(committed) = s.receiver.handle(wire(&proof.done(42))) else {
+        panic!("no commit")
+    };
+    assert_eq!((committed.tokens(), committed.first_token()), (TOKENS, 42));
+    let lease = committed.into_lease();
+    let (got, want) = (
+        lease.read_view::<f32>(TOKENS).unwrap(),
+        s.source.read_view::<f32>(TOKENS).unwrap(),
+    );
+    for page in 0..3 {
+        for layer in 0..SHAPE.layers {
+            for head in 0..SHAPE.kv_heads {
+                assert_eq!(got.keys(page, layer, head), want.keys(page, layer, head));
+                assert_eq!(
+                    got.values(page, layer, head),
+                    want.values(page, layer, head)
+                );
+            }
+        }
+    }
+    assert!(
+        lease.read_view::<f32>(TOKENS + 1).is_err(),
+        "nothing beyond the grant is readable"
+    );
+    assert_eq!(s.receiver.stats().committed, 1);
+    drop((got, want));
+    drop((lease, s.source));
+    assert_baseline(&s.decode);
+    assert_baseline(&s.prefill);
+}
+
+fn fails_with(s: &mut Setup, messages: Vec<Message>, check: impl Fn(&HandoffError) -> bool) {
+    fails_with_others_holding(s, messages, check, 0);
+}
+
+/// As `fails_with`, while `others` decode pages are legitimately held elsewhere.
+fn fails_with_others_holding(
+    s: &mut Setup,
+    messages: Vec<Message>,
+    check: impl Fn(&HandoffError) -> bool,
+    others: usize,
+) {
+    for m in messages {
+        match s.receiver.handle(m) {
+            Outcome::Accepted | Outcome::Ignored => {}
+            Outcome::Failed { error, reply, .. } => {
+                assert!(check(&error), "unexpected failure: {error}");
+                assert!(matches!(
+                    reply,
+                    Some(Message::Reject {
+                        reason: RejectReason::Failed,
+                        ..
+                    })
+                ));
+                assert_eq!(s.receiver.in_flight(), 0);
+                assert_eq!(
+                    s.decode.stats().leased_pages,
+                    others,
+                    "I8: the reservation was not freed"
+                );
+                return;
+            }
+            Outcome::Committed(_) => panic!("committed despite the fault"),
+        }
+    }
+    panic!("the fault was not detected");
+}
+
+#[test]
+fn i3_a_chunk_with_a_stale_generation_is_rejected_and_counted() {
+    let mut s = setup();
+    let (mut messages, _) = chunks(&s);
+    if let Message::Chunk { page, .. } = &mut messages[1] {
+        page.generation = Generation(page.generation.0 - 1);
+    }
+    fails_with(&mut s, messages, |e| {
+        matches!(
+            e,
+            HandoffError::Pool(kvfence_pool::PoolError::StaleGeneration { .. })
+        )
+    });
+    assert_eq!(s.decode.stats().stale_writes_rejected, 1);
+}
+
+#[test]
+fn i3_a_chunk_for_a_page_outside_the_grant_is_rejected() {
+    let mut s = setup();
+    let other = s.decode.lease(RequestId(200), 4).unwrap();
+    let (mut messages, _) = chunks(&s);
+    if let Message::Chunk { page, .. } = &mut messages[0] {
+        *page = other.pages()[0];
+    }
+    fails_with_others_holding(
+        &mut s,
+        messages,
+        |e| matches!(e, HandoffError::ChunkOutsideGrant { .. }),
+        1,
+    );
+    assert!(
+        other.read_view::<f32>(1).is_err(),
+        "nothing landed in the other request's page"
+    );
+}
+
+#[test]
+fn i7_a_chunk_with_a_bad_checksum_is_rejected_and_counted() {
+    let mut s = setup();
+    let (mut messages, _) = chunks(&s);
+    if let Message::Chunk { bytes, .. } = &mut messages[2] {
+        bytes[5] ^= 0x40;
+    }
+    fails_with(&mut s, messages, |e| {
+        matches!(e, HandoffError::ChecksumMismatch { page: 2, .. })
+    });
+    assert_eq!(s.receiver.stats().checksum_failures, 1);
+}
+
+#[test]
+fn a_chunk_from_a_revoked_epoch_is_ignored_and_counted() {
+    let mut s = setup();
+    let (messages, proof) = chunks(&s);
+    let mut stale = messages[0].clone();
+    if let Message::Chunk { epoch, .. } = &mut stale {
+        *epoch = Epoch(epoch.0 + 1);
+    }
+    assert!(matches!(s.receiver.handle(stale), Outcome::Ignored));
+    assert_eq!(s.receiver.stats().stale_messages, 1);
+    for m in messages {
+        s.receiver.handle(m);
+    }
+    assert!(matches!(
+        s.receiver.handle(proof.done(1)),
+        Outcome::Committed(_)
+    ));
+}
+
+#[test]
+fn i5_the_incident_placeholder_done_with_fewer_tokens_fails_the_request() {
+    let mut s = setup();
+    // A prefill worker that "rejected" the prompt, wrote one token and
+    // claimed completion: the receiver must not commit.
+    let done = Message::Done {
+        id: ID,
+        epoch: s.grant.epoch,
+        tokens: 1,
+        digest: 0,
+        first_token: 9,
+    };
+    fails_with(&mut s, vec![done], |e| {
+        matches!(
+            e,
+            HandoffError::TokenCountMismatch {
+                claimed: 1,
+                granted: TOKENS,
+                ..
+            }
+        )
+    });
+}
+
+#[test]
+fn i7_done_before_every_page_arrived_fails() {
+    let mut s = setup();
+    let (mut messages, proof) = chunks(&s);
+    messages.remove(1);
+    messages.push(proof.done(3));
+    fails_with(&mut s, messages, |e| {
+        matches!(
+            e,
+            HandoffError::Incomplete {
+                missing: 1,
+                pages: 3,
+                ..
+            }
+        )
+    });
+}
+
+#[test]
+fn i7_a_wrong_digest_fails() {
+    let mut s = setup();
+    let (mut messages, proof) = chunks(&s);
+    let mut done = proof.done(3);
+    if let Message::Done { digest, .. } = &mut done {
+        *digest ^= 1;
+    }
+    messages.push(done);
+    fails_with(&mut s, messages, |e| {
+        matches!(e, HandoffError::DigestMismatch { .. })
+    });
+}
+
+#[test]
+fn i5_a_source_missing_tokens_cannot_produce_a_done() {
+    let s = setup();
+    let partial = written_source(&s.prefill, TOKENS - 1);
+    drop(s.source);
+    let err = send_kv(&s.grant, &partial, |_| {}).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            HandoffError::SourceIncomplete {
+                need: TOKENS,
+                have: 9,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn abort_frees_the_pages_at_once_and_late_chunks_are_ignored() {
+    let mut s = setup();
+    let (messages, proof) = chunks(&s);
+    s.receiver.handle(messages[0].clone());
+    let abort = s.receiver.abort(ID).unwrap();
+    assert!(matches!(abort, Message::Abort { id: ID, .. }));
+    assert_baseline(&s.decode);
+    for m in messages {
+        assert!(matches!(s.receiver.handle(m), Outcome::Ignored));
+    }
+    assert!(matches!(s.receiver.handle(proof.done(1)), Outcome::Ignored));
+    assert!(s.receiver.abort(ID).is_none());
+}
+
+#[test]
+fn a_reject_from_the_sender_fails_the_hand_off_and_frees_the_reservation() {
+    let mut s = setup();
+    let outcome = s.receiver.handle(wire(&Message::Reject {
+        id: ID,
+        reason: RejectReason::TooLong,
+    }));
+    assert!(matches!(
+        outcome,
+        Outcome::Failed {
+            error: HandoffError::Rejected {
+                reason: RejectReason::TooLong,
+                ..
+            },
+            reply: None,
+            ..
+        }
+    ));
+    assert_baseline(&s.decode);
+}
