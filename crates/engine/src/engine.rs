@@ -13,7 +13,7 @@ use tokio::sync::mpsc as tokio_mpsc;
 
 use crate::error::EngineError;
 use crate::request::{GenerationRequest, RequestHandle};
-use crate::scheduler::{Command, Pending, Scheduler};
+use crate::scheduler::{Command, Origin, Pending, Role, Scheduler};
 
 /// Scheduling limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +47,25 @@ pub(crate) struct Counters {
     pub(crate) prompt_tokens: AtomicU64,
     pub(crate) generated_tokens: AtomicU64,
     pub(crate) steps: AtomicU64,
+    pub(crate) handoffs_committed: AtomicU64,
+    pub(crate) handoffs_failed: AtomicU64,
+    pub(crate) handoff_stale_messages: AtomicU64,
+    pub(crate) handoff_checksum_failures: AtomicU64,
+    pub(crate) handoff_bytes: AtomicU64,
+}
+
+impl Counters {
+    /// Mirrors the receiver's totals, for metrics.
+    pub(crate) fn record_handoff(&self, stats: &kvfence_handoff::ReceiverStats) {
+        self.handoffs_committed
+            .store(stats.committed, Ordering::Relaxed);
+        self.handoffs_failed.store(stats.failed, Ordering::Relaxed);
+        self.handoff_stale_messages
+            .store(stats.stale_messages, Ordering::Relaxed);
+        self.handoff_checksum_failures
+            .store(stats.checksum_failures, Ordering::Relaxed);
+        self.handoff_bytes.store(stats.bytes, Ordering::Relaxed);
+    }
 }
 
 /// A snapshot of the engine's counters.
@@ -68,36 +87,133 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     /// Forward passes run.
     pub steps: u64,
+    /// Hand-offs committed (decode role).
+    pub handoffs_committed: u64,
+    /// Hand-offs failed (decode role).
+    pub handoffs_failed: u64,
+    /// Hand-off messages for revoked or unknown grants, dropped.
+    pub handoff_stale_messages: u64,
+    /// Hand-off chunks that failed their checksum.
+    pub handoff_checksum_failures: u64,
+    /// KV bytes received through hand-offs.
+    pub handoff_bytes: u64,
 }
 
-/// A running colocated worker.
+/// A worker: the scheduler(s) behind one client-facing queue.
 pub struct Engine {
     commands: mpsc::Sender<Command>,
     counters: Arc<Counters>,
     pool: Pool,
+    role: Role,
+    prefill: Option<Peer>,
     config: EngineConfig,
     next_id: AtomicU64,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// The prefill half of an in-process disaggregated pair.
+struct Peer {
+    commands: mpsc::Sender<Command>,
+    pool: Pool,
+}
+
+fn spawn(name: &str, scheduler: Scheduler) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || scheduler.run())
+        .expect("the OS can start a scheduler thread")
 }
 
 impl Engine {
-    /// Starts the scheduler thread over `model` and `pool`.
+    /// A colocated worker: one scheduler does prefill and decode over `pool`.
     pub fn start(model: Arc<LoadedModel>, pool: Pool, config: EngineConfig) -> Engine {
         let (commands, inbox) = mpsc::channel();
         let counters = Arc::new(Counters::default());
-        let scheduler = Scheduler::new(model, pool.clone(), config, Arc::clone(&counters), inbox);
-        let thread = std::thread::Builder::new()
-            .name("kvfence-scheduler".into())
-            .spawn(move || scheduler.run())
-            .expect("the OS can start the scheduler thread");
+        let scheduler = Scheduler::new(
+            Role::Colocated,
+            model,
+            pool.clone(),
+            config,
+            Arc::clone(&counters),
+            inbox,
+            None,
+        );
+        let thread = spawn("kvfence-colocated", scheduler);
         Engine {
             commands,
             counters,
             pool,
+            role: Role::Colocated,
+            prefill: None,
             config,
             next_id: AtomicU64::new(1),
-            thread: Some(thread),
+            threads: vec![thread],
         }
+    }
+
+    /// A disaggregated pair in one process: a prefill worker over
+    /// `prefill_pool` and a decode worker over `decode_pool`, joined by the
+    /// in-process transport. Every hand-off message crosses as an encoded
+    /// frame, so the codec's checks are on the path. Clients talk to the
+    /// decode worker, which reserves, grants, verifies and decodes.
+    pub fn start_disaggregated(
+        model: Arc<LoadedModel>,
+        prefill_pool: Pool,
+        decode_pool: Pool,
+        config: EngineConfig,
+    ) -> Engine {
+        let (decode_tx, decode_inbox) = mpsc::channel();
+        let (prefill_tx, prefill_inbox) = mpsc::channel();
+        let counters = Arc::new(Counters::default());
+        let prefill = Scheduler::new(
+            Role::Prefill,
+            Arc::clone(&model),
+            prefill_pool.clone(),
+            config,
+            Arc::new(Counters::default()),
+            prefill_inbox,
+            Some(decode_tx.clone()),
+        );
+        let decode = Scheduler::new(
+            Role::Decode,
+            model,
+            decode_pool.clone(),
+            config,
+            Arc::clone(&counters),
+            decode_inbox,
+            Some(prefill_tx.clone()),
+        );
+        let threads = vec![
+            spawn("kvfence-prefill", prefill),
+            spawn("kvfence-decode", decode),
+        ];
+        Engine {
+            commands: decode_tx,
+            counters,
+            pool: decode_pool,
+            role: Role::Decode,
+            prefill: Some(Peer {
+                commands: prefill_tx,
+                pool: prefill_pool,
+            }),
+            config,
+            next_id: AtomicU64::new(1),
+            threads,
+        }
+    }
+
+    /// The role facing clients: `Colocated` or `Decode`.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// Every worker's pool with its role (for metrics and capacity).
+    pub fn pools(&self) -> Vec<(Role, &Pool)> {
+        let mut pools = vec![(self.role, &self.pool)];
+        if let Some(peer) = &self.prefill {
+            pools.push((Role::Prefill, &peer.pool));
+        }
+        pools
     }
 
     /// Queues a request. Refused at once, holding nothing, if it can never
@@ -128,8 +244,10 @@ impl Engine {
         let pending = Pending {
             id,
             request,
-            events,
-            cancelled: Arc::clone(&cancelled),
+            origin: Origin::Client {
+                events,
+                cancelled: Arc::clone(&cancelled),
+            },
         };
         if self
             .commands
@@ -146,9 +264,12 @@ impl Engine {
     /// `ShuttingDown` failure and give their pages back; new ones are refused.
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
+        if let Some(peer) = &self.prefill {
+            let _ = peer.commands.send(Command::Shutdown);
+        }
     }
 
-    /// The worker's KV pool.
+    /// The client-facing worker's KV pool (colocated or decode).
     pub fn pool(&self) -> &Pool {
         &self.pool
     }
@@ -165,6 +286,11 @@ impl Engine {
             prompt_tokens: c.prompt_tokens.load(Ordering::Relaxed),
             generated_tokens: c.generated_tokens.load(Ordering::Relaxed),
             steps: c.steps.load(Ordering::Relaxed),
+            handoffs_committed: c.handoffs_committed.load(Ordering::Relaxed),
+            handoffs_failed: c.handoffs_failed.load(Ordering::Relaxed),
+            handoff_stale_messages: c.handoff_stale_messages.load(Ordering::Relaxed),
+            handoff_checksum_failures: c.handoff_checksum_failures.load(Ordering::Relaxed),
+            handoff_bytes: c.handoff_bytes.load(Ordering::Relaxed),
         }
     }
 }
@@ -173,8 +299,8 @@ impl Drop for Engine {
     /// Stops the scheduler: requests still queued or running get a
     /// `ShuttingDown` failure, and every lease is returned.
     fn drop(&mut self) {
-        let _ = self.commands.send(Command::Shutdown);
-        if let Some(thread) = self.thread.take() {
+        self.shutdown();
+        for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
     }

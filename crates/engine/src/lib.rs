@@ -18,4 +18,5 @@ mod text;
 pub use engine::{Engine, EngineConfig, EngineStats};
 pub use error::EngineError;
 pub use request::{Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage};
+pub use scheduler::Role;
 pub use text::{Pushed, TextStream};

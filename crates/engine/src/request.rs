@@ -53,6 +53,10 @@ pub struct Usage {
 pub enum FailureKind {
     /// The engine or model failed; nothing computed from unverified KV was sent (I7).
     Internal,
+    /// The request can never fit a worker's KV pool (I6).
+    TooLong,
+    /// A worker could not take the request now; retrying may succeed.
+    Unavailable,
     /// The engine stopped before the request finished.
     ShuttingDown,
 }

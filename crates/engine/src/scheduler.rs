@@ -1,18 +1,31 @@
-//! The scheduler loop: continuous batching over one model and one pool.
+//! The scheduler loop: continuous batching over one model and one pool, in
+//! one of three roles.
 //!
-//! Each step it (1) takes new requests and drops cancelled ones, (2) admits
-//! waiting requests whose whole reservation — prompt plus `max_tokens` —
-//! can be leased now (all or nothing, in arrival order), (3) builds one
-//! batch of every decoding request's next token plus prefill chunks up to the
-//! step's token budget, (4) runs it and streams the results. A request's
-//! lease lives inside its `Active` entry, so finishing, failing or cancelling
-//! the request is what returns its pages (I8).
+//! Each step it (1) takes commands — new requests, prefill orders, hand-off
+//! frames — and drops cancelled requests, (2) admits waiting requests whose
+//! whole reservation can be leased now (all or nothing, arrival order), (3)
+//! builds one batch of every decoding request's next token plus prefill
+//! chunks up to the step's token budget, (4) runs it and acts on the results.
+//!
+//! - **Colocated**: does both phases; a request's reservation is prompt plus
+//!   `max_tokens`.
+//! - **Decode**: reserves prompt plus `max_tokens`, grants the prompt's pages
+//!   to the prefill worker through the hand-off [`Receiver`], and decodes only
+//!   after the receiver commits (I2, I7). Until then the lease is the
+//!   receiver's, not the batch's.
+//! - **Prefill**: fills a grant. It leases the prompt only, prefills, samples
+//!   the first token, ships the KV with [`send_kv`] and a `Done` built from
+//!   its proof (I5), and answers `Reject` when it cannot.
+//!
+//! A request's lease lives inside its `Active` entry (or the receiver), so
+//! finishing, failing or cancelling it is what returns its pages (I8).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
+use kvfence_handoff::{Grant, HandoffId, Message, Outcome, Receiver, RejectReason, send_kv};
 use kvfence_model::{LoadedModel, Logits, Sampler, Sequence};
 use kvfence_pool::{Lease, Pool, PoolError, RequestId};
 use tokio::sync::mpsc as tokio_mpsc;
@@ -22,29 +35,89 @@ use crate::engine::{Counters, EngineConfig};
 use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, Usage};
 use crate::text::TextStream;
 
+/// What a scheduler does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Prefill and decode on one worker.
+    Colocated,
+    /// Prefill only; KV goes to a decode worker.
+    Prefill,
+    /// Decode only; KV comes from a prefill worker.
+    Decode,
+}
+
+impl Role {
+    /// The label used in metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Role::Colocated => "colocated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
 pub(crate) enum Command {
+    /// A client request (colocated, decode).
     Submit(Box<Pending>),
+    /// A grant to fill, with the prompt it is for (prefill).
+    Prefill(Box<PrefillOrder>),
+    /// One hand-off frame from the peer worker.
+    Frame(Vec<u8>),
     Shutdown,
+}
+
+/// What a decode worker asks of a prefill worker.
+pub(crate) struct PrefillOrder {
+    /// The `Grant` frame.
+    pub(crate) grant: Vec<u8>,
+    pub(crate) request: GenerationRequest,
+}
+
+/// Who is waiting for a request's results.
+pub(crate) enum Origin {
+    /// A client, through its `RequestHandle`.
+    Client {
+        events: tokio_mpsc::UnboundedSender<Event>,
+        cancelled: Arc<AtomicBool>,
+    },
+    /// A decode worker, through a grant (prefill role).
+    Handoff { grant: Grant, aborted: bool },
 }
 
 /// A request waiting for pages.
 pub(crate) struct Pending {
     pub(crate) id: RequestId,
     pub(crate) request: GenerationRequest,
-    pub(crate) events: tokio_mpsc::UnboundedSender<Event>,
-    pub(crate) cancelled: Arc<AtomicBool>,
+    pub(crate) origin: Origin,
 }
 
 impl Pending {
     fn is_cancelled(&self) -> bool {
-        self.cancelled.load(Ordering::Acquire) || self.events.is_closed()
+        match &self.origin {
+            Origin::Client { events, cancelled } => {
+                cancelled.load(Ordering::Acquire) || events.is_closed()
+            }
+            Origin::Handoff { aborted, .. } => *aborted,
+        }
+    }
+
+    fn send(&self, event: Event) {
+        if let Origin::Client { events, .. } = &self.origin {
+            let _ = events.send(event);
+        }
+    }
+
+    fn handoff_id(&self) -> HandoffId {
+        HandoffId(self.id.0)
     }
 }
 
 /// A request holding pages.
 struct Active {
     pending: Pending,
-    lease: Lease,
+    /// `None` while a decode worker waits for the hand-off to commit.
+    lease: Option<Lease>,
     sampler: Sampler,
     text: TextStream,
     /// Prompt tokens already in the KV cache.
@@ -66,12 +139,24 @@ struct Work {
     logits: Logits,
 }
 
+/// How a request ended.
+enum End {
+    Finished(Event),
+    Failed(FailureKind, String),
+    /// A prefill worker shipped the KV; nothing more to do here.
+    Shipped,
+}
+
 pub(crate) struct Scheduler {
+    role: Role,
     model: Arc<LoadedModel>,
     pool: Pool,
     config: EngineConfig,
     counters: Arc<Counters>,
     inbox: mpsc::Receiver<Command>,
+    /// The other worker of a disaggregated pair.
+    peer: Option<mpsc::Sender<Command>>,
+    receiver: Receiver,
     waiting: VecDeque<Pending>,
     active: Vec<Active>,
     stopping: bool,
@@ -79,18 +164,23 @@ pub(crate) struct Scheduler {
 
 impl Scheduler {
     pub(crate) fn new(
+        role: Role,
         model: Arc<LoadedModel>,
         pool: Pool,
         config: EngineConfig,
         counters: Arc<Counters>,
         inbox: mpsc::Receiver<Command>,
+        peer: Option<mpsc::Sender<Command>>,
     ) -> Self {
         Scheduler {
+            role,
             model,
             pool,
             config,
             counters,
             inbox,
+            peer,
+            receiver: Receiver::new(),
             waiting: VecDeque::new(),
             active: Vec::new(),
             stopping: false,
@@ -102,7 +192,7 @@ impl Scheduler {
             self.receive();
             self.drop_cancelled();
             self.admit();
-            if !self.active.is_empty() {
+            if self.active.iter().any(|a| a.lease.is_some()) {
                 self.step();
             }
         }
@@ -110,11 +200,9 @@ impl Scheduler {
     }
 
     fn receive(&mut self) {
-        let idle = self.active.is_empty();
+        let idle = !self.active.iter().any(|a| a.lease.is_some());
         if idle {
-            // Nothing to compute: sleep until a command arrives. With
-            // requests waiting but none admitted, pages are held by nobody
-            // and a new arrival or shutdown is the only thing that helps.
+            // Nothing to compute: sleep until a command arrives.
             match self.inbox.recv() {
                 Ok(command) => self.handle(command),
                 Err(_) => self.stopping = true,
@@ -128,8 +216,140 @@ impl Scheduler {
     fn handle(&mut self, command: Command) {
         match command {
             Command::Submit(pending) => self.waiting.push_back(*pending),
+            Command::Prefill(order) => self.take_order(*order),
+            Command::Frame(frame) => self.take_frame(&frame),
             Command::Shutdown => self.stopping = true,
         }
+    }
+
+    fn to_peer(&self, message: &Message) {
+        if let Some(peer) = &self.peer {
+            let _ = peer.send(Command::Frame(message.to_frame()));
+        }
+    }
+
+    /// Prefill role: queue a grant to fill, or reject it at once.
+    fn take_order(&mut self, order: PrefillOrder) {
+        let grant = match Message::decode(&order.grant) {
+            Ok(Some((message, _))) => Grant::from_message(&message),
+            _ => None,
+        };
+        let Some(grant) = grant else {
+            warn!("malformed prefill order dropped");
+            return;
+        };
+        let needed = order.request.prompt.len();
+        let reject = if needed != grant.tokens {
+            Some(RejectReason::Failed)
+        } else if needed > self.pool.capacity_tokens() {
+            // Defence in depth (I6): the router should never have sent it.
+            Some(RejectReason::TooLong)
+        } else {
+            None
+        };
+        if let Some(reason) = reject {
+            self.to_peer(&Message::Reject {
+                id: grant.id,
+                reason,
+            });
+            return;
+        }
+        let id = RequestId(grant.id.0);
+        self.counters.queued.fetch_add(1, Ordering::AcqRel);
+        self.waiting.push_back(Pending {
+            id,
+            request: order.request,
+            origin: Origin::Handoff {
+                grant,
+                aborted: false,
+            },
+        });
+    }
+
+    /// A hand-off frame from the peer.
+    fn take_frame(&mut self, frame: &[u8]) {
+        let message = match Message::decode(frame) {
+            Ok(Some((message, _))) => message,
+            Ok(None) | Err(_) => {
+                warn!("malformed hand-off frame dropped");
+                return;
+            }
+        };
+        match self.role {
+            Role::Prefill => {
+                if let Message::Abort { id, epoch } = message {
+                    self.abort_order(id);
+                    // Two-sided transport: nothing of ours can land after this.
+                    self.to_peer(&Message::AbortAck { id, epoch });
+                }
+            }
+            Role::Decode => self.receive_kv(message),
+            Role::Colocated => {}
+        }
+    }
+
+    fn abort_order(&mut self, id: HandoffId) {
+        for pending in self
+            .waiting
+            .iter_mut()
+            .chain(self.active.iter_mut().map(|a| &mut a.pending))
+        {
+            if let Origin::Handoff { grant, aborted } = &mut pending.origin
+                && grant.id == id
+            {
+                *aborted = true;
+            }
+        }
+    }
+
+    /// Decode role: one message for the receiver.
+    fn receive_kv(&mut self, message: Message) {
+        let outcome = self.receiver.handle(message);
+        self.counters.record_handoff(&self.receiver.stats());
+        match outcome {
+            Outcome::Accepted | Outcome::Ignored => {}
+            Outcome::Committed(committed) => {
+                let Some(index) = self.position(RequestId(committed.id().0)) else {
+                    return;
+                };
+                let first_token = committed.first_token();
+                let active = &mut self.active[index];
+                active.prefilled = committed.tokens();
+                active.lease = Some(committed.into_lease());
+                active.sampler.resume_after(1);
+                self.counters
+                    .prompt_tokens
+                    .fetch_add(active.prefilled as u64, Ordering::Relaxed);
+                if let Some(end) = self.accept(index, first_token) {
+                    self.end(index, end);
+                }
+            }
+            Outcome::Failed { id, error, reply } => {
+                if let Some(reply) = reply {
+                    self.to_peer(&reply);
+                }
+                let Some(index) = self.position(RequestId(id.0)) else {
+                    return;
+                };
+                let kind = match error {
+                    kvfence_handoff::HandoffError::Rejected {
+                        reason: RejectReason::TooLong,
+                        ..
+                    } => FailureKind::TooLong,
+                    kvfence_handoff::HandoffError::Rejected {
+                        reason: RejectReason::Busy,
+                        ..
+                    } => FailureKind::Unavailable,
+                    _ => FailureKind::Internal,
+                };
+                warn!(request = %RequestId(id.0), %error, "hand-off failed");
+                self.end(index, End::Failed(kind, error.to_string()));
+            }
+        }
+    }
+
+    fn position(&self, id: RequestId) -> Option<usize> {
+        self.active.iter().position(|a| a.pending.id == id)
     }
 
     fn drop_cancelled(&mut self) {
@@ -139,9 +359,19 @@ impl Scheduler {
         self.counters
             .queued
             .fetch_sub(dropped_waiting, Ordering::AcqRel);
-        let before = self.active.len();
-        self.active.retain(|a| !a.pending.is_cancelled());
-        let dropped_active = before - self.active.len();
+        let mut dropped_active = 0;
+        for index in (0..self.active.len()).rev() {
+            if self.active[index].pending.is_cancelled() {
+                let active = self.active.swap_remove(index);
+                if active.lease.is_none()
+                    && let Some(abort) = self.receiver.abort(active.pending.handoff_id())
+                {
+                    // The reservation is freed now; tell prefill to stop.
+                    self.to_peer(&abort);
+                }
+                dropped_active += 1;
+            }
+        }
         self.counters
             .running
             .fetch_sub(dropped_active, Ordering::AcqRel);
@@ -154,19 +384,30 @@ impl Scheduler {
         }
     }
 
+    /// Tokens of KV a request reserves on this worker.
+    fn reservation(&self, request: &GenerationRequest) -> usize {
+        match self.role {
+            Role::Prefill => request.prompt.len(),
+            Role::Colocated | Role::Decode => request.kv_tokens(),
+        }
+    }
+
     fn admit(&mut self) {
         while self.active.len() < self.config.max_running {
             let Some(pending) = self.waiting.front() else {
                 break;
             };
-            let lease = match self.pool.lease(pending.id, pending.request.kv_tokens()) {
+            let lease = match self
+                .pool
+                .lease(pending.id, self.reservation(&pending.request))
+            {
                 Ok(lease) => lease,
                 // Pages will come back as running requests end; keep order.
                 Err(PoolError::Exhausted { .. }) => break,
                 Err(error) => {
                     let pending = self.waiting.pop_front().expect("front exists");
                     self.counters.queued.fetch_sub(1, Ordering::AcqRel);
-                    self.fail(&pending, error.to_string());
+                    self.refuse(&pending, FailureKind::TooLong, error.to_string());
                     continue;
                 }
             };
@@ -175,9 +416,24 @@ impl Scheduler {
             let sampler = match Sampler::new(pending.request.sampling) {
                 Ok(sampler) => sampler,
                 Err(error) => {
-                    self.fail(&pending, error.to_string());
+                    self.refuse(&pending, FailureKind::Internal, error.to_string());
                     continue;
                 }
+            };
+            let lease = if self.role == Role::Decode {
+                let prompt = pending.request.prompt.len();
+                match self.receiver.grant(pending.handoff_id(), lease, prompt) {
+                    Ok(grant) => {
+                        self.send_order(grant, &pending.request);
+                        None
+                    }
+                    Err(error) => {
+                        self.refuse(&pending, FailureKind::Internal, error.to_string());
+                        continue;
+                    }
+                }
+            } else {
+                Some(lease)
             };
             let text = TextStream::new(pending.request.stop.clone());
             self.counters.running.fetch_add(1, Ordering::AcqRel);
@@ -192,13 +448,23 @@ impl Scheduler {
         }
     }
 
+    fn send_order(&self, grant: Message, request: &GenerationRequest) {
+        if let Some(peer) = &self.peer {
+            let order = PrefillOrder {
+                grant: grant.to_frame(),
+                request: request.clone(),
+            };
+            let _ = peer.send(Command::Prefill(Box::new(order)));
+        }
+    }
+
     /// Decode tokens first (one per decoding request), then prefill chunks in
     /// admission order with what is left of the budget. Prefill always gets
     /// some room so a full decode batch cannot starve new requests.
     fn plan(&self) -> Vec<Work> {
         let mut work = Vec::new();
         for (index, a) in self.active.iter().enumerate() {
-            if a.prefill_done() {
+            if a.lease.is_some() && a.prefill_done() {
                 let last = *a
                     .generated
                     .last()
@@ -214,7 +480,7 @@ impl Scheduler {
         }
         let mut budget = self.config.step_tokens.saturating_sub(work.len()).max(16);
         for (index, a) in self.active.iter().enumerate() {
-            if a.prefill_done() || budget == 0 {
+            if a.lease.is_none() || a.prefill_done() || budget == 0 {
                 continue;
             }
             let prompt = &a.pending.request.prompt;
@@ -238,15 +504,18 @@ impl Scheduler {
 
     fn step(&mut self) {
         let work = self.plan();
+        if work.is_empty() {
+            return;
+        }
         let result = {
             let mut leases: Vec<Option<&mut Lease>> =
-                self.active.iter_mut().map(|a| Some(&mut a.lease)).collect();
+                self.active.iter_mut().map(|a| a.lease.as_mut()).collect();
             let mut batch: Vec<Sequence<'_>> = work
                 .iter()
                 .map(|w| Sequence {
                     lease: leases[w.index]
                         .take()
-                        .expect("one piece of work per request per step"),
+                        .expect("planned work has a lease, one piece per request"),
                     past: w.past,
                     tokens: &w.tokens,
                     logits: w.logits,
@@ -255,62 +524,112 @@ impl Scheduler {
             self.model.model.forward(&mut batch)
         };
         self.counters.steps.fetch_add(1, Ordering::Relaxed);
-        let rows = match result {
-            Ok(rows) => rows,
+        let mut ended: Vec<(usize, End)> = Vec::new();
+        match result {
+            Ok(rows) => {
+                for (w, row) in work.iter().zip(rows) {
+                    let active = &mut self.active[w.index];
+                    if !active.prefill_done() {
+                        active.prefilled += w.tokens.len();
+                        self.counters
+                            .prompt_tokens
+                            .fetch_add(w.tokens.len() as u64, Ordering::Relaxed);
+                    }
+                    if w.logits == Logits::Last
+                        && let Some(end) = self.advance(w.index, &row)
+                    {
+                        ended.push((w.index, end));
+                    }
+                }
+            }
             Err(error) => {
                 // Fail closed (I7): every request in the batch ends with an
                 // error and no token from this step.
                 warn!(%error, requests = work.len(), "forward pass failed");
-                let mut failed: Vec<usize> = work.iter().map(|w| w.index).collect();
-                failed.sort_unstable();
-                for &index in failed.iter().rev() {
-                    let active = self.active.swap_remove(index);
-                    self.counters.running.fetch_sub(1, Ordering::AcqRel);
-                    self.fail(&active.pending, error.to_string());
-                }
-                return;
-            }
-        };
-        let mut finished = Vec::new();
-        for (w, row) in work.iter().zip(rows) {
-            let active = &mut self.active[w.index];
-            if !active.prefill_done() {
-                active.prefilled += w.tokens.len();
-                self.counters
-                    .prompt_tokens
-                    .fetch_add(w.tokens.len() as u64, Ordering::Relaxed);
-            }
-            if w.logits == Logits::Last {
-                if let Some(outcome) = self.advance(w.index, &row) {
-                    finished.push((w.index, outcome));
-                }
+                ended = work
+                    .iter()
+                    .map(|w| {
+                        (
+                            w.index,
+                            End::Failed(FailureKind::Internal, error.to_string()),
+                        )
+                    })
+                    .collect();
             }
         }
-        finished.sort_unstable_by_key(|(index, _)| *index);
-        for (index, outcome) in finished.into_iter().rev() {
-            let active = self.active.swap_remove(index);
-            self.counters.running.fetch_sub(1, Ordering::AcqRel);
-            match outcome {
-                Ok(event) => {
-                    self.counters.finished.fetch_add(1, Ordering::Relaxed);
-                    let _ = active.pending.events.send(event);
-                }
-                Err(message) => self.fail(&active.pending, message),
-            }
-            // `active` drops here, and with it the lease (I8).
+        ended.sort_unstable_by_key(|(index, _)| *index);
+        for (index, end) in ended.into_iter().rev() {
+            self.end(index, end);
         }
     }
 
-    /// Samples the next token of one request and streams it. Returns the
-    /// closing event when the request is done.
-    fn advance(&mut self, index: usize, logits: &[f32]) -> Option<Result<Event, String>> {
+    /// Removes request `index`, dropping its lease (I8), and tells whoever waits.
+    fn end(&mut self, index: usize, end: End) {
+        let active = self.active.swap_remove(index);
+        self.counters.running.fetch_sub(1, Ordering::AcqRel);
+        match end {
+            End::Finished(event) => {
+                self.counters.finished.fetch_add(1, Ordering::Relaxed);
+                active.pending.send(event);
+            }
+            End::Failed(kind, message) => self.refuse(&active.pending, kind, message),
+            End::Shipped => {
+                self.counters.finished.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn refuse(&self, pending: &Pending, kind: FailureKind, message: String) {
+        self.counters.failed.fetch_add(1, Ordering::Relaxed);
+        match &pending.origin {
+            Origin::Client { .. } => pending.send(Event::Failed { kind, message }),
+            Origin::Handoff { grant, .. } => {
+                let reason = if kind == FailureKind::TooLong {
+                    RejectReason::TooLong
+                } else {
+                    RejectReason::Failed
+                };
+                self.to_peer(&Message::Reject {
+                    id: grant.id,
+                    reason,
+                });
+            }
+        }
+    }
+
+    /// Samples the next token of one request and acts on it.
+    fn advance(&mut self, index: usize, logits: &[f32]) -> Option<End> {
+        let token = match self.active[index].sampler.sample(logits) {
+            Ok(token) => token,
+            Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
+        };
+        if let Origin::Handoff { grant, .. } = &self.active[index].pending.origin {
+            return Some(self.ship(index, grant.clone(), token));
+        }
+        self.accept(index, token)
+    }
+
+    /// Prefill role: send the prompt's KV and the first token to decode.
+    fn ship(&self, index: usize, grant: Grant, first_token: u32) -> End {
+        let lease = self.active[index]
+            .lease
+            .as_ref()
+            .expect("a prefilled request holds its lease");
+        match send_kv(&grant, lease, |chunk| self.to_peer(&chunk)) {
+            Ok(proof) => {
+                self.to_peer(&proof.done(first_token));
+                End::Shipped
+            }
+            Err(error) => End::Failed(FailureKind::Internal, error.to_string()),
+        }
+    }
+
+    /// Records a generated token, streams its text, and says whether the
+    /// request is done.
+    fn accept(&mut self, index: usize, token: u32) -> Option<End> {
         let eos = &self.model.model.config().eos_token_ids;
         let tokenizer = &self.model.tokenizer;
         let active = &mut self.active[index];
-        let token = match active.sampler.sample(logits) {
-            Ok(token) => token,
-            Err(error) => return Some(Err(error.to_string())),
-        };
         active.generated.push(token);
         self.counters
             .generated_tokens
@@ -320,66 +639,60 @@ impl Scheduler {
             prompt_tokens: request.prompt.len(),
             completion_tokens: active.generated.len(),
         };
-        let finish = |reason| Some(Ok(Event::Finished { reason, usage }));
-        if !request.ignore_eos && eos.contains(&token) {
-            return match active.text.flush(tokenizer) {
-                Ok(rest) => {
-                    let _ = active.pending.events.send(Event::Token { text: rest });
-                    finish(FinishReason::Stop)
+        let finish = |reason| Some(End::Finished(Event::Finished { reason, usage }));
+        let flush = |active: &mut Active| match active.text.flush(tokenizer) {
+            Ok(rest) => {
+                if !rest.is_empty() {
+                    active.pending.send(Event::Token { text: rest });
                 }
-                Err(error) => Some(Err(error.to_string())),
-            };
+                None
+            }
+            Err(error) => Some(End::Failed(FailureKind::Internal, error.to_string())),
+        };
+        if !request.ignore_eos && eos.contains(&token) {
+            active.pending.send(Event::Token {
+                text: String::new(),
+            });
+            return flush(active).or_else(|| finish(FinishReason::Stop));
         }
         let pushed = match active.text.push(tokenizer, token) {
             Ok(pushed) => pushed,
-            Err(error) => return Some(Err(error.to_string())),
+            Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
         };
-        let _ = active
-            .pending
-            .events
-            .send(Event::Token { text: pushed.delta });
+        active.pending.send(Event::Token { text: pushed.delta });
         if pushed.stopped {
             return finish(FinishReason::Stop);
         }
-        if active.generated.len() == request.max_tokens {
-            return match active.text.flush(tokenizer) {
-                Ok(rest) => {
-                    if !rest.is_empty() {
-                        let _ = active.pending.events.send(Event::Token { text: rest });
-                    }
-                    finish(FinishReason::Length)
-                }
-                Err(error) => Some(Err(error.to_string())),
-            };
+        if active.generated.len() == active.pending.request.max_tokens {
+            return flush(active).or_else(|| finish(FinishReason::Length));
         }
         None
     }
 
-    fn fail(&self, pending: &Pending, message: String) {
-        self.counters.failed.fetch_add(1, Ordering::Relaxed);
-        let _ = pending.events.send(Event::Failed {
-            kind: FailureKind::Internal,
-            message,
-        });
-    }
-
     fn fail_everything(&mut self) {
-        let shutting_down = || Event::Failed {
-            kind: FailureKind::ShuttingDown,
-            message: "the server is shutting down".into(),
+        let reason = || {
+            (
+                FailureKind::ShuttingDown,
+                "the server is shutting down".to_string(),
+            )
         };
-        for pending in self.waiting.drain(..) {
+        for pending in std::mem::take(&mut self.waiting) {
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
-            let _ = pending.events.send(shutting_down());
+            let (kind, message) = reason();
+            self.refuse(&pending, kind, message);
         }
-        for active in self.active.drain(..) {
+        for active in std::mem::take(&mut self.active) {
             self.counters.running.fetch_sub(1, Ordering::AcqRel);
-            let _ = active.pending.events.send(shutting_down());
+            let (kind, message) = reason();
+            self.refuse(&active.pending, kind, message);
         }
         // Commands that raced the shutdown.
-        while let Ok(Command::Submit(pending)) = self.inbox.try_recv() {
-            self.counters.queued.fetch_sub(1, Ordering::AcqRel);
-            let _ = pending.events.send(shutting_down());
+        while let Ok(command) = self.inbox.try_recv() {
+            if let Command::Submit(pending) = command {
+                self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+                let (kind, message) = reason();
+                self.refuse(&pending, kind, message);
+            }
         }
     }
 }

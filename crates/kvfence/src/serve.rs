@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use kvfence_engine::{Engine, EngineConfig};
 use kvfence_model::LoadedModel;
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
@@ -30,9 +30,18 @@ pub(crate) struct ServeArgs {
     /// one unauthenticated tenant, loopback only.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Tokens of KV cache to allocate (rounded up to whole pages).
+    /// How prefill and decode run: on separate workers joined by the fenced
+    /// KV hand-off (in one process), or on one worker.
+    #[arg(long, value_enum, default_value_t = Mode::Disaggregated)]
+    mode: Mode,
+    /// Tokens of KV cache for the decode (or colocated) worker, rounded up
+    /// to whole pages.
     #[arg(long, default_value_t = 16384)]
     kv_pool_tokens: usize,
+    /// Tokens of KV cache for the prefill worker (disaggregated mode);
+    /// defaults to --kv-pool-tokens. The advertised context is the smallest pool's.
+    #[arg(long)]
+    prefill_pool_tokens: Option<usize>,
     /// Token slots per KV page.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
@@ -61,6 +70,14 @@ pub(crate) struct ServeArgs {
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Prefill and decode workers with a fenced KV hand-off between them.
+    Disaggregated,
+    /// One worker does both phases.
+    Colocated,
 }
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -100,16 +117,32 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
 
-    let spec = PoolSpec::new(
-        model.model.kv_shape(),
-        args.page_size,
-        ElemType::F32,
-        PoolSize::Tokens(args.kv_pool_tokens),
-    );
-    let pool = Pool::new(&spec).context("allocating the KV pool")?;
+    let pool_of = |tokens: usize| {
+        let kv = model.model.kv_shape();
+        let spec = PoolSpec::new(kv, args.page_size, ElemType::F32, PoolSize::Tokens(tokens));
+        Pool::new(&spec).context("allocating a KV pool")
+    };
+    let config = EngineConfig {
+        max_running: args.max_running,
+        max_queue: args.max_queue,
+        step_tokens: args.step_tokens,
+    };
+    let engine = match args.mode {
+        Mode::Colocated => Engine::start(Arc::clone(&model), pool_of(args.kv_pool_tokens)?, config),
+        Mode::Disaggregated => {
+            let prefill = pool_of(args.prefill_pool_tokens.unwrap_or(args.kv_pool_tokens))?;
+            let decode = pool_of(args.kv_pool_tokens)?;
+            Engine::start_disaggregated(Arc::clone(&model), prefill, decode, config)
+        }
+    };
+    let pools: Vec<(&'static str, usize)> = engine
+        .pools()
+        .iter()
+        .map(|(role, pool)| (role.label(), pool.capacity_tokens()))
+        .collect();
     let capacity = Capacity::compute(
         model.model.config().max_position_embeddings,
-        pool.capacity_tokens(),
+        &pools,
         args.max_context,
         args.clamp_context,
     )?;
@@ -117,29 +150,28 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         warn!(
             configured = capacity.configured,
             max_context = capacity.max_context,
-            "--max-context exceeds the real capacity; CLAMPED to what the pool and model hold"
+            "--max-context exceeds the real capacity; CLAMPED to what the pools and model hold"
+        );
+    }
+    for (role, pool) in engine.pools() {
+        info!(
+            role = role.label(),
+            tokens = pool.capacity_tokens(),
+            bytes = pool.geometry().capacity_bytes(),
+            "KV pool allocated"
         );
     }
     info!(
-        pool_tokens = capacity.pool_tokens,
-        pool_bytes = pool.geometry().capacity_bytes(),
+        mode = ?args.mode,
         model_limit = capacity.model_limit,
         max_context = capacity.max_context,
-        "KV pool allocated"
+        bound_by = capacity.pool_role,
+        "context limit computed from the real pools"
     );
     if tenants.is_local() {
         info!("local mode: no --config, one unauthenticated tenant, loopback only");
     }
 
-    let engine = Engine::start(
-        Arc::clone(&model),
-        pool,
-        EngineConfig {
-            max_running: args.max_running,
-            max_queue: args.max_queue,
-            step_tokens: args.step_tokens,
-        },
-    );
     let model_id = args
         .served_model_name
         .clone()

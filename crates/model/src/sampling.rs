@@ -49,21 +49,26 @@ impl SamplingParams {
     }
 }
 
-/// A request's token picker, holding its seeded random stream.
+/// A request's token picker. The draw for the request's `n`-th token comes
+/// from its own ChaCha stream `(seed, n)`, so the tokens do not depend on
+/// which worker samples them: a prefill worker can sample the first and a
+/// decode worker the rest, and the output equals one worker doing both.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
-    rng: ChaCha8Rng,
+    index: u64,
 }
 
 impl Sampler {
     /// A sampler for validated `params`.
     pub fn new(params: SamplingParams) -> Result<Sampler, ModelError> {
         params.validate()?;
-        Ok(Sampler {
-            params,
-            rng: ChaCha8Rng::seed_from_u64(params.seed),
-        })
+        Ok(Sampler { params, index: 0 })
+    }
+
+    /// Continues a request whose first `n` tokens were sampled elsewhere.
+    pub fn resume_after(&mut self, n: u64) {
+        self.index = n;
     }
 
     /// Picks the next token from one row of logits.
@@ -71,6 +76,8 @@ impl Sampler {
         if logits.is_empty() || logits.iter().any(|l| !l.is_finite()) {
             return Err(ModelError::NonFiniteLogits);
         }
+        let index = self.index;
+        self.index += 1;
         if self.params.temperature == 0.0 || self.params.top_k == 1 {
             return Ok(argmax(logits));
         }
@@ -97,7 +104,9 @@ impl Sampler {
             }
         }
         let kept: f32 = probs[..keep].iter().sum();
-        let mut draw = self.rng.random::<f32>() * kept;
+        let mut rng = ChaCha8Rng::seed_from_u64(self.params.seed);
+        rng.set_stream(index);
+        let mut draw = rng.random::<f32>() * kept;
         for (i, p) in probs[..keep].iter().enumerate() {
             if draw < *p {
                 return Ok(ranked[i].0);
@@ -191,6 +200,17 @@ mod tests {
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn resuming_after_n_tokens_continues_the_same_sequence() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut whole = Sampler::new(params(0.9, 0, 0.95, 3)).unwrap();
+        let all: Vec<u32> = (0..10).map(|_| whole.sample(&logits).unwrap()).collect();
+        let mut rest = Sampler::new(params(0.9, 0, 0.95, 3)).unwrap();
+        rest.resume_after(4);
+        let tail: Vec<u32> = (0..6).map(|_| rest.sample(&logits).unwrap()).collect();
+        assert_eq!(tail, all[4..]);
     }
 
     #[test]

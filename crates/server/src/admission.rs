@@ -8,8 +8,10 @@ use crate::error::ServerError;
 pub struct Capacity {
     /// The model's own limit (`max_position_embeddings`).
     pub model_limit: usize,
-    /// Tokens the KV pool really holds.
+    /// Tokens the smallest worker pool really holds.
     pub pool_tokens: usize,
+    /// Which worker's pool that is.
+    pub pool_role: &'static str,
     /// `--max-context`, if given.
     pub configured: Option<usize>,
     /// What is advertised and enforced: the minimum of the above.
@@ -19,20 +21,26 @@ pub struct Capacity {
 }
 
 impl Capacity {
-    /// `min(model limit, --max-context, pool capacity)`. A `--max-context`
-    /// above the real limit is an error unless `clamp` allows lowering it.
+    /// `min(model limit, --max-context, every worker's pool)`: a request
+    /// must fit prefill's pool *and* decode's. A `--max-context` above the
+    /// real limit is an error unless `clamp` allows lowering it.
     pub fn compute(
         model_limit: usize,
-        pool_tokens: usize,
+        pools: &[(&'static str, usize)],
         configured: Option<usize>,
         clamp: bool,
     ) -> Result<Capacity, ServerError> {
+        let (pool_role, pool_tokens) = pools
+            .iter()
+            .copied()
+            .min_by_key(|(_, tokens)| *tokens)
+            .unwrap_or(("none", 0));
         let real = model_limit.min(pool_tokens);
         let (max_context, clamped) = match configured {
             Some(asked) if asked > real => {
                 if !clamp {
                     let why = if pool_tokens < model_limit {
-                        format!("the KV pool holds {pool_tokens} tokens")
+                        format!("the {pool_role} KV pool holds {pool_tokens} tokens")
                     } else {
                         format!("the model supports {model_limit} positions")
                     };
@@ -50,6 +58,7 @@ impl Capacity {
         Ok(Capacity {
             model_limit,
             pool_tokens,
+            pool_role,
             configured,
             max_context,
             clamped,
@@ -63,35 +72,41 @@ mod tests {
 
     #[test]
     fn i6_effective_context_is_the_minimum_of_model_flag_and_pool() {
-        assert_eq!(
-            Capacity::compute(4096, 1000, None, false)
+        let max = |model, pool, flag| {
+            Capacity::compute(model, &[("colocated", pool)], flag, false)
                 .unwrap()
-                .max_context,
-            1000
-        );
+                .max_context
+        };
+        assert_eq!(max(4096, 1000, None), 1000);
+        assert_eq!(max(4096, 9000, None), 4096);
+        assert_eq!(max(4096, 9000, Some(2000)), 2000);
+    }
+
+    #[test]
+    fn i6_the_smallest_worker_pool_bounds_the_context() {
+        // The incident's numbers: the model advertised 1,048,576 tokens and
+        // the prefill pool held 681,280.
+        let pools = [("decode", 1_048_576), ("prefill", 681_280)];
+        let capacity = Capacity::compute(1_048_576, &pools, None, false).unwrap();
         assert_eq!(
-            Capacity::compute(4096, 9000, None, false)
-                .unwrap()
-                .max_context,
-            4096
-        );
-        assert_eq!(
-            Capacity::compute(4096, 9000, Some(2000), false)
-                .unwrap()
-                .max_context,
-            2000
+            (capacity.max_context, capacity.pool_role),
+            (681_280, "prefill")
         );
     }
 
     #[test]
-    fn i6_a_flag_beyond_the_pool_stops_start_up_unless_clamped() {
-        let err = Capacity::compute(1_048_576, 681_280, Some(1_048_576), false).unwrap_err();
+    fn i6_a_flag_beyond_the_pools_stops_start_up_unless_clamped() {
+        let pools = [("decode", 2_000_000), ("prefill", 681_280)];
+        let err = Capacity::compute(1_048_576, &pools, Some(1_048_576), false).unwrap_err();
         let msg = err.to_string();
         assert!(
-            msg.contains("1048576") && msg.contains("681280") && msg.contains("--clamp-context"),
+            msg.contains("1048576")
+                && msg.contains("681280")
+                && msg.contains("prefill")
+                && msg.contains("--clamp-context"),
             "{msg}"
         );
-        let clamped = Capacity::compute(1_048_576, 681_280, Some(1_048_576), true).unwrap();
+        let clamped = Capacity::compute(1_048_576, &pools, Some(1_048_576), true).unwrap();
         assert_eq!((clamped.max_context, clamped.clamped), (681_280, true));
     }
 }

@@ -55,8 +55,13 @@ pub struct ApiOptions {
 impl AppState {
     /// Shared state over a running engine.
     pub fn new(engine: Engine, model: Arc<LoadedModel>, options: ApiOptions) -> Arc<AppState> {
+        let roles: Vec<(&'static str, usize)> = engine
+            .pools()
+            .iter()
+            .map(|(role, pool)| (role.label(), pool.capacity_tokens()))
+            .collect();
         Arc::new(AppState {
-            metrics: Metrics::new(&options.capacity),
+            metrics: Metrics::new(&options.capacity, &roles),
             engine,
             model,
             model_id: options.model_id,

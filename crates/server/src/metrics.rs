@@ -50,6 +50,10 @@ struct Seen {
     granted: u64,
     refused: u64,
     cancelled: u64,
+    committed: u64,
+    failed: u64,
+    checksum_failures: u64,
+    handoff_bytes: u64,
 }
 
 /// Every metric the server exports.
@@ -71,6 +75,9 @@ pub struct Metrics {
     leases_granted: Counter,
     leases_refused: Counter,
     cancelled: Counter,
+    handoffs: Family<ReasonLabel, Counter>,
+    handoff_checksum_failures: Counter,
+    handoff_bytes: Counter,
     seen: Mutex<Seen>,
 }
 
@@ -80,12 +87,10 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
-/// The role label of a colocated worker's pool.
-pub const COLOCATED: &str = "colocated";
-
 impl Metrics {
-    /// Registers every metric; `capacity` is fixed at start-up.
-    pub fn new(capacity: &Capacity) -> Metrics {
+    /// Registers every metric; `capacity` and each role's pool size are
+    /// fixed at start-up.
+    pub fn new(capacity: &Capacity, roles: &[(&'static str, usize)]) -> Metrics {
         let mut registry = Registry::with_prefix("kvfence");
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
@@ -183,6 +188,24 @@ impl Metrics {
             "Prompt tokens prefilled",
             prompt_tokens.clone(),
         );
+        let handoffs = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "handoffs",
+            "KV hand-offs ended, by outcome (committed, failed)",
+            handoffs.clone(),
+        );
+        let handoff_checksum_failures = Counter::default();
+        registry.register(
+            "handoff_checksum_failures",
+            "Hand-off chunks refused for a bad checksum (I7)",
+            handoff_checksum_failures.clone(),
+        );
+        let handoff_bytes = Counter::default();
+        registry.register(
+            "handoff_bytes",
+            "KV bytes accepted through hand-offs",
+            handoff_bytes.clone(),
+        );
         let cancelled = Counter::default();
         registry.register(
             "requests_cancelled",
@@ -204,11 +227,13 @@ impl Metrics {
 
         max_context.set(capacity.max_context as i64);
         context_clamped.set(i64::from(capacity.clamped));
-        capacity_tokens
-            .get_or_create(&RoleLabel {
-                role: COLOCATED.into(),
-            })
-            .set(capacity.pool_tokens as i64);
+        for (role, tokens) in roles {
+            capacity_tokens
+                .get_or_create(&RoleLabel {
+                    role: (*role).into(),
+                })
+                .set(*tokens as i64);
+        }
         Metrics {
             registry,
             requests,
@@ -227,6 +252,9 @@ impl Metrics {
             leases_granted,
             leases_refused,
             cancelled,
+            handoffs,
+            handoff_checksum_failures,
+            handoff_bytes,
             seen: Mutex::new(Seen::default()),
         }
     }
@@ -262,59 +290,92 @@ impl Metrics {
     }
 
     /// Renders the exposition text, refreshing pool and engine gauges first.
-    pub fn render(&self, pool: &PoolStats, engine: &EngineStats) -> String {
-        let page = |state: &str, value: usize| {
-            self.pool_pages
-                .get_or_create(&PoolLabels {
-                    role: COLOCATED.into(),
+    /// `pools` holds every worker's pool by role.
+    pub fn render(&self, pools: &[(&'static str, PoolStats)], engine: &EngineStats) -> String {
+        for (role, stats) in pools {
+            let states = [
+                ("free", stats.free_pages),
+                ("leased", stats.leased_pages),
+                ("quarantined", stats.quarantined_pages),
+            ];
+            for (state, value) in states {
+                let labels = PoolLabels {
+                    role: (*role).into(),
                     state: state.into(),
-                })
-                .set(value as i64);
-        };
-        page("free", pool.free_pages);
-        page("leased", pool.leased_pages);
-        page("quarantined", pool.quarantined_pages);
+                };
+                self.pool_pages.get_or_create(&labels).set(value as i64);
+            }
+        }
+        let total = |field: fn(&PoolStats) -> u64| pools.iter().map(|(_, s)| field(s)).sum::<u64>();
         self.queue_depth.set(engine.queued as i64);
         self.running.set(engine.running as i64);
-        {
-            let mut seen = self
-                .seen
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let advance = |counter: &Counter, last: &mut u64, now: u64| {
-                counter.inc_by(now.saturating_sub(*last));
-                *last = now.max(*last);
-            };
-            advance(
-                &self.stale_writes,
-                &mut seen.stale,
-                pool.stale_writes_rejected,
-            );
-            advance(
-                &self.foreign_writes,
-                &mut seen.foreign,
-                pool.foreign_writes_rejected,
-            );
-            advance(
-                &self.reads_refused,
-                &mut seen.reads_refused,
-                pool.reads_refused,
-            );
-            advance(
-                &self.quarantined_total,
-                &mut seen.quarantined,
-                pool.pages_quarantined_total,
-            );
-            advance(
-                &self.generated_tokens,
-                &mut seen.generated,
-                engine.generated_tokens,
-            );
-            advance(&self.prompt_tokens, &mut seen.prompt, engine.prompt_tokens);
-            advance(&self.leases_granted, &mut seen.granted, pool.leases_granted);
-            advance(&self.leases_refused, &mut seen.refused, pool.leases_refused);
-            advance(&self.cancelled, &mut seen.cancelled, engine.cancelled);
-        }
+        let mut seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Sources are monotonic totals; counters advance by the difference.
+        let advance = |counter: &Counter, last: &mut u64, now: u64| {
+            counter.inc_by(now.saturating_sub(*last));
+            *last = now.max(*last);
+        };
+        let stale = total(|s| s.stale_writes_rejected) + engine.handoff_stale_messages;
+        advance(&self.stale_writes, &mut seen.stale, stale);
+        advance(
+            &self.foreign_writes,
+            &mut seen.foreign,
+            total(|s| s.foreign_writes_rejected),
+        );
+        advance(
+            &self.reads_refused,
+            &mut seen.reads_refused,
+            total(|s| s.reads_refused),
+        );
+        advance(
+            &self.quarantined_total,
+            &mut seen.quarantined,
+            total(|s| s.pages_quarantined_total),
+        );
+        advance(
+            &self.generated_tokens,
+            &mut seen.generated,
+            engine.generated_tokens,
+        );
+        advance(&self.prompt_tokens, &mut seen.prompt, engine.prompt_tokens);
+        advance(
+            &self.leases_granted,
+            &mut seen.granted,
+            total(|s| s.leases_granted),
+        );
+        advance(
+            &self.leases_refused,
+            &mut seen.refused,
+            total(|s| s.leases_refused),
+        );
+        advance(&self.cancelled, &mut seen.cancelled, engine.cancelled);
+        let outcome = |name: &str| {
+            self.handoffs
+                .get_or_create(&ReasonLabel {
+                    reason: name.into(),
+                })
+                .clone()
+        };
+        advance(
+            &outcome("committed"),
+            &mut seen.committed,
+            engine.handoffs_committed,
+        );
+        advance(&outcome("failed"), &mut seen.failed, engine.handoffs_failed);
+        advance(
+            &self.handoff_checksum_failures,
+            &mut seen.checksum_failures,
+            engine.handoff_checksum_failures,
+        );
+        advance(
+            &self.handoff_bytes,
+            &mut seen.handoff_bytes,
+            engine.handoff_bytes,
+        );
+        drop(seen);
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");

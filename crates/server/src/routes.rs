@@ -126,9 +126,13 @@ pub async fn health() -> impl IntoResponse {
 /// `GET /metrics`: Prometheus text. Holds counts, states and tenant names;
 /// never request text (I10).
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let body = state
-        .metrics
-        .render(&state.engine.pool().stats(), &state.engine.stats());
+    let pools: Vec<(&'static str, kvfence_pool::PoolStats)> = state
+        .engine
+        .pools()
+        .iter()
+        .map(|(role, pool)| (role.label(), pool.stats()))
+        .collect();
+    let body = state.metrics.render(&pools, &state.engine.stats());
     (
         [(
             header::CONTENT_TYPE,
@@ -378,7 +382,16 @@ fn failure(kind: FailureKind, message: String) -> ApiError {
         FailureKind::ShuttingDown => {
             ApiError::new(ErrorType::ServiceUnavailable, "shutting_down", message)
         }
-        FailureKind::Internal => ApiError::new(ErrorType::ServerError, "internal_error", message),
+        FailureKind::Unavailable => {
+            ApiError::new(ErrorType::ServiceUnavailable, "worker_unavailable", message)
+        }
+        // A worker's own check refused what admission let through (I6, defence in depth).
+        FailureKind::TooLong => ApiError::new(
+            ErrorType::InvalidRequestError,
+            "context_length_exceeded",
+            message,
+        ),
+        _ => ApiError::new(ErrorType::ServerError, "internal_error", message),
     }
 }
 

@@ -74,13 +74,25 @@ impl Server {
             .sum()
     }
 
-    /// Waits until no KV page is leased (I8).
+    /// KV pages not free, over every worker's pool.
+    pub async fn pages_held(&self) -> f64 {
+        let text = reqwest::get(self.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| l.starts_with("kvfence_pool_pages{") && !l.contains("state=\"free\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Waits until no KV page is leased or quarantined in any pool (I8).
     pub async fn wait_for_baseline(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let leased = self
-                .metric("kvfence_pool_pages{role=\"colocated\",state=\"leased\"}")
-                .await;
+            let leased = self.pages_held().await;
             let running = self.metric("kvfence_running_requests").await;
             if leased == 0.0 && running == 0.0 {
                 return;

@@ -1,0 +1,219 @@
+//! Disaggregated prefill/decode in one process over the in-process transport:
+//! outputs equal colocated bit for bit; the incident — a prompt that fits
+//! decode but not prefill — ends in an error, never a token; cancellations
+//! and failures leave both pools at baseline (I5, I6, I7, I8).
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvfence_engine::{
+    Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Role,
+};
+use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, ReusePolicy, Scrub};
+
+fn model() -> Arc<LoadedModel> {
+    Arc::new(LoadedModel::load("builtin:tiny").unwrap())
+}
+
+fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, reuse: ReusePolicy) -> Pool {
+    let spec = PoolSpec::new(
+        model.model.kv_shape(),
+        16,
+        ElemType::F32,
+        PoolSize::Tokens(tokens),
+    )
+    .with_scrub(scrub)
+    .with_reuse(reuse);
+    Pool::new(&spec).unwrap()
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        max_running: 16,
+        max_queue: 256,
+        step_tokens: 96,
+    }
+}
+
+fn request(i: usize, temperature: f32) -> GenerationRequest {
+    GenerationRequest {
+        prompt: (0..5 + (i * 11) % 50)
+            .map(|j| ((j * 7 + i * 13) % 256) as u32)
+            .collect(),
+        max_tokens: 10,
+        sampling: SamplingParams {
+            temperature,
+            top_k: 0,
+            top_p: 0.95,
+            seed: i as u64,
+        },
+        stop: StopStrings::default(),
+        ignore_eos: true,
+    }
+}
+
+fn collect(mut handle: RequestHandle) -> (String, Event) {
+    let mut text = String::new();
+    loop {
+        match handle.blocking_next().unwrap() {
+            Event::Token { text: t } => text.push_str(&t),
+            closing => return (text, closing),
+        }
+    }
+}
+
+fn run_all(engine: &Engine, requests: &[GenerationRequest]) -> Vec<(String, Event)> {
+    let handles: Vec<_> = requests
+        .iter()
+        .map(|r| engine.submit(r.clone()).unwrap())
+        .collect();
+    handles.into_iter().map(collect).collect()
+}
+
+fn wait_for_baseline(engine: &Engine) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let busy: usize = engine
+            .pools()
+            .iter()
+            .map(|(_, p)| p.stats().leased_pages + p.stats().quarantined_pages)
+            .sum();
+        if busy == 0 && engine.stats().running == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "I8: pools not at baseline: {:?}",
+            engine
+                .pools()
+                .iter()
+                .map(|(r, p)| (*r, p.stats()))
+                .collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn sixty_four_concurrent_requests_equal_colocated_bit_for_bit() {
+    let model = model();
+    let colocated = Engine::start(
+        Arc::clone(&model),
+        pool(&model, 8192, Scrub::Poison, ReusePolicy::OldestFreedFirst),
+        config(),
+    );
+    let disaggregated = Engine::start_disaggregated(
+        Arc::clone(&model),
+        pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        pool(&model, 8192, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        config(),
+    );
+    assert_eq!(disaggregated.role(), Role::Decode);
+    // Greedy and sampled: the sampler's draws do not depend on which worker makes them.
+    let requests: Vec<GenerationRequest> = (0..64)
+        .map(|i| request(i, if i % 2 == 0 { 0.0 } else { 0.8 }))
+        .collect();
+    let expected = run_all(&colocated, &requests);
+    let got = run_all(&disaggregated, &requests);
+    assert_eq!(got, expected);
+    assert!(matches!(expected[0].1, Event::Finished { .. }));
+    let stats = disaggregated.stats();
+    assert_eq!(stats.handoffs_committed, 64);
+    assert!(stats.handoff_bytes > 0);
+    assert_eq!(stats.handoff_checksum_failures + stats.handoffs_failed, 0);
+    wait_for_baseline(&disaggregated);
+}
+
+#[test]
+fn the_checks_not_luck_keep_requests_apart_with_immediate_reuse_and_no_scrub() {
+    let model = model();
+    let colocated = Engine::start(
+        Arc::clone(&model),
+        pool(&model, 8192, Scrub::Off, ReusePolicy::OldestFreedFirst),
+        config(),
+    );
+    // Small pools and newest-first reuse: pages change hands constantly.
+    let disaggregated = Engine::start_disaggregated(
+        Arc::clone(&model),
+        pool(&model, 256, Scrub::Off, ReusePolicy::NewestFreedFirst),
+        pool(&model, 512, Scrub::Off, ReusePolicy::NewestFreedFirst),
+        config(),
+    );
+    let requests: Vec<GenerationRequest> = (0..24).map(|i| request(i, 0.0)).collect();
+    assert_eq!(
+        run_all(&disaggregated, &requests),
+        run_all(&colocated, &requests)
+    );
+    wait_for_baseline(&disaggregated);
+}
+
+#[test]
+fn the_incident_a_prompt_that_fits_decode_but_not_prefill_gets_an_error_and_no_token() {
+    let model = model();
+    // Prefill holds 64 tokens; decode holds 4096. The router would refuse
+    // this request (min capacity); calling the engine directly bypasses it,
+    // so only the workers' own checks stand in the way.
+    let engine = Engine::start_disaggregated(
+        Arc::clone(&model),
+        pool(&model, 64, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        config(),
+    );
+    let mut long = request(1, 0.0);
+    long.prompt = (0..200).map(|i| (i % 256) as u32).collect();
+    let (text, closing) = collect(engine.submit(long).unwrap());
+    assert_eq!(text, "", "I5: no token from a rejected prompt");
+    assert!(
+        matches!(
+            closing,
+            Event::Failed {
+                kind: FailureKind::TooLong,
+                ..
+            }
+        ),
+        "{closing:?}"
+    );
+    let stats = engine.stats();
+    assert_eq!(
+        (
+            stats.generated_tokens,
+            stats.steps,
+            stats.handoffs_committed
+        ),
+        (0, 0, 0),
+        "decode never decoded"
+    );
+    wait_for_baseline(&engine);
+    // The workers still serve requests that fit.
+    let (_, closing) = collect(engine.submit(request(2, 0.0)).unwrap());
+    assert!(matches!(closing, Event::Finished { .. }));
+}
+
+#[test]
+fn cancelling_during_the_hand_off_frees_both_pools() {
+    let model = model();
+    let engine = Engine::start_disaggregated(
+        Arc::clone(&model),
+        pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        config(),
+    );
+    for i in 0..20 {
+        let mut r = request(i, 0.0);
+        r.prompt = (0..300).map(|j| (j % 256) as u32).collect();
+        r.max_tokens = 500;
+        let handle = engine.submit(r).unwrap();
+        // Drop at varying moments: before the grant, mid-prefill, mid-decode.
+        std::thread::sleep(Duration::from_micros((i as u64 % 5) * 400));
+        drop(handle);
+    }
+    wait_for_baseline(&engine);
+    let (_, closing) = collect(engine.submit(request(3, 0.0)).unwrap());
+    assert!(
+        matches!(closing, Event::Finished { .. }),
+        "the pair still works after the aborts"
+    );
+}
