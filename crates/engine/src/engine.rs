@@ -12,6 +12,7 @@ use kvfence_pool::{Pool, RequestId};
 use tokio::sync::mpsc as tokio_mpsc;
 
 use crate::error::EngineError;
+use crate::link::{self, Transport};
 use crate::request::{GenerationRequest, RequestHandle};
 use crate::scheduler::{Command, Origin, Pending, Role, Scheduler};
 
@@ -151,19 +152,22 @@ impl Engine {
         }
     }
 
-    /// A disaggregated pair in one process: a prefill worker over
-    /// `prefill_pool` and a decode worker over `decode_pool`, joined by the
-    /// in-process transport. Every hand-off message crosses as an encoded
-    /// frame, so the codec's checks are on the path. Clients talk to the
-    /// decode worker, which reserves, grants, verifies and decodes.
+    /// A disaggregated pair: a prefill worker over `prefill_pool` and a
+    /// decode worker over `decode_pool`, joined by `transport`. Every
+    /// hand-off message crosses as an encoded frame, so the codec's checks
+    /// are on the path. Clients talk to the decode worker, which reserves,
+    /// grants, verifies and decodes.
     pub fn start_disaggregated(
         model: Arc<LoadedModel>,
         prefill_pool: Pool,
         decode_pool: Pool,
         config: EngineConfig,
-    ) -> Engine {
+        transport: &Transport,
+    ) -> Result<Engine, EngineError> {
         let (decode_tx, decode_inbox) = mpsc::channel();
         let (prefill_tx, prefill_inbox) = mpsc::channel();
+        let (prefill_to_decode, decode_to_prefill) =
+            link::connect(transport, prefill_tx.clone(), decode_tx.clone())?;
         let counters = Arc::new(Counters::default());
         let prefill = Scheduler::new(
             Role::Prefill,
@@ -172,7 +176,7 @@ impl Engine {
             config,
             Arc::new(Counters::default()),
             prefill_inbox,
-            Some(decode_tx.clone()),
+            Some(prefill_to_decode),
         );
         let decode = Scheduler::new(
             Role::Decode,
@@ -181,13 +185,13 @@ impl Engine {
             config,
             Arc::clone(&counters),
             decode_inbox,
-            Some(prefill_tx.clone()),
+            Some(decode_to_prefill),
         );
         let threads = vec![
             spawn("kvfence-prefill", prefill),
             spawn("kvfence-decode", decode),
         ];
-        Engine {
+        Ok(Engine {
             commands: decode_tx,
             counters,
             pool: decode_pool,
@@ -199,6 +203,15 @@ impl Engine {
             config,
             next_id: AtomicU64::new(1),
             threads,
+        })
+    }
+
+    /// Stops only the prefill worker, as if its process ended: its in-flight
+    /// hand-offs are rejected and, over TCP, the connection closes, so the
+    /// decode worker fails what is left and refuses new work (503).
+    pub fn shutdown_prefill(&self) {
+        if let Some(peer) = &self.prefill {
+            let _ = peer.commands.send(Command::Shutdown);
         }
     }
 

@@ -33,6 +33,9 @@ pub enum EngineError {
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The hand-off transport could not be set up.
+    #[error(transparent)]
+    Handoff(#[from] kvfence_handoff::HandoffError),
     /// The KV pool refused an operation.
     #[error(transparent)]
     Pool(#[from] PoolError),

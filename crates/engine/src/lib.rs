@@ -11,12 +11,14 @@
 
 mod engine;
 mod error;
+mod link;
 mod request;
 mod scheduler;
 mod text;
 
 pub use engine::{Engine, EngineConfig, EngineStats};
 pub use error::EngineError;
+pub use link::Transport;
 pub use request::{Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage};
 pub use scheduler::Role;
 pub use text::{Pushed, TextStream};

@@ -64,6 +64,8 @@ pub(crate) enum Command {
     Prefill(Box<PrefillOrder>),
     /// One hand-off frame from the peer worker.
     Frame(Vec<u8>),
+    /// The connection to the peer worker is gone.
+    PeerLost,
     Shutdown,
 }
 
@@ -160,6 +162,8 @@ pub(crate) struct Scheduler {
     waiting: VecDeque<Pending>,
     active: Vec<Active>,
     stopping: bool,
+    /// The peer worker is unreachable: no hand-off can complete.
+    peer_lost: bool,
 }
 
 impl Scheduler {
@@ -184,6 +188,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             active: Vec::new(),
             stopping: false,
+            peer_lost: false,
         }
     }
 
@@ -218,6 +223,7 @@ impl Scheduler {
             Command::Submit(pending) => self.waiting.push_back(*pending),
             Command::Prefill(order) => self.take_order(*order),
             Command::Frame(frame) => self.take_frame(&frame),
+            Command::PeerLost => self.lose_peer(),
             Command::Shutdown => self.stopping = true,
         }
     }
@@ -392,7 +398,58 @@ impl Scheduler {
         }
     }
 
+    /// The other worker is gone: every hand-off in flight fails now (its
+    /// reservation freed), and new work is refused until a restart.
+    fn lose_peer(&mut self) {
+        if self.peer_lost || self.role == Role::Colocated {
+            return;
+        }
+        self.peer_lost = true;
+        warn!(
+            role = self.role.label(),
+            "the peer worker is unreachable; failing in-flight hand-offs"
+        );
+        match self.role {
+            Role::Decode => {
+                for index in (0..self.active.len()).rev() {
+                    if self.active[index].lease.is_none() {
+                        self.receiver.abort(self.active[index].pending.handoff_id());
+                        self.end(
+                            index,
+                            End::Failed(
+                                FailureKind::Unavailable,
+                                "the prefill worker is unreachable".into(),
+                            ),
+                        );
+                    }
+                }
+            }
+            Role::Prefill | Role::Colocated => {
+                for pending in self
+                    .waiting
+                    .iter_mut()
+                    .chain(self.active.iter_mut().map(|a| &mut a.pending))
+                {
+                    if let Origin::Handoff { aborted, .. } = &mut pending.origin {
+                        *aborted = true;
+                    }
+                }
+            }
+        }
+    }
+
     fn admit(&mut self) {
+        if self.peer_lost && self.role == Role::Decode {
+            for pending in std::mem::take(&mut self.waiting) {
+                self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+                self.refuse(
+                    &pending,
+                    FailureKind::Unavailable,
+                    "the prefill worker is unreachable".into(),
+                );
+            }
+            return;
+        }
         while self.active.len() < self.config.max_running {
             let Some(pending) = self.waiting.front() else {
                 break;

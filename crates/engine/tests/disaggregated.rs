@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvfence_engine::{
-    Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Role,
+    Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Role, Transport,
 };
 use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, ReusePolicy, Scrub};
@@ -28,6 +28,16 @@ fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, reuse: ReusePolicy) ->
     .with_scrub(scrub)
     .with_reuse(reuse);
     Pool::new(&spec).unwrap()
+}
+
+/// Every scenario runs over both two-sided transports.
+fn transports() -> [Transport; 2] {
+    [
+        Transport::InProcess,
+        Transport::Tcp {
+            secret: b"test cluster secret 0123456789".to_vec(),
+        },
+    ]
 }
 
 fn config() -> EngineConfig {
@@ -99,6 +109,13 @@ fn wait_for_baseline(engine: &Engine) {
 
 #[test]
 fn sixty_four_concurrent_requests_equal_colocated_bit_for_bit() {
+    for transport in transports() {
+        sixty_four_concurrent_requests_equal_colocated_bit_for_bit_over(&transport);
+    }
+}
+
+fn sixty_four_concurrent_requests_equal_colocated_bit_for_bit_over(transport: &Transport) {
+    let transport = transport.clone();
     let model = model();
     let colocated = Engine::start(
         Arc::clone(&model),
@@ -110,7 +127,9 @@ fn sixty_four_concurrent_requests_equal_colocated_bit_for_bit() {
         pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
         pool(&model, 8192, Scrub::Poison, ReusePolicy::NewestFreedFirst),
         config(),
-    );
+        &transport,
+    )
+    .unwrap();
     assert_eq!(disaggregated.role(), Role::Decode);
     // Greedy and sampled: the sampler's draws do not depend on which worker makes them.
     let requests: Vec<GenerationRequest> = (0..64)
@@ -129,6 +148,15 @@ fn sixty_four_concurrent_requests_equal_colocated_bit_for_bit() {
 
 #[test]
 fn the_checks_not_luck_keep_requests_apart_with_immediate_reuse_and_no_scrub() {
+    for transport in transports() {
+        the_checks_not_luck_keep_requests_apart_with_immediate_reuse_and_no_scrub_over(&transport);
+    }
+}
+
+fn the_checks_not_luck_keep_requests_apart_with_immediate_reuse_and_no_scrub_over(
+    transport: &Transport,
+) {
+    let transport = transport.clone();
     let model = model();
     let colocated = Engine::start(
         Arc::clone(&model),
@@ -141,7 +169,9 @@ fn the_checks_not_luck_keep_requests_apart_with_immediate_reuse_and_no_scrub() {
         pool(&model, 256, Scrub::Off, ReusePolicy::NewestFreedFirst),
         pool(&model, 512, Scrub::Off, ReusePolicy::NewestFreedFirst),
         config(),
-    );
+        &transport,
+    )
+    .unwrap();
     let requests: Vec<GenerationRequest> = (0..24).map(|i| request(i, 0.0)).collect();
     assert_eq!(
         run_all(&disaggregated, &requests),
@@ -152,6 +182,17 @@ fn the_checks_not_luck_keep_requests_apart_with_immediate_reuse_and_no_scrub() {
 
 #[test]
 fn the_incident_a_prompt_that_fits_decode_but_not_prefill_gets_an_error_and_no_token() {
+    for transport in transports() {
+        the_incident_a_prompt_that_fits_decode_but_not_prefill_gets_an_error_and_no_token_over(
+            &transport,
+        );
+    }
+}
+
+fn the_incident_a_prompt_that_fits_decode_but_not_prefill_gets_an_error_and_no_token_over(
+    transport: &Transport,
+) {
+    let transport = transport.clone();
     let model = model();
     // Prefill holds 64 tokens; decode holds 4096. The router would refuse
     // this request (min capacity); calling the engine directly bypasses it,
@@ -161,7 +202,9 @@ fn the_incident_a_prompt_that_fits_decode_but_not_prefill_gets_an_error_and_no_t
         pool(&model, 64, Scrub::Poison, ReusePolicy::NewestFreedFirst),
         pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
         config(),
-    );
+        &transport,
+    )
+    .unwrap();
     let mut long = request(1, 0.0);
     long.prompt = (0..200).map(|i| (i % 256) as u32).collect();
     let (text, closing) = collect(engine.submit(long).unwrap());
@@ -194,13 +237,22 @@ fn the_incident_a_prompt_that_fits_decode_but_not_prefill_gets_an_error_and_no_t
 
 #[test]
 fn cancelling_during_the_hand_off_frees_both_pools() {
+    for transport in transports() {
+        cancelling_during_the_hand_off_frees_both_pools_over(&transport);
+    }
+}
+
+fn cancelling_during_the_hand_off_frees_both_pools_over(transport: &Transport) {
+    let transport = transport.clone();
     let model = model();
     let engine = Engine::start_disaggregated(
         Arc::clone(&model),
         pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
         pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
         config(),
-    );
+        &transport,
+    )
+    .unwrap();
     for i in 0..20 {
         let mut r = request(i, 0.0);
         r.prompt = (0..300).map(|j| (j % 256) as u32).collect();
@@ -216,4 +268,65 @@ fn cancelling_during_the_hand_off_frees_both_pools() {
         matches!(closing, Event::Finished { .. }),
         "the pair still works after the aborts"
     );
+}
+
+#[test]
+fn losing_the_prefill_worker_fails_in_flight_requests_and_refuses_new_ones() {
+    let model = model();
+    let transport = Transport::Tcp {
+        secret: b"test cluster secret 0123456789".to_vec(),
+    };
+    let engine = Engine::start_disaggregated(
+        Arc::clone(&model),
+        pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        pool(&model, 8192, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        EngineConfig {
+            max_running: 4,
+            max_queue: 64,
+            step_tokens: 32,
+        },
+        &transport,
+    )
+    .unwrap();
+    let handles: Vec<_> = (0..12)
+        .map(|i| {
+            let mut r = request(i, 0.0);
+            r.prompt = (0..400).map(|j| (j % 256) as u32).collect();
+            r.max_tokens = 50;
+            engine.submit(r).unwrap()
+        })
+        .collect();
+    engine.shutdown_prefill();
+    let outcomes: Vec<Event> = handles.into_iter().map(|h| collect(h).1).collect();
+    assert!(
+        outcomes.iter().any(|e| matches!(e, Event::Failed { .. })),
+        "some requests were still waiting for KV"
+    );
+    for e in &outcomes {
+        assert!(
+            matches!(e, Event::Finished { .. } | Event::Failed { .. }),
+            "{e:?}"
+        );
+    }
+    wait_for_baseline(&engine);
+    // Once the link is gone, new requests fail fast instead of hanging.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, closing) = collect(engine.submit(request(99, 0.0)).unwrap());
+        if matches!(
+            closing,
+            Event::Failed {
+                kind: FailureKind::Unavailable,
+                ..
+            }
+        ) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "new requests still accepted: {closing:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_for_baseline(&engine);
 }

@@ -108,6 +108,15 @@ pub enum HandoffError {
         /// Lease capacity.
         capacity: usize,
     },
+    /// The peer failed the cluster-secret challenge, or spoke another protocol.
+    #[error("peer authentication failed: {reason}")]
+    AuthFailed {
+        /// What went wrong (never the secret).
+        reason: &'static str,
+    },
+    /// The connection failed.
+    #[error("transport: {0}")]
+    Io(String),
     /// The pool refused a write or a coverage check (I2, I3).
     #[error(transparent)]
     Pool(#[from] PoolError),

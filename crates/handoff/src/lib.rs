@@ -14,6 +14,7 @@
 mod error;
 mod receiver;
 mod sender;
+pub mod tcp;
 mod wire;
 
 pub use error::HandoffError;

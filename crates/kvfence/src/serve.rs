@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use kvfence_engine::{Engine, EngineConfig};
+use kvfence_engine::{Engine, EngineConfig, Transport};
 use kvfence_model::LoadedModel;
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use kvfence_server::{ApiOptions, AppState, Capacity, ServerError, Tenants};
@@ -34,6 +34,15 @@ pub(crate) struct ServeArgs {
     /// KV hand-off (in one process), or on one worker.
     #[arg(long, value_enum, default_value_t = Mode::Disaggregated)]
     mode: Mode,
+    /// Transport between the prefill and decode workers: channels, or a
+    /// loopback TCP connection authenticated with the cluster secret.
+    #[arg(long, value_enum, default_value_t = Handoff::Inproc)]
+    handoff: Handoff,
+    /// File holding the cluster secret for --handoff tcp (else the
+    /// KVFENCE_CLUSTER_SECRET variable; else a random one, since both ends
+    /// live in this process).
+    #[arg(long)]
+    cluster_secret_file: Option<PathBuf>,
     /// Tokens of KV cache for the decode (or colocated) worker, rounded up
     /// to whole pages.
     #[arg(long, default_value_t = 16384)]
@@ -78,6 +87,27 @@ enum Mode {
     Disaggregated,
     /// One worker does both phases.
     Colocated,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Handoff {
+    /// In-process channels.
+    Inproc,
+    /// Loopback TCP with an HMAC challenge-response on the cluster secret.
+    Tcp,
+}
+
+fn cluster_secret(file: Option<&PathBuf>) -> anyhow::Result<Vec<u8>> {
+    if let Some(path) = file {
+        let text = std::fs::read(path)
+            .with_context(|| format!("reading the cluster secret from {}", path.display()))?;
+        return Ok(text.trim_ascii().to_vec());
+    }
+    if let Ok(secret) = std::env::var("KVFENCE_CLUSTER_SECRET") {
+        return Ok(secret.into_bytes());
+    }
+    let random: [u8; 32] = rand::random();
+    Ok(random.to_vec())
 }
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -132,7 +162,14 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         Mode::Disaggregated => {
             let prefill = pool_of(args.prefill_pool_tokens.unwrap_or(args.kv_pool_tokens))?;
             let decode = pool_of(args.kv_pool_tokens)?;
-            Engine::start_disaggregated(Arc::clone(&model), prefill, decode, config)
+            let transport = match args.handoff {
+                Handoff::Inproc => Transport::InProcess,
+                Handoff::Tcp => Transport::Tcp {
+                    secret: cluster_secret(args.cluster_secret_file.as_ref())?,
+                },
+            };
+            Engine::start_disaggregated(Arc::clone(&model), prefill, decode, config, &transport)
+                .context("connecting the prefill and decode workers")?
         }
     };
     let pools: Vec<(&'static str, usize)> = engine

@@ -49,7 +49,13 @@ async fn sixty_four_concurrent_requests_from_four_tenants_equal_colocated() {
         "--prefill-pool-tokens",
         "1024",
     ]);
+    let tcp = Server::start(&["--config", config, "--handoff", "tcp"]);
     let expected = answers(&colocated, &keys).await;
+    assert_eq!(
+        answers(&tcp, &keys).await,
+        expected,
+        "over the TCP hand-off"
+    );
     assert_eq!(answers(&disaggregated, &keys).await, expected);
     assert_eq!(
         disaggregated

@@ -1,0 +1,288 @@
+//! Transports between the workers of a disaggregated pair. Schedulers talk
+//! to their peer through a `Sender<Command>`; a transport decides what is
+//! behind it.
+//!
+//! - **In-process**: the peer's inbox itself. Hand-off messages still cross
+//!   as encoded frames, so the codec's checks are always on the path.
+//! - **TCP**: a connection opened with the cluster-secret handshake, one
+//!   writer thread encoding commands into link frames and one reader thread
+//!   decoding them into the local inbox. A lost connection becomes
+//!   `Command::PeerLost`, so in-flight hand-offs fail instead of hanging.
+
+use std::net::{TcpListener, TcpStream};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvfence_handoff::HandoffError;
+use kvfence_handoff::tcp::{handshake, read_link_frame, write_link_frame};
+use kvfence_model::{SamplingParams, StopStrings};
+use tracing::warn;
+
+use crate::request::GenerationRequest;
+use crate::scheduler::{Command, PrefillOrder};
+
+/// How the prefill and decode workers of a pair are connected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transport {
+    /// Channels inside one process.
+    InProcess,
+    /// A loopback TCP connection authenticated with `secret` (at least 16 bytes).
+    Tcp {
+        /// The cluster secret.
+        secret: Vec<u8>,
+    },
+}
+
+const FRAME: u8 = 1;
+const ORDER: u8 = 2;
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn encode(command: &Command) -> Option<Vec<u8>> {
+    match command {
+        Command::Frame(frame) => {
+            let mut out = Vec::with_capacity(frame.len() + 1);
+            out.push(FRAME);
+            out.extend_from_slice(frame);
+            Some(out)
+        }
+        Command::Prefill(order) => {
+            let mut out = vec![ORDER];
+            out.extend_from_slice(&(order.grant.len() as u32).to_le_bytes());
+            out.extend_from_slice(&order.grant);
+            out.extend_from_slice(&(order.request.prompt.len() as u32).to_le_bytes());
+            for token in &order.request.prompt {
+                out.extend_from_slice(&token.to_le_bytes());
+            }
+            let s = order.request.sampling;
+            out.extend_from_slice(&s.temperature.to_le_bytes());
+            out.extend_from_slice(&(s.top_k as u32).to_le_bytes());
+            out.extend_from_slice(&s.top_p.to_le_bytes());
+            out.extend_from_slice(&s.seed.to_le_bytes());
+            Some(out)
+        }
+        // Local-only commands never cross a link.
+        Command::Submit(_) | Command::Shutdown | Command::PeerLost => None,
+    }
+}
+
+fn malformed(reason: &'static str) -> HandoffError {
+    HandoffError::Malformed {
+        kind: "link",
+        reason,
+    }
+}
+
+struct Cursor<'a>(&'a [u8]);
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], HandoffError> {
+        if self.0.len() < n {
+            return Err(malformed("frame ends inside a field"));
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+
+    fn u32(&mut self) -> Result<u32, HandoffError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+}
+
+/// Decodes one link frame; errors for anything malformed, never panics.
+fn decode(payload: &[u8]) -> Result<Command, HandoffError> {
+    let (&kind, body) = payload
+        .split_first()
+        .ok_or_else(|| malformed("empty frame"))?;
+    match kind {
+        FRAME => Ok(Command::Frame(body.to_vec())),
+        ORDER => {
+            let mut c = Cursor(body);
+            let grant_len = c.u32()? as usize;
+            let grant = c.take(grant_len)?.to_vec();
+            let count = c.u32()? as usize;
+            if count.checked_mul(4).is_none_or(|bytes| bytes > c.0.len()) {
+                return Err(malformed("prompt length overruns the frame"));
+            }
+            let prompt = (0..count).map(|_| c.u32()).collect::<Result<Vec<_>, _>>()?;
+            let temperature = f32::from_le_bytes(c.take(4)?.try_into().expect("4 bytes"));
+            let top_k = c.u32()? as usize;
+            let top_p = f32::from_le_bytes(c.take(4)?.try_into().expect("4 bytes"));
+            let seed = u64::from_le_bytes(c.take(8)?.try_into().expect("8 bytes"));
+            if !c.0.is_empty() {
+                return Err(malformed("trailing bytes"));
+            }
+            let request = GenerationRequest {
+                prompt,
+                // Prefill samples only the first token; the rest is decode's.
+                max_tokens: 1,
+                sampling: SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed,
+                },
+                stop: StopStrings::default(),
+                ignore_eos: false,
+            };
+            Ok(Command::Prefill(Box::new(PrefillOrder { grant, request })))
+        }
+        _ => Err(malformed("unknown link frame kind")),
+    }
+}
+
+/// Bridges an authenticated stream to a scheduler: returns the sender the
+/// scheduler uses to reach its peer. Frames from the peer go to `inbox`.
+fn bridge(
+    stream: TcpStream,
+    inbox: mpsc::Sender<Command>,
+    name: &str,
+) -> std::io::Result<mpsc::Sender<Command>> {
+    stream.set_read_timeout(None)?;
+    stream.set_nodelay(true)?;
+    let mut reader = stream.try_clone()?;
+    let mut writer = stream;
+    let (to_peer, outbox) = mpsc::channel::<Command>();
+    std::thread::Builder::new()
+        .name(format!("{name}-tx"))
+        .spawn(move || {
+            for command in outbox {
+                if let Some(payload) = encode(&command)
+                    && let Err(error) = write_link_frame(&mut writer, &payload)
+                {
+                    warn!(%error, "hand-off link write failed");
+                    break;
+                }
+            }
+            let _ = writer.shutdown(std::net::Shutdown::Both);
+        })?;
+    std::thread::Builder::new()
+        .name(format!("{name}-rx"))
+        .spawn(move || {
+            loop {
+                match read_link_frame(&mut reader)
+                    .and_then(|frame| frame.map(|f| decode(&f)).transpose())
+                {
+                    Ok(Some(command)) => {
+                        if inbox.send(command).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(error) => {
+                        warn!(%error, "hand-off link closed on a bad frame");
+                        break;
+                    }
+                }
+            }
+            let _ = inbox.send(Command::PeerLost);
+        })?;
+    Ok(to_peer)
+}
+
+/// Connects the two inboxes of a pair over `transport`; returns the senders
+/// (prefill's way to decode, decode's way to prefill).
+pub(crate) fn connect(
+    transport: &Transport,
+    prefill_inbox: mpsc::Sender<Command>,
+    decode_inbox: mpsc::Sender<Command>,
+) -> Result<(mpsc::Sender<Command>, mpsc::Sender<Command>), HandoffError> {
+    match transport {
+        Transport::InProcess => Ok((decode_inbox, prefill_inbox)),
+        Transport::Tcp { secret } => {
+            let io = |e: std::io::Error| HandoffError::Io(e.to_string());
+            let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+            let address = listener.local_addr().map_err(io)?;
+            let secret_for_decode = secret.clone();
+            let decode_side = std::thread::spawn(move || -> Result<TcpStream, HandoffError> {
+                let mut stream = TcpStream::connect(address).map_err(io)?;
+                stream
+                    .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+                    .map_err(io)?;
+                handshake(&mut stream, &secret_for_decode)?;
+                Ok(stream)
+            });
+            let (mut prefill_stream, _) = listener.accept().map_err(io)?;
+            prefill_stream
+                .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+                .map_err(io)?;
+            let prefill_auth = handshake(&mut prefill_stream, secret);
+            let decode_stream = decode_side
+                .join()
+                .map_err(|_| HandoffError::Io("connect thread panicked".into()))??;
+            prefill_auth?;
+            let prefill_to_decode =
+                bridge(prefill_stream, prefill_inbox, "kvfence-prefill-link").map_err(io)?;
+            let decode_to_prefill =
+                bridge(decode_stream, decode_inbox, "kvfence-decode-link").map_err(io)?;
+            Ok((prefill_to_decode, decode_to_prefill))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn orders_round_trip_through_the_link_encoding() {
+        let request = GenerationRequest {
+            prompt: vec![1, 2, 300],
+            max_tokens: 1,
+            sampling: SamplingParams {
+                temperature: 0.5,
+                top_k: 7,
+                top_p: 0.9,
+                seed: 42,
+            },
+            stop: StopStrings::default(),
+            ignore_eos: false,
+        };
+        let payload = encode(&Command::Prefill(Box::new(PrefillOrder {
+            grant: vec![9, 9],
+            request,
+        })))
+        .unwrap();
+        let Command::Prefill(order) = decode(&payload).unwrap() else {
+            panic!("not an order")
+        };
+        assert_eq!(order.grant, vec![9, 9]);
+        assert_eq!(order.request.prompt, vec![1, 2, 300]);
+        assert_eq!(
+            order.request.sampling,
+            SamplingParams {
+                temperature: 0.5,
+                top_k: 7,
+                top_p: 0.9,
+                seed: 42
+            }
+        );
+    }
+
+    #[test]
+    fn malformed_link_frames_are_errors_not_panics() {
+        for bad in [
+            &[][..],
+            &[7],
+            &[ORDER],
+            &[ORDER, 255, 255, 255, 255],
+            &[ORDER, 0, 0, 0, 0, 255, 255, 255, 255],
+        ] {
+            assert!(decode(bad).is_err(), "{bad:?}");
+        }
+        let mut s = 1u64;
+        for len in 0..400 {
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    s as u8
+                })
+                .collect();
+            let _ = decode(&bytes);
+        }
+    }
+}
