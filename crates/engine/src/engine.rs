@@ -186,7 +186,8 @@ impl Engine {
             Arc::clone(&counters),
             decode_inbox,
             Some(decode_to_prefill),
-        );
+        )
+        .with_one_sided_grants(*transport == Transport::SharedMemory);
         let threads = vec![
             spawn("kvfence-prefill", prefill),
             spawn("kvfence-decode", decode),

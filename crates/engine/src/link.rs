@@ -26,6 +26,11 @@ use crate::scheduler::{Command, PrefillOrder};
 pub enum Transport {
     /// Channels inside one process.
     InProcess,
+    /// Channels inside one process, with one-sided grants: the prefill
+    /// worker writes KV straight into the decode worker's pages through a
+    /// revocable window (the RDMA memory-key model); aborted pages wait in
+    /// quarantine until the writer acknowledges (I4).
+    SharedMemory,
     /// A loopback TCP connection authenticated with `secret` (at least 16 bytes).
     Tcp {
         /// The cluster secret.
@@ -46,6 +51,9 @@ fn encode(command: &Command) -> Option<Vec<u8>> {
             Some(out)
         }
         Command::Prefill(order) => {
+            // A window is a mapping into this process's memory; over TCP
+            // grants are always two-sided.
+            debug_assert!(order.window.is_none(), "one-sided grants never cross TCP");
             let mut out = vec![ORDER];
             out.extend_from_slice(&(order.grant.len() as u32).to_le_bytes());
             out.extend_from_slice(&order.grant);
@@ -127,7 +135,11 @@ fn decode(payload: &[u8]) -> Result<Command, HandoffError> {
                 stop: StopStrings::default(),
                 ignore_eos: false,
             };
-            Ok(Command::Prefill(Box::new(PrefillOrder { grant, request })))
+            Ok(Command::Prefill(Box::new(PrefillOrder {
+                grant,
+                request,
+                window: None,
+            })))
         }
         _ => Err(malformed("unknown link frame kind")),
     }
@@ -190,7 +202,7 @@ pub(crate) fn connect(
     decode_inbox: mpsc::Sender<Command>,
 ) -> Result<(mpsc::Sender<Command>, mpsc::Sender<Command>), HandoffError> {
     match transport {
-        Transport::InProcess => Ok((decode_inbox, prefill_inbox)),
+        Transport::InProcess | Transport::SharedMemory => Ok((decode_inbox, prefill_inbox)),
         Transport::Tcp { secret } => {
             let io = |e: std::io::Error| HandoffError::Io(e.to_string());
             let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
@@ -241,6 +253,7 @@ mod tests {
             ignore_eos: false,
         };
         let payload = encode(&Command::Prefill(Box::new(PrefillOrder {
+            window: None,
             grant: vec![9, 9],
             request,
         })))

@@ -25,9 +25,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
-use kvfence_handoff::{Grant, HandoffId, Message, Outcome, Receiver, RejectReason, send_kv};
+use kvfence_handoff::{
+    Grant, HandoffId, Message, Outcome, Receiver, RejectReason, send_kv, send_kv_one_sided,
+};
 use kvfence_model::{LoadedModel, Logits, Sampler, Sequence};
-use kvfence_pool::{Lease, Pool, PoolError, RequestId};
+use kvfence_pool::{Lease, Pool, PoolError, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, warn};
 
@@ -74,6 +76,9 @@ pub(crate) struct PrefillOrder {
     /// The `Grant` frame.
     pub(crate) grant: Vec<u8>,
     pub(crate) request: GenerationRequest,
+    /// For a one-sided (shared-memory) grant: the window into decode's
+    /// pages and the key that opens it.
+    pub(crate) window: Option<(Window, WindowKey)>,
 }
 
 /// Who is waiting for a request's results.
@@ -84,7 +89,11 @@ pub(crate) enum Origin {
         cancelled: Arc<AtomicBool>,
     },
     /// A decode worker, through a grant (prefill role).
-    Handoff { grant: Grant, aborted: bool },
+    Handoff {
+        grant: Grant,
+        aborted: bool,
+        window: Option<(Window, WindowKey)>,
+    },
 }
 
 /// A request waiting for pages.
@@ -164,6 +173,9 @@ pub(crate) struct Scheduler {
     stopping: bool,
     /// The peer worker is unreachable: no hand-off can complete.
     peer_lost: bool,
+    /// Decode role: grant one-sided windows (shared memory) instead of
+    /// taking chunks.
+    one_sided: bool,
 }
 
 impl Scheduler {
@@ -189,7 +201,14 @@ impl Scheduler {
             active: Vec::new(),
             stopping: false,
             peer_lost: false,
+            one_sided: false,
         }
+    }
+
+    /// Decode role over a one-sided transport.
+    pub(crate) fn with_one_sided_grants(mut self, one_sided: bool) -> Self {
+        self.one_sided = one_sided;
+        self
     }
 
     pub(crate) fn run(mut self) {
@@ -268,6 +287,7 @@ impl Scheduler {
             origin: Origin::Handoff {
                 grant,
                 aborted: false,
+                window: order.window,
             },
         });
     }
@@ -300,7 +320,7 @@ impl Scheduler {
             .iter_mut()
             .chain(self.active.iter_mut().map(|a| &mut a.pending))
         {
-            if let Origin::Handoff { grant, aborted } = &mut pending.origin
+            if let Origin::Handoff { grant, aborted, .. } = &mut pending.origin
                 && grant.id == id
             {
                 *aborted = true;
@@ -314,6 +334,9 @@ impl Scheduler {
         self.counters.record_handoff(&self.receiver.stats());
         match outcome {
             Outcome::Accepted | Outcome::Ignored => {}
+            Outcome::Released { id, pages } => {
+                debug!(handoff = %id, pages, "quarantined pages released after the writer's ack")
+            }
             Outcome::Committed(committed) => {
                 let Some(index) = self.position(RequestId(committed.id().0)) else {
                     return;
@@ -479,9 +502,18 @@ impl Scheduler {
             };
             let lease = if self.role == Role::Decode {
                 let prompt = pending.request.prompt.len();
-                match self.receiver.grant(pending.handoff_id(), lease, prompt) {
-                    Ok(grant) => {
-                        self.send_order(grant, &pending.request);
+                let granted = if self.one_sided {
+                    self.receiver
+                        .grant_one_sided(pending.handoff_id(), lease, prompt)
+                        .map(|(grant, window)| (grant, Some((window.clone(), window.key()))))
+                } else {
+                    self.receiver
+                        .grant(pending.handoff_id(), lease, prompt)
+                        .map(|grant| (grant, None))
+                };
+                match granted {
+                    Ok((grant, window)) => {
+                        self.send_order(grant, &pending.request, window);
                         None
                     }
                     Err(error) => {
@@ -505,11 +537,17 @@ impl Scheduler {
         }
     }
 
-    fn send_order(&self, grant: Message, request: &GenerationRequest) {
+    fn send_order(
+        &self,
+        grant: Message,
+        request: &GenerationRequest,
+        window: Option<(Window, WindowKey)>,
+    ) {
         if let Some(peer) = &self.peer {
             let order = PrefillOrder {
                 grant: grant.to_frame(),
                 request: request.clone(),
+                window,
             };
             let _ = peer.send(Command::Prefill(Box::new(order)));
         }
@@ -660,19 +698,29 @@ impl Scheduler {
             Ok(token) => token,
             Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
         };
-        if let Origin::Handoff { grant, .. } = &self.active[index].pending.origin {
-            return Some(self.ship(index, grant.clone(), token));
+        if let Origin::Handoff { grant, window, .. } = &self.active[index].pending.origin {
+            return Some(self.ship(index, grant, window.as_ref(), token));
         }
         self.accept(index, token)
     }
 
     /// Prefill role: send the prompt's KV and the first token to decode.
-    fn ship(&self, index: usize, grant: Grant, first_token: u32) -> End {
+    fn ship(
+        &self,
+        index: usize,
+        grant: &Grant,
+        window: Option<&(Window, WindowKey)>,
+        first_token: u32,
+    ) -> End {
         let lease = self.active[index]
             .lease
             .as_ref()
             .expect("a prefilled request holds its lease");
-        match send_kv(&grant, lease, |chunk| self.to_peer(&chunk)) {
+        let sent = match window {
+            Some((window, key)) => send_kv_one_sided(grant, lease, window, *key),
+            None => send_kv(grant, lease, |chunk| self.to_peer(&chunk)),
+        };
+        match sent {
             Ok(proof) => {
                 self.to_peer(&proof.done(first_token));
                 End::Shipped

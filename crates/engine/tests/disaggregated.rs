@@ -30,10 +30,12 @@ fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, reuse: ReusePolicy) ->
     Pool::new(&spec).unwrap()
 }
 
-/// Every scenario runs over both two-sided transports.
-fn transports() -> [Transport; 2] {
+/// Every scenario runs over every transport: in-process and TCP (two-sided)
+/// and shared memory (one-sided).
+fn transports() -> [Transport; 3] {
     [
         Transport::InProcess,
+        Transport::SharedMemory,
         Transport::Tcp {
             secret: b"test cluster secret 0123456789".to_vec(),
         },

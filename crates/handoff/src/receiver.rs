@@ -5,12 +5,18 @@
 //! [`Outcome`]s; it never touches sockets, clocks or threads. A [`Committed`]
 //! hand-off — the only way to get the lease back for decoding — exists only
 //! after `Done` matched the grant's token count, every granted page arrived
-//! with a valid checksum, coverage spans every granted slot in the lease's
-//! current generation, and the digest matched (I2, I3, I7).
+//! intact, coverage spans every granted slot in the lease's current
+//! generation, and the digest matched (I2, I3, I7).
+//!
+//! Two-sided grants (in-process, TCP) see every byte in a `Chunk`, so a
+//! failed or aborted grant frees its pages at once. One-sided grants
+//! (shared memory) hand the writer a [`Window`] into the pages; a failed or
+//! aborted grant revokes it and leaves the pages quarantined until the writer
+//! acknowledges (`AbortAck`, or `Reject`) and the window has drained (I4).
 
 use std::collections::HashMap;
 
-use kvfence_pool::Lease;
+use kvfence_pool::{Lease, Window};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::HandoffError;
@@ -59,8 +65,9 @@ pub enum Outcome {
     Ignored,
     /// The hand-off completed and verified.
     Committed(Committed),
-    /// The hand-off failed; its lease was dropped (pages freed, I8). Tell the
-    /// client an error, and the sender `reply` if present.
+    /// The hand-off failed; its reservation was freed (two-sided) or
+    /// quarantined until the writer acknowledges (one-sided). Tell the client
+    /// an error, and the sender `reply` if present.
     Failed {
         /// Hand-off.
         id: HandoffId,
@@ -69,9 +76,17 @@ pub enum Outcome {
         /// A message for the sender, if one is due.
         reply: Option<Message>,
     },
+    /// A one-sided writer acknowledged and its window drained: the
+    /// quarantined pages of an earlier failure or abort are free again.
+    Released {
+        /// Hand-off.
+        id: HandoffId,
+        /// Pages freed.
+        pages: usize,
+    },
 }
 
-/// Counters of refused hand-off traffic.
+/// Counters of hand-off traffic.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct ReceiverStats {
     /// Hand-offs committed.
@@ -91,13 +106,18 @@ struct Incoming {
     lease: Lease,
     tokens: usize,
     page_size: usize,
+    /// Per granted page: the checksum of the chunk received (two-sided).
     checksums: Vec<Option<u64>>,
+    /// The writer's window (one-sided).
+    window: Option<Window>,
 }
 
 /// The decode worker's half of the protocol.
 #[derive(Default)]
 pub struct Receiver {
     live: HashMap<HandoffId, Incoming>,
+    /// Revoked one-sided windows whose pages wait in quarantine.
+    draining: HashMap<HandoffId, Window>,
     next_epoch: u32,
     stats: ReceiverStats,
 }
@@ -106,6 +126,7 @@ impl std::fmt::Debug for Receiver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Receiver")
             .field("live", &self.live.len())
+            .field("draining", &self.draining.len())
             .field("stats", &self.stats)
             .finish()
     }
@@ -127,63 +148,131 @@ impl Receiver {
         self.live.len()
     }
 
+    /// One-sided hand-offs whose pages wait in quarantine for the writer.
+    pub fn draining(&self) -> usize {
+        self.draining.len()
+    }
+
+    fn check_grant(id: HandoffId, lease: &Lease, tokens: usize) -> Result<u32, HandoffError> {
+        let too_large = || HandoffError::GrantTooLarge {
+            id,
+            tokens,
+            capacity: lease.capacity_tokens(),
+        };
+        if tokens == 0 || tokens > lease.capacity_tokens() {
+            return Err(too_large());
+        }
+        u32::try_from(tokens).map_err(|_| too_large())
+    }
+
+    fn insert(
+        &mut self,
+        id: HandoffId,
+        lease: Lease,
+        tokens: u32,
+        window: Option<Window>,
+    ) -> Message {
+        self.next_epoch = self.next_epoch.wrapping_add(1);
+        let epoch = Epoch(self.next_epoch);
+        let page_size = lease.page_size();
+        let pages = lease.pages()[..(tokens as usize).div_ceil(page_size)].to_vec();
+        let message = Message::Grant {
+            id,
+            epoch,
+            page_size: page_size as u32,
+            tokens,
+            pages: pages.clone(),
+        };
+        let checksums = vec![None; pages.len()];
+        self.live.insert(
+            id,
+            Incoming {
+                epoch,
+                lease,
+                tokens: tokens as usize,
+                page_size,
+                checksums,
+                window,
+            },
+        );
+        message
+    }
+
     /// Grants the first `tokens` positions of `lease` (reserved all or
     /// nothing by the caller) to hand-off `id`; returns the `Grant` to send.
+    /// The sender answers with `Chunk`s.
     pub fn grant(
         &mut self,
         id: HandoffId,
         lease: Lease,
         tokens: usize,
     ) -> Result<Message, HandoffError> {
-        if tokens == 0 || tokens > lease.capacity_tokens() {
-            return Err(HandoffError::GrantTooLarge {
-                id,
-                tokens,
-                capacity: lease.capacity_tokens(),
-            });
-        }
-        self.next_epoch = self.next_epoch.wrapping_add(1);
-        let epoch = Epoch(self.next_epoch);
-        let page_size = lease.page_size();
-        let pages = lease.pages()[..tokens.div_ceil(page_size)].to_vec();
-        let message = Message::Grant {
-            id,
-            epoch,
-            page_size: page_size as u32,
-            tokens: u32::try_from(tokens).map_err(|_| HandoffError::GrantTooLarge {
-                id,
-                tokens,
-                capacity: lease.capacity_tokens(),
-            })?,
-            pages: pages.clone(),
-        };
-        self.live.insert(
-            id,
-            Incoming {
-                epoch,
-                lease,
-                tokens,
-                page_size,
-                checksums: vec![None; pages.len()],
-            },
-        );
-        Ok(message)
+        let tokens = Self::check_grant(id, &lease, tokens)?;
+        Ok(self.insert(id, lease, tokens, None))
     }
 
-    /// Revokes hand-off `id` at once (the client left, or a timeout). On a
-    /// two-sided transport every byte passes [`Receiver::handle`], so the
-    /// pages are freed now; late chunks find no live grant and are ignored.
-    /// Returns the `Abort` to send, if the hand-off was live.
+    /// Grants like [`Receiver::grant`], but for a one-sided writer: returns
+    /// the `Grant` and the [`Window`] through which the writer stores the KV
+    /// directly (hand the writer `window.key()` with it).
+    pub fn grant_one_sided(
+        &mut self,
+        id: HandoffId,
+        mut lease: Lease,
+        tokens: usize,
+    ) -> Result<(Message, Window), HandoffError> {
+        let tokens = Self::check_grant(id, &lease, tokens)?;
+        let window = lease.open_window();
+        Ok((self.insert(id, lease, tokens, Some(window.clone())), window))
+    }
+
+    /// Revokes hand-off `id` at once (the client left, or a timeout).
+    /// Two-sided: the pages are freed now; late chunks find no live grant.
+    /// One-sided: the window is revoked and the pages stay quarantined until
+    /// the writer's `AbortAck`. Returns the `Abort` to send, if it was live.
     pub fn abort(&mut self, id: HandoffId) -> Option<Message> {
-        self.live.remove(&id).map(|incoming| Message::Abort {
-            id,
-            epoch: incoming.epoch,
-        })
+        let incoming = self.live.remove(&id)?;
+        let epoch = incoming.epoch;
+        self.retire(id, incoming);
+        Some(Message::Abort { id, epoch })
+    }
+
+    /// Drops a grant's lease: freed if two-sided, quarantined behind a
+    /// revoked window if one-sided.
+    fn retire(&mut self, id: HandoffId, incoming: Incoming) {
+        if let Some(window) = incoming.window
+            && incoming.lease.is_exposed()
+        {
+            window.revoke();
+            drop(incoming.lease);
+            self.draining.insert(id, window);
+        }
+        // Otherwise the lease drops here: two-sided, or a window already
+        // closed (revoked and drained), so no write can arrive.
     }
 
     /// Handles one message from the sender.
     pub fn handle(&mut self, message: Message) -> Outcome {
         let id = message.id();
+        match message {
+            Message::AbortAck { .. } => return self.acknowledged(id),
+            Message::Reject { reason, .. } => {
+                let Some(incoming) = self.live.remove(&id) else {
+                    // A writer rejecting after an abort also says it stopped.
+                    return self.acknowledged(id);
+                };
+                self.retire(id, incoming);
+                self.stats.failed += 1;
+                // A writer that rejects has stopped writing: a one-sided
+                // grant's pages are released now if the window drained.
+                let _ = self.acknowledged(id);
+                return Outcome::Failed {
+                    id,
+                    error: HandoffError::Rejected { id, reason },
+                    reply: None,
+                };
+            }
+            _ => {}
+        }
         let Some(incoming) = self.live.get_mut(&id) else {
             self.stats.stale_messages += 1;
             return Outcome::Ignored;
@@ -202,11 +291,18 @@ impl Receiver {
                     self.stats.stale_messages += 1;
                     return Outcome::Ignored;
                 }
-                let Some(index) = incoming
-                    .lease
-                    .pages()
+                if incoming.window.is_some() {
+                    return self.fail(
+                        id,
+                        HandoffError::ChunkOutsideGrant {
+                            id,
+                            reason: "a one-sided grant takes no chunks",
+                        },
+                    );
+                }
+                let granted = incoming.checksums.len();
+                let Some(index) = incoming.lease.pages()[..granted]
                     .iter()
-                    .take(incoming.checksums.len())
                     .position(|p| p.id == page.id)
                 else {
                     return self.fail(
@@ -253,67 +349,104 @@ impl Receiver {
                     self.stats.stale_messages += 1;
                     return Outcome::Ignored;
                 }
-                let granted = incoming.tokens;
-                if tokens as usize != granted {
-                    return self.fail(
-                        id,
-                        HandoffError::TokenCountMismatch {
+                match self.verify(id, tokens as usize, claimed) {
+                    Ok(written_in_place) => {
+                        let incoming = self.live.remove(&id).expect("verified a live hand-off");
+                        self.stats.committed += 1;
+                        self.stats.bytes += written_in_place;
+                        Outcome::Committed(Committed {
                             id,
-                            claimed: tokens as usize,
-                            granted,
-                        },
-                    );
-                }
-                let pages = incoming.checksums.len();
-                let missing = incoming.checksums.iter().filter(|c| c.is_none()).count();
-                if missing > 0 {
-                    return self.fail(id, HandoffError::Incomplete { id, missing, pages });
-                }
-                if let Err(error) = incoming.lease.check_covered(incoming.tokens) {
-                    return self.fail(id, error.into());
-                }
-                if digest(incoming.checksums.iter().flatten().copied()) != claimed {
-                    return self.fail(id, HandoffError::DigestMismatch { id });
-                }
-                let incoming = self.live.remove(&id).expect("checked live above");
-                self.stats.committed += 1;
-                Outcome::Committed(Committed {
-                    id,
-                    lease: incoming.lease,
-                    tokens: incoming.tokens,
-                    first_token,
-                })
-            }
-            Message::Reject { reason, .. } => {
-                self.live.remove(&id);
-                self.stats.failed += 1;
-                Outcome::Failed {
-                    id,
-                    error: HandoffError::Rejected { id, reason },
-                    reply: None,
+                            lease: incoming.lease,
+                            tokens: incoming.tokens,
+                            first_token,
+                        })
+                    }
+                    Err(error) => self.fail(id, error),
                 }
             }
-            // AbortAck matters only to one-sided transports; Grant and Abort
-            // never travel this way.
-            Message::AbortAck { .. } | Message::Grant { .. } | Message::Abort { .. } => {
+            // Grant and Abort never travel this way.
+            _ => {
                 self.stats.stale_messages += 1;
                 Outcome::Ignored
             }
         }
     }
 
+    /// The commit test for `Done` (I2, I7). Returns the bytes a one-sided
+    /// writer stored in place (0 for two-sided: chunks were counted on arrival).
+    fn verify(&mut self, id: HandoffId, tokens: usize, claimed: u64) -> Result<u64, HandoffError> {
+        let incoming = self.live.get_mut(&id).expect("called for a live hand-off");
+        if tokens != incoming.tokens {
+            return Err(HandoffError::TokenCountMismatch {
+                id,
+                claimed: tokens,
+                granted: incoming.tokens,
+            });
+        }
+        let mut written_in_place = 0;
+        if let Some(window) = &incoming.window {
+            // Close the window first: from here on nothing can change the
+            // bytes being verified, and the lease releases normally later.
+            incoming.lease.close_window(window)?;
+            let view = incoming.lease.read_view_raw(incoming.tokens)?;
+            for index in 0..incoming.checksums.len() {
+                let slots = 0..incoming
+                    .page_size
+                    .min(incoming.tokens - index * incoming.page_size);
+                let bytes = view.export_slots(index, slots);
+                written_in_place += bytes.len() as u64;
+                incoming.checksums[index] = Some(xxh3_64(&bytes));
+            }
+        }
+        let pages = incoming.checksums.len();
+        let missing = incoming.checksums.iter().filter(|c| c.is_none()).count();
+        if missing > 0 {
+            return Err(HandoffError::Incomplete { id, missing, pages });
+        }
+        incoming.lease.check_covered(incoming.tokens)?;
+        if digest(incoming.checksums.iter().flatten().copied()) != claimed {
+            return Err(HandoffError::DigestMismatch { id });
+        }
+        Ok(written_in_place)
+    }
+
+    /// The writer of an aborted or failed one-sided grant says it stopped.
+    fn acknowledged(&mut self, id: HandoffId) -> Outcome {
+        let Some(window) = self.draining.get(&id) else {
+            self.stats.stale_messages += 1;
+            return Outcome::Ignored;
+        };
+        match window.release() {
+            Ok(pages) => {
+                self.draining.remove(&id);
+                Outcome::Released { id, pages }
+            }
+            // Still writing, or nothing quarantined yet: keep waiting.
+            Err(_) => Outcome::Ignored,
+        }
+    }
+
     fn fail(&mut self, id: HandoffId, error: HandoffError) -> Outcome {
-        // Dropping the lease frees the pages: every byte came through this
-        // receiver (two-sided), so nothing can still land in them.
-        self.live.remove(&id);
+        let incoming = self.live.remove(&id).expect("failing a live hand-off");
+        let epoch = incoming.epoch;
+        let one_sided = incoming.window.is_some();
+        // Two-sided: every byte came through this receiver, so dropping the
+        // lease frees the pages safely. One-sided: quarantine and ask the
+        // writer to stop and acknowledge.
+        self.retire(id, incoming);
         self.stats.failed += 1;
+        let reply = if one_sided {
+            Message::Abort { id, epoch }
+        } else {
+            Message::Reject {
+                id,
+                reason: RejectReason::Failed,
+            }
+        };
         Outcome::Failed {
             id,
             error,
-            reply: Some(Message::Reject {
-                id,
-                reason: RejectReason::Failed,
-            }),
+            reply: Some(reply),
         }
     }
 }

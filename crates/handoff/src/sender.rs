@@ -5,7 +5,7 @@
 //! cannot prove every granted token was written, so a rejected or truncated
 //! prompt — the incident's one-token placeholder — has no path to `Done` (I5).
 
-use kvfence_pool::{Lease, PageRef};
+use kvfence_pool::{Lease, PageRef, Window, WindowKey};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::HandoffError;
@@ -91,6 +91,49 @@ pub fn send_kv(
     source: &Lease,
     mut send: impl FnMut(Message),
 ) -> Result<AllSent, HandoffError> {
+    ship(grant, source, |index, page, slots, bytes, checksum| {
+        let _ = index;
+        send(Message::Chunk {
+            id: grant.id,
+            epoch: grant.epoch,
+            page,
+            slot_start: slots.start as u16,
+            slot_end: slots.end as u16,
+            checksum,
+            bytes,
+        });
+        Ok(())
+    })
+}
+
+/// Writes every granted page from `source` straight into the receiver's
+/// pages through its one-sided `window` (the shared-memory transport), with
+/// the `key` that came with the grant. A revoked window stops the transfer:
+/// no proof, so no `Done`.
+pub fn send_kv_one_sided(
+    grant: &Grant,
+    source: &Lease,
+    window: &Window,
+    key: WindowKey,
+) -> Result<AllSent, HandoffError> {
+    ship(grant, source, |index, _, slots, bytes, _| {
+        Ok(window.write(key, index, slots, &bytes)?)
+    })
+}
+
+/// The shared part of both transfers: check the source, export each granted
+/// page, hand it to `put`, and fold the checksums into the proof.
+fn ship(
+    grant: &Grant,
+    source: &Lease,
+    mut put: impl FnMut(
+        usize,
+        PageRef,
+        std::ops::Range<usize>,
+        Vec<u8>,
+        u64,
+    ) -> Result<(), HandoffError>,
+) -> Result<AllSent, HandoffError> {
     if grant.page_size != source.page_size() {
         return Err(HandoffError::PageSizeMismatch {
             id: grant.id,
@@ -121,15 +164,7 @@ pub fn send_kv(
         let bytes = view.export_slots(index, slots.clone());
         let checksum = xxh3_64(&bytes);
         checksums.push(checksum);
-        send(Message::Chunk {
-            id: grant.id,
-            epoch: grant.epoch,
-            page: *page,
-            slot_start: slots.start as u16,
-            slot_end: slots.end as u16,
-            checksum,
-            bytes,
-        });
+        put(index, *page, slots, bytes, checksum)?;
     }
     Ok(AllSent {
         id: grant.id,

@@ -34,8 +34,9 @@ pub(crate) struct ServeArgs {
     /// KV hand-off (in one process), or on one worker.
     #[arg(long, value_enum, default_value_t = Mode::Disaggregated)]
     mode: Mode,
-    /// Transport between the prefill and decode workers: channels, or a
-    /// loopback TCP connection authenticated with the cluster secret.
+    /// Transport between the prefill and decode workers: channels, one-sided
+    /// shared-memory windows, or a loopback TCP connection authenticated
+    /// with the cluster secret.
     #[arg(long, value_enum, default_value_t = Handoff::Inproc)]
     handoff: Handoff,
     /// File holding the cluster secret for --handoff tcp (else the
@@ -93,6 +94,9 @@ enum Mode {
 enum Handoff {
     /// In-process channels.
     Inproc,
+    /// One-sided writes into the decode worker's pages through revocable
+    /// windows (the RDMA model); aborted pages are quarantined until drained.
+    Shm,
     /// Loopback TCP with an HMAC challenge-response on the cluster secret.
     Tcp,
 }
@@ -164,6 +168,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             let decode = pool_of(args.kv_pool_tokens)?;
             let transport = match args.handoff {
                 Handoff::Inproc => Transport::InProcess,
+                Handoff::Shm => Transport::SharedMemory,
                 Handoff::Tcp => Transport::Tcp {
                     secret: cluster_secret(args.cluster_secret_file.as_ref())?,
                 },

@@ -50,12 +50,19 @@ async fn sixty_four_concurrent_requests_from_four_tenants_equal_colocated() {
         "1024",
     ]);
     let tcp = Server::start(&["--config", config, "--handoff", "tcp"]);
+    let shm = Server::start(&["--config", config, "--handoff", "shm"]);
     let expected = answers(&colocated, &keys).await;
     assert_eq!(
         answers(&tcp, &keys).await,
         expected,
         "over the TCP hand-off"
     );
+    assert_eq!(
+        answers(&shm, &keys).await,
+        expected,
+        "over the shared-memory hand-off"
+    );
+    shm.wait_for_baseline().await;
     assert_eq!(answers(&disaggregated, &keys).await, expected);
     assert_eq!(
         disaggregated

@@ -121,6 +121,20 @@ pub enum PoolError {
         /// The first unwritten position in that layer.
         position: usize,
     },
+    /// A one-sided write through a revoked window (I3, I4).
+    #[error("write window of request {owner} is revoked")]
+    WindowRevoked {
+        /// The request whose window it was.
+        owner: RequestId,
+    },
+    /// Pages cannot be released while one-sided writes are still in flight (I4).
+    #[error("request {owner} still has {in_flight} one-sided writes in flight")]
+    StillWriting {
+        /// The request.
+        owner: RequestId,
+        /// Writes in flight.
+        in_flight: usize,
+    },
     /// `drain` named a request that has no quarantined pages.
     #[error("request {owner} has no quarantined pages")]
     NothingQuarantined {

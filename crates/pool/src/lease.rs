@@ -15,6 +15,7 @@ use crate::error::PoolError;
 use crate::page::{PageRef, RequestId};
 use crate::pool::{Counters, Holder, Shared};
 use crate::view::ReadView;
+use crate::window::Window;
 
 /// Identity of one lease, unique for the life of a pool. Pages record it so
 /// ownership checks read the page table itself, not the caller's word.
@@ -130,41 +131,48 @@ impl Lease {
         slots: Range<usize>,
         bytes: &[u8],
     ) -> Result<(), PoolError> {
-        let geometry = self.shared.geometry;
-        if slots.start >= slots.end || slots.end > geometry.page_size {
-            return Err(PoolError::SlotsOutOfRange {
-                start: slots.start,
-                end: slots.end,
-                page_size: geometry.page_size,
-            });
-        }
-        let run = slots.len() * geometry.shape.head_dim * geometry.elem.size_bytes();
-        let expected = run * geometry.shape.layers * 2 * geometry.shape.kv_heads;
-        if bytes.len() != expected {
-            return Err(PoolError::ShapeMismatch {
-                expected,
-                got: bytes.len(),
-            });
-        }
         let mut guard = self.fenced_page(page)?;
-        let data: &mut [u8] = bytemuck::cast_slice_mut(&mut guard.data);
-        let elem = geometry.elem.size_bytes();
-        let head_dim = geometry.shape.head_dim;
-        let mut from = 0;
-        for layer in 0..geometry.shape.layers {
-            for kv in 0..2 {
-                for head in 0..geometry.shape.kv_heads {
-                    let at =
-                        (geometry.block_offset(layer, kv, head) + slots.start * head_dim) * elem;
-                    data[at..at + run].copy_from_slice(&bytes[from..from + run]);
-                    from += run;
-                }
+        self.shared.copy_slots_in(&mut guard, slots, bytes)
+    }
+
+    /// Opens a one-sided write window over this lease's pages and marks the
+    /// lease as exposed: when it is dropped its pages are quarantined until
+    /// [`Window::release`] finds the window drained (I4). Close it with
+    /// [`Lease::close_window`] once the writer is done to release normally.
+    pub fn open_window(&mut self) -> Window {
+        self.one_sided = true;
+        Window::open(
+            Arc::clone(&self.shared),
+            self.owner,
+            self.pages.iter().map(|p| p.id).collect(),
+        )
+    }
+
+    /// Whether a one-sided writer may still reach these pages (an open,
+    /// unclosed window): if so, dropping the lease quarantines them.
+    pub fn is_exposed(&self) -> bool {
+        self.one_sided
+    }
+
+    /// Revokes `window` and, if no write is still in flight, returns this
+    /// lease to ordinary release. Refused while writes are in flight.
+    pub fn close_window(&mut self, window: &Window) -> Result<(), PoolError> {
+        assert_eq!(
+            window.owner(),
+            self.owner,
+            "a window closes only on its own lease"
+        );
+        window.revoke();
+        match window.in_flight() {
+            0 => {
+                self.one_sided = false;
+                Ok(())
             }
+            in_flight => Err(PoolError::StillWriting {
+                owner: self.owner,
+                in_flight,
+            }),
         }
-        for layer in 0..geometry.shape.layers {
-            guard.coverage.mark(layer, slots.clone());
-        }
-        Ok(())
     }
 
     /// Locks `page` for writing if this lease holds it in the generation

@@ -19,6 +19,7 @@ mod page;
 mod pool;
 mod spec;
 mod view;
+mod window;
 
 pub use element::KvElement;
 pub use error::PoolError;
@@ -29,3 +30,4 @@ pub use spec::{
     ElemType, Geometry, KvShape, MAX_PAGE_SIZE, PoolSize, PoolSpec, ReusePolicy, Scrub,
 };
 pub use view::ReadView;
+pub use window::{Window, WindowKey};

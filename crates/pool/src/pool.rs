@@ -248,24 +248,7 @@ impl Pool {
     /// acknowledged that every write drained, or the transport proved no
     /// write can arrive (I4). Returns how many pages were freed.
     pub fn drain(&self, owner: RequestId) -> Result<usize, PoolError> {
-        let shared = &self.shared;
-        let mut ledger = shared.ledger.lock();
-        let group = ledger
-            .quarantined
-            .remove(&owner)
-            .ok_or(PoolError::NothingQuarantined { owner })?;
-        for page_ref in &group {
-            let mut page = shared.pages[page_ref.id.index()].write();
-            assert!(
-                page.holder == Holder::Quarantined { owner }
-                    && page.generation == page_ref.generation,
-                "I4: quarantined page {page_ref} of {owner} changed hands while quarantined"
-            );
-            shared.scrub_and_free(&mut page);
-        }
-        ledger.quarantined_pages -= group.len();
-        ledger.free.extend(group.iter().map(|r| r.id));
-        Ok(group.len())
+        self.shared.drain(owner)
     }
 
     /// Requests that have pages in quarantine, for operators and timers.
@@ -323,6 +306,28 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Shared {
+    /// Frees `owner`'s quarantined pages; see [`Pool::drain`].
+    pub(crate) fn drain(&self, owner: RequestId) -> Result<usize, PoolError> {
+        let shared = self;
+        let mut ledger = shared.ledger.lock();
+        let group = ledger
+            .quarantined
+            .remove(&owner)
+            .ok_or(PoolError::NothingQuarantined { owner })?;
+        for page_ref in &group {
+            let mut page = shared.pages[page_ref.id.index()].write();
+            assert!(
+                page.holder == Holder::Quarantined { owner }
+                    && page.generation == page_ref.generation,
+                "I4: quarantined page {page_ref} of {owner} changed hands while quarantined"
+            );
+            shared.scrub_and_free(&mut page);
+        }
+        ledger.quarantined_pages -= group.len();
+        ledger.free.extend(group.iter().map(|r| r.id));
+        Ok(group.len())
+    }
+
     /// Takes back the pages of a dropped lease: to `Free`, or to
     /// `Quarantined` when a one-sided writer may still store into them (I4).
     pub(crate) fn give_back(
@@ -356,6 +361,50 @@ impl Shared {
         } else {
             ledger.free.extend(pages.iter().map(|r| r.id));
         }
+    }
+
+    /// Copies every layer's K and V for `slots` from hand-off bytes
+    /// (`[layer][K|V][kv_head][slot][head_dim]`) into `page` and marks them
+    /// covered. The caller has checked who may write.
+    pub(crate) fn copy_slots_in(
+        &self,
+        page: &mut Page,
+        slots: std::ops::Range<usize>,
+        bytes: &[u8],
+    ) -> Result<(), PoolError> {
+        let g = self.geometry;
+        if slots.start >= slots.end || slots.end > g.page_size {
+            return Err(PoolError::SlotsOutOfRange {
+                start: slots.start,
+                end: slots.end,
+                page_size: g.page_size,
+            });
+        }
+        let elem = g.elem.size_bytes();
+        let run = slots.len() * g.shape.head_dim * elem;
+        let expected = run * g.shape.layers * 2 * g.shape.kv_heads;
+        if bytes.len() != expected {
+            return Err(PoolError::ShapeMismatch {
+                expected,
+                got: bytes.len(),
+            });
+        }
+        let data: &mut [u8] = bytemuck::cast_slice_mut(&mut page.data);
+        let mut from = 0;
+        for layer in 0..g.shape.layers {
+            for kv in 0..2 {
+                for head in 0..g.shape.kv_heads {
+                    let at =
+                        (g.block_offset(layer, kv, head) + slots.start * g.shape.head_dim) * elem;
+                    data[at..at + run].copy_from_slice(&bytes[from..from + run]);
+                    from += run;
+                }
+            }
+        }
+        for layer in 0..g.shape.layers {
+            page.coverage.mark(layer, slots.clone());
+        }
+        Ok(())
     }
 
     fn scrub_and_free(&self, page: &mut Page) {
