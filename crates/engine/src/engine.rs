@@ -107,9 +107,19 @@ pub struct Engine {
     pool: Pool,
     role: Role,
     prefill: Option<Peer>,
+    /// Capacity of a prefill worker in another process, if that is the peer.
+    remote_prefill_tokens: Option<usize>,
+    model: Arc<LoadedModel>,
     config: EngineConfig,
     next_id: AtomicU64,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// The decode worker's ends of its link to the prefill worker.
+pub(crate) struct DecodeLink {
+    pub(crate) inbox_tx: mpsc::Sender<Command>,
+    pub(crate) inbox: mpsc::Receiver<Command>,
+    pub(crate) to_prefill: mpsc::Sender<Command>,
 }
 
 /// The prefill half of an in-process disaggregated pair.
@@ -132,7 +142,7 @@ impl Engine {
         let counters = Arc::new(Counters::default());
         let scheduler = Scheduler::new(
             Role::Colocated,
-            model,
+            Arc::clone(&model),
             pool.clone(),
             config,
             Arc::clone(&counters),
@@ -146,6 +156,8 @@ impl Engine {
             pool,
             role: Role::Colocated,
             prefill: None,
+            remote_prefill_tokens: None,
+            model,
             config,
             next_id: AtomicU64::new(1),
             threads: vec![thread],
@@ -168,7 +180,6 @@ impl Engine {
         let (prefill_tx, prefill_inbox) = mpsc::channel();
         let (prefill_to_decode, decode_to_prefill) =
             link::connect(transport, prefill_tx.clone(), decode_tx.clone())?;
-        let counters = Arc::new(Counters::default());
         let prefill = Scheduler::new(
             Role::Prefill,
             Arc::clone(&model),
@@ -178,33 +189,89 @@ impl Engine {
             prefill_inbox,
             Some(prefill_to_decode),
         );
+        let link = DecodeLink {
+            inbox_tx: decode_tx,
+            inbox: decode_inbox,
+            to_prefill: decode_to_prefill,
+        };
+        let mut engine = Engine::decode_over_link(
+            model,
+            decode_pool,
+            config,
+            link,
+            None,
+            *transport == Transport::SharedMemory,
+        );
+        engine.prefill = Some(Peer {
+            commands: prefill_tx,
+            pool: prefill_pool,
+        });
+        engine.threads.push(spawn("kvfence-prefill", prefill));
+        Ok(engine)
+    }
+
+    /// A decode worker whose prefill worker is reached through `link`.
+    /// `remote_prefill_tokens` is the capacity a prefill worker in another
+    /// process reported; `one_sided` grants shared-memory windows.
+    pub(crate) fn decode_over_link(
+        model: Arc<LoadedModel>,
+        pool: Pool,
+        config: EngineConfig,
+        link: DecodeLink,
+        remote_prefill_tokens: Option<usize>,
+        one_sided: bool,
+    ) -> Engine {
+        let counters = Arc::new(Counters::default());
         let decode = Scheduler::new(
             Role::Decode,
-            model,
-            decode_pool.clone(),
+            Arc::clone(&model),
+            pool.clone(),
             config,
             Arc::clone(&counters),
-            decode_inbox,
-            Some(decode_to_prefill),
+            link.inbox,
+            Some(link.to_prefill),
         )
-        .with_one_sided_grants(*transport == Transport::SharedMemory);
-        let threads = vec![
-            spawn("kvfence-prefill", prefill),
-            spawn("kvfence-decode", decode),
-        ];
-        Ok(Engine {
-            commands: decode_tx,
+        .with_one_sided_grants(one_sided);
+        Engine {
+            commands: link.inbox_tx,
             counters,
-            pool: decode_pool,
+            pool,
             role: Role::Decode,
-            prefill: Some(Peer {
-                commands: prefill_tx,
-                pool: prefill_pool,
-            }),
+            prefill: None,
+            remote_prefill_tokens,
+            model,
             config,
             next_id: AtomicU64::new(1),
-            threads,
-        })
+            threads: vec![spawn("kvfence-decode", decode)],
+        }
+    }
+
+    /// Tokens of KV each worker's pool holds, by role label.
+    pub fn capacities(&self) -> Vec<(&'static str, usize)> {
+        let mut out = vec![(self.role.label(), self.pool.capacity_tokens())];
+        if let Some(peer) = &self.prefill {
+            out.push((Role::Prefill.label(), peer.pool.capacity_tokens()));
+        }
+        if let Some(tokens) = self.remote_prefill_tokens {
+            out.push((Role::Prefill.label(), tokens));
+        }
+        out
+    }
+
+    /// Pool and engine counters, by role (local pools only).
+    pub fn snapshot(&self) -> (Vec<(&'static str, kvfence_pool::PoolStats)>, EngineStats) {
+        let pools = self
+            .pools()
+            .iter()
+            .map(|(role, pool)| (role.label(), pool.stats()))
+            .collect();
+        (pools, self.stats())
+    }
+
+    /// The model's fingerprint: layers, KV heads, head dim, vocabulary.
+    pub(crate) fn fingerprint(&self) -> (usize, usize, usize, usize) {
+        let c = self.model.model.config();
+        (c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size)
     }
 
     /// Stops only the prefill worker, as if its process ended: its in-flight
@@ -326,5 +393,23 @@ impl std::fmt::Debug for Engine {
             .field("config", &self.config)
             .field("stats", &self.stats())
             .finish()
+    }
+}
+
+impl crate::Backend for Engine {
+    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
+        Engine::submit(self, request)
+    }
+
+    fn capacities(&self) -> Vec<(&'static str, usize)> {
+        Engine::capacities(self)
+    }
+
+    fn snapshot(&self) -> (Vec<(&'static str, kvfence_pool::PoolStats)>, EngineStats) {
+        Engine::snapshot(self)
+    }
+
+    fn shutdown(&self) {
+        Engine::shutdown(self)
     }
 }

@@ -27,6 +27,12 @@ pub enum EngineError {
         /// What is wrong.
         reason: String,
     },
+    /// A worker this one depends on is unreachable; retrying later may work.
+    #[error("worker unavailable: {reason}")]
+    Unavailable {
+        /// What is unreachable.
+        reason: String,
+    },
     /// The engine is stopping and takes no more work.
     #[error("the engine is shutting down")]
     ShuttingDown,

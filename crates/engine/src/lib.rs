@@ -12,6 +12,7 @@
 mod engine;
 mod error;
 mod link;
+mod remote;
 mod request;
 mod scheduler;
 mod text;
@@ -19,6 +20,23 @@ mod text;
 pub use engine::{Engine, EngineConfig, EngineStats};
 pub use error::EngineError;
 pub use link::Transport;
-pub use request::{Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage};
+pub use remote::{Hello, RemoteEngine, serve_prefill, serve_routers};
+pub use request::{
+    Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
+};
 pub use scheduler::Role;
 pub use text::{Pushed, TextStream};
+
+/// What serves generation requests: a local [`Engine`] or a
+/// [`RemoteEngine`] (a decode worker in another process). The HTTP server
+/// holds one of these and does not care which.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Queues a request; see [`Engine::submit`].
+    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError>;
+    /// Tokens of KV each worker's pool really holds, by role label (I6).
+    fn capacities(&self) -> Vec<(&'static str, usize)>;
+    /// Pool counters by role label, and engine counters.
+    fn snapshot(&self) -> (Vec<(&'static str, kvfence_pool::PoolStats)>, EngineStats);
+    /// Stops taking work; in-flight requests end with an error.
+    fn shutdown(&self);
+}

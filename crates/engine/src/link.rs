@@ -40,6 +40,8 @@ pub enum Transport {
 
 const FRAME: u8 = 1;
 const ORDER: u8 = 2;
+/// A control-plane message (JSON): worker hellos, router requests and events.
+pub(crate) const CONTROL: u8 = 3;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn encode(command: &Command) -> Option<Vec<u8>> {
@@ -147,7 +149,7 @@ fn decode(payload: &[u8]) -> Result<Command, HandoffError> {
 
 /// Bridges an authenticated stream to a scheduler: returns the sender the
 /// scheduler uses to reach its peer. Frames from the peer go to `inbox`.
-fn bridge(
+pub(crate) fn bridge(
     stream: TcpStream,
     inbox: mpsc::Sender<Command>,
     name: &str,

@@ -100,6 +100,17 @@ pub struct RequestHandle {
 #[derive(Debug)]
 struct CancelOnDrop(Arc<AtomicBool>);
 
+/// Cancels one request on demand; see [`RequestHandle::canceller`].
+#[derive(Debug, Clone)]
+pub struct Canceller(Arc<AtomicBool>);
+
+impl Canceller {
+    /// Cancels the request: its pages are freed at the engine's next step.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.0.store(true, Ordering::Release);
@@ -117,6 +128,12 @@ impl RequestHandle {
             events,
             _cancel: CancelOnDrop(cancel),
         }
+    }
+
+    /// A handle that cancels this request from elsewhere (a remote peer's
+    /// cancel message), as dropping the handle would.
+    pub fn canceller(&self) -> Canceller {
+        Canceller(Arc::clone(&self._cancel.0))
     }
 
     /// The engine's id for this request (for logs).

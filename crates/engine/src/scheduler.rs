@@ -49,6 +49,15 @@ pub enum Role {
 }
 
 impl Role {
+    /// The role a label names (`colocated` for anything unknown).
+    pub fn from_label(label: &str) -> Role {
+        match label {
+            "prefill" => Role::Prefill,
+            "decode" => Role::Decode,
+            _ => Role::Colocated,
+        }
+    }
+
     /// The label used in metrics.
     pub fn label(self) -> &'static str {
         match self {
@@ -448,6 +457,9 @@ impl Scheduler {
                 }
             }
             Role::Prefill | Role::Colocated => {
+                // A prefill worker serves one decode worker; without it there
+                // is nothing left to do here.
+                self.stopping = true;
                 for pending in self
                     .waiting
                     .iter_mut()

@@ -4,6 +4,7 @@
 mod generate;
 mod plan;
 mod serve;
+mod workers;
 
 use std::path::PathBuf;
 
@@ -25,8 +26,17 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Serve a model over the OpenAI-compatible HTTP API.
+    /// Serve a model over the OpenAI-compatible HTTP API (router, prefill
+    /// and decode workers in one process).
     Serve(serve::ServeArgs),
+    /// Run a prefill worker process: prefills prompts and hands their KV to
+    /// a decode worker over an authenticated TCP link.
+    Prefill(workers::PrefillArgs),
+    /// Run a decode worker process: receives KV from a prefill worker,
+    /// decodes, and serves routers.
+    Decode(workers::DecodeArgs),
+    /// Run the HTTP router process in front of a decode worker.
+    Router(workers::RouterArgs),
     /// Manage tenants (API keys and limits).
     #[command(subcommand)]
     Tenant(TenantCommand),
@@ -108,6 +118,9 @@ impl From<Dtype> for DiskDtype {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Serve(args) => serve::run(args),
+        Command::Prefill(args) => workers::prefill(args),
+        Command::Decode(args) => workers::decode(args),
+        Command::Router(args) => workers::router(args),
         Command::Tenant(TenantCommand::Add {
             name,
             max_concurrent,

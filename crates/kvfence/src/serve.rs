@@ -1,5 +1,6 @@
-//! `kvfence serve`: load a model, size the KV pool, start the engine and the
-//! HTTP API, stop cleanly on SIGINT/SIGTERM.
+//! `kvfence serve`: load a model, size the KV pools, start the workers and
+//! the HTTP API, stop cleanly on SIGINT/SIGTERM. The HTTP front is shared
+//! with `kvfence router`.
 
 use std::io::Write;
 use std::net::IpAddr;
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use kvfence_engine::{Engine, EngineConfig, Transport};
+use kvfence_engine::{Backend, Engine, EngineConfig, Transport};
 use kvfence_model::LoadedModel;
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use kvfence_server::{ApiOptions, AppState, Capacity, ServerError, Tenants};
@@ -20,16 +21,6 @@ pub(crate) struct ServeArgs {
     /// builtin:tiny (no download), builtin:small, or a Hugging Face model directory.
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
-    /// Address to listen on. Without --config only loopback is allowed.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: IpAddr,
-    /// Port to listen on (0 picks a free one).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// Tenants file (TOML; see `kvfence tenant add`). Without it, local mode:
-    /// one unauthenticated tenant, loopback only.
-    #[arg(long)]
-    config: Option<PathBuf>,
     /// How prefill and decode run: on separate workers joined by the fenced
     /// KV hand-off (in one process), or on one worker.
     #[arg(long, value_enum, default_value_t = Mode::Disaggregated)]
@@ -52,11 +43,75 @@ pub(crate) struct ServeArgs {
     /// defaults to --kv-pool-tokens. The advertised context is the smallest pool's.
     #[arg(long)]
     prefill_pool_tokens: Option<usize>,
-    /// Token slots per KV page.
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    http: HttpArgs,
+}
+
+/// Scheduling and pool layout, shared by every command that runs a worker.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct EngineArgs {
+    /// Token slots per KV page (prefill and decode workers must agree).
     #[arg(long, default_value_t = 16)]
-    page_size: usize,
+    pub(crate) page_size: usize,
+    /// Requests running at once.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) max_running: usize,
+    /// Requests waiting for KV pages at most; beyond it requests get 429.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) max_queue: usize,
+    /// Tokens per forward pass (decode steps plus prefill chunks).
+    #[arg(long, default_value_t = 256)]
+    pub(crate) step_tokens: usize,
+}
+
+impl EngineArgs {
+    pub(crate) fn config(&self) -> anyhow::Result<EngineConfig> {
+        anyhow::ensure!(
+            self.max_running > 0 && self.step_tokens > 0 && self.page_size > 0,
+            "--max-running, --step-tokens and --page-size must be positive"
+        );
+        Ok(EngineConfig {
+            max_running: self.max_running,
+            max_queue: self.max_queue,
+            step_tokens: self.step_tokens,
+        })
+    }
+
+    pub(crate) fn pool(&self, model: &LoadedModel, tokens: usize) -> anyhow::Result<Pool> {
+        let spec = PoolSpec::new(
+            model.model.kv_shape(),
+            self.page_size,
+            ElemType::F32,
+            PoolSize::Tokens(tokens),
+        );
+        let pool = Pool::new(&spec).context("allocating a KV pool")?;
+        info!(
+            tokens = pool.capacity_tokens(),
+            bytes = pool.geometry().capacity_bytes(),
+            "KV pool allocated"
+        );
+        Ok(pool)
+    }
+}
+
+/// The HTTP front, shared by `serve` and `router`.
+#[derive(Args, Debug)]
+pub(crate) struct HttpArgs {
+    /// Address to listen on. Without --config only loopback is allowed.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Tenants file (TOML; see `kvfence tenant add`). Without it, local mode:
+    /// one unauthenticated tenant, loopback only.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Largest prompt + completion to accept. Defaults to what the model and
-    /// the pool can really hold; larger values are refused unless --clamp-context.
+    /// every worker's pool can really hold; larger values are refused unless
+    /// --clamp-context.
     #[arg(long)]
     max_context: Option<usize>,
     /// Lower a --max-context that exceeds the real capacity instead of refusing to start.
@@ -65,15 +120,6 @@ pub(crate) struct ServeArgs {
     /// max_tokens for requests that give none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
-    /// Requests running at once.
-    #[arg(long, default_value_t = 64)]
-    max_running: usize,
-    /// Requests waiting for KV pages at most; beyond it requests get 429.
-    #[arg(long, default_value_t = 256)]
-    max_queue: usize,
-    /// Tokens per forward pass (decode steps plus prefill chunks).
-    #[arg(long, default_value_t = 256)]
-    step_tokens: usize,
     /// Model id clients send; defaults to the model's name.
     #[arg(long)]
     served_model_name: Option<String>,
@@ -101,20 +147,8 @@ enum Handoff {
     Tcp,
 }
 
-fn cluster_secret(file: Option<&PathBuf>) -> anyhow::Result<Vec<u8>> {
-    if let Some(path) = file {
-        let text = std::fs::read(path)
-            .with_context(|| format!("reading the cluster secret from {}", path.display()))?;
-        return Ok(text.trim_ascii().to_vec());
-    }
-    if let Ok(secret) = std::env::var("KVFENCE_CLUSTER_SECRET") {
-        return Ok(secret.into_bytes());
-    }
-    let random: [u8; 32] = rand::random();
-    Ok(random.to_vec())
-}
-
-pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
+/// Logs to stderr, `info` unless `RUST_LOG` says otherwise. Never request text (I10).
+pub(crate) fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -122,71 +156,94 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    anyhow::ensure!(
-        args.max_running > 0 && args.step_tokens > 0,
-        "--max-running and --step-tokens must be positive"
-    );
+}
 
-    let tenants = match &args.config {
-        Some(path) => Tenants::from_file(path)?,
-        None => {
-            if !args.host.is_loopback() {
-                return Err(ServerError::PublicWithoutTenants {
-                    host: args.host.to_string(),
-                }
-                .into());
-            }
-            Tenants::local()
-        }
-    };
+/// The cluster secret from `file`, else `KVFENCE_CLUSTER_SECRET`.
+pub(crate) fn configured_secret(file: Option<&PathBuf>) -> anyhow::Result<Option<Vec<u8>>> {
+    if let Some(path) = file {
+        let text = std::fs::read(path)
+            .with_context(|| format!("reading the cluster secret from {}", path.display()))?;
+        return Ok(Some(text.trim_ascii().to_vec()));
+    }
+    Ok(std::env::var("KVFENCE_CLUSTER_SECRET")
+        .ok()
+        .map(String::into_bytes))
+}
 
-    eprintln!("loading {} ...", args.model);
+/// Loads a model, showing progress.
+pub(crate) fn load_model(name: &str) -> anyhow::Result<Arc<LoadedModel>> {
+    eprintln!("loading {name} ...");
     let started = Instant::now();
-    let model = Arc::new(
-        LoadedModel::load(&args.model).with_context(|| format!("loading model {}", args.model))?,
-    );
+    let model = Arc::new(LoadedModel::load(name).with_context(|| format!("loading model {name}"))?);
     eprintln!(
         "loaded {} in {:.1} s",
         model.name,
         started.elapsed().as_secs_f64()
     );
+    Ok(model)
+}
 
-    let pool_of = |tokens: usize| {
-        let kv = model.model.kv_shape();
-        let spec = PoolSpec::new(kv, args.page_size, ElemType::F32, PoolSize::Tokens(tokens));
-        Pool::new(&spec).context("allocating a KV pool")
-    };
-    let config = EngineConfig {
-        max_running: args.max_running,
-        max_queue: args.max_queue,
-        step_tokens: args.step_tokens,
-    };
+pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
+    init_logging();
+    let tenants = tenants(&args.http)?;
+    let model = load_model(&args.model)?;
+    let config = args.engine.config()?;
     let engine = match args.mode {
-        Mode::Colocated => Engine::start(Arc::clone(&model), pool_of(args.kv_pool_tokens)?, config),
+        Mode::Colocated => Engine::start(
+            Arc::clone(&model),
+            args.engine.pool(&model, args.kv_pool_tokens)?,
+            config,
+        ),
         Mode::Disaggregated => {
-            let prefill = pool_of(args.prefill_pool_tokens.unwrap_or(args.kv_pool_tokens))?;
-            let decode = pool_of(args.kv_pool_tokens)?;
+            let prefill = args.engine.pool(
+                &model,
+                args.prefill_pool_tokens.unwrap_or(args.kv_pool_tokens),
+            )?;
+            let decode = args.engine.pool(&model, args.kv_pool_tokens)?;
             let transport = match args.handoff {
                 Handoff::Inproc => Transport::InProcess,
                 Handoff::Shm => Transport::SharedMemory,
-                Handoff::Tcp => Transport::Tcp {
-                    secret: cluster_secret(args.cluster_secret_file.as_ref())?,
-                },
+                Handoff::Tcp => {
+                    let random = || rand::random::<[u8; 32]>().to_vec();
+                    let secret = configured_secret(args.cluster_secret_file.as_ref())?
+                        .unwrap_or_else(random);
+                    Transport::Tcp { secret }
+                }
             };
             Engine::start_disaggregated(Arc::clone(&model), prefill, decode, config, &transport)
                 .context("connecting the prefill and decode workers")?
         }
     };
-    let pools: Vec<(&'static str, usize)> = engine
-        .pools()
-        .iter()
-        .map(|(role, pool)| (role.label(), pool.capacity_tokens()))
-        .collect();
+    info!(mode = ?args.mode, handoff = ?args.handoff, "workers started");
+    serve_http(&args.http, tenants, model, Box::new(engine))
+}
+
+/// Tenants from `--config`, or local mode (loopback only).
+pub(crate) fn tenants(http: &HttpArgs) -> anyhow::Result<Tenants> {
+    match &http.config {
+        Some(path) => Ok(Tenants::from_file(path)?),
+        None if !http.host.is_loopback() => Err(ServerError::PublicWithoutTenants {
+            host: http.host.to_string(),
+        }
+        .into()),
+        None => Ok(Tenants::local()),
+    }
+}
+
+/// Computes the honest context from every worker's pool (I6), then serves
+/// the OpenAI API over `backend` until SIGINT/SIGTERM.
+pub(crate) fn serve_http(
+    http: &HttpArgs,
+    tenants: Tenants,
+    model: Arc<LoadedModel>,
+    backend: Box<dyn Backend>,
+) -> anyhow::Result<()> {
+    let pools = backend.capacities();
     let capacity = Capacity::compute(
         model.model.config().max_position_embeddings,
         &pools,
-        args.max_context,
-        args.clamp_context,
+        http.max_context,
+        http.clamp_context,
     )?;
     if capacity.clamped {
         warn!(
@@ -195,16 +252,8 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             "--max-context exceeds the real capacity; CLAMPED to what the pools and model hold"
         );
     }
-    for (role, pool) in engine.pools() {
-        info!(
-            role = role.label(),
-            tokens = pool.capacity_tokens(),
-            bytes = pool.geometry().capacity_bytes(),
-            "KV pool allocated"
-        );
-    }
     info!(
-        mode = ?args.mode,
+        pools = ?pools,
         model_limit = capacity.model_limit,
         max_context = capacity.max_context,
         bound_by = capacity.pool_role,
@@ -213,40 +262,34 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     if tenants.is_local() {
         info!("local mode: no --config, one unauthenticated tenant, loopback only");
     }
-
-    let model_id = args
+    let model_id = http
         .served_model_name
         .clone()
         .unwrap_or_else(|| default_model_id(&model.name));
-    let state = AppState::new(
-        engine,
-        model,
-        ApiOptions {
-            tenants,
-            model_id,
-            capacity,
-            default_max_tokens: args.default_max_tokens,
-        },
-    );
-
+    let options = ApiOptions {
+        tenants,
+        model_id,
+        capacity,
+        default_max_tokens: http.default_max_tokens,
+    };
+    let state = AppState::new(backend, model, options);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    let (host, port, grace) = (
+        http.host,
+        http.port,
+        Duration::from_secs(http.shutdown_timeout),
+    );
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((args.host, args.port))
+        let listener = tokio::net::TcpListener::bind((host, port))
             .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+            .with_context(|| format!("binding {host}:{port}"))?;
         let address = listener.local_addr()?;
         println!("listening on http://{address}");
         std::io::stdout().flush()?;
-        kvfence_server::serve(
-            listener,
-            state,
-            shutdown_signal(),
-            Duration::from_secs(args.shutdown_timeout),
-        )
-        .await?;
+        kvfence_server::serve(listener, state, shutdown_signal(), grace).await?;
         info!("server stopped");
         Ok(())
     })

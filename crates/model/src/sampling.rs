@@ -145,6 +145,11 @@ impl StopStrings {
         Ok(StopStrings { stops })
     }
 
+    /// The stop strings.
+    pub fn strings(&self) -> &[String] {
+        &self.stops
+    }
+
     /// Byte offset where the earliest stop string begins in `text`, if any:
     /// the completion ends there, the stop string excluded.
     pub fn find(&self, text: &str) -> Option<usize> {

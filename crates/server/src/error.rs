@@ -174,6 +174,11 @@ impl From<EngineError> for ApiError {
                 "invalid_request",
                 error.to_string(),
             ),
+            EngineError::Unavailable { .. } => ApiError::new(
+                ErrorType::ServiceUnavailable,
+                "worker_unavailable",
+                error.to_string(),
+            ),
             EngineError::ShuttingDown => ApiError::new(
                 ErrorType::ServiceUnavailable,
                 "shutting_down",

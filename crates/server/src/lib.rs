@@ -1,4 +1,5 @@
-//! kvfence's HTTP front: the OpenAI-compatible API over a colocated engine,
+//! kvfence's HTTP front: the OpenAI-compatible API over an engine (local, or
+//! a decode worker in another process),
 //! with tenants (I9), honest admission (I6), Prometheus metrics, and
 //! request text kept out of logs, metrics and errors (I10).
 
@@ -16,7 +17,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::{get, post};
-use kvfence_engine::Engine;
+use kvfence_engine::Backend;
 use kvfence_model::LoadedModel;
 use tokio::net::TcpListener;
 
@@ -29,7 +30,7 @@ pub use tenants::{Tenant, Tenants, new_tenant};
 /// Everything the handlers share.
 #[derive(Debug)]
 pub struct AppState {
-    engine: Engine,
+    engine: Box<dyn Backend>,
     model: Arc<LoadedModel>,
     model_id: String,
     tenants: Tenants,
@@ -54,12 +55,12 @@ pub struct ApiOptions {
 
 impl AppState {
     /// Shared state over a running engine.
-    pub fn new(engine: Engine, model: Arc<LoadedModel>, options: ApiOptions) -> Arc<AppState> {
-        let roles: Vec<(&'static str, usize)> = engine
-            .pools()
-            .iter()
-            .map(|(role, pool)| (role.label(), pool.capacity_tokens()))
-            .collect();
+    pub fn new(
+        engine: Box<dyn Backend>,
+        model: Arc<LoadedModel>,
+        options: ApiOptions,
+    ) -> Arc<AppState> {
+        let roles = engine.capacities();
         Arc::new(AppState {
             metrics: Metrics::new(&options.capacity, &roles),
             engine,
@@ -75,8 +76,8 @@ impl AppState {
     }
 
     /// The engine behind the API.
-    pub fn engine(&self) -> &Engine {
-        &self.engine
+    pub fn engine(&self) -> &dyn Backend {
+        self.engine.as_ref()
     }
 }
 

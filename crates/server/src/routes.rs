@@ -126,13 +126,15 @@ pub async fn health() -> impl IntoResponse {
 /// `GET /metrics`: Prometheus text. Holds counts, states and tenant names;
 /// never request text (I10).
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let pools: Vec<(&'static str, kvfence_pool::PoolStats)> = state
-        .engine
-        .pools()
-        .iter()
-        .map(|(role, pool)| (role.label(), pool.stats()))
-        .collect();
-    let body = state.metrics.render(&pools, &state.engine.stats());
+    // A remote engine answers over the network: keep it off the async workers.
+    let snapshot = {
+        let state = Arc::clone(&state);
+        tokio::task::spawn_blocking(move || state.engine.snapshot()).await
+    };
+    let body = match snapshot {
+        Ok((pools, stats)) => state.metrics.render(&pools, &stats),
+        Err(_) => String::new(),
+    };
     (
         [(
             header::CONTENT_TYPE,
@@ -203,9 +205,22 @@ async fn handle(
     };
     let prompt_tokens = prepared.request.prompt.len();
     let max_tokens = prepared.request.max_tokens;
-    let handle = match state.engine.submit(prepared.request) {
-        Ok(handle) => handle,
-        Err(error) => return refuse(&state, &tenant.name, endpoint, ApiError::from(error)),
+    // A remote engine answers over the network: keep it off the async workers.
+    let submitted = {
+        let (state, request) = (Arc::clone(&state), prepared.request);
+        tokio::task::spawn_blocking(move || state.engine.submit(request)).await
+    };
+    let handle = match submitted {
+        Ok(Ok(handle)) => handle,
+        Ok(Err(error)) => return refuse(&state, &tenant.name, endpoint, ApiError::from(error)),
+        Err(_) => {
+            let error = ApiError::new(
+                ErrorType::ServerError,
+                "internal_error",
+                "the request could not be queued",
+            );
+            return refuse(&state, &tenant.name, endpoint, error);
+        }
     };
     info!(request = %handle.id(), tenant = %tenant.name, endpoint = endpoint.label(), prompt_tokens, max_tokens, stream = prepared.stream, "request admitted");
     let reply = Reply {

@@ -17,10 +17,17 @@ pub struct Server {
 impl Server {
     /// Starts `kvfence serve --port 0 ARGS...` and waits until it listens.
     pub fn start(args: &[&str]) -> Server {
+        let mut full = vec!["serve", "--port", "0"];
+        full.extend_from_slice(args);
+        Server::start_process(&full, &[])
+    }
+
+    /// Starts `kvfence ARGS...` with extra environment and waits for its
+    /// "listening on ADDR" line; `base` is ADDR (with `http://` for HTTP).
+    pub fn start_process(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfence"))
-            .arg("serve")
-            .args(["--port", "0"])
             .args(args)
+            .envs(env.iter().copied())
             .env_remove("RUST_LOG")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -103,6 +110,12 @@ impl Server {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Kills the process at once, as a crash would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     pub fn pid(&self) -> u32 {

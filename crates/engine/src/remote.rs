@@ -1,0 +1,746 @@
+//! Workers in separate processes: a prefill worker serving decode workers
+//! over the authenticated hand-off link, a decode worker serving routers,
+//! and [`RemoteEngine`], the router's client of a decode worker.
+//!
+//! ```text
+//! router ──control link──▶ decode worker ──hand-off link──▶ prefill worker
+//! ```
+//!
+//! Both links open with the cluster-secret handshake and carry length-
+//! delimited frames. Hand-off frames stay binary; the control plane between
+//! router and decode worker (`Hello`, `Submit`, `Accepted`/`Refused`,
+//! `Event`, `Cancel`, `Stats`) is small JSON, none of it logged (I10). A
+//! lost link fails what depended on it instead of hanging: the decode worker
+//! fails hand-offs waiting for KV; the router fails requests in flight.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+use kvfence_handoff::HandoffError;
+use kvfence_handoff::tcp::{handshake, read_link_frame, write_link_frame};
+use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_pool::{Pool, PoolStats, RequestId};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc as tokio_mpsc;
+use tracing::{info, warn};
+
+use crate::engine::{Counters, EngineConfig, EngineStats};
+use crate::error::EngineError;
+use crate::link::{CONTROL, bridge};
+use crate::request::{
+    Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
+};
+use crate::scheduler::{Role, Scheduler};
+use crate::{Backend, Engine};
+
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn io(e: std::io::Error) -> EngineError {
+    EngineError::Handoff(HandoffError::Io(e.to_string()))
+}
+
+/// What a worker tells whoever connects to it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The worker's role label.
+    pub role: String,
+    /// Model fingerprint: layers, KV heads, head dim, vocabulary.
+    pub model: (usize, usize, usize, usize),
+    /// Token slots per KV page.
+    pub page_size: usize,
+    /// Tokens of KV each role's pool really holds, by role label.
+    pub capacities: Vec<(String, usize)>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+enum Refusal {
+    QueueFull { capacity: usize },
+    TooLong { needed: usize, capacity: usize },
+    Invalid { reason: String },
+    ShuttingDown,
+    Internal { message: String },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+enum WireEvent {
+    Token(String),
+    Finished {
+        stop: bool,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Failed {
+        kind: u8,
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct WireStats {
+    pools: Vec<(String, [u64; 8])>,
+    engine: [u64; 13],
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum Control {
+    Hello(Hello),
+    Submit {
+        id: u64,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        sampling: (f32, usize, f32, u64),
+        stop: Vec<String>,
+        ignore_eos: bool,
+    },
+    Accepted {
+        id: u64,
+    },
+    Refused {
+        id: u64,
+        refusal: Refusal,
+    },
+    Event {
+        id: u64,
+        event: WireEvent,
+    },
+    Cancel {
+        id: u64,
+    },
+    StatsRequest,
+    Stats(WireStats),
+}
+
+fn send_control(out: &mut TcpStream, control: &Control) -> Result<(), HandoffError> {
+    let mut payload = vec![CONTROL];
+    payload.extend(serde_json::to_vec(control).expect("control messages always serialise"));
+    write_link_frame(out, &payload)
+}
+
+fn read_control(input: &mut TcpStream) -> Result<Option<Control>, HandoffError> {
+    let Some(frame) = read_link_frame(input)? else {
+        return Ok(None);
+    };
+    match frame.split_first() {
+        Some((&CONTROL, body)) => {
+            serde_json::from_slice(body)
+                .map(Some)
+                .map_err(|_| HandoffError::Malformed {
+                    kind: "control",
+                    reason: "not a control message",
+                })
+        }
+        _ => Err(HandoffError::Malformed {
+            kind: "control",
+            reason: "expected a control frame",
+        }),
+    }
+}
+
+fn fingerprint(model: &LoadedModel) -> (usize, usize, usize, usize) {
+    let c = model.model.config();
+    (c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size)
+}
+
+fn authenticate(stream: &mut TcpStream, secret: &[u8]) -> Result<(), EngineError> {
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(io)?;
+    handshake(stream, secret)?;
+    stream.set_read_timeout(None).map_err(io)?;
+    Ok(())
+}
+
+/// Runs a prefill worker: accepts one decode worker at a time on
+/// `listener`, fills its grants, and waits for the next when it leaves.
+/// Returns only on a listener error.
+pub fn serve_prefill(
+    model: Arc<LoadedModel>,
+    pool: Pool,
+    config: EngineConfig,
+    listener: TcpListener,
+    secret: &[u8],
+) -> Result<(), EngineError> {
+    loop {
+        let (mut stream, peer) = listener.accept().map_err(io)?;
+        if let Err(error) = authenticate(&mut stream, secret) {
+            warn!(%peer, %error, "refused a connection");
+            continue;
+        }
+        let hello = Hello {
+            role: Role::Prefill.label().into(),
+            model: fingerprint(&model),
+            page_size: pool.geometry().page_size,
+            capacities: vec![(Role::Prefill.label().into(), pool.capacity_tokens())],
+        };
+        if send_control(&mut stream, &Control::Hello(hello)).is_err() {
+            continue;
+        }
+        info!(%peer, "decode worker connected");
+        let (inbox_tx, inbox) = mpsc::channel();
+        let to_decode = bridge(stream, inbox_tx, "kvfence-prefill-link").map_err(io)?;
+        let scheduler = Scheduler::new(
+            Role::Prefill,
+            Arc::clone(&model),
+            pool.clone(),
+            config,
+            Arc::new(Counters::default()),
+            inbox,
+            Some(to_decode),
+        );
+        scheduler.run();
+        info!(%peer, "decode worker gone; its hand-offs were dropped");
+    }
+}
+
+impl Engine {
+    /// A decode worker whose prefill worker is another process at
+    /// `prefill`: connects, authenticates, checks that both run the same
+    /// model with the same page size, and starts decoding.
+    pub fn start_decode_worker(
+        model: Arc<LoadedModel>,
+        pool: Pool,
+        config: EngineConfig,
+        prefill: SocketAddr,
+        secret: &[u8],
+    ) -> Result<Engine, EngineError> {
+        let mut stream = TcpStream::connect(prefill).map_err(io)?;
+        authenticate(&mut stream, secret)?;
+        stream
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(io)?;
+        let Some(Control::Hello(hello)) = read_control(&mut stream)? else {
+            return Err(EngineError::Handoff(HandoffError::Malformed {
+                kind: "control",
+                reason: "the prefill worker sent no Hello",
+            }));
+        };
+        if hello.model != fingerprint(&model) || hello.page_size != pool.geometry().page_size {
+            return Err(EngineError::Invalid {
+                reason: format!(
+                    "the prefill worker runs another model or page size ({:?}, page {})",
+                    hello.model, hello.page_size
+                ),
+            });
+        }
+        let prefill_tokens = hello.capacities.iter().map(|(_, t)| *t).min().unwrap_or(0);
+        let (inbox_tx, inbox) = mpsc::channel();
+        let to_prefill = bridge(stream, inbox_tx.clone(), "kvfence-decode-link").map_err(io)?;
+        let link = crate::engine::DecodeLink {
+            inbox_tx,
+            inbox,
+            to_prefill,
+        };
+        Ok(Engine::decode_over_link(
+            model,
+            pool,
+            config,
+            link,
+            Some(prefill_tokens),
+            false,
+        ))
+    }
+}
+
+/// Serves routers on `listener` for a running decode worker. Returns only on
+/// a listener error.
+pub fn serve_routers(
+    engine: Arc<Engine>,
+    listener: TcpListener,
+    secret: Vec<u8>,
+) -> Result<(), EngineError> {
+    loop {
+        let (stream, peer) = listener.accept().map_err(io)?;
+        let (engine, secret) = (Arc::clone(&engine), secret.clone());
+        std::thread::spawn(move || {
+            if let Err(error) = serve_router(&engine, stream, &secret) {
+                warn!(%peer, %error, "router connection ended");
+            }
+        });
+    }
+}
+
+fn serve_router(engine: &Engine, mut stream: TcpStream, secret: &[u8]) -> Result<(), EngineError> {
+    authenticate(&mut stream, secret)?;
+    let capacities = engine
+        .capacities()
+        .into_iter()
+        .map(|(role, tokens)| (role.into(), tokens))
+        .collect();
+    let hello = Hello {
+        role: engine.role().label().into(),
+        model: engine.fingerprint(),
+        page_size: engine.pool().geometry().page_size,
+        capacities,
+    };
+    send_control(&mut stream, &Control::Hello(hello))?;
+    let (out_tx, out_rx) = mpsc::channel::<Control>();
+    let mut writer = stream.try_clone().map_err(io)?;
+    std::thread::spawn(move || {
+        for control in out_rx {
+            if send_control(&mut writer, &control).is_err() {
+                break;
+            }
+        }
+    });
+    let cancellers: Arc<Mutex<HashMap<u64, Canceller>>> = Arc::default();
+    let result = loop {
+        match read_control(&mut stream) {
+            Ok(Some(Control::Submit {
+                id,
+                prompt,
+                max_tokens,
+                sampling,
+                stop,
+                ignore_eos,
+            })) => {
+                let stop = match StopStrings::new(stop) {
+                    Ok(stop) => stop,
+                    Err(error) => {
+                        let _ = out_tx.send(Control::Refused {
+                            id,
+                            refusal: Refusal::Invalid {
+                                reason: error.to_string(),
+                            },
+                        });
+                        continue;
+                    }
+                };
+                let (temperature, top_k, top_p, seed) = sampling;
+                let request = GenerationRequest {
+                    prompt,
+                    max_tokens,
+                    sampling: SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p,
+                        seed,
+                    },
+                    stop,
+                    ignore_eos,
+                };
+                match engine.submit(request) {
+                    Ok(handle) => {
+                        lock(&cancellers).insert(id, handle.canceller());
+                        let _ = out_tx.send(Control::Accepted { id });
+                        let (out, cancellers) = (out_tx.clone(), Arc::clone(&cancellers));
+                        std::thread::spawn(move || forward(id, handle, &out, &cancellers));
+                    }
+                    Err(error) => {
+                        let _ = out_tx.send(Control::Refused {
+                            id,
+                            refusal: refusal(error),
+                        });
+                    }
+                }
+            }
+            Ok(Some(Control::Cancel { id })) => {
+                if let Some(canceller) = lock(&cancellers).remove(&id) {
+                    canceller.cancel();
+                }
+            }
+            Ok(Some(Control::StatsRequest)) => {
+                let _ = out_tx.send(Control::Stats(wire_stats(engine)));
+            }
+            Ok(Some(_)) => {
+                break Err(EngineError::Handoff(HandoffError::Malformed {
+                    kind: "control",
+                    reason: "unexpected message from a router",
+                }));
+            }
+            Ok(None) => break Ok(()),
+            Err(error) => break Err(error.into()),
+        }
+    };
+    // The router is gone: nobody will read these answers; free their pages.
+    for (_, canceller) in lock(&cancellers).drain() {
+        canceller.cancel();
+    }
+    result
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn forward(
+    id: u64,
+    mut handle: RequestHandle,
+    out: &mpsc::Sender<Control>,
+    cancellers: &Mutex<HashMap<u64, Canceller>>,
+) {
+    while let Some(event) = handle.blocking_next() {
+        let terminal = !matches!(event, Event::Token { .. });
+        let event = match event {
+            Event::Token { text } => WireEvent::Token(text),
+            Event::Finished { reason, usage } => WireEvent::Finished {
+                stop: reason == FinishReason::Stop,
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+            },
+            Event::Failed { kind, message } => WireEvent::Failed {
+                kind: failure_code(kind),
+                message,
+            },
+        };
+        if out.send(Control::Event { id, event }).is_err() || terminal {
+            break;
+        }
+    }
+    lock(cancellers).remove(&id);
+}
+
+fn failure_code(kind: FailureKind) -> u8 {
+    match kind {
+        FailureKind::TooLong => 1,
+        FailureKind::Unavailable => 2,
+        FailureKind::ShuttingDown => 3,
+        _ => 0,
+    }
+}
+
+fn failure_kind(code: u8) -> FailureKind {
+    match code {
+        1 => FailureKind::TooLong,
+        2 => FailureKind::Unavailable,
+        3 => FailureKind::ShuttingDown,
+        _ => FailureKind::Internal,
+    }
+}
+
+fn refusal(error: EngineError) -> Refusal {
+    match error {
+        EngineError::QueueFull { capacity } => Refusal::QueueFull { capacity },
+        EngineError::TooLong { needed, capacity } => Refusal::TooLong { needed, capacity },
+        EngineError::Invalid { reason } => Refusal::Invalid { reason },
+        EngineError::ShuttingDown => Refusal::ShuttingDown,
+        other => Refusal::Internal {
+            message: other.to_string(),
+        },
+    }
+}
+
+fn pool_to_wire(s: &PoolStats) -> [u64; 8] {
+    [
+        s.num_pages as u64,
+        s.page_size as u64,
+        s.free_pages as u64,
+        s.leased_pages as u64,
+        s.quarantined_pages as u64,
+        s.leases_granted,
+        s.leases_refused,
+        s.pages_quarantined_total,
+    ]
+}
+
+fn pool_from_wire(w: [u64; 8], refused_reads: u64) -> PoolStats {
+    PoolStats {
+        num_pages: w[0] as usize,
+        page_size: w[1] as usize,
+        free_pages: w[2] as usize,
+        leased_pages: w[3] as usize,
+        quarantined_pages: w[4] as usize,
+        leases_granted: w[5],
+        leases_refused: w[6],
+        stale_writes_rejected: 0,
+        foreign_writes_rejected: 0,
+        reads_refused: refused_reads,
+        pages_quarantined_total: w[7],
+    }
+}
+
+fn wire_stats(engine: &Engine) -> WireStats {
+    let (pools, e) = engine.snapshot();
+    WireStats {
+        pools: pools
+            .iter()
+            .map(|(role, s)| (role.to_string(), pool_to_wire(s)))
+            .collect(),
+        engine: [
+            e.queued as u64,
+            e.running as u64,
+            e.finished,
+            e.failed,
+            e.cancelled,
+            e.prompt_tokens,
+            e.generated_tokens,
+            e.steps,
+            e.handoffs_committed,
+            e.handoffs_failed,
+            e.handoff_stale_messages,
+            e.handoff_checksum_failures,
+            e.handoff_bytes,
+        ],
+    }
+}
+
+fn engine_from_wire(w: &[u64; 13]) -> EngineStats {
+    EngineStats {
+        queued: w[0] as usize,
+        running: w[1] as usize,
+        finished: w[2],
+        failed: w[3],
+        cancelled: w[4],
+        prompt_tokens: w[5],
+        generated_tokens: w[6],
+        steps: w[7],
+        handoffs_committed: w[8],
+        handoffs_failed: w[9],
+        handoff_stale_messages: w[10],
+        handoff_checksum_failures: w[11],
+        handoff_bytes: w[12],
+    }
+}
+
+struct InFlight {
+    events: tokio_mpsc::UnboundedSender<Event>,
+    cancelled: Arc<AtomicBool>,
+}
+
+#[derive(Default)]
+struct RemoteShared {
+    in_flight: Mutex<HashMap<u64, InFlight>>,
+    replies: Mutex<HashMap<u64, mpsc::Sender<Result<(), Refusal>>>>,
+    stats: Mutex<Option<mpsc::Sender<WireStats>>>,
+    alive: AtomicBool,
+}
+
+/// A router's client of a decode worker in another process. Implements
+/// [`Backend`], so the HTTP server serves it exactly like a local engine.
+pub struct RemoteEngine {
+    out: mpsc::Sender<Control>,
+    shared: Arc<RemoteShared>,
+    hello: Hello,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for RemoteEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteEngine")
+            .field("hello", &self.hello)
+            .finish()
+    }
+}
+
+impl RemoteEngine {
+    /// Connects to the decode worker at `address` and authenticates.
+    pub fn connect(address: SocketAddr, secret: &[u8]) -> Result<RemoteEngine, EngineError> {
+        let mut stream = TcpStream::connect(address).map_err(io)?;
+        authenticate(&mut stream, secret)?;
+        stream
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(io)?;
+        let Some(Control::Hello(hello)) = read_control(&mut stream)? else {
+            return Err(EngineError::Handoff(HandoffError::Malformed {
+                kind: "control",
+                reason: "the decode worker sent no Hello",
+            }));
+        };
+        stream.set_read_timeout(None).map_err(io)?;
+        let shared = Arc::new(RemoteShared {
+            alive: AtomicBool::new(true),
+            ..RemoteShared::default()
+        });
+        let (out, out_rx) = mpsc::channel::<Control>();
+        let mut writer = stream.try_clone().map_err(io)?;
+        std::thread::spawn(move || {
+            for control in out_rx {
+                if send_control(&mut writer, &control).is_err() {
+                    break;
+                }
+            }
+            let _ = writer.shutdown(std::net::Shutdown::Both);
+        });
+        let reader_shared = Arc::clone(&shared);
+        std::thread::spawn(move || read_decode_worker(stream, &reader_shared));
+        // Cancelled handles (a client that went away) become Cancel messages.
+        let (watch_shared, watch_out) = (Arc::clone(&shared), out.clone());
+        std::thread::spawn(move || {
+            while watch_shared.alive.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(10));
+                let mut in_flight = lock(&watch_shared.in_flight);
+                let gone: Vec<u64> = in_flight
+                    .iter()
+                    .filter(|(_, f)| f.cancelled.load(Ordering::Acquire) || f.events.is_closed())
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in gone {
+                    in_flight.remove(&id);
+                    if watch_out.send(Control::Cancel { id }).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(RemoteEngine {
+            out,
+            shared,
+            hello,
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    /// What the decode worker reported when it was connected.
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    fn remote_stats(&self) -> Option<WireStats> {
+        let (tx, rx) = mpsc::channel();
+        *lock(&self.shared.stats) = Some(tx);
+        self.out.send(Control::StatsRequest).ok()?;
+        rx.recv_timeout(Duration::from_secs(1)).ok()
+    }
+}
+
+fn read_decode_worker(mut stream: TcpStream, shared: &RemoteShared) {
+    loop {
+        match read_control(&mut stream) {
+            Ok(Some(Control::Accepted { id })) => {
+                if let Some(reply) = lock(&shared.replies).remove(&id) {
+                    let _ = reply.send(Ok(()));
+                }
+            }
+            Ok(Some(Control::Refused { id, refusal })) => {
+                if let Some(reply) = lock(&shared.replies).remove(&id) {
+                    let _ = reply.send(Err(refusal));
+                }
+            }
+            Ok(Some(Control::Event { id, event })) => {
+                let terminal = !matches!(event, WireEvent::Token(_));
+                let event = match event {
+                    WireEvent::Token(text) => Event::Token { text },
+                    WireEvent::Finished {
+                        stop,
+                        prompt_tokens,
+                        completion_tokens,
+                    } => Event::Finished {
+                        reason: if stop {
+                            FinishReason::Stop
+                        } else {
+                            FinishReason::Length
+                        },
+                        usage: Usage {
+                            prompt_tokens,
+                            completion_tokens,
+                        },
+                    },
+                    WireEvent::Failed { kind, message } => Event::Failed {
+                        kind: failure_kind(kind),
+                        message,
+                    },
+                };
+                let mut in_flight = lock(&shared.in_flight);
+                if let Some(entry) = in_flight.get(&id) {
+                    let _ = entry.events.send(event);
+                }
+                if terminal {
+                    in_flight.remove(&id);
+                }
+            }
+            Ok(Some(Control::Stats(stats))) => {
+                if let Some(reply) = lock(&shared.stats).take() {
+                    let _ = reply.send(stats);
+                }
+            }
+            Ok(Some(_)) | Ok(None) | Err(_) => break,
+        }
+    }
+    // The decode worker is gone: every request in flight ends with an error.
+    shared.alive.store(false, Ordering::Release);
+    for (_, entry) in lock(&shared.in_flight).drain() {
+        let _ = entry.events.send(Event::Failed {
+            kind: FailureKind::Unavailable,
+            message: "the decode worker is unreachable".into(),
+        });
+    }
+    lock(&shared.replies).clear();
+}
+
+impl Backend for RemoteEngine {
+    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
+        if !self.shared.alive.load(Ordering::Acquire) {
+            return Err(EngineError::Unavailable {
+                reason: "the decode worker is unreachable".into(),
+            });
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (reply_tx, reply_rx) = mpsc::channel();
+        lock(&self.shared.replies).insert(id, reply_tx);
+        let (events, receiver) = tokio_mpsc::unbounded_channel();
+        let cancelled = Arc::new(AtomicBool::new(false));
+        // Registered before sending, so no event can arrive unrouted.
+        lock(&self.shared.in_flight).insert(
+            id,
+            InFlight {
+                events,
+                cancelled: Arc::clone(&cancelled),
+            },
+        );
+        let s = request.sampling;
+        let submit = Control::Submit {
+            id,
+            prompt: request.prompt,
+            max_tokens: request.max_tokens,
+            sampling: (s.temperature, s.top_k, s.top_p, s.seed),
+            stop: request.stop.strings().to_vec(),
+            ignore_eos: request.ignore_eos,
+        };
+        let unreachable = || EngineError::Unavailable {
+            reason: "the decode worker is unreachable".into(),
+        };
+        self.out.send(submit).map_err(|_| unreachable())?;
+        let answer = reply_rx.recv_timeout(REPLY_TIMEOUT);
+        let forget = || {
+            lock(&self.shared.in_flight).remove(&id);
+        };
+        match answer {
+            Ok(Ok(())) => Ok(RequestHandle::new(RequestId(id), receiver, cancelled)),
+            Ok(Err(refusal)) => {
+                forget();
+                Err(match refusal {
+                    Refusal::QueueFull { capacity } => EngineError::QueueFull { capacity },
+                    Refusal::TooLong { needed, capacity } => {
+                        EngineError::TooLong { needed, capacity }
+                    }
+                    Refusal::Invalid { reason } => EngineError::Invalid { reason },
+                    Refusal::ShuttingDown => EngineError::ShuttingDown,
+                    Refusal::Internal { message } => EngineError::Unavailable { reason: message },
+                })
+            }
+            Err(_) => {
+                forget();
+                Err(unreachable())
+            }
+        }
+    }
+
+    fn capacities(&self) -> Vec<(&'static str, usize)> {
+        self.hello
+            .capacities
+            .iter()
+            .map(|(role, tokens)| (Role::from_label(role).label(), *tokens))
+            .collect()
+    }
+
+    fn snapshot(&self) -> (Vec<(&'static str, PoolStats)>, EngineStats) {
+        let Some(stats) = self.remote_stats() else {
+            return (Vec::new(), engine_from_wire(&[0; 13]));
+        };
+        let pools = stats
+            .pools
+            .iter()
+            .map(|(role, w)| (Role::from_label(role).label(), pool_from_wire(*w, 0)))
+            .collect();
+        (pools, engine_from_wire(&stats.engine))
+    }
+
+    fn shutdown(&self) {
+        self.shared.alive.store(false, Ordering::Release);
+    }
+}

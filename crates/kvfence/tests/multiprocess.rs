@@ -1,0 +1,159 @@
+//! The roles as real processes over authenticated TCP: `kvfence prefill`,
+//! `kvfence decode` and `kvfence router`. Answers equal a single-process
+//! server's; killing the prefill process mid-request gives clients errors
+//! and the decode pool returns to baseline; a wrong secret is refused.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{Server, post};
+use serde_json::json;
+
+const SECRET: (&str, &str) = (
+    "KVFENCE_CLUSTER_SECRET",
+    "multiprocess test secret 0123456789",
+);
+
+struct Cluster {
+    prefill: Server,
+    _decode: Server,
+    router: Server,
+}
+
+fn cluster(prefill_args: &[&str], decode_args: &[&str]) -> Cluster {
+    let mut args = vec!["prefill", "--listen", "127.0.0.1:0"];
+    args.extend_from_slice(prefill_args);
+    let prefill = Server::start_process(&args, &[SECRET]);
+    let mut args = vec![
+        "decode",
+        "--listen",
+        "127.0.0.1:0",
+        "--prefill",
+        &prefill.base,
+    ];
+    args.extend_from_slice(decode_args);
+    let decode = Server::start_process(&args, &[SECRET]);
+    let router = Server::start_process(
+        &["router", "--port", "0", "--decode", &decode.base],
+        &[SECRET],
+    );
+    Cluster {
+        prefill,
+        _decode: decode,
+        router,
+    }
+}
+
+fn body(i: usize, prompt_len: usize, max_tokens: usize) -> serde_json::Value {
+    json!({
+        "prompt": format!("{i}: {}", "k".repeat(prompt_len)),
+        "max_tokens": max_tokens,
+        "temperature": if i % 2 == 0 { 0.0 } else { 0.9 },
+        "seed": i,
+        "ignore_eos": true,
+    })
+}
+
+async fn texts(server: &Server, n: usize) -> Vec<String> {
+    let url = server.url("/v1/completions");
+    let jobs = (0..n).map(|i| {
+        let url = url.clone();
+        async move {
+            let (status, answer) = post(&url, None, body(i, i * 9 % 70, 10)).await;
+            assert_eq!(status, 200, "{answer}");
+            answer["choices"][0]["text"].as_str().unwrap().to_string()
+        }
+    });
+    futures_util::future::join_all(jobs).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_processes_answer_exactly_like_one() {
+    let reference = Server::start(&["--mode", "colocated"]);
+    let cluster = cluster(&[], &[]);
+    assert_eq!(
+        texts(&cluster.router, 16).await,
+        texts(&reference, 16).await
+    );
+    assert_eq!(
+        cluster
+            .router
+            .metric("kvfence_handoffs_total{reason=\"committed\"}")
+            .await,
+        16.0
+    );
+    cluster.router.wait_for_baseline().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killing_the_prefill_process_mid_request_gives_errors_and_frees_the_decode_pool() {
+    let mut cluster = cluster(&["--step-tokens", "32"], &[]);
+    let url = cluster.router.url("/v1/completions");
+    let jobs: Vec<_> = (0..8)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, None, body(i, 3000, 20)).await })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    cluster.prefill.kill();
+    let mut failed = 0;
+    for job in jobs {
+        let (status, answer) = job.await.unwrap();
+        match status {
+            200 => assert_eq!(
+                answer["usage"]["completion_tokens"], 20,
+                "a 200 is a whole answer"
+            ),
+            _ => {
+                assert!(
+                    answer["error"]["message"].is_string(),
+                    "an error in the OpenAI envelope: {answer}"
+                );
+                failed += 1;
+            }
+        }
+    }
+    assert!(
+        failed > 0,
+        "some requests were waiting for the killed prefill worker"
+    );
+    cluster.router.wait_for_baseline().await;
+    let (status, answer) = post(&url, None, body(99, 10, 5)).await;
+    assert_eq!(status, 503, "no prefill worker: {answer}");
+}
+
+#[test]
+fn a_decode_worker_with_the_wrong_secret_is_refused() {
+    let prefill = Server::start_process(&["prefill", "--listen", "127.0.0.1:0"], &[SECRET]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args([
+            "decode",
+            "--listen",
+            "127.0.0.1:0",
+            "--prefill",
+            &prefill.base,
+        ])
+        .env("KVFENCE_CLUSTER_SECRET", "not the cluster secret at all")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("authentication failed"), "{stderr}");
+    let without = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args([
+            "decode",
+            "--listen",
+            "127.0.0.1:0",
+            "--prefill",
+            &prefill.base,
+        ])
+        .env_remove("KVFENCE_CLUSTER_SECRET")
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&without.stderr).contains("KVFENCE_CLUSTER_SECRET"),
+        "a missing secret is explained"
+    );
+}
