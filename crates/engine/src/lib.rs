@@ -20,7 +20,7 @@ mod text;
 pub use engine::{Engine, EngineConfig, EngineStats};
 pub use error::EngineError;
 pub use link::Transport;
-pub use remote::{Hello, RemoteEngine, serve_prefill, serve_routers};
+pub use remote::{Fleet, Hello, RemoteEngine, serve_prefill, serve_routers};
 pub use request::{
     Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
 };

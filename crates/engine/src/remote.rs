@@ -744,3 +744,108 @@ impl Backend for RemoteEngine {
         self.shared.alive.store(false, Ordering::Release);
     }
 }
+
+impl RemoteEngine {
+    /// Requests this router has in flight on this worker.
+    pub fn in_flight(&self) -> usize {
+        lock(&self.shared.in_flight).len()
+    }
+
+    /// Whether the link to the worker is up.
+    pub fn is_alive(&self) -> bool {
+        self.shared.alive.load(Ordering::Acquire)
+    }
+}
+
+/// Several decode workers behind one router: each request goes to the live
+/// worker with the fewest requests in flight. The advertised context is the
+/// smallest any worker can hold, since any worker may get any request (I6).
+#[derive(Debug)]
+pub struct Fleet {
+    workers: Vec<RemoteEngine>,
+}
+
+impl Fleet {
+    /// A fleet of connected workers (at least one).
+    pub fn new(workers: Vec<RemoteEngine>) -> Result<Fleet, EngineError> {
+        if workers.is_empty() {
+            return Err(EngineError::Invalid {
+                reason: "a router needs at least one decode worker".into(),
+            });
+        }
+        Ok(Fleet { workers })
+    }
+
+    /// Requests in flight on each worker, in the order given.
+    pub fn load(&self) -> Vec<usize> {
+        self.workers.iter().map(RemoteEngine::in_flight).collect()
+    }
+}
+
+impl Backend for Fleet {
+    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
+        let worker = self
+            .workers
+            .iter()
+            .filter(|w| w.is_alive())
+            .min_by_key(|w| w.in_flight())
+            .ok_or_else(|| EngineError::Unavailable {
+                reason: "no decode worker is reachable".into(),
+            })?;
+        worker.submit(request)
+    }
+
+    fn capacities(&self) -> Vec<(&'static str, usize)> {
+        let mut least: Vec<(&'static str, usize)> = Vec::new();
+        for (role, tokens) in self.workers.iter().flat_map(RemoteEngine::capacities) {
+            match least.iter_mut().find(|(r, _)| *r == role) {
+                Some(entry) => entry.1 = entry.1.min(tokens),
+                None => least.push((role, tokens)),
+            }
+        }
+        least
+    }
+
+    fn snapshot(&self) -> (Vec<(&'static str, PoolStats)>, EngineStats) {
+        let mut pools: Vec<(&'static str, PoolStats)> = Vec::new();
+        let mut total = engine_from_wire(&[0; 13]);
+        for worker in &self.workers {
+            let (worker_pools, e) = worker.snapshot();
+            for (role, s) in worker_pools {
+                match pools.iter_mut().find(|(r, _)| *r == role) {
+                    Some((_, sum)) => {
+                        sum.num_pages += s.num_pages;
+                        sum.free_pages += s.free_pages;
+                        sum.leased_pages += s.leased_pages;
+                        sum.quarantined_pages += s.quarantined_pages;
+                        sum.leases_granted += s.leases_granted;
+                        sum.leases_refused += s.leases_refused;
+                        sum.pages_quarantined_total += s.pages_quarantined_total;
+                    }
+                    None => pools.push((role, s)),
+                }
+            }
+            let t = &mut total;
+            t.queued += e.queued;
+            t.running += e.running;
+            t.finished += e.finished;
+            t.failed += e.failed;
+            t.cancelled += e.cancelled;
+            t.prompt_tokens += e.prompt_tokens;
+            t.generated_tokens += e.generated_tokens;
+            t.steps += e.steps;
+            t.handoffs_committed += e.handoffs_committed;
+            t.handoffs_failed += e.handoffs_failed;
+            t.handoff_stale_messages += e.handoff_stale_messages;
+            t.handoff_checksum_failures += e.handoff_checksum_failures;
+            t.handoff_bytes += e.handoff_bytes;
+        }
+        (pools, total)
+    }
+
+    fn shutdown(&self) {
+        for worker in &self.workers {
+            worker.shutdown();
+        }
+    }
+}

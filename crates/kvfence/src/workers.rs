@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
-use kvfence_engine::{Engine, RemoteEngine, serve_prefill, serve_routers};
+use kvfence_engine::{Engine, Fleet, RemoteEngine, serve_prefill, serve_routers};
 
 use crate::serve::{
     EngineArgs, HttpArgs, configured_secret, init_logging, load_model, serve_http, tenants,
@@ -68,9 +68,10 @@ pub(crate) struct RouterArgs {
     /// workers must run the same model).
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
-    /// The decode worker to send requests to.
-    #[arg(long)]
-    decode: SocketAddr,
+    /// The decode workers to send requests to (comma-separated); each
+    /// request goes to the one with the fewest requests in flight.
+    #[arg(long, value_delimiter = ',', required = true)]
+    decode: Vec<SocketAddr>,
     /// File holding the cluster secret (else KVFENCE_CLUSTER_SECRET).
     #[arg(long)]
     cluster_secret_file: Option<PathBuf>,
@@ -118,7 +119,13 @@ pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
     let secret = secret(args.cluster_secret_file.as_ref())?;
     let tenants = tenants(&args.http)?;
     let model = load_model(&args.model)?;
-    let backend = RemoteEngine::connect(args.decode, &secret)
-        .with_context(|| format!("connecting to the decode worker at {}", args.decode))?;
-    serve_http(&args.http, tenants, model, Box::new(backend))
+    let workers = args
+        .decode
+        .iter()
+        .map(|address| {
+            RemoteEngine::connect(*address, &secret)
+                .with_context(|| format!("connecting to the decode worker at {address}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    serve_http(&args.http, tenants, model, Box::new(Fleet::new(workers)?))
 }

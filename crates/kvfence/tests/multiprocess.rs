@@ -157,3 +157,58 @@ fn a_decode_worker_with_the_wrong_secret_is_refused() {
         "a missing secret is explained"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_router_spreads_requests_over_decode_workers_and_advertises_the_smallest_pool() {
+    let a = cluster(&["--kv-pool-tokens", "4096"], &["--kv-pool-tokens", "4096"]);
+    let small_prefill = Server::start_process(
+        &[
+            "prefill",
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-pool-tokens",
+            "1024",
+        ],
+        &[SECRET],
+    );
+    let b = Server::start_process(
+        &[
+            "decode",
+            "--listen",
+            "127.0.0.1:0",
+            "--prefill",
+            &small_prefill.base,
+        ],
+        &[SECRET],
+    );
+    let decodes = format!("{},{}", a._decode.base, b.base);
+    let router = Server::start_process(&["router", "--port", "0", "--decode", &decodes], &[SECRET]);
+    let models: serde_json::Value = reqwest::get(router.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        models["data"][0]["max_model_len"], 1024,
+        "the smallest prefill pool in the fleet bounds the context"
+    );
+    let reference = Server::start(&["--mode", "colocated"]);
+    assert_eq!(texts(&router, 24).await, texts(&reference, 24).await);
+    // Both workers took part: their hand-offs add up to every request.
+    assert_eq!(
+        router
+            .metric("kvfence_handoffs_total{reason=\"committed\"}")
+            .await,
+        24.0
+    );
+    let direct_a = a
+        .router
+        .metric("kvfence_handoffs_total{reason=\"committed\"}")
+        .await;
+    assert!(
+        direct_a > 0.0 && direct_a < 24.0,
+        "worker a took {direct_a} of 24"
+    );
+    router.wait_for_baseline().await;
+}
