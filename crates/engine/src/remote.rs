@@ -145,6 +145,27 @@ fn fingerprint(model: &LoadedModel) -> (usize, usize, usize, usize) {
     (c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size)
 }
 
+/// Connects to a worker, authenticates, and reads the `Hello` it opens with.
+fn dial(
+    address: SocketAddr,
+    secret: &[u8],
+    peer: &'static str,
+) -> Result<(TcpStream, Hello), EngineError> {
+    let mut stream = TcpStream::connect(address).map_err(io)?;
+    authenticate(&mut stream, secret)?;
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(io)?;
+    let Some(Control::Hello(hello)) = read_control(&mut stream)? else {
+        return Err(EngineError::Handoff(HandoffError::Malformed {
+            kind: "control",
+            reason: peer,
+        }));
+    };
+    stream.set_read_timeout(None).map_err(io)?;
+    Ok((stream, hello))
+}
+
 fn authenticate(stream: &mut TcpStream, secret: &[u8]) -> Result<(), EngineError> {
     stream
         .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
@@ -207,17 +228,7 @@ impl Engine {
         prefill: SocketAddr,
         secret: &[u8],
     ) -> Result<Engine, EngineError> {
-        let mut stream = TcpStream::connect(prefill).map_err(io)?;
-        authenticate(&mut stream, secret)?;
-        stream
-            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-            .map_err(io)?;
-        let Some(Control::Hello(hello)) = read_control(&mut stream)? else {
-            return Err(EngineError::Handoff(HandoffError::Malformed {
-                kind: "control",
-                reason: "the prefill worker sent no Hello",
-            }));
-        };
+        let (stream, hello) = dial(prefill, secret, "the prefill worker sent no Hello")?;
         if hello.model != fingerprint(&model) || hello.page_size != pool.geometry().page_size {
             return Err(EngineError::Invalid {
                 reason: format!(
@@ -530,18 +541,7 @@ impl std::fmt::Debug for RemoteEngine {
 impl RemoteEngine {
     /// Connects to the decode worker at `address` and authenticates.
     pub fn connect(address: SocketAddr, secret: &[u8]) -> Result<RemoteEngine, EngineError> {
-        let mut stream = TcpStream::connect(address).map_err(io)?;
-        authenticate(&mut stream, secret)?;
-        stream
-            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-            .map_err(io)?;
-        let Some(Control::Hello(hello)) = read_control(&mut stream)? else {
-            return Err(EngineError::Handoff(HandoffError::Malformed {
-                kind: "control",
-                reason: "the decode worker sent no Hello",
-            }));
-        };
-        stream.set_read_timeout(None).map_err(io)?;
+        let (stream, hello) = dial(address, secret, "the decode worker sent no Hello")?;
         let shared = Arc::new(RemoteShared {
             alive: AtomicBool::new(true),
             ..RemoteShared::default()

@@ -17,21 +17,25 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Args;
 use kvfence_engine::{Engine, Fleet, RemoteEngine, serve_prefill, serve_routers};
+use kvfence_model::LoadedModel;
+use kvfence_pool::Pool;
 
 use crate::serve::{
     EngineArgs, HttpArgs, configured_secret, init_logging, load_model, serve_http, tenants,
 };
 
+/// What every worker process takes.
 #[derive(Args, Debug)]
-pub(crate) struct PrefillArgs {
-    /// builtin:tiny, builtin:small, or a Hugging Face model directory (the
-    /// decode worker must run the same model).
+pub(crate) struct WorkerArgs {
+    /// builtin:tiny, builtin:small, or a Hugging Face model directory (all
+    /// workers and the router must run the same model).
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
-    /// Address the decode worker connects to (port 0 picks a free one).
+    /// Address to listen on: decode workers connect to a prefill worker,
+    /// routers to a decode worker (port 0 picks a free one).
     #[arg(long)]
     listen: SocketAddr,
-    /// Tokens of KV cache for prompts being prefilled.
+    /// Tokens of KV cache for this worker's pool.
     #[arg(long, default_value_t = 16384)]
     kv_pool_tokens: usize,
     /// File holding the cluster secret (else KVFENCE_CLUSTER_SECRET).
@@ -42,24 +46,18 @@ pub(crate) struct PrefillArgs {
 }
 
 #[derive(Args, Debug)]
+pub(crate) struct PrefillArgs {
+    #[command(flatten)]
+    worker: WorkerArgs,
+}
+
+#[derive(Args, Debug)]
 pub(crate) struct DecodeArgs {
-    /// builtin:tiny, builtin:small, or a Hugging Face model directory.
-    #[arg(long, default_value = "builtin:tiny")]
-    model: String,
-    /// Address routers connect to (port 0 picks a free one).
-    #[arg(long)]
-    listen: SocketAddr,
     /// The prefill worker to connect to.
     #[arg(long)]
     prefill: SocketAddr,
-    /// Tokens of KV cache for requests being decoded.
-    #[arg(long, default_value_t = 16384)]
-    kv_pool_tokens: usize,
-    /// File holding the cluster secret (else KVFENCE_CLUSTER_SECRET).
-    #[arg(long)]
-    cluster_secret_file: Option<PathBuf>,
     #[command(flatten)]
-    engine: EngineArgs,
+    worker: WorkerArgs,
 }
 
 #[derive(Args, Debug)]
@@ -92,25 +90,33 @@ fn listen(address: SocketAddr) -> anyhow::Result<TcpListener> {
     Ok(listener)
 }
 
-pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
+/// The parts every worker starts from: secret, model and pool.
+fn start_worker(args: &WorkerArgs) -> anyhow::Result<(Vec<u8>, Arc<LoadedModel>, Pool)> {
     init_logging();
     let secret = secret(args.cluster_secret_file.as_ref())?;
     let model = load_model(&args.model)?;
     let pool = args.engine.pool(&model, args.kv_pool_tokens)?;
-    let listener = listen(args.listen)?;
-    serve_prefill(model, pool, args.engine.config()?, listener, &secret)
+    Ok((secret, model, pool))
+}
+
+pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
+    let (secret, model, pool) = start_worker(&args.worker)?;
+    let listener = listen(args.worker.listen)?;
+    serve_prefill(model, pool, args.worker.engine.config()?, listener, &secret)
         .context("serving decode workers")
 }
 
 pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
-    init_logging();
-    let secret = secret(args.cluster_secret_file.as_ref())?;
-    let model = load_model(&args.model)?;
-    let pool = args.engine.pool(&model, args.kv_pool_tokens)?;
-    let engine =
-        Engine::start_decode_worker(model, pool, args.engine.config()?, args.prefill, &secret)
-            .with_context(|| format!("connecting to the prefill worker at {}", args.prefill))?;
-    let listener = listen(args.listen)?;
+    let (secret, model, pool) = start_worker(&args.worker)?;
+    let engine = Engine::start_decode_worker(
+        model,
+        pool,
+        args.worker.engine.config()?,
+        args.prefill,
+        &secret,
+    )
+    .with_context(|| format!("connecting to the prefill worker at {}", args.prefill))?;
+    let listener = listen(args.worker.listen)?;
     serve_routers(Arc::new(engine), listener, secret).context("serving routers")
 }
 

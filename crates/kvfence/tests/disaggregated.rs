@@ -82,12 +82,7 @@ async fn sixty_four_concurrent_requests_from_four_tenants_equal_colocated() {
 #[tokio::test(flavor = "multi_thread")]
 async fn i6_a_prompt_that_fits_decode_but_not_prefill_is_refused_before_any_page_is_leased() {
     let server = Server::start(&["--kv-pool-tokens", "4096", "--prefill-pool-tokens", "256"]);
-    let models: Value = reqwest::get(server.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value = server.get_json("/v1/models").await;
     assert_eq!(
         models["data"][0]["max_model_len"], 256,
         "the prefill pool bounds the context"

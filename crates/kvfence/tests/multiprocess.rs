@@ -183,12 +183,7 @@ async fn a_router_spreads_requests_over_decode_workers_and_advertises_the_smalle
     );
     let decodes = format!("{},{}", a._decode.base, b.base);
     let router = Server::start_process(&["router", "--port", "0", "--decode", &decodes], &[SECRET]);
-    let models: serde_json::Value = reqwest::get(router.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: serde_json::Value = router.get_json("/v1/models").await;
     assert_eq!(
         models["data"][0]["max_model_len"], 1024,
         "the smallest prefill pool in the fleet bounds the context"

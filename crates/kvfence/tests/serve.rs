@@ -83,12 +83,7 @@ async fn chat_and_completions_work_streaming_and_not() {
         "include_usage sends a usage chunk"
     );
 
-    let models: Value = reqwest::get(server.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value = server.get_json("/v1/models").await;
     assert_eq!(models["data"][0]["id"], "builtin:tiny");
     assert_eq!(models["data"][0]["max_model_len"], 4096);
     assert_eq!(
@@ -205,12 +200,7 @@ async fn an_over_long_request_gets_400_and_leases_nothing() {
         granted_before,
         "I6: no page leased"
     );
-    let models: Value = reqwest::get(server.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value = server.get_json("/v1/models").await;
     assert_eq!(
         models["data"][0]["max_model_len"], 512,
         "I6: the pool, not the model, bounds the context"
@@ -420,12 +410,7 @@ async fn i6_a_max_context_beyond_the_pool_stops_start_up_unless_clamped() {
         "4096",
         "--clamp-context",
     ]);
-    let models: Value = reqwest::get(server.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value = server.get_json("/v1/models").await;
     assert_eq!(models["data"][0]["max_model_len"], 1024);
     assert_eq!(server.metric("kvfence_context_clamped").await, 1.0);
     assert!(server.log().contains("CLAMPED"), "a loud warning");

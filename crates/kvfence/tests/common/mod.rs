@@ -67,8 +67,8 @@ impl Server {
         self.log.lock().unwrap().clone()
     }
 
-    /// One metric's value from `/metrics` (the sum over matching series).
-    pub async fn metric(&self, name_and_labels: &str) -> f64 {
+    /// The sum of the `/metrics` series whose line passes `keep`.
+    pub async fn metric_sum(&self, keep: impl Fn(&str) -> bool) -> f64 {
         let text = reqwest::get(self.url("/metrics"))
             .await
             .unwrap()
@@ -76,23 +76,30 @@ impl Server {
             .await
             .unwrap();
         text.lines()
-            .filter(|l| l.starts_with(name_and_labels))
+            .filter(|l| !l.starts_with('#') && keep(l))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     }
 
+    /// One metric's value (the sum over series starting with `name_and_labels`).
+    pub async fn metric(&self, name_and_labels: &str) -> f64 {
+        self.metric_sum(|l| l.starts_with(name_and_labels)).await
+    }
+
     /// KV pages not free, over every worker's pool.
     pub async fn pages_held(&self) -> f64 {
-        let text = reqwest::get(self.url("/metrics"))
+        self.metric_sum(|l| l.starts_with("kvfence_pool_pages{") && !l.contains("state=\"free\""))
+            .await
+    }
+
+    /// GETs `path` and parses the JSON body.
+    pub async fn get_json(&self, path: &str) -> serde_json::Value {
+        reqwest::get(self.url(path))
             .await
             .unwrap()
-            .text()
+            .json()
             .await
-            .unwrap();
-        text.lines()
-            .filter(|l| l.starts_with("kvfence_pool_pages{") && !l.contains("state=\"free\""))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+            .unwrap()
     }
 
     /// Waits until no KV page is leased or quarantined in any pool (I8).
