@@ -24,6 +24,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
+use std::time::Instant;
 
 use kvfence_handoff::{
     Grant, HandoffId, Message, Outcome, Receiver, RejectReason, send_kv, send_kv_one_sided,
@@ -143,6 +144,8 @@ struct Active {
     /// Prompt tokens already in the KV cache.
     prefilled: usize,
     generated: Vec<u32>,
+    /// When the decode worker granted this request's pages.
+    granted_at: Instant,
 }
 
 impl Active {
@@ -223,6 +226,7 @@ impl Scheduler {
     pub(crate) fn run(mut self) {
         while !self.stopping {
             self.receive();
+            self.expire_handoffs();
             self.drop_cancelled();
             self.admit();
             if self.active.iter().any(|a| a.lease.is_some()) {
@@ -235,10 +239,25 @@ impl Scheduler {
     fn receive(&mut self) {
         let idle = !self.active.iter().any(|a| a.lease.is_some());
         if idle {
-            // Nothing to compute: sleep until a command arrives.
-            match self.inbox.recv() {
+            // Nothing to compute: sleep until a command arrives, or until the
+            // oldest hand-off in flight would time out.
+            let deadline = self
+                .active
+                .iter()
+                .map(|a| a.granted_at + self.config.handoff_timeout)
+                .min();
+            let received = match deadline {
+                None => self.inbox.recv().map_err(|_| true),
+                Some(deadline) => {
+                    let wait = deadline.saturating_duration_since(Instant::now());
+                    self.inbox
+                        .recv_timeout(wait)
+                        .map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
+                }
+            };
+            match received {
                 Ok(command) => self.handle(command),
-                Err(_) => self.stopping = true,
+                Err(disconnected) => self.stopping |= disconnected,
             }
         }
         while let Ok(command) = self.inbox.try_recv() {
@@ -314,7 +333,10 @@ impl Scheduler {
             Role::Prefill => {
                 if let Message::Abort { id, epoch } = message {
                     self.abort_order(id);
-                    // Two-sided transport: nothing of ours can land after this.
+                    // Fault injection: a writer that never acknowledges.
+                    fail::fail_point!("prefill-no-abort-ack", |_| {});
+                    // This worker writes only from its own thread, so no
+                    // write of this hand-off is still in flight now.
                     self.to_peer(&Message::AbortAck { id, epoch });
                 }
             }
@@ -382,6 +404,28 @@ impl Scheduler {
                 };
                 warn!(request = %RequestId(id.0), %error, "hand-off failed");
                 self.end(index, End::Failed(kind, error.to_string()));
+            }
+        }
+    }
+
+    /// Decode role: a grant that has not committed in time is aborted — its
+    /// pages freed, or quarantined behind a revoked window until the writer
+    /// acknowledges (I4) — and its client gets an error, never a late answer.
+    fn expire_handoffs(&mut self) {
+        if self.role != Role::Decode {
+            return;
+        }
+        let now = Instant::now();
+        for index in (0..self.active.len()).rev() {
+            let active = &self.active[index];
+            if active.lease.is_none() && now >= active.granted_at + self.config.handoff_timeout {
+                let id = active.pending.handoff_id();
+                warn!(handoff = %id, "hand-off timed out; aborting the grant");
+                if let Some(abort) = self.receiver.abort(id) {
+                    self.to_peer(&abort);
+                }
+                let message = "the prefill worker did not deliver the KV in time".to_string();
+                self.end(index, End::Failed(FailureKind::Unavailable, message));
             }
         }
     }
@@ -545,6 +589,7 @@ impl Scheduler {
                 text,
                 prefilled: 0,
                 generated: Vec::new(),
+                granted_at: Instant::now(),
             });
         }
     }
@@ -724,6 +769,8 @@ impl Scheduler {
         window: Option<&(Window, WindowKey)>,
         first_token: u32,
     ) -> End {
+        // Fault injection: a writer that goes silent instead of shipping.
+        fail::fail_point!("prefill-stall", |_| End::Shipped);
         let lease = self.active[index]
             .lease
             .as_ref()

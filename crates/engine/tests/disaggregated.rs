@@ -47,6 +47,7 @@ fn config() -> EngineConfig {
         max_running: 16,
         max_queue: 256,
         step_tokens: 96,
+        ..EngineConfig::default()
     }
 }
 
@@ -286,6 +287,7 @@ fn losing_the_prefill_worker_fails_in_flight_requests_and_refuses_new_ones() {
             max_running: 4,
             max_queue: 64,
             step_tokens: 32,
+            ..EngineConfig::default()
         },
         &transport,
     )

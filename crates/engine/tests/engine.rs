@@ -89,6 +89,7 @@ fn concurrent_requests_give_the_same_text_as_alone() {
             max_running: 8,
             max_queue: 64,
             step_tokens: 64,
+            ..EngineConfig::default()
         },
     );
     let requests: Vec<GenerationRequest> = (0..24)
@@ -128,6 +129,7 @@ fn a_full_queue_refuses_at_once() {
             max_running: 4,
             max_queue: 1,
             step_tokens: 64,
+            ..EngineConfig::default()
         },
     );
     let running = engine.submit(request(1, 10, 1000)).unwrap();

@@ -116,6 +116,8 @@ impl From<Dtype> for DiskDtype {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Reads FAILPOINTS when built with the `failpoints` feature; inert otherwise.
+    let _failpoints = fail::FailScenario::setup();
     match Cli::parse().command {
         Command::Serve(args) => serve::run(args),
         Command::Prefill(args) => workers::prefill(args),

@@ -64,6 +64,10 @@ pub(crate) struct EngineArgs {
     /// Tokens per forward pass (decode steps plus prefill chunks).
     #[arg(long, default_value_t = 256)]
     pub(crate) step_tokens: usize,
+    /// Milliseconds a decode worker waits for a granted hand-off to commit
+    /// before aborting it and failing the request (503).
+    #[arg(long, default_value_t = 30_000)]
+    pub(crate) handoff_timeout_ms: u64,
 }
 
 impl EngineArgs {
@@ -76,6 +80,7 @@ impl EngineArgs {
             max_running: self.max_running,
             max_queue: self.max_queue,
             step_tokens: self.step_tokens,
+            handoff_timeout: Duration::from_millis(self.handoff_timeout_ms),
         })
     }
 
