@@ -27,7 +27,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use kvfence_handoff::{
-    Grant, HandoffId, Message, Outcome, Receiver, RejectReason, send_kv, send_kv_one_sided,
+    Chunks, Grant, HandoffId, Message, Outcome, Receiver, RejectReason, Streaming, WindowWrites,
 };
 use kvfence_model::{LoadedModel, Logits, Sampler, Sequence};
 use kvfence_pool::{Lease, Pool, PoolError, RequestId, Window, WindowKey};
@@ -100,7 +100,9 @@ pub(crate) enum Origin {
     },
     /// A decode worker, through a grant (prefill role).
     Handoff {
-        grant: Grant,
+        id: HandoffId,
+        /// The transfer; taken when the last page ships.
+        streaming: Option<Streaming>,
         aborted: bool,
         window: Option<(Window, WindowKey)>,
     },
@@ -168,6 +170,13 @@ enum End {
     Failed(FailureKind, String),
     /// A prefill worker shipped the KV; nothing more to do here.
     Shipped,
+}
+
+/// Sends one hand-off message to the peer worker, if there is one.
+fn frame_to(peer: &Option<mpsc::Sender<Command>>, message: &Message) {
+    if let Some(peer) = peer {
+        let _ = peer.send(Command::Frame(message.to_frame()));
+    }
 }
 
 pub(crate) struct Scheduler {
@@ -276,9 +285,7 @@ impl Scheduler {
     }
 
     fn to_peer(&self, message: &Message) {
-        if let Some(peer) = &self.peer {
-            let _ = peer.send(Command::Frame(message.to_frame()));
-        }
+        frame_to(&self.peer, message);
     }
 
     /// Prefill role: queue a grant to fill, or reject it at once.
@@ -313,7 +320,8 @@ impl Scheduler {
             id,
             request: order.request,
             origin: Origin::Handoff {
-                grant,
+                id: grant.id,
+                streaming: Some(Streaming::new(grant)),
                 aborted: false,
                 window: order.window,
             },
@@ -351,8 +359,12 @@ impl Scheduler {
             .iter_mut()
             .chain(self.active.iter_mut().map(|a| &mut a.pending))
         {
-            if let Origin::Handoff { grant, aborted, .. } = &mut pending.origin
-                && grant.id == id
+            if let Origin::Handoff {
+                id: handoff,
+                aborted,
+                ..
+            } = &mut pending.origin
+                && *handoff == id
             {
                 *aborted = true;
             }
@@ -686,6 +698,15 @@ impl Scheduler {
                         self.counters
                             .prompt_tokens
                             .fetch_add(w.tokens.len() as u64, Ordering::Relaxed);
+                        if !active.prefill_done()
+                            && let Err(error) = self.ship_ready_pages(w.index)
+                        {
+                            ended.push((
+                                w.index,
+                                End::Failed(FailureKind::Internal, error.to_string()),
+                            ));
+                            continue;
+                        }
                     }
                     if w.logits == Logits::Last
                         && let Some(end) = self.advance(w.index, &row)
@@ -735,16 +756,13 @@ impl Scheduler {
         self.counters.failed.fetch_add(1, Ordering::Relaxed);
         match &pending.origin {
             Origin::Client { .. } => pending.send(Event::Failed { kind, message }),
-            Origin::Handoff { grant, .. } => {
+            Origin::Handoff { id, .. } => {
                 let reason = if kind == FailureKind::TooLong {
                     RejectReason::TooLong
                 } else {
                     RejectReason::Failed
                 };
-                self.to_peer(&Message::Reject {
-                    id: grant.id,
-                    reason,
-                });
+                self.to_peer(&Message::Reject { id: *id, reason });
             }
         }
     }
@@ -755,36 +773,76 @@ impl Scheduler {
             Ok(token) => token,
             Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
         };
-        if let Origin::Handoff { grant, window, .. } = &self.active[index].pending.origin {
-            return Some(self.ship(index, grant, window.as_ref(), token));
+        if matches!(self.active[index].pending.origin, Origin::Handoff { .. }) {
+            return Some(self.ship(index, token));
         }
         self.accept(index, token)
     }
 
     /// Prefill role: send the prompt's KV and the first token to decode.
-    fn ship(
-        &self,
-        index: usize,
-        grant: &Grant,
-        window: Option<&(Window, WindowKey)>,
-        first_token: u32,
-    ) -> End {
+    fn ship(&mut self, index: usize, first_token: u32) -> End {
         // Fault injection: a writer that goes silent instead of shipping.
         fail::fail_point!("prefill-stall", |_| End::Shipped);
-        let lease = self.active[index]
+        let active = &mut self.active[index];
+        let lease = active
             .lease
             .as_ref()
             .expect("a prefilled request holds its lease");
+        let Origin::Handoff {
+            streaming, window, ..
+        } = &mut active.pending.origin
+        else {
+            unreachable!("ship is called for hand-off requests only");
+        };
+        let streaming = streaming.take().expect("a hand-off ships once");
+        let grant = streaming.grant().clone();
+        let peer = self.peer.clone();
         let sent = match window {
-            Some((window, key)) => send_kv_one_sided(grant, lease, window, *key),
-            None => send_kv(grant, lease, |chunk| self.to_peer(&chunk)),
+            Some((window, key)) => streaming.finish(lease, &mut WindowWrites::new(window, *key)),
+            None => streaming.finish(
+                lease,
+                &mut Chunks::new(&grant, |chunk| frame_to(&peer, &chunk)),
+            ),
         };
         match sent {
             Ok(proof) => {
-                self.to_peer(&proof.done(first_token));
+                frame_to(&peer, &proof.done(first_token));
                 End::Shipped
             }
             Err(error) => End::Failed(FailureKind::Internal, error.to_string()),
+        }
+    }
+
+    /// Prefill role: ships the pages the last step completed, so the
+    /// transfer overlaps the rest of the prefill.
+    fn ship_ready_pages(&mut self, index: usize) -> Result<(), kvfence_handoff::HandoffError> {
+        let peer = self.peer.clone();
+        let active = &mut self.active[index];
+        let (
+            Some(lease),
+            Origin::Handoff {
+                streaming: Some(streaming),
+                window,
+                ..
+            },
+        ) = (&active.lease, &mut active.pending.origin)
+        else {
+            return Ok(());
+        };
+        match window {
+            Some((window, key)) => streaming.send_ready(
+                lease,
+                active.prefilled,
+                &mut WindowWrites::new(window, *key),
+            ),
+            None => {
+                let grant = streaming.grant().clone();
+                streaming.send_ready(
+                    lease,
+                    active.prefilled,
+                    &mut Chunks::new(&grant, |chunk| frame_to(&peer, &chunk)),
+                )
+            }
         }
     }
 

@@ -84,18 +84,60 @@ pub(crate) fn digest(checksums: impl Iterator<Item = u64>) -> u64 {
     xxh3_64(&bytes)
 }
 
-/// Sends one chunk per granted page from `source`, which must hold every
-/// granted token written in every layer. Returns the proof for `Done`.
-pub fn send_kv(
-    grant: &Grant,
-    source: &Lease,
-    mut send: impl FnMut(Message),
-) -> Result<AllSent, HandoffError> {
-    ship(grant, source, |index, page, slots, bytes, checksum| {
-        let _ = index;
-        send(Message::Chunk {
+/// A transfer in progress: ships each granted page as soon as every slot of
+/// it is written, so the transfer overlaps the rest of the prefill.
+/// [`Streaming::finish`] ships what is left and is the only way to the
+/// `AllSent` proof.
+#[derive(Debug)]
+pub struct Streaming {
+    grant: Grant,
+    checksums: Vec<Option<u64>>,
+}
+
+/// Where a transfer puts each page: a `Chunk` message (two-sided) or a
+/// write through a window (one-sided).
+pub trait Put {
+    /// Delivers page `index` of the grant (`page`), its `slots`, bytes and checksum.
+    fn put(
+        &mut self,
+        index: usize,
+        page: PageRef,
+        slots: std::ops::Range<usize>,
+        bytes: Vec<u8>,
+        checksum: u64,
+    ) -> Result<(), HandoffError>;
+}
+
+/// Two-sided: every page becomes a `Chunk` handed to the closure.
+pub struct Chunks<F: FnMut(Message)> {
+    id: HandoffId,
+    epoch: Epoch,
+    send: F,
+}
+
+impl<F: FnMut(Message)> Chunks<F> {
+    /// Chunks for `grant`, delivered by `send`.
+    pub fn new(grant: &Grant, send: F) -> Self {
+        Chunks {
             id: grant.id,
             epoch: grant.epoch,
+            send,
+        }
+    }
+}
+
+impl<F: FnMut(Message)> Put for Chunks<F> {
+    fn put(
+        &mut self,
+        _: usize,
+        page: PageRef,
+        slots: std::ops::Range<usize>,
+        bytes: Vec<u8>,
+        checksum: u64,
+    ) -> Result<(), HandoffError> {
+        (self.send)(Message::Chunk {
+            id: self.id,
+            epoch: self.epoch,
             page,
             slot_start: slots.start as u16,
             slot_end: slots.end as u16,
@@ -103,7 +145,141 @@ pub fn send_kv(
             bytes,
         });
         Ok(())
-    })
+    }
+}
+
+/// One-sided: every page is written through the receiver's window.
+pub struct WindowWrites<'a> {
+    window: &'a Window,
+    key: WindowKey,
+}
+
+impl<'a> WindowWrites<'a> {
+    /// Writes through `window` with the `key` that came with the grant.
+    pub fn new(window: &'a Window, key: WindowKey) -> Self {
+        WindowWrites { window, key }
+    }
+}
+
+impl Put for WindowWrites<'_> {
+    fn put(
+        &mut self,
+        index: usize,
+        _: PageRef,
+        slots: std::ops::Range<usize>,
+        bytes: Vec<u8>,
+        _: u64,
+    ) -> Result<(), HandoffError> {
+        Ok(self.window.write(self.key, index, slots, &bytes)?)
+    }
+}
+
+impl Streaming {
+    /// Starts a transfer into `grant`.
+    pub fn new(grant: Grant) -> Streaming {
+        let pages = grant.pages.len();
+        Streaming {
+            grant,
+            checksums: vec![None; pages],
+        }
+    }
+
+    /// The grant being filled.
+    pub fn grant(&self) -> &Grant {
+        &self.grant
+    }
+
+    /// Ships every not-yet-shipped page whose granted slots all lie within
+    /// the first `written` tokens of `source` (proven by its coverage).
+    pub fn send_ready(
+        &mut self,
+        source: &Lease,
+        written: usize,
+        out: &mut impl Put,
+    ) -> Result<(), HandoffError> {
+        self.check_shape(source)?;
+        let written = written.min(self.grant.tokens);
+        let ready = (0..self.checksums.len())
+            .filter(|&i| {
+                self.checksums[i].is_none()
+                    && self.grant.slots(i).end + i * self.grant.page_size <= written
+            })
+            .count();
+        if ready == 0 {
+            return Ok(());
+        }
+        source.check_covered(written)?;
+        let view = source.read_view_raw(written)?;
+        for index in 0..self.checksums.len() {
+            let slots = self.grant.slots(index);
+            if self.checksums[index].is_some() || index * self.grant.page_size + slots.end > written
+            {
+                continue;
+            }
+            let bytes = view.export_slots(index, slots.clone());
+            let checksum = xxh3_64(&bytes);
+            out.put(index, self.grant.pages[index], slots, bytes, checksum)?;
+            self.checksums[index] = Some(checksum);
+        }
+        Ok(())
+    }
+
+    /// Ships what is left; refuses (`SourceIncomplete`) unless `source`
+    /// proves every granted token written. Returns the proof for `Done`.
+    pub fn finish(mut self, source: &Lease, out: &mut impl Put) -> Result<AllSent, HandoffError> {
+        self.check_shape(source)?;
+        let need = self.grant.tokens;
+        source
+            .check_covered(need)
+            .map_err(|_| HandoffError::SourceIncomplete {
+                id: self.grant.id,
+                need,
+                have: (0..=need)
+                    .rev()
+                    .find(|&n| source.check_covered(n).is_ok())
+                    .unwrap_or(0),
+            })?;
+        self.send_ready(source, need, out)?;
+        let checksums: Vec<u64> = self
+            .checksums
+            .iter()
+            .map(|c| c.expect("every page shipped once the source is complete"))
+            .collect();
+        Ok(AllSent {
+            id: self.grant.id,
+            epoch: self.grant.epoch,
+            tokens: need,
+            digest: digest(checksums.into_iter()),
+        })
+    }
+
+    fn check_shape(&self, source: &Lease) -> Result<(), HandoffError> {
+        let grant = &self.grant;
+        if grant.page_size != source.page_size() {
+            return Err(HandoffError::PageSizeMismatch {
+                id: grant.id,
+                grant: grant.page_size,
+                source_size: source.page_size(),
+            });
+        }
+        if grant.pages.len() != grant.tokens.div_ceil(grant.page_size) {
+            return Err(HandoffError::ChunkOutsideGrant {
+                id: grant.id,
+                reason: "grant pages do not match its token count",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Sends one chunk per granted page from `source`, which must hold every
+/// granted token written in every layer. Returns the proof for `Done`.
+pub fn send_kv(
+    grant: &Grant,
+    source: &Lease,
+    send: impl FnMut(Message),
+) -> Result<AllSent, HandoffError> {
+    Streaming::new(grant.clone()).finish(source, &mut Chunks::new(grant, send))
 }
 
 /// Writes every granted page from `source` straight into the receiver's
@@ -116,60 +292,5 @@ pub fn send_kv_one_sided(
     window: &Window,
     key: WindowKey,
 ) -> Result<AllSent, HandoffError> {
-    ship(grant, source, |index, _, slots, bytes, _| {
-        Ok(window.write(key, index, slots, &bytes)?)
-    })
-}
-
-/// The shared part of both transfers: check the source, export each granted
-/// page, hand it to `put`, and fold the checksums into the proof.
-fn ship(
-    grant: &Grant,
-    source: &Lease,
-    mut put: impl FnMut(
-        usize,
-        PageRef,
-        std::ops::Range<usize>,
-        Vec<u8>,
-        u64,
-    ) -> Result<(), HandoffError>,
-) -> Result<AllSent, HandoffError> {
-    if grant.page_size != source.page_size() {
-        return Err(HandoffError::PageSizeMismatch {
-            id: grant.id,
-            grant: grant.page_size,
-            source_size: source.page_size(),
-        });
-    }
-    if grant.pages.len() != grant.tokens.div_ceil(grant.page_size) {
-        return Err(HandoffError::ChunkOutsideGrant {
-            id: grant.id,
-            reason: "grant pages do not match its token count",
-        });
-    }
-    source
-        .check_covered(grant.tokens)
-        .map_err(|_| HandoffError::SourceIncomplete {
-            id: grant.id,
-            need: grant.tokens,
-            have: (0..=grant.tokens)
-                .rev()
-                .find(|&n| source.check_covered(n).is_ok())
-                .unwrap_or(0),
-        })?;
-    let view = source.read_view_raw(grant.tokens)?;
-    let mut checksums = Vec::with_capacity(grant.pages.len());
-    for (index, page) in grant.pages.iter().enumerate() {
-        let slots = grant.slots(index);
-        let bytes = view.export_slots(index, slots.clone());
-        let checksum = xxh3_64(&bytes);
-        checksums.push(checksum);
-        put(index, *page, slots, bytes, checksum)?;
-    }
-    Ok(AllSent {
-        id: grant.id,
-        epoch: grant.epoch,
-        tokens: grant.tokens,
-        digest: digest(checksums.into_iter()),
-    })
+    Streaming::new(grant.clone()).finish(source, &mut WindowWrites::new(window, key))
 }

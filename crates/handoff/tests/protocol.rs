@@ -339,3 +339,55 @@ fn a_reject_from_the_sender_fails_the_hand_off_and_frees_the_reservation() {
     ));
     assert_baseline(&s.decode);
 }
+
+#[test]
+fn pages_ship_as_they_fill_and_the_transfer_still_commits_exactly() {
+    let (prefill, decode) = (pool(8), pool(8));
+    let mut receiver = Receiver::new();
+    let grant = Grant::from_message(
+        &receiver
+            .grant(ID, decode.lease(RequestId(9), TOKENS).unwrap(), TOKENS)
+            .unwrap(),
+    )
+    .unwrap();
+    let mut source = prefill.lease(RequestId(1), TOKENS).unwrap();
+    let mut streaming = kvfence_handoff::Streaming::new(grant.clone());
+    let mut sent = Vec::new();
+    // Prefill in chunks of 3 tokens; after each, ship what is complete.
+    for start in (0..TOKENS).step_by(3) {
+        let end = (start + 3).min(TOKENS);
+        for layer in 0..SHAPE.layers {
+            let k: Vec<f32> = (start * 8..end * 8)
+                .map(|i| (layer * 1000 + i) as f32)
+                .collect();
+            source.write_positions(layer, start, &k, &k).unwrap();
+        }
+        let mut out = kvfence_handoff::Chunks::new(&grant, |m| sent.push(wire(&m)));
+        streaming.send_ready(&source, end, &mut out).unwrap();
+        // A page leaves once every granted slot of it is written: after 3
+        // tokens none, after 6 one, after 9 two, after 10 all three (the last
+        // page's grant ends at token 10).
+        let complete = (0..grant.pages.len())
+            .filter(|i| ((i + 1) * PAGE).min(TOKENS) <= end)
+            .count();
+        assert_eq!(sent.len(), complete, "after {end} tokens");
+    }
+    let proof = streaming
+        .finish(
+            &source,
+            &mut kvfence_handoff::Chunks::new(&grant, |m| sent.push(wire(&m))),
+        )
+        .unwrap();
+    assert_eq!(sent.len(), 3, "every page exactly once");
+    for m in sent {
+        assert!(matches!(receiver.handle(m), Outcome::Accepted));
+    }
+    let Outcome::Committed(committed) = receiver.handle(wire(&proof.done(1))) else {
+        panic!("no commit")
+    };
+    let lease = committed.into_lease();
+    assert_eq!(
+        lease.read_view::<f32>(TOKENS).unwrap().keys(2, 2, 1),
+        source.read_view::<f32>(TOKENS).unwrap().keys(2, 2, 1)
+    );
+}
