@@ -1,6 +1,7 @@
 //! The `kvfence` binary: parse arguments, build the parts, run them.
 //! Logic lives in the library crates.
 
+mod bench;
 mod generate;
 mod plan;
 mod serve;
@@ -40,6 +41,9 @@ enum Command {
     /// Manage tenants (API keys and limits).
     #[command(subcommand)]
     Tenant(TenantCommand),
+    /// Measure any OpenAI-compatible server under load: time to first token,
+    /// time per output token, inter-token latency, throughput, goodput.
+    Bench(bench::BenchArgs),
     /// Run one prompt through a model on the paged runtime and print the completion.
     Generate(generate::GenerateArgs),
     /// Inspect and export models.
@@ -134,6 +138,7 @@ fn main() -> anyhow::Result<()> {
             println!("Add to the tenants file passed to `kvfence serve --config`:\n\n{lines}");
             Ok(())
         }
+        Command::Bench(args) => bench::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Model(ModelCommand::Info { model }) => info(&model),
         Command::Model(ModelCommand::Export {
