@@ -1,0 +1,139 @@
+//! What the hand-off's checks cost, against plain copies of the same bytes.
+//!
+//! Shape: `builtin:small`'s KV (30 layers, 3 KV heads, head dim 64, f32),
+//! 16-token pages; one 512-token prompt is 23.6 MB. Compared in one run:
+//! - baseline: export each page's bytes and copy them into another pool's
+//!   pages with no checks (the least any transfer must do);
+//! - two-sided: `send_kv` chunks through the wire codec (encode + decode)
+//!   into a `Receiver` that checks epoch, grant, generation and checksum,
+//!   then verifies coverage and digest at commit;
+//! - one-sided: `send_kv_one_sided` through a window, then the commit check
+//!   (which re-reads and hashes every page);
+//! - the codec alone on one page-sized chunk.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kvfence_handoff::{Grant, HandoffId, Message, Outcome, Receiver, send_kv, send_kv_one_sided};
+use kvfence_pool::{ElemType, KvShape, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
+
+const SHAPE: KvShape = KvShape {
+    layers: 30,
+    kv_heads: 3,
+    head_dim: 64,
+};
+const TOKENS: usize = 512;
+
+fn pool() -> Pool {
+    Pool::new(
+        &PoolSpec::new(SHAPE, 16, ElemType::F32, PoolSize::Tokens(2 * TOKENS))
+            .with_scrub(Scrub::Off),
+    )
+    .expect("bench pool")
+}
+
+fn source(pool: &Pool) -> Lease {
+    let mut lease = pool.lease(RequestId(1), TOKENS).expect("room");
+    let values: Vec<f32> = (0..TOKENS * SHAPE.kv_heads * SHAPE.head_dim)
+        .map(|i| i as f32)
+        .collect();
+    for layer in 0..SHAPE.layers {
+        lease
+            .write_positions(layer, 0, &values, &values)
+            .expect("in range");
+    }
+    lease
+}
+
+fn commit(receiver: &mut Receiver, messages: Vec<Message>) {
+    for m in messages {
+        let frame = m.to_frame();
+        let (m, _) = Message::decode(&frame)
+            .expect("valid frame")
+            .expect("whole frame");
+        if let Outcome::Committed(c) = receiver.handle(m) {
+            black_box(c.into_lease());
+        }
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let (prefill, decode) = (pool(), pool());
+    let src = source(&prefill);
+    let bytes = (TOKENS * SHAPE.layers * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4) as u64;
+    let mut group = c.benchmark_group("hand-off 512 tokens");
+    group
+        .throughput(Throughput::Bytes(bytes))
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(6));
+
+    group.bench_function("baseline: unchecked page copy", |b| {
+        b.iter(|| {
+            let mut dst = decode.lease(RequestId(2), TOKENS).expect("room");
+            let view = src.read_view_raw(TOKENS).expect("covered");
+            let pages = dst.pages().to_vec();
+            for (i, page) in pages.into_iter().enumerate() {
+                let slots = 0..view.slots_in_page(i);
+                dst.write_slots_raw(page, slots.clone(), &view.export_slots(i, slots))
+                    .expect("own page");
+            }
+            black_box(dst)
+        })
+    });
+    group.bench_function("two-sided: chunks + codec + every check", |b| {
+        let mut receiver = Receiver::new();
+        let mut id = 0;
+        b.iter(|| {
+            id += 1;
+            let lease = decode.lease(RequestId(2), TOKENS).expect("room");
+            let grant =
+                Grant::from_message(&receiver.grant(HandoffId(id), lease, TOKENS).expect("grant"))
+                    .expect("grant");
+            let mut messages = Vec::new();
+            let proof = send_kv(&grant, &src, |m| messages.push(m)).expect("complete source");
+            messages.push(proof.done(0));
+            commit(&mut receiver, messages);
+        })
+    });
+    group.bench_function("one-sided: window writes + commit check", |b| {
+        let mut receiver = Receiver::new();
+        let mut id = 0;
+        b.iter(|| {
+            id += 1;
+            let lease = decode.lease(RequestId(2), TOKENS).expect("room");
+            let (grant, window) = receiver
+                .grant_one_sided(HandoffId(id), lease, TOKENS)
+                .expect("grant");
+            let grant = Grant::from_message(&grant).expect("grant");
+            let proof =
+                send_kv_one_sided(&grant, &src, &window, window.key()).expect("live window");
+            commit(&mut receiver, vec![proof.done(0)]);
+        })
+    });
+    group.finish();
+
+    let view = src.read_view_raw(16).expect("covered");
+    let chunk = Message::Chunk {
+        id: HandoffId(1),
+        epoch: kvfence_handoff::Epoch(1),
+        page: src.pages()[0],
+        slot_start: 0,
+        slot_end: 16,
+        checksum: 0,
+        bytes: view.export_slots(0, 0..16),
+    };
+    drop(view);
+    let mut codec = c.benchmark_group("codec");
+    codec.throughput(Throughput::Bytes(chunk.to_frame().len() as u64));
+    codec.bench_function("encode + decode one 737 KB page chunk", |b| {
+        b.iter(|| {
+            let frame = black_box(&chunk).to_frame();
+            black_box(Message::decode(&frame).expect("valid").expect("whole"))
+        })
+    });
+    codec.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
