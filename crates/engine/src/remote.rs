@@ -167,6 +167,9 @@ fn dial(
 }
 
 fn authenticate(stream: &mut TcpStream, secret: &[u8]) -> Result<(), EngineError> {
+    // Control messages are small and latency-bound: without this, a frame's
+    // second segment waits for the peer's delayed ACK (tens of milliseconds).
+    stream.set_nodelay(true).map_err(io)?;
     stream
         .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
         .map_err(io)?;

@@ -135,5 +135,104 @@ fn bench(c: &mut Criterion) {
     codec.finish();
 }
 
-criterion_group!(benches, bench);
+/// TCP: the authenticated link (link frames, codec, receiver checks) against
+/// a plain loopback socket moving the same bytes, one connection each.
+fn tcp(c: &mut Criterion) {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+
+    use kvfence_handoff::tcp::{handshake, read_link_frame, write_link_frame};
+
+    const SECRET: &[u8] = b"bench cluster secret 0123456789";
+    let prefill = pool();
+    let src = source(&prefill);
+    let bytes = (TOKENS * SHAPE.layers * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4) as u64;
+    let mut group = c.benchmark_group("tcp 512 tokens");
+    group
+        .throughput(Throughput::Bytes(bytes))
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(6));
+
+    // Raw: the decode side reads exactly `bytes` and answers one byte.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("address");
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let mut left = bytes as usize;
+            while left > 0 {
+                let n = s.read(&mut buf[..left.min(1 << 20)]).expect("read");
+                if n == 0 {
+                    return;
+                }
+                left -= n;
+            }
+            s.write_all(&[1]).expect("ack");
+        }
+    });
+    let mut raw = TcpStream::connect(address).expect("connect");
+    raw.set_nodelay(true).expect("nodelay");
+    let view = src.read_view_raw(TOKENS).expect("covered");
+    let pages: Vec<Vec<u8>> = (0..view.num_pages())
+        .map(|i| view.export_slots(i, 0..view.slots_in_page(i)))
+        .collect();
+    drop(view);
+    group.bench_function("baseline: raw loopback socket, same bytes", |b| {
+        b.iter(|| {
+            for page in &pages {
+                raw.write_all(page).expect("write");
+            }
+            let mut ack = [0u8];
+            raw.read_exact(&mut ack).expect("ack");
+        })
+    });
+
+    // Link: the decode side grants, then receives and checks every frame.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("address");
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        s.set_nodelay(true).expect("nodelay");
+        handshake(&mut s, SECRET).expect("handshake");
+        let decode = pool();
+        let mut receiver = Receiver::new();
+        for id in 1.. {
+            let lease = decode.lease(RequestId(2), TOKENS).expect("room");
+            let grant = receiver.grant(HandoffId(id), lease, TOKENS).expect("grant");
+            if write_link_frame(&mut s, &grant.to_frame()).is_err() {
+                return;
+            }
+            loop {
+                let Ok(Some(frame)) = read_link_frame(&mut s) else {
+                    return;
+                };
+                let (message, _) = Message::decode(&frame).expect("valid").expect("whole");
+                if let Outcome::Committed(committed) = receiver.handle(message) {
+                    drop(committed.into_lease());
+                    break;
+                }
+            }
+        }
+    });
+    let mut link = TcpStream::connect(address).expect("connect");
+    link.set_nodelay(true).expect("nodelay");
+    handshake(&mut link, SECRET).expect("handshake");
+    group.bench_function("link: authenticated frames + every check", |b| {
+        b.iter(|| {
+            let frame = read_link_frame(&mut link).expect("grant").expect("grant");
+            let (grant, _) = Message::decode(&frame).expect("valid").expect("whole");
+            let grant = Grant::from_message(&grant).expect("a grant");
+            let mut out = Vec::new();
+            let proof = send_kv(&grant, &src, |m| out.push(m)).expect("complete source");
+            out.push(proof.done(0));
+            for m in out {
+                write_link_frame(&mut link, &m.to_frame()).expect("write");
+            }
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench, tcp);
 criterion_main!(benches);

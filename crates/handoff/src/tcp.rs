@@ -23,6 +23,8 @@ use crate::wire::MAX_FRAME;
 
 const MAGIC: &[u8; 8] = b"KVFHAND1";
 const LABEL: &[u8] = b"kvfence hand-off v1";
+/// Frames up to this size are written with a single write.
+const SMALL_FRAME: usize = 64 << 10;
 /// Largest link frame: a hand-off frame plus a little envelope.
 pub const MAX_LINK_FRAME: usize = MAX_FRAME + 64;
 
@@ -84,9 +86,20 @@ pub fn write_link_frame<W: Write>(out: &mut W, payload: &[u8]) -> Result<(), Han
             max: MAX_LINK_FRAME,
         });
     }
-    let len = u32::try_from(payload.len()).expect("bounded above");
-    out.write_all(&len.to_le_bytes()).map_err(io)?;
-    out.write_all(payload).map_err(io)
+    let len = u32::try_from(payload.len())
+        .expect("bounded above")
+        .to_le_bytes();
+    if payload.len() <= SMALL_FRAME {
+        // One write, one segment: a length sent alone would wait on Nagle's
+        // algorithm for the payload (or for the peer's delayed ACK).
+        let mut frame = Vec::with_capacity(4 + payload.len());
+        frame.extend_from_slice(&len);
+        frame.extend_from_slice(payload);
+        out.write_all(&frame).map_err(io)
+    } else {
+        out.write_all(&len).map_err(io)?;
+        out.write_all(payload).map_err(io)
+    }
 }
 
 /// Reads one link frame; `Ok(None)` on a clean end of stream between frames.
