@@ -4,9 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::{generate, pool_for};
+use crate::common::{generate, pool_for};
 use kvfence_model::{Builtin, Logits, Model, ModelError, Sequence};
 use kvfence_pool::{PoolError, RequestId};
 

@@ -1,10 +1,8 @@
 //! A real `kvfence serve` process on a free loopback port, with its log
 //! (stderr) captured, plus small HTTP helpers.
 
-// Every integration-test binary compiles this module on its own and uses
-// only some helpers, so "unused" here means "used by another test file".
 // In a test helper, a panic is the failure report.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};

@@ -1,14 +1,11 @@
 //! Faults injected into the real binary (built with `--features failpoints`;
-//! CI runs `cargo test -p kvfence --features failpoints --test failpoints`).
+//! CI runs `cargo test -p kvfence --features failpoints --test e2e failpoints::`).
 
-#![cfg(feature = "failpoints")]
 #![allow(clippy::unwrap_used)]
-
-mod common;
 
 use std::time::Duration;
 
-use common::Server;
+use crate::common::Server;
 use serde_json::json;
 
 /// I4 over the shared-memory hand-off: a prefill worker goes silent
@@ -33,7 +30,7 @@ async fn i4_pages_of_a_writer_that_never_acks_stay_quarantined_and_visible() {
             "prefill-stall=return;prefill-no-abort-ack=return",
         )],
     );
-    let (status, body) = common::post(
+    let (status, body) = crate::common::post(
         &server.url("/v1/completions"),
         None,
         json!({"prompt": "stalled", "max_tokens": 5}),

@@ -5,9 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::{dense_logits, generate, max_abs_diff, pool_for};
+use crate::common::{dense_logits, generate, max_abs_diff, pool_for};
 use kvfence_model::{Builtin, DiskDtype, LoadedModel, Model, ModelConfig, TensorMap};
 
 const STEPS: usize = 32;

@@ -3,10 +3,8 @@
 //! way (full K/V arrays, naive matmuls, f64 accumulation), independent of the
 //! crate's kernels.
 
-// Every integration-test binary compiles this module on its own and uses
-// only some helpers, so "unused" here means "used by another test file".
 // In a test helper, a panic is the failure report.
-#![allow(dead_code, clippy::unwrap_used)]
+#![allow(clippy::unwrap_used)]
 
 use kvfence_model::{Logits, Model, ModelConfig, Sequence, TensorMap};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};

@@ -4,9 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::{Server, post, tenant, tenants_file};
+use crate::common::{Server, post, tenant, tenants_file};
 use serde_json::{Value, json};
 
 async fn answers(server: &Server, keys: &[String]) -> Vec<String> {

@@ -3,9 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::{Server, tenant, tenants_file};
+use crate::common::{Server, tenant, tenants_file};
 
 #[test]
 fn bench_measures_a_real_server_across_tenants_and_writes_json() {

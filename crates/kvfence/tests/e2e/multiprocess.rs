@@ -5,9 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::{Server, post};
+use crate::common::{Server, post};
 use serde_json::json;
 
 const SECRET: (&str, &str) = (

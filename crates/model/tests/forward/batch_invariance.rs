@@ -5,9 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::{generate, pool_for};
+use crate::common::{generate, pool_for};
 use kvfence_model::{Builtin, Logits, Model, Sequence};
 use kvfence_pool::RequestId;
 

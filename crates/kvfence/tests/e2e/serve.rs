@@ -3,11 +3,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::Duration;
 
-use common::{Server, post, sse, tenant, tenants_file};
+use crate::common::{Server, post, sse, tenant, tenants_file};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 

@@ -1,0 +1,11 @@
+//! End-to-end tests: real `kvfence` processes on real ports, spoken to over
+//! HTTP like a client. One test binary, so the helpers in `common` are
+//! compiled once and shared.
+
+mod bench;
+mod common;
+mod disaggregated;
+#[cfg(feature = "failpoints")]
+mod failpoints;
+mod multiprocess;
+mod serve;
