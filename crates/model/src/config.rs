@@ -6,6 +6,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ModelError;
+use crate::gguf::{GgufFile, Value};
 
 /// The Llama-family variants the runtime implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,6 +169,94 @@ impl ModelConfig {
             tie_word_embeddings: hf.tie_word_embeddings,
             qkv_bias: architecture == Architecture::Qwen2 || hf.attention_bias,
             bos_token_id: hf.bos_token_id,
+            eos_token_ids,
+        };
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Reads and checks the hyper-parameters of a llama-architecture GGUF
+    /// file from its metadata.
+    pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig, ModelError> {
+        let path = file.path();
+        let arch = file.str("general.architecture")?;
+        if arch != "llama" {
+            return Err(ModelError::UnsupportedArchitecture {
+                path: path.into(),
+                architecture: format!("{arch} (GGUF; supported: llama)"),
+            });
+        }
+        if file.has_tensor("rope_freqs.weight") {
+            return Err(ModelError::gguf(
+                path,
+                "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling) are not supported",
+            ));
+        }
+        let key = |name: &str| format!("llama.{name}");
+        let count = |name: &str| -> Result<usize, ModelError> {
+            usize::try_from(file.u64(&key(name))?)
+                .map_err(|_| ModelError::config(path, format!("{name} does not fit in memory")))
+        };
+        let hidden_size = count("embedding_length")?;
+        let num_heads = count("attention.head_count")?;
+        let head_dim = match file.get(&key("attention.key_length")) {
+            Some(_) => count("attention.key_length")?,
+            None => hidden_size / num_heads.max(1),
+        };
+        if let Some(rotary) = file
+            .get(&key("rope.dimension_count"))
+            .and_then(|v| v.as_u64())
+            && rotary as usize != head_dim
+        {
+            return Err(ModelError::gguf(
+                path,
+                format!("partial RoPE ({rotary} of {head_dim} dimensions) is not supported"),
+            ));
+        }
+        let vocab_size = match file.get(&key("vocab_size")) {
+            Some(_) => count("vocab_size")?,
+            None => file.strings("tokenizer.ggml.tokens")?.len(),
+        };
+        let token = |name: &str| -> Option<u32> {
+            file.get(&format!("tokenizer.ggml.{name}"))
+                .and_then(|v| v.as_u64())
+                .and_then(|v| u32::try_from(v).ok())
+        };
+        let adds_bos = matches!(
+            file.get("tokenizer.ggml.add_bos_token"),
+            Some(Value::Bool(true))
+        );
+        let mut eos_token_ids: Vec<u32> = ["eos_token_id", "eot_token_id"]
+            .iter()
+            .filter_map(|name| token(name))
+            .collect();
+        eos_token_ids.dedup();
+        let config = ModelConfig {
+            architecture: Architecture::Llama,
+            vocab_size,
+            hidden_size,
+            intermediate_size: count("feed_forward_length")?,
+            num_layers: count("block_count")?,
+            num_heads,
+            num_kv_heads: match file.get(&key("attention.head_count_kv")) {
+                Some(_) => count("attention.head_count_kv")?,
+                None => num_heads,
+            },
+            head_dim,
+            rms_norm_eps: file.f64(&key("attention.layer_norm_rms_epsilon"))? as f32,
+            rope_theta: match file.get(&key("rope.freq_base")) {
+                Some(_) => file.f64(&key("rope.freq_base"))? as f32,
+                None => default_theta(),
+            },
+            rope_scaling: None,
+            max_position_embeddings: count("context_length")?,
+            tie_word_embeddings: !file.has_tensor("output.weight"),
+            qkv_bias: file.has_tensor("blk.0.attn_q.bias"),
+            bos_token_id: if adds_bos {
+                token("bos_token_id")
+            } else {
+                None
+            },
             eos_token_ids,
         };
         config.validate(path)?;

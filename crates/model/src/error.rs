@@ -41,6 +41,14 @@ pub enum ModelError {
         /// The decoder's complaint.
         reason: String,
     },
+    /// A GGUF file is malformed or describes something this runtime cannot run.
+    #[error("{}: {reason}", path.display())]
+    Gguf {
+        /// The GGUF file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// A tensor the model needs is in no weights file.
     #[error("{}: tensor {tensor:?} is missing", path.display())]
     MissingTensor {
@@ -85,7 +93,7 @@ pub enum ModelError {
     },
     /// A model name that is neither `builtin:...` nor a directory.
     #[error(
-        "unknown model {name:?}: use builtin:tiny, builtin:small or a Hugging Face model directory"
+        "unknown model {name:?}: use builtin:tiny, builtin:small, a Hugging Face model directory or a .gguf file"
     )]
     UnknownModel {
         /// The name given.
@@ -124,6 +132,13 @@ impl ModelError {
         ModelError::Io {
             path: path.into(),
             source,
+        }
+    }
+
+    pub(crate) fn gguf(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        ModelError::Gguf {
+            path: path.into(),
+            reason: reason.into(),
         }
     }
 

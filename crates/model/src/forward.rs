@@ -10,7 +10,9 @@ use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::kernels::{self, PackedMatrix, Rope};
+use crate::gguf::GgufFile;
+use crate::kernels::{self, Matrix, PackedMatrix, Rope};
+use crate::quant::QuantMatrix;
 use crate::tensors::TensorMap;
 
 /// Which logits a sequence wants back from a forward pass.
@@ -41,22 +43,43 @@ pub struct Sequence<'a> {
 struct Layer {
     attn_norm: Vec<f32>,
     /// Q, K and V projections stacked: `[q_dim + 2 * kv_dim][hidden]`.
-    qkv: PackedMatrix,
+    qkv: Matrix,
     qkv_bias: Option<Vec<f32>>,
-    o: PackedMatrix,
+    o: Matrix,
     mlp_norm: Vec<f32>,
     /// Gate and up projections stacked: `[2 * intermediate][hidden]`.
-    gate_up: PackedMatrix,
-    down: PackedMatrix,
+    gate_up: Matrix,
+    down: Matrix,
+}
+
+/// The token embedding table, `[vocab][hidden]`, in its loaded encoding.
+enum Embedding {
+    Dense(Vec<f32>),
+    Quant(QuantMatrix),
+}
+
+impl Embedding {
+    fn push_row(&self, token: usize, hidden: usize, out: &mut Vec<f32>) {
+        match self {
+            Embedding::Dense(table) => {
+                out.extend_from_slice(&table[token * hidden..(token + 1) * hidden])
+            }
+            Embedding::Quant(table) => {
+                let start = out.len();
+                out.resize(start + hidden, 0.0);
+                table.dequantize_row(token, &mut out[start..]);
+            }
+        }
+    }
 }
 
 /// A loaded decoder, ready to run.
 pub struct Model {
     config: ModelConfig,
-    embed: Vec<f32>,
+    embed: Embedding,
     layers: Vec<Layer>,
     norm: Vec<f32>,
-    lm_head: PackedMatrix,
+    lm_head: Matrix,
     rope: Rope,
 }
 
@@ -70,6 +93,30 @@ impl std::fmt::Debug for Model {
 
 fn stack(parts: &[&[f32]]) -> Vec<f32> {
     parts.concat()
+}
+
+fn dense(w: &[f32], n: usize, k: usize) -> Matrix {
+    Matrix::Dense(PackedMatrix::from_rows(w, n, k))
+}
+
+/// llama.cpp's converter reorders each head's Q and K rows so that RoPE
+/// rotates adjacent pairs; this runtime rotates halves, as Hugging Face
+/// does. Row `2j + i` of a GGUF head is row `i * head_dim / 2 + j` of the
+/// Hugging Face head; this puts them back.
+fn unpermute_rope_rows(data: &[u8], heads: usize, head_dim: usize, row_bytes: usize) -> Vec<u8> {
+    let mut out = vec![0; data.len()];
+    let half = head_dim / 2;
+    for head in 0..heads {
+        for i in 0..2 {
+            for j in 0..half {
+                let from = head * head_dim + 2 * j + i;
+                let to = head * head_dim + i * half + j;
+                out[to * row_bytes..(to + 1) * row_bytes]
+                    .copy_from_slice(&data[from * row_bytes..(from + 1) * row_bytes]);
+            }
+        }
+    }
+    out
 }
 
 impl Model {
@@ -103,16 +150,16 @@ impl Model {
             let up = weight("mlp.up_proj.weight", &[c.intermediate_size, h])?;
             layers.push(Layer {
                 attn_norm: weight("input_layernorm.weight", &[h])?.to_vec(),
-                qkv: PackedMatrix::from_rows(&stack(&[q, k, v]), c.q_dim() + 2 * c.kv_dim(), h),
+                qkv: dense(&stack(&[q, k, v]), c.q_dim() + 2 * c.kv_dim(), h),
                 qkv_bias,
-                o: PackedMatrix::from_rows(
+                o: dense(
                     weight("self_attn.o_proj.weight", &[h, c.q_dim()])?,
                     h,
                     c.q_dim(),
                 ),
                 mlp_norm: weight("post_attention_layernorm.weight", &[h])?.to_vec(),
-                gate_up: PackedMatrix::from_rows(&stack(&[gate, up]), 2 * c.intermediate_size, h),
-                down: PackedMatrix::from_rows(
+                gate_up: dense(&stack(&[gate, up]), 2 * c.intermediate_size, h),
+                down: dense(
                     weight("mlp.down_proj.weight", &[h, c.intermediate_size])?,
                     h,
                     c.intermediate_size,
@@ -120,9 +167,9 @@ impl Model {
             });
         }
         let lm_head = if c.tie_word_embeddings {
-            PackedMatrix::from_rows(&embed, c.vocab_size, h)
+            dense(&embed, c.vocab_size, h)
         } else {
-            PackedMatrix::from_rows(
+            dense(
                 &tensors.get("lm_head.weight", &[c.vocab_size, h])?.data,
                 c.vocab_size,
                 h,
@@ -131,9 +178,77 @@ impl Model {
         Ok(Model {
             norm: tensors.get("model.norm.weight", &[h])?.data.clone(),
             rope: Rope::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref()),
-            embed,
+            embed: Embedding::Dense(embed),
             layers,
             lm_head,
+            config,
+        })
+    }
+
+    /// Builds the model from a llama.cpp-named GGUF file, keeping every
+    /// weight matrix in its encoding. `config` comes from the same file
+    /// ([`ModelConfig::from_gguf`]).
+    pub fn from_gguf(config: ModelConfig, file: &GgufFile) -> Result<Model, ModelError> {
+        let c = &config;
+        let h = c.hidden_size;
+        // GGUF lists dimensions input-first: a `[out][in]` matrix is `[in, out]`.
+        let matrix = |name: &str, out: usize, inp: usize| -> Result<QuantMatrix, ModelError> {
+            let (info, data) = file.tensor(name, &[inp, out])?;
+            Ok(QuantMatrix::new(info.format, out, inp, data.to_vec()))
+        };
+        let rope_rows = |name: &str, heads: usize| -> Result<QuantMatrix, ModelError> {
+            let (info, data) = file.tensor(name, &[h, heads * c.head_dim])?;
+            let row_bytes = info.format.row_bytes(h);
+            let data = unpermute_rope_rows(data, heads, c.head_dim, row_bytes);
+            Ok(QuantMatrix::new(info.format, heads * c.head_dim, h, data))
+        };
+        let vector = |name: &str, len: usize| -> Result<Vec<f32>, ModelError> {
+            let (info, data) = file.tensor(name, &[len])?;
+            let mut out = vec![0.0; len];
+            crate::quant::dequantize_row(info.format, data, &mut out);
+            Ok(out)
+        };
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let name = |suffix: &str| format!("blk.{i}.{suffix}");
+            let qkv_bias = if c.qkv_bias {
+                Some(stack(&[
+                    &vector(&name("attn_q.bias"), c.q_dim())?,
+                    &vector(&name("attn_k.bias"), c.kv_dim())?,
+                    &vector(&name("attn_v.bias"), c.kv_dim())?,
+                ]))
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn_norm: vector(&name("attn_norm.weight"), h)?,
+                qkv: Matrix::Quant(QuantMatrix::stack(vec![
+                    rope_rows(&name("attn_q.weight"), c.num_heads)?,
+                    rope_rows(&name("attn_k.weight"), c.num_kv_heads)?,
+                    matrix(&name("attn_v.weight"), c.kv_dim(), h)?,
+                ])),
+                qkv_bias,
+                o: Matrix::Quant(matrix(&name("attn_output.weight"), h, c.q_dim())?),
+                mlp_norm: vector(&name("ffn_norm.weight"), h)?,
+                gate_up: Matrix::Quant(QuantMatrix::stack(vec![
+                    matrix(&name("ffn_gate.weight"), c.intermediate_size, h)?,
+                    matrix(&name("ffn_up.weight"), c.intermediate_size, h)?,
+                ])),
+                down: Matrix::Quant(matrix(&name("ffn_down.weight"), h, c.intermediate_size)?),
+            });
+        }
+        let embed = matrix("token_embd.weight", c.vocab_size, h)?;
+        let lm_head = if file.has_tensor("output.weight") {
+            matrix("output.weight", c.vocab_size, h)?
+        } else {
+            embed.clone()
+        };
+        Ok(Model {
+            norm: vector("output_norm.weight", h)?,
+            rope: Rope::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref()),
+            embed: Embedding::Quant(embed),
+            layers,
+            lm_head: Matrix::Quant(lm_head),
             config,
         })
     }
@@ -218,7 +333,7 @@ impl Model {
         let mut x = Vec::with_capacity(total * h);
         for seq in batch.iter() {
             for &t in seq.tokens {
-                x.extend_from_slice(&self.embed[t as usize * h..(t as usize + 1) * h]);
+                self.embed.push_row(t as usize, h, &mut x);
             }
         }
         let mut normed = vec![0.0; total * h];
@@ -230,7 +345,7 @@ impl Model {
 
         for (layer_index, layer) in self.layers.iter().enumerate() {
             kernels::rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
-            kernels::matmul(&normed, total, &layer.qkv, &mut qkv);
+            layer.qkv.matmul(&normed, total, &mut qkv);
             for (r, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
                 if let Some(bias) = &layer.qkv_bias {
                     row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
@@ -243,13 +358,13 @@ impl Model {
             }
             self.store_kv(batch, layer_index, &qkv)?;
             self.attention(batch, layer_index, &qkv, &positions, &row_seq, &mut attn)?;
-            kernels::matmul(&attn, total, &layer.o, &mut proj);
+            layer.o.matmul(&attn, total, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
 
             kernels::rms_norm(&x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
-            kernels::matmul(&normed, total, &layer.gate_up, &mut gate_up);
+            layer.gate_up.matmul(&normed, total, &mut gate_up);
             kernels::silu_mul(&gate_up, c.intermediate_size, &mut act);
-            kernels::matmul(&act, total, &layer.down, &mut proj);
+            layer.down.matmul(&act, total, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
         }
         self.logits(batch, &x)
@@ -336,7 +451,7 @@ impl Model {
         let mut normed = vec![0.0; picked.len()];
         kernels::rms_norm(&picked, &self.norm, self.config.rms_norm_eps, &mut normed);
         let mut logits = vec![0.0; m * vocab];
-        kernels::matmul(&normed, m, &self.lm_head, &mut logits);
+        self.lm_head.matmul(&normed, m, &mut logits);
         let mut rest = logits.as_slice();
         Ok(counts
             .into_iter()

@@ -16,6 +16,8 @@
 
 use rayon::prelude::*;
 
+use crate::quant::QuantMatrix;
+
 /// Output columns per packed panel.
 pub const PANEL: usize = 16;
 /// Rows computed together, sharing each loaded weight vector.
@@ -63,6 +65,49 @@ impl PackedMatrix {
     /// Bytes of weights one full pass reads.
     pub fn bytes(&self) -> usize {
         self.panels.len() * 4
+    }
+}
+
+/// A weight matrix in the encoding it was loaded in.
+#[derive(Debug, Clone)]
+pub enum Matrix {
+    /// f32, repacked into panels (safetensors models).
+    Dense(PackedMatrix),
+    /// Quantized blocks as the GGUF file holds them.
+    Quant(QuantMatrix),
+}
+
+impl Matrix {
+    /// Output width.
+    pub fn n(&self) -> usize {
+        match self {
+            Matrix::Dense(w) => w.n(),
+            Matrix::Quant(w) => w.n(),
+        }
+    }
+
+    /// Input width.
+    pub fn k(&self) -> usize {
+        match self {
+            Matrix::Dense(w) => w.k(),
+            Matrix::Quant(w) => w.k(),
+        }
+    }
+
+    /// Bytes of weights one full pass reads.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Matrix::Dense(w) => w.bytes(),
+            Matrix::Quant(w) => w.bytes(),
+        }
+    }
+
+    /// `out[m][n] = x[m][k] · wᵀ`, batch-invariant in either encoding.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        match self {
+            Matrix::Dense(w) => matmul(x, m, w, out),
+            Matrix::Quant(w) => w.matmul(x, m, out),
+        }
     }
 }
 
@@ -164,6 +209,44 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         total += x * y;
     }
     total
+}
+
+/// `out[i] = dot(x, rows[i])` for the `out.len()` rows of `rows`
+/// (`x.len()` wide each), bit-identical to calling [`dot`] per row: four
+/// rows share each load of `x`, but every row keeps `dot`'s own lanes.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+pub fn dot_rows(x: &[f32], rows: &[f32], out: &mut [f32]) {
+    let k = x.len();
+    debug_assert_eq!(rows.len(), out.len() * k);
+    let split = k - k % LANES;
+    let mut quads = rows.chunks_exact(4 * k);
+    let mut outs = out.chunks_exact_mut(4);
+    for (quad, out) in (&mut quads).zip(&mut outs) {
+        let r: [&[f32]; 4] = std::array::from_fn(|i| &quad[i * k..(i + 1) * k]);
+        let mut lanes = [[0.0f32; LANES]; 4];
+        for (c, xs) in x[..split].chunks_exact(LANES).enumerate() {
+            for (lane_row, row) in lanes.iter_mut().zip(r) {
+                let ws = &row[c * LANES..(c + 1) * LANES];
+                for i in 0..LANES {
+                    lane_row[i] += xs[i] * ws[i];
+                }
+            }
+        }
+        for ((o, lane_row), row) in out.iter_mut().zip(&lanes).zip(r) {
+            let mut total = lane_row.iter().sum::<f32>();
+            for (a, b) in x[split..].iter().zip(&row[split..]) {
+                total += a * b;
+            }
+            *o = total;
+        }
+    }
+    for (row, o) in quads.remainder().chunks_exact(k).zip(outs.into_remainder()) {
+        *o = dot(x, row);
+    }
 }
 
 /// `out += weight * v`, elementwise.
@@ -300,6 +383,21 @@ mod tests {
                 let mut alone = vec![0.0; n];
                 matmul(&x[r * k..(r + 1) * k], 1, &packed, &mut alone);
                 prop_assert_eq!(&alone[..], &out[r * n..(r + 1) * n], "row {} differs alone", r);
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn dot_rows_is_bit_identical_to_dot(rows in 0usize..11, k in 1usize..70, seed in any::<u64>()) {
+            let mut s = seed | 1;
+            let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s % 2000) as f32 / 1000.0 - 1.0 };
+            let x: Vec<f32> = (0..k).map(|_| next()).collect();
+            let w: Vec<f32> = (0..rows * k).map(|_| next()).collect();
+            let mut out = vec![0.0; rows];
+            dot_rows(&x, &w, &mut out);
+            for (r, got) in out.iter().enumerate() {
+                prop_assert_eq!(got.to_bits(), dot(&x, &w[r * k..(r + 1) * k]).to_bits());
             }
         }
     }

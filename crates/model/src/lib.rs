@@ -4,6 +4,7 @@
 //!
 //! - [`config`]: hyper-parameters from `config.json`.
 //! - [`tensors`]: safetensors in and out (sharded, f32/f16/bf16).
+//! - [`gguf`], [`quant`]: GGUF files and their quantized block formats.
 //! - [`tokenizer`], [`chat`]: text ⇄ ids, chat templates.
 //! - [`kernels`]: batch-invariant CPU kernels; the seam for other backends.
 //! - [`forward`]: the batched, paged forward pass.
@@ -15,8 +16,10 @@ pub mod chat;
 pub mod config;
 mod error;
 pub mod forward;
+pub mod gguf;
 pub mod kernels;
 pub mod loader;
+pub mod quant;
 pub mod sampling;
 pub mod tensors;
 pub mod tokenizer;

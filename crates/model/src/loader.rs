@@ -1,5 +1,6 @@
 //! [`LoadedModel`]: a model with its tokenizer and chat template, from a name
-//! (`builtin:tiny`, `builtin:small`) or a Hugging Face model directory.
+//! (`builtin:tiny`, `builtin:small`), a Hugging Face model directory or a
+//! GGUF file.
 
 use std::path::Path;
 
@@ -8,6 +9,7 @@ use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::forward::Model;
+use crate::gguf::GgufFile;
 use crate::tensors::TensorMap;
 use crate::tokenizer::Tokenizer;
 
@@ -35,12 +37,58 @@ impl LoadedModel {
                 chat_template: Some(builtin.chat_template()?),
             });
         }
-        let dir = Path::new(name);
-        if dir.is_dir() {
-            return Self::load_hf_dir(dir);
+        let path = Path::new(name);
+        if path.is_dir() {
+            return Self::load_hf_dir(path);
+        }
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+            && path.is_file()
+        {
+            return Self::load_gguf(path);
         }
         Err(ModelError::UnknownModel {
             name: name.to_string(),
+        })
+    }
+
+    /// Loads a llama-architecture GGUF file: weights stay quantized, the
+    /// tokenizer and chat template come from its metadata.
+    pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
+        let file = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&file)?;
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let chat_template = match file.get("tokenizer.chat_template") {
+            None => None,
+            Some(_) => {
+                let token_text = |key: &str| -> String {
+                    file.get(key)
+                        .and_then(|v| v.as_u64())
+                        .and_then(|id| {
+                            file.strings("tokenizer.ggml.tokens")
+                                .ok()?
+                                .get(id as usize)
+                                .map(|t| t.to_string())
+                        })
+                        .unwrap_or_default()
+                };
+                Some(ChatTemplate::new(
+                    file.str("tokenizer.chat_template")?,
+                    &token_text("tokenizer.ggml.bos_token_id"),
+                    &token_text("tokenizer.ggml.eos_token_id"),
+                )?)
+            }
+        };
+        let model = Model::from_gguf(config, &file)?;
+        Ok(LoadedModel {
+            name: path.file_stem().map_or_else(
+                || path.display().to_string(),
+                |s| s.to_string_lossy().into_owned(),
+            ),
+            model,
+            tokenizer,
+            chat_template,
         })
     }
 

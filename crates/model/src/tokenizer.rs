@@ -5,10 +5,24 @@ use std::path::Path;
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer as HfTokenizer};
 
 use crate::error::ModelError;
+use crate::gguf::GgufFile;
+
+/// llama.cpp's pre-tokenizer regex for Llama 3 style vocabularies
+/// (`tokenizer.ggml.pre = llama-bpe`): digits in runs of up to three.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// The same for Qwen 2 (`qwen2`): every digit alone.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GGUF token types that are special: control (3) and user-defined (4).
+const GGUF_CONTROL: i64 = 3;
+const GGUF_USER_DEFINED: i64 = 4;
 
 /// Special tokens of the built-in byte-level tokenizer, ids 256, 257, 258.
 pub const BUILTIN_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -66,6 +80,97 @@ impl Tokenizer {
             .map(|s| AddedToken::from(s, true))
             .collect();
         inner.add_special_tokens(&specials);
+        Ok(Tokenizer { inner })
+    }
+
+    /// The byte-level BPE tokenizer described by a GGUF file's
+    /// `tokenizer.ggml.*` metadata (`model = gpt2`): vocabulary, merges,
+    /// token types and the pre-tokenizer named by `tokenizer.ggml.pre`.
+    pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, ModelError> {
+        let fail = |reason: String| ModelError::Tokenizer {
+            reason: format!("{}: {reason}", file.path().display()),
+        };
+        let model = file.str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(fail(format!(
+                "tokenizer model {model:?} is not supported (byte-level BPE, \"gpt2\", is)"
+            )));
+        }
+        let tokens = file.strings("tokenizer.ggml.tokens")?;
+        let types = match file.get("tokenizer.ggml.token_type") {
+            Some(_) => file.integers("tokenizer.ggml.token_type")?,
+            None => vec![1; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            return Err(fail(format!(
+                "{} token types for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
+        }
+        let merges = file
+            .strings("tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| fail(format!("merge {m:?} is not two tokens")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(id, t)| (t.to_string(), id as u32))
+            .collect();
+        if vocab.len() != tokens.len() {
+            return Err(fail("the vocabulary repeats a token".into()));
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| fail(e.to_string()))?;
+        let pre = match file.get("tokenizer.ggml.pre") {
+            Some(_) => file.str("tokenizer.ggml.pre")?,
+            None => "default",
+        };
+        let byte_level =
+            |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+        let split = |pattern: &str| -> Result<PreTokenizerWrapper, ModelError> {
+            Split::new(
+                SplitPattern::Regex(pattern.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map(PreTokenizerWrapper::Split)
+            .map_err(|e| fail(e.to_string()))
+        };
+        let steps = match pre {
+            "default" | "gpt2" => vec![byte_level(true)],
+            "smollm" => vec![
+                PreTokenizerWrapper::Digits(Digits::new(true)),
+                byte_level(true),
+            ],
+            "llama-bpe" | "llama3" => vec![split(LLAMA3_SPLIT)?, byte_level(false)],
+            "qwen2" => vec![split(QWEN2_SPLIT)?, byte_level(false)],
+            other => {
+                return Err(fail(format!(
+                    "pre-tokenizer {other:?} is not supported (gpt2, smollm, llama-bpe and qwen2 are)"
+                )));
+            }
+        };
+        let mut inner = HfTokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(Sequence::new(steps)));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let added = |wanted: i64| -> Vec<AddedToken> {
+            tokens
+                .iter()
+                .zip(&types)
+                .filter(|&(_, &t)| t == wanted)
+                .map(|(token, _)| AddedToken::from(token.to_string(), wanted == GGUF_CONTROL))
+                .collect()
+        };
+        inner.add_special_tokens(&added(GGUF_CONTROL));
+        inner.add_tokens(&added(GGUF_USER_DEFINED));
         Ok(Tokenizer { inner })
     }
 

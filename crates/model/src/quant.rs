@@ -1,0 +1,530 @@
+//! Quantized weights: the GGUF block formats ([`QuantFormat`]), their
+//! decoding, and [`QuantMatrix`], a weight matrix kept in its file encoding
+//! and multiplied without ever being expanded to f32 as a whole.
+//!
+//! A matmul decodes a few weight rows at a time into f32 (in L1/L2) and
+//! takes their dot products with every activation row, so activations stay
+//! f32. (llama.cpp instead rounds activations to 8 bits for an integer dot
+//! product; measured on SmolLM2-135M, that rounding alone moves a logit by
+//! 0.5 and flips greedy answers, so kvfence keeps full precision and wins
+//! its speed elsewhere.)
+//!
+//! # Batch invariance
+//!
+//! Each output element is one [`kernels::dot_rows`] lane: a fixed lane
+//! layout over `k`, whatever the number of activation rows, so a request's
+//! logits are the same alone or batched.
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::kernels;
+
+/// A GGUF tensor encoding this runtime can multiply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types)] // The names llama.cpp and every GGUF tool use.
+pub enum QuantFormat {
+    /// 32-bit floats.
+    F32,
+    /// IEEE half floats.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 32 weights: f16 scale, 4-bit values offset by 8.
+    Q4_0,
+    /// 32 weights: f16 scale and minimum, 4-bit values.
+    Q4_1,
+    /// 32 weights: f16 scale, 8-bit values.
+    Q8_0,
+    /// 256 weights in 8 sub-blocks with 6-bit scales and minimums, 4-bit values.
+    Q4_K,
+    /// 256 weights in 16 sub-blocks with 8-bit scales, 6-bit values.
+    Q6_K,
+}
+
+impl QuantFormat {
+    /// The format of a ggml type id, if supported.
+    pub fn from_ggml_type(id: u32) -> Option<QuantFormat> {
+        Some(match id {
+            0 => QuantFormat::F32,
+            1 => QuantFormat::F16,
+            2 => QuantFormat::Q4_0,
+            3 => QuantFormat::Q4_1,
+            8 => QuantFormat::Q8_0,
+            12 => QuantFormat::Q4_K,
+            14 => QuantFormat::Q6_K,
+            30 => QuantFormat::BF16,
+            _ => return None,
+        })
+    }
+
+    /// The ggml type id.
+    pub fn ggml_type(self) -> u32 {
+        match self {
+            QuantFormat::F32 => 0,
+            QuantFormat::F16 => 1,
+            QuantFormat::Q4_0 => 2,
+            QuantFormat::Q4_1 => 3,
+            QuantFormat::Q8_0 => 8,
+            QuantFormat::Q4_K => 12,
+            QuantFormat::Q6_K => 14,
+            QuantFormat::BF16 => 30,
+        }
+    }
+
+    /// Weights per block.
+    pub fn block_elements(self) -> usize {
+        match self {
+            QuantFormat::F32 | QuantFormat::F16 | QuantFormat::BF16 => 1,
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 => 32,
+            QuantFormat::Q4_K | QuantFormat::Q6_K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantFormat::F32 => 4,
+            QuantFormat::F16 | QuantFormat::BF16 => 2,
+            QuantFormat::Q4_0 => 18,
+            QuantFormat::Q4_1 => 20,
+            QuantFormat::Q8_0 => 34,
+            QuantFormat::Q4_K => 144,
+            QuantFormat::Q6_K => 210,
+        }
+    }
+
+    /// Bytes of one row of `k` weights (`k` a multiple of the block).
+    pub fn row_bytes(self, k: usize) -> usize {
+        k / self.block_elements() * self.block_bytes()
+    }
+}
+
+fn half_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+/// Q4_K and Q5_K pack eight 6-bit scales and eight 6-bit minimums into 12 bytes.
+fn k_scale_min(j: usize, s: &[u8]) -> (f32, f32) {
+    let (scale, min) = if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    };
+    (f32::from(scale), f32::from(min))
+}
+
+/// Decodes one row (a whole number of blocks) into `out`.
+pub fn dequantize_row(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
+    debug_assert_eq!(bytes.len(), format.row_bytes(out.len()));
+    let blocks = bytes
+        .chunks_exact(format.block_bytes())
+        .zip(out.chunks_exact_mut(format.block_elements()));
+    match format {
+        QuantFormat::F32 => {
+            for (b, o) in blocks {
+                o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        QuantFormat::F16 => {
+            for (b, o) in blocks {
+                o[0] = half_at(b, 0);
+            }
+        }
+        QuantFormat::BF16 => {
+            for (b, o) in blocks {
+                o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+            let with_min = format == QuantFormat::Q4_1;
+            for (b, o) in blocks {
+                let d = half_at(b, 0);
+                let (min, qs) = if with_min {
+                    (half_at(b, 2), &b[4..20])
+                } else {
+                    (-8.0 * d, &b[2..18])
+                };
+                for (j, &q) in qs.iter().enumerate() {
+                    o[j] = f32::from(q & 0x0F) * d + min;
+                    o[j + 16] = f32::from(q >> 4) * d + min;
+                }
+            }
+        }
+        QuantFormat::Q8_0 => {
+            for (b, o) in blocks {
+                let d = half_at(b, 0);
+                for (o, &q) in o.iter_mut().zip(&b[2..34]) {
+                    *o = f32::from(q as i8) * d;
+                }
+            }
+        }
+        QuantFormat::Q4_K => {
+            for (b, o) in blocks {
+                let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+                let (scales, qs) = (&b[4..16], &b[16..144]);
+                for (pair, (q, o)) in qs.chunks_exact(32).zip(o.chunks_exact_mut(64)).enumerate() {
+                    let (s1, m1) = k_scale_min(2 * pair, scales);
+                    let (s2, m2) = k_scale_min(2 * pair + 1, scales);
+                    for (l, &byte) in q.iter().enumerate() {
+                        o[l] = d * s1 * f32::from(byte & 0x0F) - dmin * m1;
+                        o[l + 32] = d * s2 * f32::from(byte >> 4) - dmin * m2;
+                    }
+                }
+            }
+        }
+        QuantFormat::Q6_K => {
+            for (b, o) in blocks {
+                let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
+                let d = half_at(b, 208);
+                for half in 0..2 {
+                    let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
+                    let sc = &scales[8 * half..];
+                    let o = &mut o[128 * half..];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let six = |low: u8, shift: u32| {
+                            f32::from((low | (((qh[l] >> shift) & 3) << 4)) as i8 - 32)
+                        };
+                        let scale = |i: usize| d * f32::from(sc[is + i] as i8);
+                        o[l] = scale(0) * six(ql[l] & 0x0F, 0);
+                        o[l + 32] = scale(2) * six(ql[l + 32] & 0x0F, 2);
+                        o[l + 64] = scale(4) * six(ql[l] >> 4, 4);
+                        o[l + 96] = scale(6) * six(ql[l + 32] >> 4, 6);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Encodes one row as `format` with llama.cpp's reference rounding. The
+/// K formats have no encoder here (they are only read); asking for one
+/// returns `None`.
+pub fn quantize_row(format: QuantFormat, row: &[f32]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(format.row_bytes(row.len()));
+    match format {
+        QuantFormat::F32 => row
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        QuantFormat::F16 => row
+            .iter()
+            .for_each(|&v| out.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
+        QuantFormat::BF16 => row
+            .iter()
+            .for_each(|&v| out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
+        QuantFormat::Q4_0 => {
+            for block in row.chunks_exact(32) {
+                // The signed extreme maps to -8 so the full 4-bit range is used.
+                let extreme = block
+                    .iter()
+                    .copied()
+                    .fold(0.0f32, |e, v| if v.abs() > e.abs() { v } else { e });
+                let d = extreme / -8.0;
+                let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                let q = |v: f32| ((v * id + 8.5) as u8).min(15);
+                out.extend((0..16).map(|j| q(block[j]) | (q(block[j + 16]) << 4)));
+            }
+        }
+        QuantFormat::Q4_1 => {
+            for block in row.chunks_exact(32) {
+                let min = block.iter().copied().fold(f32::INFINITY, f32::min);
+                let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = (max - min) / 15.0;
+                let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+                let q = |v: f32| (((v - min) * id + 0.5) as u8).min(15);
+                out.extend((0..16).map(|j| q(block[j]) | (q(block[j + 16]) << 4)));
+            }
+        }
+        QuantFormat::Q8_0 => {
+            for block in row.chunks_exact(32) {
+                let amax = block.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                out.extend(block.iter().map(|&v| (v * id).round() as i8 as u8));
+            }
+        }
+        QuantFormat::Q4_K | QuantFormat::Q6_K => return None,
+    }
+    Some(out)
+}
+
+/// A run of consecutive rows sharing one encoding.
+#[derive(Debug, Clone)]
+struct Part {
+    format: QuantFormat,
+    rows: usize,
+    data: Vec<u8>,
+}
+
+/// A weight matrix `[n][k]` (output-major, like Hugging Face's `[out][in]`)
+/// kept in its GGUF encoding. Rows may come from several tensors of
+/// different formats (Q, K and V stacked), each a [`Part`].
+#[derive(Debug, Clone)]
+pub struct QuantMatrix {
+    n: usize,
+    k: usize,
+    parts: Vec<Part>,
+}
+
+/// Weight rows per parallel task.
+const TASK_ROWS: usize = 16;
+/// Multiply-adds below which a matmul stays on the calling thread.
+const PARALLEL_MIN_MACS: usize = 1 << 18;
+
+impl QuantMatrix {
+    /// A matrix of `rows` rows of `k` weights encoded as `format`.
+    ///
+    /// Panics if `data` is not exactly that many rows: callers check
+    /// shapes against the file before building.
+    pub fn new(format: QuantFormat, rows: usize, k: usize, data: Vec<u8>) -> QuantMatrix {
+        assert_eq!(
+            k % format.block_elements(),
+            0,
+            "row length must be whole blocks"
+        );
+        assert_eq!(
+            data.len(),
+            rows * format.row_bytes(k),
+            "data must be rows * row_bytes"
+        );
+        QuantMatrix {
+            n: rows,
+            k,
+            parts: vec![Part { format, rows, data }],
+        }
+    }
+
+    /// Stacks matrices of the same width: rows of `parts[0]`, then `parts[1]`, ...
+    pub fn stack(parts: Vec<QuantMatrix>) -> QuantMatrix {
+        let k = parts.first().map_or(0, |p| p.k);
+        assert!(
+            parts.iter().all(|p| p.k == k),
+            "stacked matrices must share k"
+        );
+        let mut merged: Vec<Part> = Vec::new();
+        for part in parts.into_iter().flat_map(|p| p.parts) {
+            match merged.last_mut() {
+                Some(last) if last.format == part.format => {
+                    last.rows += part.rows;
+                    last.data.extend_from_slice(&part.data);
+                }
+                _ => merged.push(part),
+            }
+        }
+        QuantMatrix {
+            n: merged.iter().map(|p| p.rows).sum(),
+            k,
+            parts: merged,
+        }
+    }
+
+    /// Output width.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Input width.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Bytes of weights one full pass reads.
+    pub fn bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.data.len()).sum()
+    }
+
+    /// The format and bytes of row `row`.
+    fn row(&self, mut row: usize) -> (QuantFormat, &[u8]) {
+        for part in &self.parts {
+            if row < part.rows {
+                let width = part.format.row_bytes(self.k);
+                return (part.format, &part.data[row * width..(row + 1) * width]);
+            }
+            row -= part.rows;
+        }
+        unreachable!("row index is below n, the sum of the parts' rows")
+    }
+
+    /// Decodes row `row` into `out` (`k` wide).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        let (format, bytes) = self.row(row);
+        dequantize_row(format, bytes, out);
+    }
+
+    /// `out[m][n] = x[m][k] · wᵀ`.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let (n, k) = (self.n, self.k);
+        assert_eq!(x.len(), m * k, "matmul input must be m * k");
+        assert_eq!(out.len(), m * n, "matmul output must be m * n");
+        if m == 0 {
+            return;
+        }
+        let tasks = n.div_ceil(TASK_ROWS);
+        // Task-major scratch (`[task][row][TASK_ROWS]`) so tasks write disjoint chunks.
+        let mut scratch = vec![0.0f32; tasks * m * TASK_ROWS];
+        let work = |(task, chunk): (usize, &mut [f32])| {
+            let rows = TASK_ROWS.min(n - task * TASK_ROWS);
+            // The task's weight rows, decoded once and then reused by every
+            // activation row while they sit in L1/L2.
+            let mut decoded = vec![0.0f32; rows * k];
+            for (lane, dst) in decoded.chunks_exact_mut(k).enumerate() {
+                self.dequantize_row(task * TASK_ROWS + lane, dst);
+            }
+            for (x_row, out_row) in x.chunks_exact(k).zip(chunk.chunks_exact_mut(TASK_ROWS)) {
+                kernels::dot_rows(x_row, &decoded, &mut out_row[..rows]);
+            }
+        };
+        if m * n * k >= PARALLEL_MIN_MACS {
+            scratch
+                .par_chunks_mut(m * TASK_ROWS)
+                .enumerate()
+                .for_each(work);
+        } else {
+            scratch.chunks_mut(m * TASK_ROWS).enumerate().for_each(work);
+        }
+        for (task, chunk) in scratch.chunks(m * TASK_ROWS).enumerate() {
+            let cols = TASK_ROWS.min(n - task * TASK_ROWS);
+            for row in 0..m {
+                out[row * n + task * TASK_ROWS..][..cols]
+                    .copy_from_slice(&chunk[row * TASK_ROWS..][..cols]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn values(seed: u64, len: usize) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// One block each of Q4_K and Q6_K with fixed bytes, and values decoded
+    /// from them by llama.cpp's own reference (`gguf` Python package 0.19,
+    /// `gguf.quants.dequantize`), so the bit layout is pinned to ggml's.
+    fn k_block(format: QuantFormat) -> Vec<u8> {
+        let mut bytes: Vec<u8> = (0..format.block_bytes())
+            .map(|i| (i as u32 * 37 % 251) as u8)
+            .collect();
+        let d_at = if format == QuantFormat::Q4_K { 0 } else { 208 };
+        bytes[d_at..d_at + 2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
+        if format == QuantFormat::Q4_K {
+            bytes[2..4].copy_from_slice(&f16::from_f32(0.02).to_le_bytes());
+        }
+        bytes
+    }
+
+    #[test]
+    fn k_formats_decode_like_ggml() {
+        for (format, expected) in [
+            (QuantFormat::Q4_K, Q4_K_EXPECTED),
+            (QuantFormat::Q6_K, Q6_K_EXPECTED),
+        ] {
+            let mut out = vec![0.0; 256];
+            dequantize_row(format, &k_block(format), &mut out);
+            for (i, (&got, &want)) in out.iter().step_by(17).zip(expected).enumerate() {
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "{format:?} element {}: {got} vs {want}",
+                    i * 17
+                );
+            }
+        }
+    }
+
+    const Q4_K_EXPECTED: &[f32] = &[
+        1.10023, 0.900192, 5.34114, 0.780167, 1.00021, 2.20047, 0.640137, 0.0, 1.08023, 2.40051,
+        0.920197, 3.96085, 2.54054, 2.06044, -0.250053, -0.650139,
+    ];
+    const Q6_K_EXPECTED: &[f32] = &[
+        0.0, 16.9536, -3.18068, -1.38029, -8.00171, 1.70036, 4.2309, -12.6027, -26.6257, 17.6438,
+        -17.6938, -4.08087, -2.3405, -2.75059, 2.76059, 26.6757,
+    ];
+
+    proptest! {
+        #[test]
+        fn encoders_round_trip_within_their_step(seed in any::<u64>(), blocks in 1usize..5) {
+            let row = values(seed, blocks * 32);
+            for (format, step) in [
+                (QuantFormat::F32, 0.0), (QuantFormat::F16, 1e-3), (QuantFormat::BF16, 8e-3),
+                (QuantFormat::Q8_0, 1.0 / 127.0), (QuantFormat::Q4_1, 2.0 / 15.0), (QuantFormat::Q4_0, 2.0 / 8.0),
+            ] {
+                let bytes = quantize_row(format, &row).unwrap();
+                prop_assert_eq!(bytes.len(), format.row_bytes(row.len()));
+                let mut back = vec![0.0; row.len()];
+                dequantize_row(format, &bytes, &mut back);
+                for (a, b) in row.iter().zip(&back) {
+                    prop_assert!((a - b).abs() <= step * 0.51 + 1e-3, "{:?}: {} vs {}", format, a, b);
+                }
+            }
+        }
+
+        #[test]
+        fn matmul_matches_decoded_reference_and_rows_are_batch_invariant(
+            m in 1usize..7, n in 1usize..40, blocks in 1usize..4, seed in any::<u64>(),
+        ) {
+            let k = blocks * 32;
+            let x = values(seed, m * k);
+            let w = values(seed ^ 0x9e37, n * k);
+            // Rows from three formats stacked, as Q, K and V may be.
+            let split = [n / 3, n / 3 + n / 3];
+            let encode = |format, rows: std::ops::Range<usize>| {
+                let data = w[rows.start * k..rows.end * k]
+                    .chunks(k)
+                    .flat_map(|r| quantize_row(format, r).unwrap())
+                    .collect();
+                QuantMatrix::new(format, rows.len(), k, data)
+            };
+            let matrix = QuantMatrix::stack(vec![
+                encode(QuantFormat::Q4_1, 0..split[0]),
+                encode(QuantFormat::F16, split[0]..split[1]),
+                encode(QuantFormat::Q8_0, split[1]..n),
+            ]);
+            let mut out = vec![0.0; m * n];
+            matrix.matmul(&x, m, &mut out);
+            let mut decoded = vec![0.0; k];
+            for c in 0..n {
+                matrix.dequantize_row(c, &mut decoded);
+                for r in 0..m {
+                    let want: f32 = x[r * k..(r + 1) * k].iter().zip(&decoded).map(|(a, b)| a * b).sum();
+                    let bound: f32 = x[r * k..(r + 1) * k].iter().zip(&decoded).map(|(a, b)| (a * b).abs()).sum::<f32>() * 1e-5 + 1e-6;
+                    prop_assert!((out[r * n + c] - want).abs() <= bound, "({}, {}): {} vs {}", r, c, out[r * n + c], want);
+                }
+            }
+            for r in 0..m {
+                let mut alone = vec![0.0; n];
+                matrix.matmul(&x[r * k..(r + 1) * k], 1, &mut alone);
+                prop_assert_eq!(&alone[..], &out[r * n..(r + 1) * n], "row {} differs alone", r);
+            }
+        }
+    }
+
+    #[test]
+    fn integer_formats_match_ggml_block_layout() {
+        // Q4_1 of a ramp: element j is j/31, so the decoded block is that ramp again.
+        let ramp: Vec<f32> = (0..32).map(|j| j as f32 / 31.0).collect();
+        let bytes = quantize_row(QuantFormat::Q4_1, &ramp).unwrap();
+        // Low nibbles hold elements 0..16, high nibbles 16..32 (ggml's layout).
+        assert_eq!(bytes[4] & 0x0F, 0);
+        assert_eq!(bytes[4] >> 4, 8);
+        assert_eq!(bytes[19] >> 4, 15);
+    }
+}
