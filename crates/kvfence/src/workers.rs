@@ -27,8 +27,9 @@ use crate::serve::{
 /// What every worker process takes.
 #[derive(Args, Debug)]
 pub(crate) struct WorkerArgs {
-    /// builtin:tiny, builtin:small, or a Hugging Face model directory (all
-    /// workers and the router must run the same model).
+    /// smollm2 (fetched on first use), a .gguf file, a Hugging Face model
+    /// directory, builtin:tiny or builtin:small (all workers and the router
+    /// must run the same model).
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
     /// Address to listen on: decode workers connect to a prefill worker,

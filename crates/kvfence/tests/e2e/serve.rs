@@ -373,7 +373,15 @@ async fn i10_prompt_text_never_reaches_logs_metrics_or_error_messages() {
 #[test]
 fn local_mode_refuses_to_listen_beyond_loopback() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
-        .args(["serve", "--host", "0.0.0.0", "--port", "0"])
+        .args([
+            "serve",
+            "--model",
+            "builtin:tiny",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -385,6 +393,8 @@ async fn i6_a_max_context_beyond_the_pool_stops_start_up_unless_clamped() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
         .args([
             "serve",
+            "--model",
+            "builtin:tiny",
             "--port",
             "0",
             "--kv-pool-tokens",

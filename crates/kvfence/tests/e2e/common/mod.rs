@@ -26,8 +26,13 @@ impl Server {
     /// Starts `kvfence ARGS...` with extra environment and waits for its
     /// "listening on ADDR" line; `base` is ADDR (with `http://` for HTTP).
     pub fn start_process(args: &[&str], env: &[(&str, &str)]) -> Server {
+        // Tests run the offline built-in unless they name a model.
+        let mut args = args.to_vec();
+        if args.first() == Some(&"serve") && !args.contains(&"--model") {
+            args.extend(["--model", "builtin:tiny"]);
+        }
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfence"))
-            .args(args)
+            .args(&args)
             .envs(env.iter().copied())
             .env_remove("RUST_LOG")
             .stdout(Stdio::piped())

