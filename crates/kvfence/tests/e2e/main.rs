@@ -9,3 +9,4 @@ mod disaggregated;
 mod failpoints;
 mod multiprocess;
 mod serve;
+mod smollm2;
