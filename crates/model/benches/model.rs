@@ -1,18 +1,18 @@
-//! Forward-pass throughput on `builtin:small` (SmolLM2-135M's shape, f32):
-//! prefill tokens/s and decode tokens/s at batch 1, 8 and 32.
+//! Forward-pass throughput on `builtin:small` (SmolLM2-135M's shape, f32)
+//! and on the real SmolLM2-135M-Instruct (Q4_1 GGUF, fetched into the model
+//! cache on first use): prefill tokens/s and decode tokens/s at batch 1, 8
+//! and 32.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvfence_model::{Builtin, Logits, Model, Sequence};
+use kvfence_model::{Builtin, LoadedModel, Logits, Model, ModelCache, Sequence};
 use kvfence_pool::{ElemType, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 const CONTEXT: usize = 128;
 
-fn setup() -> (Model, Pool) {
-    let model = Model::from_tensors(Builtin::Small.config(), &Builtin::Small.tensors())
-        .expect("builtin loads");
+fn pool_for(model: &Model) -> Pool {
     let spec = PoolSpec::new(
         model.kv_shape(),
         16,
@@ -20,8 +20,7 @@ fn setup() -> (Model, Pool) {
         PoolSize::Tokens(40 * 1024),
     )
     .with_scrub(Scrub::Off);
-    let pool = Pool::new(&spec).expect("bench pool");
-    (model, pool)
+    Pool::new(&spec).expect("bench pool")
 }
 
 fn prompt(seed: usize, len: usize) -> Vec<u32> {
@@ -45,8 +44,20 @@ fn prefilled(model: &Model, pool: &Pool, owner: u64) -> Lease {
 }
 
 fn bench(c: &mut Criterion) {
-    let (model, pool) = setup();
-    let mut group = c.benchmark_group("builtin:small");
+    let small = Model::from_tensors(Builtin::Small.config(), &Builtin::Small.tensors())
+        .expect("builtin loads");
+    bench_model(c, "builtin:small", &small);
+    drop(small);
+    let smollm2 = LoadedModel::load_or_fetch("smollm2", &ModelCache::from_env(), &mut |m| {
+        eprintln!("{m}")
+    })
+    .expect("smollm2 loads (fetched on first use)");
+    bench_model(c, "smollm2", &smollm2.model);
+}
+
+fn bench_model(c: &mut Criterion, name: &str, model: &Model) {
+    let pool = pool_for(model);
+    let mut group = c.benchmark_group(name);
     group
         .sample_size(10)
         .warm_up_time(Duration::from_secs(2))
@@ -71,7 +82,7 @@ fn bench(c: &mut Criterion) {
 
     for batch_size in [1usize, 8, 32] {
         let mut leases: Vec<Lease> = (0..batch_size)
-            .map(|i| prefilled(&model, &pool, 10 + i as u64))
+            .map(|i| prefilled(model, &pool, 10 + i as u64))
             .collect();
         group.throughput(Throughput::Elements(batch_size as u64));
         group.bench_function(

@@ -189,10 +189,19 @@ fn panel_kernel(x: &[f32], m: usize, k: usize, panel: &[f32], out: &mut [f32]) {
     }
 }
 
-const LANES: usize = 8;
+/// Independent accumulators in `dot`: enough to hide the add latency
+/// (four 8-wide or two 16-wide vectors), since each lane is a dependency chain.
+pub(crate) const LANES: usize = 32;
 
 /// Dot product with a fixed lane layout: deterministic and vectorisable.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_lanes(a, b)
+}
+
+/// The one definition of the lane layout, inlined into every caller so each
+/// compiles it for its own instruction set with identical rounding.
+#[inline(always)]
+fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut lanes = [0.0f32; LANES];
     let split = a.len() - a.len() % LANES;
@@ -212,40 +221,17 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `out[i] = dot(x, rows[i])` for the `out.len()` rows of `rows`
-/// (`x.len()` wide each), bit-identical to calling [`dot`] per row: four
-/// rows share each load of `x`, but every row keeps `dot`'s own lanes.
+/// (`x.len()` wide each), bit-identical to calling [`dot`] per row, and
+/// compiled for the CPU's widest vectors. `x` stays in L1 across rows.
 #[multiversion::multiversion(targets(
     "x86_64+avx512f+avx512vl+avx2+fma",
     "x86_64+avx2+fma",
     "aarch64+neon"
 ))]
 pub fn dot_rows(x: &[f32], rows: &[f32], out: &mut [f32]) {
-    let k = x.len();
-    debug_assert_eq!(rows.len(), out.len() * k);
-    let split = k - k % LANES;
-    let mut quads = rows.chunks_exact(4 * k);
-    let mut outs = out.chunks_exact_mut(4);
-    for (quad, out) in (&mut quads).zip(&mut outs) {
-        let r: [&[f32]; 4] = std::array::from_fn(|i| &quad[i * k..(i + 1) * k]);
-        let mut lanes = [[0.0f32; LANES]; 4];
-        for (c, xs) in x[..split].chunks_exact(LANES).enumerate() {
-            for (lane_row, row) in lanes.iter_mut().zip(r) {
-                let ws = &row[c * LANES..(c + 1) * LANES];
-                for i in 0..LANES {
-                    lane_row[i] += xs[i] * ws[i];
-                }
-            }
-        }
-        for ((o, lane_row), row) in out.iter_mut().zip(&lanes).zip(r) {
-            let mut total = lane_row.iter().sum::<f32>();
-            for (a, b) in x[split..].iter().zip(&row[split..]) {
-                total += a * b;
-            }
-            *o = total;
-        }
-    }
-    for (row, o) in quads.remainder().chunks_exact(k).zip(outs.into_remainder()) {
-        *o = dot(x, row);
+    debug_assert_eq!(rows.len(), out.len() * x.len());
+    for (o, row) in out.iter_mut().zip(rows.chunks_exact(x.len())) {
+        *o = dot_lanes(x, row);
     }
 }
 

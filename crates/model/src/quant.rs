@@ -117,7 +117,69 @@ fn k_scale_min(j: usize, s: &[u8]) -> (f32, f32) {
     (f32::from(scale), f32::from(min))
 }
 
+/// Decodes one block of a 32-weight format. The one definition of each
+/// weight's value, shared by [`dequantize_row`] and the fused matmul path
+/// so both produce the same bits.
+#[inline(always)]
+fn decode_block32(format: QuantFormat, b: &[u8]) -> [f32; 32] {
+    let mut o = [0.0f32; 32];
+    let d = half_at(b, 0);
+    match format {
+        QuantFormat::Q8_0 => {
+            let qs: &[u8; 32] = b[2..34].try_into().expect("a Q8_0 block holds 32 bytes");
+            for (o, &q) in o.iter_mut().zip(qs) {
+                *o = f32::from(q as i8) * d;
+            }
+        }
+        _ => {
+            let (min, qs) = if format == QuantFormat::Q4_1 {
+                (half_at(b, 2), &b[4..20])
+            } else {
+                (-8.0 * d, &b[2..18])
+            };
+            let qs: &[u8; 16] = qs.try_into().expect("a 4-bit block holds 16 bytes");
+            let (lo, hi) = o.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(qs) {
+                *l = f32::from(q & 0x0F) * d + min;
+                *h = f32::from(q >> 4) * d + min;
+            }
+        }
+    }
+    o
+}
+
+/// Dot products of one weight row in a 32-weight format with each of a
+/// few activation rows, decoding each block in registers instead of through
+/// memory. One block is one 32-lane chunk of [`kernels::dot`]'s layout, so
+/// the result is bit-identical to decoding the row and calling `dot`.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "aarch64+neon"
+))]
+fn fused_row_dots(format: QuantFormat, w: &[u8], x: &[f32], out: &mut [f32]) {
+    let k = x.len() / out.len();
+    for (o, x_row) in out.iter_mut().zip(x.chunks_exact(k)) {
+        let mut lanes = [0.0f32; kernels::LANES];
+        for (b, xs) in w
+            .chunks_exact(format.block_bytes())
+            .zip(x_row.chunks_exact(32))
+        {
+            let ws = decode_block32(format, b);
+            for i in 0..32 {
+                lanes[i] += xs[i] * ws[i];
+            }
+        }
+        *o = lanes.iter().sum::<f32>();
+    }
+}
+
 /// Decodes one row (a whole number of blocks) into `out`.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "aarch64+neon"
+))]
 pub fn dequantize_row(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
     debug_assert_eq!(bytes.len(), format.row_bytes(out.len()));
     let blocks = bytes
@@ -139,27 +201,10 @@ pub fn dequantize_row(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
                 o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
-        QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
-            let with_min = format == QuantFormat::Q4_1;
+        QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 => {
             for (b, o) in blocks {
-                let d = half_at(b, 0);
-                let (min, qs) = if with_min {
-                    (half_at(b, 2), &b[4..20])
-                } else {
-                    (-8.0 * d, &b[2..18])
-                };
-                for (j, &q) in qs.iter().enumerate() {
-                    o[j] = f32::from(q & 0x0F) * d + min;
-                    o[j + 16] = f32::from(q >> 4) * d + min;
-                }
-            }
-        }
-        QuantFormat::Q8_0 => {
-            for (b, o) in blocks {
-                let d = half_at(b, 0);
-                for (o, &q) in o.iter_mut().zip(&b[2..34]) {
-                    *o = f32::from(q as i8) * d;
-                }
+                let o: &mut [f32; 32] = o.try_into().expect("a 32-weight block");
+                *o = decode_block32(format, b);
             }
         }
         QuantFormat::Q4_K => {
@@ -274,6 +319,10 @@ pub struct QuantMatrix {
     parts: Vec<Part>,
 }
 
+/// Activation rows up to which 32-weight formats decode in registers per
+/// row pair; above it, decoding each weight row once to memory is cheaper.
+/// Both paths give the same bits, so the switch cannot break batch invariance.
+const FUSED_MAX_ROWS: usize = 4;
 /// Weight rows per parallel task.
 const TASK_ROWS: usize = 16;
 /// Multiply-adds below which a matmul stays on the calling thread.
@@ -372,11 +421,24 @@ impl QuantMatrix {
         let mut scratch = vec![0.0f32; tasks * m * TASK_ROWS];
         let work = |(task, chunk): (usize, &mut [f32])| {
             let rows = TASK_ROWS.min(n - task * TASK_ROWS);
+            let first = task * TASK_ROWS;
+            let fused = (first..first + rows).all(|r| self.row(r).0.block_elements() == 32);
+            if m <= FUSED_MAX_ROWS && fused {
+                let mut dots = [0.0f32; FUSED_MAX_ROWS];
+                for lane in 0..rows {
+                    let (format, w) = self.row(first + lane);
+                    fused_row_dots(format, w, x, &mut dots[..m]);
+                    for (r, &v) in dots[..m].iter().enumerate() {
+                        chunk[r * TASK_ROWS + lane] = v;
+                    }
+                }
+                return;
+            }
             // The task's weight rows, decoded once and then reused by every
             // activation row while they sit in L1/L2.
             let mut decoded = vec![0.0f32; rows * k];
             for (lane, dst) in decoded.chunks_exact_mut(k).enumerate() {
-                self.dequantize_row(task * TASK_ROWS + lane, dst);
+                self.dequantize_row(first + lane, dst);
             }
             for (x_row, out_row) in x.chunks_exact(k).zip(chunk.chunks_exact_mut(TASK_ROWS)) {
                 kernels::dot_rows(x_row, &decoded, &mut out_row[..rows]);
