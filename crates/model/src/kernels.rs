@@ -189,27 +189,34 @@ fn panel_kernel(x: &[f32], m: usize, k: usize, panel: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Independent accumulators in `dot`: enough to hide the add latency
-/// (four 8-wide or two 16-wide vectors), since each lane is a dependency chain.
-pub(crate) const LANES: usize = 32;
+/// Lanes of [`dot`]: short vectors (attention over a 64-wide head, RMSNorm).
+const LANES: usize = 8;
+/// Lanes of [`dot_wide`] and [`dot_rows`]: one quantization block (32
+/// weights) per chunk, and enough independent accumulators to hide the add
+/// latency over long weight rows.
+pub(crate) const WIDE_LANES: usize = 32;
 
-/// Dot product with a fixed lane layout: deterministic and vectorisable.
+/// Dot product with a fixed 8-lane layout: deterministic and vectorisable.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    dot_lanes(a, b)
+    dot_lanes::<LANES>(a, b)
 }
 
-/// The one definition of the lane layout, inlined into every caller so each
-/// compiles it for its own instruction set with identical rounding.
+/// Dot product with a fixed 32-lane layout, the one weight rows use.
+pub fn dot_wide(a: &[f32], b: &[f32]) -> f32 {
+    dot_lanes::<WIDE_LANES>(a, b)
+}
+
+/// The one definition of a lane layout, inlined into every caller so each
+/// compiles it for its own instruction set with identical rounding: lane
+/// `i` sums elements `i, i + L, i + 2L, ...`, then lanes are summed in
+/// order, then the tail.
 #[inline(always)]
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+fn dot_lanes<const L: usize>(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
-    let mut lanes = [0.0f32; LANES];
-    let split = a.len() - a.len() % LANES;
-    for (ca, cb) in a[..split]
-        .chunks_exact(LANES)
-        .zip(b[..split].chunks_exact(LANES))
-    {
-        for i in 0..LANES {
+    let mut lanes = [0.0f32; L];
+    let split = a.len() - a.len() % L;
+    for (ca, cb) in a[..split].chunks_exact(L).zip(b[..split].chunks_exact(L)) {
+        for i in 0..L {
             lanes[i] += ca[i] * cb[i];
         }
     }
@@ -220,9 +227,9 @@ fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     total
 }
 
-/// `out[i] = dot(x, rows[i])` for the `out.len()` rows of `rows`
-/// (`x.len()` wide each), bit-identical to calling [`dot`] per row, and
-/// compiled for the CPU's widest vectors. `x` stays in L1 across rows.
+/// `out[i] = dot_wide(x, rows[i])` for the `out.len()` rows of `rows`
+/// (`x.len()` wide each), bit-identical to calling [`dot_wide`] per row,
+/// and compiled for the CPU's widest vectors. `x` stays in L1 across rows.
 #[multiversion::multiversion(targets(
     "x86_64+avx512f+avx512vl+avx2+fma",
     "x86_64+avx2+fma",
@@ -231,7 +238,7 @@ fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
 pub fn dot_rows(x: &[f32], rows: &[f32], out: &mut [f32]) {
     debug_assert_eq!(rows.len(), out.len() * x.len());
     for (o, row) in out.iter_mut().zip(rows.chunks_exact(x.len())) {
-        *o = dot_lanes(x, row);
+        *o = dot_lanes::<WIDE_LANES>(x, row);
     }
 }
 
@@ -375,7 +382,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn dot_rows_is_bit_identical_to_dot(rows in 0usize..11, k in 1usize..70, seed in any::<u64>()) {
+        fn dot_rows_is_bit_identical_to_dot_wide(rows in 0usize..11, k in 1usize..70, seed in any::<u64>()) {
             let mut s = seed | 1;
             let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s % 2000) as f32 / 1000.0 - 1.0 };
             let x: Vec<f32> = (0..k).map(|_| next()).collect();
@@ -383,7 +390,7 @@ mod tests {
             let mut out = vec![0.0; rows];
             dot_rows(&x, &w, &mut out);
             for (r, got) in out.iter().enumerate() {
-                prop_assert_eq!(got.to_bits(), dot(&x, &w[r * k..(r + 1) * k]).to_bits());
+                prop_assert_eq!(got.to_bits(), dot_wide(&x, &w[r * k..(r + 1) * k]).to_bits());
             }
         }
     }

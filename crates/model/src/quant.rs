@@ -11,7 +11,7 @@
 //!
 //! # Batch invariance
 //!
-//! Each output element is one [`kernels::dot_rows`] lane: a fixed lane
+//! Each output element is one [`kernels::dot_wide`]: a fixed lane
 //! layout over `k`, whatever the number of activation rows, so a request's
 //! logits are the same alone or batched.
 
@@ -150,8 +150,8 @@ fn decode_block32(format: QuantFormat, b: &[u8]) -> [f32; 32] {
 
 /// Dot products of one weight row in a 32-weight format with each of a
 /// few activation rows, decoding each block in registers instead of through
-/// memory. One block is one 32-lane chunk of [`kernels::dot`]'s layout, so
-/// the result is bit-identical to decoding the row and calling `dot`.
+/// memory. One block is one chunk of [`kernels::dot_wide`]'s 32 lanes, so
+/// the result is bit-identical to decoding the row and calling `dot_wide`.
 #[multiversion::multiversion(targets(
     "x86_64+avx512f+avx512vl+avx2+fma+f16c",
     "x86_64+avx2+fma+f16c",
@@ -160,7 +160,7 @@ fn decode_block32(format: QuantFormat, b: &[u8]) -> [f32; 32] {
 fn fused_row_dots(format: QuantFormat, w: &[u8], x: &[f32], out: &mut [f32]) {
     let k = x.len() / out.len();
     for (o, x_row) in out.iter_mut().zip(x.chunks_exact(k)) {
-        let mut lanes = [0.0f32; kernels::LANES];
+        let mut lanes = [0.0f32; kernels::WIDE_LANES];
         for (b, xs) in w
             .chunks_exact(format.block_bytes())
             .zip(x_row.chunks_exact(32))
