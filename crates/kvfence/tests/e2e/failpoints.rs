@@ -18,6 +18,8 @@ async fn i4_pages_of_a_writer_that_never_acks_stay_quarantined_and_visible() {
     let server = Server::start_process(
         &[
             "serve",
+            "--model",
+            "builtin:tiny",
             "--port",
             "0",
             "--handoff",

