@@ -148,29 +148,54 @@ fn decode_block32(format: QuantFormat, b: &[u8]) -> [f32; 32] {
     o
 }
 
-/// Dot products of one weight row in a 32-weight format with each of a
-/// few activation rows, decoding each block in registers instead of through
-/// memory. One block is one chunk of [`kernels::dot_wide`]'s 32 lanes, so
-/// the result is bit-identical to decoding the row and calling `dot_wide`.
+/// Dot products of weight rows in 32-weight formats with each of a few
+/// activation rows, decoding each block in registers instead of through
+/// memory: `out[r * stride + i] = w[i] · x[r]`. One block is one chunk of
+/// [`kernels::dot_wide`]'s 32 lanes, so the result is bit-identical to
+/// decoding the row and calling `dot_wide`. Weight rows go in pairs: two
+/// independent accumulator sets keep the vector units busy while each
+/// row's final lane sum, a serial chain, completes.
 #[multiversion::multiversion(targets(
     "x86_64+avx512f+avx512vl+avx2+fma+f16c",
     "x86_64+avx2+fma+f16c",
     "aarch64+neon"
 ))]
-fn fused_row_dots(format: QuantFormat, w: &[u8], x: &[f32], out: &mut [f32]) {
-    let k = x.len() / out.len();
-    for (o, x_row) in out.iter_mut().zip(x.chunks_exact(k)) {
-        let mut lanes = [0.0f32; kernels::WIDE_LANES];
-        for (b, xs) in w
-            .chunks_exact(format.block_bytes())
-            .zip(x_row.chunks_exact(32))
-        {
-            let ws = decode_block32(format, b);
-            for i in 0..32 {
-                lanes[i] += xs[i] * ws[i];
+fn fused_dots(w: &[(QuantFormat, &[u8])], x: &[f32], m: usize, stride: usize, out: &mut [f32]) {
+    let k = x.len() / m;
+    for (r, x_row) in x.chunks_exact(k).enumerate() {
+        let out_row = &mut out[r * stride..];
+        let mut pairs = w.chunks_exact(2);
+        for (i, pair) in (&mut pairs).enumerate() {
+            let [(fa, wa), (fb, wb)] = [pair[0], pair[1]];
+            let mut la = [0.0f32; kernels::WIDE_LANES];
+            let mut lb = [0.0f32; kernels::WIDE_LANES];
+            let blocks = wa
+                .chunks_exact(fa.block_bytes())
+                .zip(wb.chunks_exact(fb.block_bytes()))
+                .zip(x_row.chunks_exact(32));
+            for ((ba, bb), xs) in blocks {
+                let (va, vb) = (decode_block32(fa, ba), decode_block32(fb, bb));
+                for j in 0..32 {
+                    la[j] = xs[j].mul_add(va[j], la[j]);
+                    lb[j] = xs[j].mul_add(vb[j], lb[j]);
+                }
             }
+            out_row[2 * i] = la.iter().sum::<f32>();
+            out_row[2 * i + 1] = lb.iter().sum::<f32>();
         }
-        *o = lanes.iter().sum::<f32>();
+        if let [(format, row)] = pairs.remainder() {
+            let mut lanes = [0.0f32; kernels::WIDE_LANES];
+            for (b, xs) in row
+                .chunks_exact(format.block_bytes())
+                .zip(x_row.chunks_exact(32))
+            {
+                let v = decode_block32(*format, b);
+                for j in 0..32 {
+                    lanes[j] = xs[j].mul_add(v[j], lanes[j]);
+                }
+            }
+            out_row[w.len() - 1] = lanes.iter().sum::<f32>();
+        }
     }
 }
 
@@ -424,14 +449,9 @@ impl QuantMatrix {
             let first = task * TASK_ROWS;
             let fused = (first..first + rows).all(|r| self.row(r).0.block_elements() == 32);
             if m <= FUSED_MAX_ROWS && fused {
-                let mut dots = [0.0f32; FUSED_MAX_ROWS];
-                for lane in 0..rows {
-                    let (format, w) = self.row(first + lane);
-                    fused_row_dots(format, w, x, &mut dots[..m]);
-                    for (r, &v) in dots[..m].iter().enumerate() {
-                        chunk[r * TASK_ROWS + lane] = v;
-                    }
-                }
+                let weights: Vec<(QuantFormat, &[u8])> =
+                    (first..first + rows).map(|r| self.row(r)).collect();
+                fused_dots(&weights, x, m, TASK_ROWS, chunk);
                 return;
             }
             // The task's weight rows, decoded once and then reused by every
