@@ -8,18 +8,23 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvfence_model::{Builtin, LoadedModel, Logits, Model, ModelCache, Sequence};
-use kvfence_pool::{ElemType, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
+use kvfence_pool::{Checks, ElemType, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 const CONTEXT: usize = 128;
 
 fn pool_for(model: &Model) -> Pool {
+    pool_with(model, Checks::On)
+}
+
+fn pool_with(model: &Model, checks: Checks) -> Pool {
     let spec = PoolSpec::new(
         model.kv_shape(),
         16,
         ElemType::F32,
         PoolSize::Tokens(40 * 1024),
     )
-    .with_scrub(Scrub::Off);
+    .with_scrub(Scrub::Off)
+    .with_checks(checks);
     Pool::new(&spec).expect("bench pool")
 }
 
@@ -53,6 +58,52 @@ fn bench(c: &mut Criterion) {
     })
     .expect("smollm2 loads (fetched on first use)");
     bench_model(c, "smollm2", &smollm2.model);
+    bench_checks(c, &smollm2.model);
+}
+
+/// The same decode steps and prefill with the pool's isolation checks on
+/// and off (`Checks::Off` exists only in this measurement build), measured
+/// alternately in one run.
+fn bench_checks(c: &mut Criterion, model: &Model) {
+    let mut group = c.benchmark_group("smollm2 isolation checks");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(2))
+        .measurement_time(Duration::from_secs(8));
+    for (label, checks) in [("on", Checks::On), ("off", Checks::Off)] {
+        let pool = pool_with(model, checks);
+        let tokens = prompt(0, CONTEXT);
+        group.throughput(Throughput::Elements(CONTEXT as u64));
+        group.bench_function(format!("prefill {CONTEXT} tokens, checks {label}"), |b| {
+            b.iter(|| {
+                let mut lease = pool.lease(RequestId(1), CONTEXT).expect("room");
+                let mut batch = [Sequence {
+                    lease: &mut lease,
+                    past: 0,
+                    tokens: &tokens,
+                    logits: Logits::Last,
+                }];
+                black_box(model.forward(&mut batch).expect("prefill"))
+            })
+        });
+        let mut leases: Vec<Lease> = (0..8).map(|i| prefilled(model, &pool, 10 + i)).collect();
+        group.throughput(Throughput::Elements(8));
+        group.bench_function(format!("decode batch 8, checks {label}"), |b| {
+            b.iter(|| {
+                let mut batch: Vec<Sequence<'_>> = leases
+                    .iter_mut()
+                    .map(|lease| Sequence {
+                        lease,
+                        past: CONTEXT,
+                        tokens: &[65],
+                        logits: Logits::Last,
+                    })
+                    .collect();
+                black_box(model.forward(&mut batch).expect("decode"))
+            })
+        });
+    }
+    group.finish();
 }
 
 fn bench_model(c: &mut Criterion, name: &str, model: &Model) {

@@ -260,10 +260,15 @@ impl Model {
 
     /// The per-token KV shape a pool for this model must have.
     pub fn kv_shape(&self) -> KvShape {
+        Self::kv_shape_of(&self.config)
+    }
+
+    /// The per-token KV shape of a model with `config`.
+    pub fn kv_shape_of(config: &ModelConfig) -> KvShape {
         KvShape {
-            layers: self.config.num_layers,
-            kv_heads: self.config.num_kv_heads,
-            head_dim: self.config.head_dim,
+            layers: config.num_layers,
+            kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
         }
     }
 
@@ -464,8 +469,11 @@ impl Model {
     }
 }
 
-/// Attention of one token (all query heads) over positions `0..upto`.
-fn attend_row(
+/// The paged attention kernel: one token's attention (all query heads,
+/// `q_row` is `[num_heads][head_dim]`, already rotated) over positions
+/// `0..upto` of `layer`, read page by page through `view`; writes
+/// `[num_heads][head_dim]` into `out_row`. Public for its benchmark.
+pub fn attend_row(
     c: &ModelConfig,
     q_row: &[f32],
     view: &ReadView<'_, f32>,

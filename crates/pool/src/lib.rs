@@ -27,7 +27,7 @@ pub use lease::Lease;
 pub use page::{Generation, PageId, PageRef, PageState, RequestId};
 pub use pool::{Pool, PoolStats};
 pub use spec::{
-    ElemType, Geometry, KvShape, MAX_PAGE_SIZE, PoolSize, PoolSpec, ReusePolicy, Scrub,
+    Checks, ElemType, Geometry, KvShape, MAX_PAGE_SIZE, PoolSize, PoolSpec, ReusePolicy, Scrub,
 };
 pub use view::ReadView;
 pub use window::{Window, WindowKey};

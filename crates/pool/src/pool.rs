@@ -84,6 +84,8 @@ pub(crate) struct Shared {
     pub(crate) geometry: Geometry,
     scrub: Scrub,
     reuse: ReusePolicy,
+    /// False only in measurement builds asked to skip the checks.
+    pub(crate) checks: bool,
     pub(crate) pages: Box<[RwLock<Page>]>,
     ledger: Mutex<Ledger>,
     pub(crate) counters: Counters,
@@ -156,6 +158,7 @@ impl Pool {
                 geometry,
                 scrub: spec.scrub,
                 reuse: spec.reuse,
+                checks: spec.checks == crate::spec::Checks::On,
                 pages,
                 ledger: Mutex::new(Ledger {
                     free,

@@ -97,6 +97,23 @@ pub struct PoolSpec {
     pub scrub: Scrub,
     /// Free-page reuse order.
     pub reuse: ReusePolicy,
+    /// Whether the isolation checks run (always, outside measurement builds).
+    pub checks: Checks,
+}
+
+/// Whether the pool enforces its isolation checks: the write fence (I3) and
+/// read coverage (I2). Only `On` exists unless the crate is built with the
+/// `unchecked-for-measurement` feature, which benchmarks enable to measure
+/// what the checks cost; the `kvfence` binary never does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Checks {
+    /// Every write is fenced and every read proven covered.
+    #[default]
+    On,
+    /// Writes skip the fence and coverage marking, reads skip the coverage
+    /// proof. Measurement only: isolation is not enforced.
+    #[cfg(feature = "unchecked-for-measurement")]
+    Off,
 }
 
 /// Largest page the pool accepts; coverage bitmaps and chunk frames assume
@@ -113,6 +130,7 @@ impl PoolSpec {
             size,
             scrub: Scrub::default_for_build(),
             reuse: ReusePolicy::OldestFreedFirst,
+            checks: Checks::On,
         }
     }
 
@@ -125,6 +143,13 @@ impl PoolSpec {
     /// Same spec with another reuse order.
     pub fn with_reuse(mut self, reuse: ReusePolicy) -> Self {
         self.reuse = reuse;
+        self
+    }
+
+    /// The same spec with the isolation checks switched (measurement builds only).
+    #[cfg(feature = "unchecked-for-measurement")]
+    pub fn with_checks(mut self, checks: Checks) -> Self {
+        self.checks = checks;
         self
     }
 
