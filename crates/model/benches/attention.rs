@@ -16,8 +16,8 @@ fn bench(c: &mut Criterion) {
     let config = Builtin::Small.config();
     let shape = Model::kv_shape_of(&config);
     let longest = 2048;
-    let spec = PoolSpec::new(shape, 16, ElemType::F32, PoolSize::Tokens(longest))
-        .with_scrub(Scrub::Off);
+    let spec =
+        PoolSpec::new(shape, 16, ElemType::F32, PoolSize::Tokens(longest)).with_scrub(Scrub::Off);
     let pool = Pool::new(&spec).expect("bench pool");
     let mut lease = pool.lease(RequestId(1), longest).expect("room");
     let per_token = config.kv_dim();

@@ -18,6 +18,7 @@ mod lease;
 mod page;
 mod pool;
 mod spec;
+mod sync;
 mod view;
 mod window;
 
