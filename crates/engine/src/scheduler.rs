@@ -30,6 +30,7 @@ use kvfence_handoff::{
     Chunks, Grant, HandoffId, Message, Outcome, Receiver, RejectReason, Streaming, WindowWrites,
 };
 use kvfence_model::{LoadedModel, Logits, Sampler, Sequence};
+use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{Lease, Pool, PoolError, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, warn};
@@ -308,6 +309,17 @@ impl Scheduler {
             None
         };
         if let Some(reason) = reject {
+            if reason == RejectReason::TooLong && Mutation::PlaceholderDone.active() {
+                // Incident replay (a): claim a one-token placeholder was sent.
+                self.to_peer(&Message::Done {
+                    id: grant.id,
+                    epoch: grant.epoch,
+                    tokens: 1,
+                    digest: 0,
+                    first_token: 0,
+                });
+                return;
+            }
             self.to_peer(&Message::Reject {
                 id: grant.id,
                 reason,
@@ -435,6 +447,10 @@ impl Scheduler {
                 warn!(handoff = %id, "hand-off timed out; aborting the grant");
                 if let Some(abort) = self.receiver.abort(id) {
                     self.to_peer(&abort);
+                }
+                if Mutation::ReleaseOnTimeout.active() {
+                    // Incident replay (e): free the pages without the writer's ack.
+                    let _ = self.pool.drain(active.pending.id);
                 }
                 let message = "the prefill worker did not deliver the KV in time".to_string();
                 self.end(index, End::Failed(FailureKind::Unavailable, message));

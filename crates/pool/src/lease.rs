@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::element::KvElement;
 use crate::error::PoolError;
+use crate::mutation::Mutation;
 use crate::page::{PageRef, RequestId};
 use crate::pool::{Counters, Holder, Shared};
 use crate::view::ReadView;
@@ -199,7 +200,7 @@ impl Lease {
             Holder::Leased { lease, .. } if lease == self.id => {}
             _ => return Err(foreign()),
         }
-        if guard.generation != page.generation {
+        if guard.generation != page.generation && !Mutation::IgnoreGenerations.active() {
             Counters::bump(&self.shared.counters.stale_writes_rejected);
             return Err(PoolError::StaleGeneration {
                 page: page.id,
@@ -352,6 +353,9 @@ impl Lease {
             );
             let slots = page_size.min(len - index * page_size);
             for layer in layers.clone() {
+                if Mutation::SkipCoverage.active() {
+                    break;
+                }
                 if let Some(gap) = guard.coverage.first_gap(layer, slots) {
                     return refuse(PoolError::NotCovered {
                         len,
@@ -390,8 +394,9 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         let pages = std::mem::take(&mut self.pages);
+        let quarantine = self.one_sided && !Mutation::FreeBeforeDrain.active();
         self.shared
-            .give_back(self.id, self.owner, pages, self.one_sided);
+            .give_back(self.id, self.owner, pages, quarantine);
     }
 }
 

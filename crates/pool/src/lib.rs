@@ -15,6 +15,7 @@ mod coverage;
 mod element;
 mod error;
 mod lease;
+pub mod mutation;
 mod page;
 mod pool;
 mod spec;

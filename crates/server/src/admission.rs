@@ -2,6 +2,7 @@
 //! computed from the real pool, never taken from a flag alone.
 
 use crate::error::ServerError;
+use kvfence_pool::mutation::Mutation;
 
 /// The server's context limits and where they come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,11 +31,18 @@ impl Capacity {
         configured: Option<usize>,
         clamp: bool,
     ) -> Result<Capacity, ServerError> {
-        let (pool_role, pool_tokens) = pools
-            .iter()
-            .copied()
-            .min_by_key(|(_, tokens)| *tokens)
-            .unwrap_or(("none", 0));
+        let smallest = pools.iter().copied().min_by_key(|(_, tokens)| *tokens);
+        let (pool_role, pool_tokens) = if Mutation::DecodeCapacity.active() {
+            // Incident replay (f): trust the decode pool alone.
+            pools
+                .iter()
+                .copied()
+                .find(|(role, _)| *role == "decode")
+                .or(smallest)
+        } else {
+            smallest
+        }
+        .unwrap_or(("none", 0));
         let real = model_limit.min(pool_tokens);
         let (max_context, clamped) = match configured {
             Some(asked) if asked > real => {

@@ -1,0 +1,65 @@
+//! Incident replays: deliberate bugs, each a real-world way a serving engine
+//! leaked KV between requests, that the test suite must catch. They exist
+//! only in builds with the `mutations` feature, where `KVFENCE_MUTATION`
+//! (a letter, `a` to `f`) switches one on for the whole process and its
+//! children; in every other build [`Mutation::active`] is a constant
+//! `false` and the bug cannot be reached. `scripts/mutation-check` runs
+//! each one against the tests that should catch it and reports the result.
+
+/// One planted bug.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mutation {
+    /// (a) Prefill replaces a prompt it must reject with a one-token
+    /// placeholder and sends `Done` (engine).
+    PlaceholderDone,
+    /// (b) Reads skip the coverage check (pool, I2).
+    SkipCoverage,
+    /// (c) Writes ignore page generations (pool, I3).
+    IgnoreGenerations,
+    /// (d) An exposed lease's pages are freed at once instead of being
+    /// quarantined until the window drains (pool, I4).
+    FreeBeforeDrain,
+    /// (e) The hand-off timeout frees quarantined pages without the
+    /// writer's acknowledgement (engine, I4).
+    ReleaseOnTimeout,
+    /// (f) The advertised context uses the decode pool's capacity instead
+    /// of the smallest pool's (server, I6).
+    DecodeCapacity,
+}
+
+impl Mutation {
+    /// Every mutation with its letter.
+    pub const ALL: [(char, Mutation); 6] = [
+        ('a', Mutation::PlaceholderDone),
+        ('b', Mutation::SkipCoverage),
+        ('c', Mutation::IgnoreGenerations),
+        ('d', Mutation::FreeBeforeDrain),
+        ('e', Mutation::ReleaseOnTimeout),
+        ('f', Mutation::DecodeCapacity),
+    ];
+
+    /// Whether this bug is switched on (never, without the feature).
+    #[cfg(not(feature = "mutations"))]
+    #[inline(always)]
+    pub fn active(self) -> bool {
+        false
+    }
+
+    /// Whether this bug is switched on by `KVFENCE_MUTATION`.
+    #[cfg(feature = "mutations")]
+    pub fn active(self) -> bool {
+        static ACTIVE: std::sync::OnceLock<Option<Mutation>> = std::sync::OnceLock::new();
+        *ACTIVE.get_or_init(|| {
+            let letter = std::env::var("KVFENCE_MUTATION").ok()?;
+            let found = Mutation::ALL
+                .iter()
+                .find(|(l, _)| letter == l.to_string())
+                .map(|&(_, m)| m);
+            assert!(
+                found.is_some(),
+                "KVFENCE_MUTATION={letter:?} names no mutation (a to f)"
+            );
+            found
+        }) == Some(self)
+    }
+}
