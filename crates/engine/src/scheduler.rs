@@ -299,6 +299,8 @@ impl Scheduler {
             warn!("malformed prefill order dropped");
             return;
         };
+        // Fault injection: the prefill worker stalls on, or crashes at, a grant.
+        fail::fail_point!("handoff-grant", |arg| crash_or_stall(arg));
         let needed = order.request.prompt.len();
         let reject = if needed != grant.tokens {
             Some(RejectReason::Failed)
@@ -385,6 +387,11 @@ impl Scheduler {
 
     /// Decode role: one message for the receiver.
     fn receive_kv(&mut self, message: Message) {
+        if matches!(message, Message::Done { .. }) {
+            // Fault injection: decode stalls on, or crashes at, a `Done`
+            // before committing it.
+            fail::fail_point!("handoff-before-commit", |arg| crash_or_stall(arg));
+        }
         let outcome = self.receiver.handle(message);
         self.counters.record_handoff(&self.receiver.stats());
         match outcome {
@@ -687,6 +694,10 @@ impl Scheduler {
         if work.is_empty() {
             return;
         }
+        if self.role == Role::Decode {
+            // Fault injection: a slow or crashing decode step.
+            fail::fail_point!("decode-step", |arg| crash_or_stall(arg));
+        }
         let result = {
             let mut leases: Vec<Option<&mut Lease>> =
                 self.active.iter_mut().map(|a| a.lease.as_mut()).collect();
@@ -817,7 +828,7 @@ impl Scheduler {
             Some((window, key)) => streaming.finish(lease, &mut WindowWrites::new(window, *key)),
             None => streaming.finish(
                 lease,
-                &mut Chunks::new(&grant, |chunk| frame_to(&peer, &chunk)),
+                &mut Chunks::new(&grant, |chunk| send_chunk(&peer, &chunk)),
             ),
         };
         match sent {
@@ -856,7 +867,7 @@ impl Scheduler {
                 streaming.send_ready(
                     lease,
                     active.prefilled,
-                    &mut Chunks::new(&grant, |chunk| frame_to(&peer, &chunk)),
+                    &mut Chunks::new(&grant, |chunk| send_chunk(&peer, &chunk)),
                 )
             }
         }
@@ -932,5 +943,23 @@ impl Scheduler {
                 self.refuse(&pending, kind, message);
             }
         }
+    }
+}
+
+/// Sends one KV chunk to the decode worker.
+fn send_chunk(peer: &Option<mpsc::Sender<Command>>, chunk: &Message) {
+    // Fault injection between chunks: a delay, a lost chunk (`stall`), or a
+    // crash partway through a transfer.
+    fail::fail_point!("handoff-mid-chunk", |arg| crash_or_stall(arg));
+    frame_to(peer, chunk);
+}
+
+/// What a `return(ARG)` failpoint does: `crash` ends the process the way a
+/// crash would — no clean-up, nothing said to peers; anything else makes
+/// the caller drop what it was doing (a stall, or a lost message).
+#[cfg(feature = "failpoints")]
+fn crash_or_stall(arg: Option<String>) {
+    if arg.as_deref() == Some("crash") {
+        std::process::exit(86);
     }
 }

@@ -7,6 +7,8 @@ mod common;
 mod disaggregated;
 #[cfg(feature = "failpoints")]
 mod failpoints;
+#[cfg(feature = "failpoints")]
+mod fault_matrix;
 mod multiprocess;
 mod serve;
 mod smollm2;
