@@ -300,7 +300,7 @@ impl Scheduler {
             return;
         };
         // Fault injection: the prefill worker stalls on, or crashes at, a grant.
-        fail::fail_point!("handoff-grant", |arg| crash_or_stall(arg));
+        fail::fail_point!("handoff-grant", crash_or_stall);
         let needed = order.request.prompt.len();
         let reject = if needed != grant.tokens {
             Some(RejectReason::Failed)
@@ -390,7 +390,7 @@ impl Scheduler {
         if matches!(message, Message::Done { .. }) {
             // Fault injection: decode stalls on, or crashes at, a `Done`
             // before committing it.
-            fail::fail_point!("handoff-before-commit", |arg| crash_or_stall(arg));
+            fail::fail_point!("handoff-before-commit", crash_or_stall);
         }
         let outcome = self.receiver.handle(message);
         self.counters.record_handoff(&self.receiver.stats());
@@ -696,7 +696,7 @@ impl Scheduler {
         }
         if self.role == Role::Decode {
             // Fault injection: a slow or crashing decode step.
-            fail::fail_point!("decode-step", |arg| crash_or_stall(arg));
+            fail::fail_point!("decode-step", crash_or_stall);
         }
         let result = {
             let mut leases: Vec<Option<&mut Lease>> =
@@ -950,7 +950,7 @@ impl Scheduler {
 fn send_chunk(peer: &Option<mpsc::Sender<Command>>, chunk: &Message) {
     // Fault injection between chunks: a delay, a lost chunk (`stall`), or a
     // crash partway through a transfer.
-    fail::fail_point!("handoff-mid-chunk", |arg| crash_or_stall(arg));
+    fail::fail_point!("handoff-mid-chunk", crash_or_stall);
     frame_to(peer, chunk);
 }
 
