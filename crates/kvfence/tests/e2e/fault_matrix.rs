@@ -58,6 +58,9 @@ enum Fault {
     Disconnect,
 }
 
+/// Environment variables for one process.
+type Env<'a> = &'a [(&'a str, &'a str)];
+
 struct Cluster {
     _prefill: Server,
     _decode: Server,
@@ -68,7 +71,7 @@ struct Cluster {
 fn cluster(phase: Phase, failpoints: &str) -> Cluster {
     let fp = [("FAILPOINTS", failpoints), SECRET];
     let none = [SECRET];
-    let (prefill_env, decode_env): (&[(&str, &str)], &[(&str, &str)]) = if phase.in_prefill() {
+    let (prefill_env, decode_env): (Env<'_>, Env<'_>) = if phase.in_prefill() {
         (&fp, &none)
     } else {
         (&none, &fp)
