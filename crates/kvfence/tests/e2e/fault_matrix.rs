@@ -176,7 +176,7 @@ async fn run_case(phase: Phase, fault: Fault, expected: &str) {
     }
     // A crashed decode worker takes its pool with it; otherwise the router
     // reports decode's pool, which must drain back to nothing held.
-    if !(fault == Fault::Crash && !phase.in_prefill()) {
+    if fault != Fault::Crash || phase.in_prefill() {
         cluster.router.wait_for_baseline().await;
     }
     if matches!(fault, Fault::Delay | Fault::Disconnect) {
