@@ -122,14 +122,29 @@ pub const MAX_PAGE_SIZE: usize = 4096;
 
 impl PoolSpec {
     /// A spec with the build's default scrub policy and oldest-first reuse.
+    ///
+    /// In debug builds, `KVFENCE_HARSH_POOLS=1` makes every pool reuse the
+    /// most recently freed page first and never scrub: CI runs the whole
+    /// test suite a second time that way, so what keeps requests apart is
+    /// the checks, not resting pages or poisoned memory. Release builds
+    /// ignore the variable.
     pub fn new(shape: KvShape, page_size: usize, elem: ElemType, size: PoolSize) -> Self {
+        let harsh = cfg!(debug_assertions) && std::env::var_os("KVFENCE_HARSH_POOLS").is_some();
         PoolSpec {
             shape,
             page_size,
             elem,
             size,
-            scrub: Scrub::default_for_build(),
-            reuse: ReusePolicy::OldestFreedFirst,
+            scrub: if harsh {
+                Scrub::Off
+            } else {
+                Scrub::default_for_build()
+            },
+            reuse: if harsh {
+                ReusePolicy::NewestFreedFirst
+            } else {
+                ReusePolicy::OldestFreedFirst
+            },
             checks: Checks::On,
         }
     }
@@ -250,5 +265,28 @@ impl Geometry {
     /// Elements one token contributes to one layer's K (or V): all heads.
     pub fn token_elements(&self) -> usize {
         self.shape.kv_heads * self.shape.head_dim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs in both of CI's test passes: plain, and with
+    /// `KVFENCE_HARSH_POOLS=1`, where the defaults must really change.
+    #[test]
+    fn the_harsh_pools_variable_switches_the_test_defaults() {
+        let shape = KvShape {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 2,
+        };
+        let spec = PoolSpec::new(shape, 4, ElemType::F32, PoolSize::Tokens(8));
+        let expected = if std::env::var_os("KVFENCE_HARSH_POOLS").is_some() {
+            (Scrub::Off, ReusePolicy::NewestFreedFirst)
+        } else {
+            (Scrub::Poison, ReusePolicy::OldestFreedFirst)
+        };
+        assert_eq!((spec.scrub, spec.reuse), expected);
     }
 }
