@@ -1,9 +1,10 @@
 //! Deterministic simulation of the hand-off.
 //!
 //! A seeded run drives real pools, a real [`Receiver`] and real senders
-//! through a network that reorders, duplicates, drops and delays messages,
-//! with client aborts, timeouts, late one-sided writes, forged and corrupted
-//! chunks and placeholder `Done`s. After every event it checks:
+//! through a network that reorders, duplicates, drops, delays and partitions
+//! messages, with client aborts, timeouts, prefill crashes and restarts,
+//! late one-sided writes, forged and corrupted chunks and placeholder
+//! `Done`s. After every event it checks:
 //!
 //! - I1/I8: page counts add up, and at the end every page is free again;
 //! - I2/I7: every committed request's KV equals exactly what its own prefill
@@ -66,6 +67,8 @@ struct Req {
     burst_pending: bool,
     /// The writer was told to abort and has not acknowledged yet.
     ack_owed: bool,
+    /// Its writer died in a prefill crash: it will never send or ack again.
+    writer_dead: bool,
     started: u64,
 }
 
@@ -81,6 +84,10 @@ struct Sim {
     next_id: u64,
     tick: u64,
     commits: u64,
+    /// The network delivers nothing before this tick (a partition); what is
+    /// sent meanwhile waits, and arrives late when it heals.
+    partitioned_until: u64,
+    crashes: u64,
 }
 
 impl Sim {
@@ -107,6 +114,8 @@ impl Sim {
             next_id: 1,
             tick: 0,
             commits: 0,
+            partitioned_until: 0,
+            crashes: 0,
         }
     }
 
@@ -133,7 +142,9 @@ impl Sim {
         self.tick += 1;
         match self.rng.random_range(0..100) {
             0..20 => self.start(),
-            20..60 => self.deliver(),
+            20..57 => self.deliver(),
+            57..59 => self.partition(),
+            59..60 => self.crash_prefill(),
             60..66 => self.duplicate(),
             66..69 => self.drop_message(),
             69..75 => self.abort_random(),
@@ -187,6 +198,7 @@ impl Sim {
             burst_pending: window.is_some(),
             window,
             ack_owed: false,
+            writer_dead: false,
             started: self.tick,
         };
         if req.window.is_none() {
@@ -219,7 +231,7 @@ impl Sim {
     /// Network: usually the oldest message of some hand-off (a stream keeps
     /// order), sometimes any message at all (reordering).
     fn deliver(&mut self) {
-        if self.net.is_empty() {
+        if self.net.is_empty() || self.tick < self.partitioned_until {
             return;
         }
         let index = if self.rng.random_bool(0.8) {
@@ -270,6 +282,31 @@ impl Sim {
                     req.ack_owed = true;
                 }
             }
+        }
+    }
+
+    /// The link between prefill and decode goes down for a while, often
+    /// longer than the hand-off timeout.
+    fn partition(&mut self) {
+        let ticks = self.rng.random_range(5..(2 * TIMEOUT_TICKS));
+        self.partitioned_until = self.partitioned_until.max(self.tick + ticks);
+    }
+
+    /// The prefill process dies and a new one takes its place: frames on
+    /// the wire are lost, no pending one-sided burst will ever run, and the
+    /// decode worker, seeing the link drop, fails every live hand-off (as
+    /// the engine's `lose_peer` does). The dead writer never acknowledges
+    /// its aborted windows, so their pages stay quarantined; requests
+    /// started after the restart go through the new process.
+    fn crash_prefill(&mut self) {
+        self.crashes += 1;
+        self.net.clear();
+        for id in self.ids(|r| r.state == State::Granted) {
+            self.abort(id);
+        }
+        for req in self.reqs.values_mut() {
+            req.burst_pending = false;
+            req.writer_dead = true;
         }
     }
 
@@ -391,7 +428,7 @@ impl Sim {
     }
 
     fn acknowledge_random(&mut self) {
-        let owed = self.ids(|r| r.ack_owed);
+        let owed = self.ids(|r| r.ack_owed && !r.writer_dead);
         if let Some(id) = self.pick(&owed) {
             self.acknowledge(id);
         }
@@ -432,8 +469,11 @@ impl Sim {
     }
 
     /// Ends everything: abort what is live, finish what committed, let the
-    /// network drain and every writer acknowledge. The pool must be whole.
-    fn finish(mut self) -> u64 {
+    /// network drain and every writer acknowledge — for writers that died,
+    /// the tear-down of their mappings, which is what ends their windows.
+    /// The pool must be whole.
+    fn finish(mut self) -> (u64, u64) {
+        self.partitioned_until = 0;
         for id in self.ids(|r| r.state == State::Granted) {
             self.abort(id);
         }
@@ -461,11 +501,12 @@ impl Sim {
                 self.receiver.draining()
             ));
         }
-        self.commits
+        (self.commits, self.crashes)
     }
 }
 
-fn run(seed: u64) -> u64 {
+/// One seeded run: (hand-offs committed, prefill crashes).
+fn run(seed: u64) -> (u64, u64) {
     let mut sim = Sim::new(seed);
     for _ in 0..STEPS {
         sim.step();
@@ -486,9 +527,16 @@ fn the_hand_off_keeps_every_invariant_under_faults_for_many_seeds() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(2000);
-    let commits: u64 = (0..seeds).map(run).sum();
-    // The run must exercise the happy path too, not only failures.
+    let (commits, crashes) = (0..seeds)
+        .map(run)
+        .fold((0, 0), |(a, b), (c, d)| (a + c, b + d));
+    // The run must exercise the happy path too, not only failures, and the
+    // crashes must really happen.
     assert!(commits > seeds, "only {commits} commits in {seeds} seeds");
+    assert!(
+        crashes > seeds / 2,
+        "only {crashes} prefill crashes in {seeds} seeds"
+    );
 }
 
 #[test]
