@@ -241,6 +241,12 @@ impl Scheduler {
             self.admit();
             if self.active.iter().any(|a| a.lease.is_some()) {
                 self.step();
+                // The step may have ended requests and freed their pages:
+                // admit the queue now, before `receive` decides whether to
+                // sleep. Otherwise a worker whose last request just ended
+                // would sleep with requests queued and pages free, until
+                // some unrelated message woke it.
+                self.admit();
             }
         }
         self.fail_everything();

@@ -221,3 +221,27 @@ fn shutdown_fails_in_flight_requests_and_returns_every_page() {
     );
     assert_eq!(pool.stats().leased_pages, 0);
 }
+
+/// Requests queued because the pool was full must start as soon as pages
+/// come back — also when the last running request has just ended and the
+/// worker has nothing else to wake it.
+#[test]
+fn queued_requests_start_when_the_last_running_one_frees_its_pages() {
+    // 256 tokens hold two of these (100 + 20 tokens, 8 pages each) at once.
+    let engine = engine(256, EngineConfig::default());
+    let handles: Vec<_> = (0..4)
+        .map(|i| engine.submit(request(i, 100, 20)).unwrap())
+        .collect();
+    let (done, finished) = std::sync::mpsc::channel();
+    for handle in handles {
+        let done = done.clone();
+        std::thread::spawn(move || done.send(collect(handle)).unwrap());
+    }
+    for _ in 0..4 {
+        let (_, closing) = finished
+            .recv_timeout(Duration::from_secs(20))
+            .expect("a queued request never started: the worker slept with pages free");
+        assert!(matches!(closing, Event::Finished { .. }), "{closing:?}");
+    }
+    wait_for_baseline(&engine);
+}
