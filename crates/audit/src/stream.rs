@@ -5,25 +5,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use serde_json::Value;
 
-/// Why a streamed request did not complete.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum StreamError {
-    /// The connection failed.
-    #[error("request failed: {0}")]
-    Http(String),
-    /// The server answered with an error status (its OpenAI error code, if any).
-    #[error("server answered {status}: {code}")]
-    Status {
-        /// HTTP status.
-        status: u16,
-        /// `error.code` from the body, or the status text.
-        code: String,
-    },
-    /// The stream carried an error event or ended without a finish reason.
-    #[error("the stream ended without a normal finish: {0}")]
-    Unfinished(String),
-}
+use crate::AuditError;
 
 /// When each piece of one streamed completion arrived.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,7 +29,7 @@ pub async fn timed_completion(
     url: &str,
     key: Option<&str>,
     mut body: Value,
-) -> Result<Timeline, StreamError> {
+) -> Result<Timeline, AuditError> {
     body["stream"] = Value::Bool(true);
     body["stream_options"] = serde_json::json!({ "include_usage": true });
     let mut request = client.post(url).json(&body);
@@ -55,10 +37,7 @@ pub async fn timed_completion(
         request = request.bearer_auth(key);
     }
     let start = Instant::now();
-    let response = request
-        .send()
-        .await
-        .map_err(|e| StreamError::Http(e.without_url().to_string()))?;
+    let response = request.send().await.map_err(AuditError::http)?;
     let status = response.status().as_u16();
     if status != 200 {
         let code = response
@@ -67,7 +46,7 @@ pub async fn timed_completion(
             .ok()
             .and_then(|v| v["error"]["code"].as_str().map(str::to_string))
             .unwrap_or_else(|| "no OpenAI error code".into());
-        return Err(StreamError::Status { status, code });
+        return Err(AuditError::Status { status, code });
     }
     let mut chunks = Vec::new();
     let mut finished = false;
@@ -75,7 +54,7 @@ pub async fn timed_completion(
     let mut pending = String::new();
     let mut bytes = response.bytes_stream();
     while let Some(piece) = bytes.next().await {
-        let piece = piece.map_err(|e| StreamError::Http(e.without_url().to_string()))?;
+        let piece = piece.map_err(AuditError::http)?;
         pending.push_str(&String::from_utf8_lossy(&piece));
         while let Some(end) = pending.find("\n\n") {
             let event: String = pending.drain(..end + 2).collect();
@@ -87,9 +66,9 @@ pub async fn timed_completion(
                     continue;
                 }
                 let value: Value = serde_json::from_str(data)
-                    .map_err(|_| StreamError::Unfinished("unparseable event".into()))?;
+                    .map_err(|_| AuditError::Unfinished("unparseable event".into()))?;
                 if let Some(error) = value.get("error") {
-                    return Err(StreamError::Unfinished(
+                    return Err(AuditError::Unfinished(
                         error["code"].as_str().unwrap_or("error event").to_string(),
                     ));
                 }
@@ -108,7 +87,7 @@ pub async fn timed_completion(
         }
     }
     if !finished {
-        return Err(StreamError::Unfinished("no finish_reason".into()));
+        return Err(AuditError::Unfinished("no finish_reason".into()));
     }
     let total = start.elapsed();
     let (prompt_tokens, completion_tokens) = match usage {

@@ -1,6 +1,7 @@
 //! The `kvfence` binary: parse arguments, build the parts, run them.
 //! Logic lives in the library crates.
 
+mod audit;
 mod bench;
 mod generate;
 mod plan;
@@ -45,6 +46,11 @@ enum Command {
     /// Measure any OpenAI-compatible server under load: time to first token,
     /// time per output token, inter-token latency, throughput, goodput.
     Bench(bench::BenchArgs),
+    /// Audit any OpenAI-compatible endpoint for isolation and honesty:
+    /// capacity, boundaries, determinism under load, canaries across
+    /// tenants, abort storms, fail-closed errors. Exits non-zero when a
+    /// check fails.
+    Audit(audit::AuditArgs),
     /// Run one prompt through a model on the paged runtime and print the completion.
     Generate(generate::GenerateArgs),
     /// Inspect and export models.
@@ -150,6 +156,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),
+        Command::Audit(args) => audit::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Model(ModelCommand::Info { model }) => info(&model),
         Command::Model(ModelCommand::Fetch { model }) => fetch(&model),
