@@ -61,46 +61,61 @@ fn bench(c: &mut Criterion) {
     bench_checks(c, &smollm2.model);
 }
 
-/// The same decode steps and prefill with the pool's isolation checks on
-/// and off (`Checks::Off` exists only in this measurement build), measured
-/// alternately in one run.
-fn bench_checks(c: &mut Criterion, model: &Model) {
-    let mut group = c.benchmark_group("smollm2 isolation checks");
+/// One prefill of `tokens` into a fresh lease, logits of the last token.
+fn prefill_once(model: &Model, pool: &Pool, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut lease = pool.lease(RequestId(1), tokens.len()).expect("room");
+    let mut batch = [Sequence {
+        lease: &mut lease,
+        past: 0,
+        tokens,
+        logits: Logits::Last,
+    }];
+    model.forward(&mut batch).expect("prefill")
+}
+
+/// One decode step for every lease. Each step rewrites position CONTEXT:
+/// a constant-context decode step.
+fn decode_step(model: &Model, leases: &mut [Lease]) -> Vec<Vec<f32>> {
+    let mut batch: Vec<Sequence<'_>> = leases
+        .iter_mut()
+        .map(|lease| Sequence {
+            lease,
+            past: CONTEXT,
+            tokens: &[65],
+            logits: Logits::Last,
+        })
+        .collect();
+    model.forward(&mut batch).expect("decode")
+}
+
+fn group<'a>(
+    c: &'a mut Criterion,
+    name: &str,
+) -> criterion::BenchmarkGroup<'a, criterion::measurement::WallTime> {
+    let mut group = c.benchmark_group(name);
     group
         .sample_size(10)
         .warm_up_time(Duration::from_secs(2))
         .measurement_time(Duration::from_secs(8));
+    group
+}
+
+/// The same decode steps and prefill with the pool's isolation checks on
+/// and off (`Checks::Off` exists only in this measurement build), measured
+/// alternately in one run.
+fn bench_checks(c: &mut Criterion, model: &Model) {
+    let mut group = group(c, "smollm2 isolation checks");
     for (label, checks) in [("on", Checks::On), ("off", Checks::Off)] {
         let pool = pool_with(model, checks);
         let tokens = prompt(0, CONTEXT);
         group.throughput(Throughput::Elements(CONTEXT as u64));
         group.bench_function(format!("prefill {CONTEXT} tokens, checks {label}"), |b| {
-            b.iter(|| {
-                let mut lease = pool.lease(RequestId(1), CONTEXT).expect("room");
-                let mut batch = [Sequence {
-                    lease: &mut lease,
-                    past: 0,
-                    tokens: &tokens,
-                    logits: Logits::Last,
-                }];
-                black_box(model.forward(&mut batch).expect("prefill"))
-            })
+            b.iter(|| black_box(prefill_once(model, &pool, &tokens)))
         });
         let mut leases: Vec<Lease> = (0..8).map(|i| prefilled(model, &pool, 10 + i)).collect();
         group.throughput(Throughput::Elements(8));
         group.bench_function(format!("decode batch 8, checks {label}"), |b| {
-            b.iter(|| {
-                let mut batch: Vec<Sequence<'_>> = leases
-                    .iter_mut()
-                    .map(|lease| Sequence {
-                        lease,
-                        past: CONTEXT,
-                        tokens: &[65],
-                        logits: Logits::Last,
-                    })
-                    .collect();
-                black_box(model.forward(&mut batch).expect("decode"))
-            })
+            b.iter(|| black_box(decode_step(model, &mut leases)))
         });
     }
     group.finish();
@@ -108,29 +123,14 @@ fn bench_checks(c: &mut Criterion, model: &Model) {
 
 fn bench_model(c: &mut Criterion, name: &str, model: &Model) {
     let pool = pool_for(model);
-    let mut group = c.benchmark_group(name);
-    group
-        .sample_size(10)
-        .warm_up_time(Duration::from_secs(2))
-        .measurement_time(Duration::from_secs(8));
-
+    let mut group = group(c, name);
     for len in [128usize, 512] {
         let tokens = prompt(0, len);
         group.throughput(Throughput::Elements(len as u64));
         group.bench_function(format!("prefill {len} tokens"), |b| {
-            b.iter(|| {
-                let mut lease = pool.lease(RequestId(1), len).expect("room");
-                let mut batch = [Sequence {
-                    lease: &mut lease,
-                    past: 0,
-                    tokens: &tokens,
-                    logits: Logits::Last,
-                }];
-                black_box(model.forward(&mut batch).expect("prefill"))
-            })
+            b.iter(|| black_box(prefill_once(model, &pool, &tokens)))
         });
     }
-
     for batch_size in [1usize, 8, 32] {
         let mut leases: Vec<Lease> = (0..batch_size)
             .map(|i| prefilled(model, &pool, 10 + i as u64))
@@ -138,21 +138,7 @@ fn bench_model(c: &mut Criterion, name: &str, model: &Model) {
         group.throughput(Throughput::Elements(batch_size as u64));
         group.bench_function(
             format!("decode batch {batch_size} at context {CONTEXT}"),
-            |b| {
-                b.iter(|| {
-                    // Each step rewrites position CONTEXT: a constant-context decode step.
-                    let mut batch: Vec<Sequence<'_>> = leases
-                        .iter_mut()
-                        .map(|lease| Sequence {
-                            lease,
-                            past: CONTEXT,
-                            tokens: &[65],
-                            logits: Logits::Last,
-                        })
-                        .collect();
-                    black_box(model.forward(&mut batch).expect("decode"))
-                })
-            },
+            |b| b.iter(|| black_box(decode_step(model, &mut leases))),
         );
     }
     group.finish();
