@@ -9,11 +9,10 @@
 //! each `(row, column)` over `k` in ascending order with a separate multiply
 //! and add (Rust never fuses them on its own), whether the row is processed in
 //! a tile of four or alone; reductions (`dot`, `sum_squares`) use a fixed
-//! lane layout. `dot_wide`, which quantized weight rows use, multiplies and
-//! adds in one exactly rounded step (`f32::mul_add`): the same bits on every
-//! CPU, one instruction where the CPU has FMA (measured: +15 % prefill,
-//! +11 % batch-8 decode on SmolLM2), a slow but exact software fallback where
-//! it has not. So a request's logits are bit-identical alone or batched, and
+//! lane layout. Quantized weights go through `qtile`, whose
+//! kernels multiply and add in one exactly rounded step (`f32::mul_add`) in
+//! a fixed 32-lane layout: the same bits on every CPU and in every
+//! instruction-set variant. So a request's logits are bit-identical alone or batched, and
 //! any difference between the two is evidence that memory crossed requests.
 //! (candle's CPU matmul, measured, picks different kernels for a 1-row input
 //! than for the same row in a larger batch; that is why this crate owns it.)
@@ -195,38 +194,20 @@ fn panel_kernel(x: &[f32], m: usize, k: usize, panel: &[f32], out: &mut [f32]) {
 
 /// Lanes of [`dot`]: short vectors (attention over a 64-wide head, RMSNorm).
 const LANES: usize = 8;
-/// Lanes of [`dot_wide`] and [`dot_rows`]: one quantization block (32
-/// weights) per chunk, and enough independent accumulators to hide the add
-/// latency over long weight rows.
-pub(crate) const WIDE_LANES: usize = 32;
 
 /// Dot product with a fixed 8-lane layout: deterministic and vectorisable.
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    dot_lanes::<LANES, false>(a, b)
-}
-
-/// Dot product with a fixed 32-lane layout and fused multiply-adds, the
-/// one quantized weight rows use.
-pub fn dot_wide(a: &[f32], b: &[f32]) -> f32 {
-    dot_lanes::<WIDE_LANES, true>(a, b)
-}
-
-/// The one definition of a lane layout, inlined into every caller so each
-/// compiles it for its own instruction set with identical rounding: lane
-/// `i` sums elements `i, i + L, i + 2L, ...`, then lanes are summed in
+/// Lane `i` sums elements `i, i + 8, i + 16, ...`, then lanes are summed in
 /// order, then the tail.
-#[inline(always)]
-fn dot_lanes<const L: usize, const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
-    let mut lanes = [0.0f32; L];
-    let split = a.len() - a.len() % L;
-    for (ca, cb) in a[..split].chunks_exact(L).zip(b[..split].chunks_exact(L)) {
-        for i in 0..L {
-            lanes[i] = if FUSED {
-                ca[i].mul_add(cb[i], lanes[i])
-            } else {
-                lanes[i] + ca[i] * cb[i]
-            };
+    let mut lanes = [0.0f32; LANES];
+    let split = a.len() - a.len() % LANES;
+    for (ca, cb) in a[..split]
+        .chunks_exact(LANES)
+        .zip(b[..split].chunks_exact(LANES))
+    {
+        for i in 0..LANES {
+            lanes[i] += ca[i] * cb[i];
         }
     }
     let mut total = lanes.iter().sum::<f32>();
@@ -234,21 +215,6 @@ fn dot_lanes<const L: usize, const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
         total += x * y;
     }
     total
-}
-
-/// `out[i] = dot_wide(x, rows[i])` for the `out.len()` rows of `rows`
-/// (`x.len()` wide each), bit-identical to calling [`dot_wide`] per row,
-/// and compiled for the CPU's widest vectors. `x` stays in L1 across rows.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-pub fn dot_rows(x: &[f32], rows: &[f32], out: &mut [f32]) {
-    debug_assert_eq!(rows.len(), out.len() * x.len());
-    for (o, row) in out.iter_mut().zip(rows.chunks_exact(x.len())) {
-        *o = dot_lanes::<WIDE_LANES, true>(x, row);
-    }
 }
 
 /// `out += weight * v`, elementwise.
@@ -385,21 +351,6 @@ mod tests {
                 let mut alone = vec![0.0; n];
                 matmul(&x[r * k..(r + 1) * k], 1, &packed, &mut alone);
                 prop_assert_eq!(&alone[..], &out[r * n..(r + 1) * n], "row {} differs alone", r);
-            }
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn dot_rows_is_bit_identical_to_dot_wide(rows in 0usize..11, k in 1usize..70, seed in any::<u64>()) {
-            let mut s = seed | 1;
-            let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s % 2000) as f32 / 1000.0 - 1.0 };
-            let x: Vec<f32> = (0..k).map(|_| next()).collect();
-            let w: Vec<f32> = (0..rows * k).map(|_| next()).collect();
-            let mut out = vec![0.0; rows];
-            dot_rows(&x, &w, &mut out);
-            for (r, got) in out.iter().enumerate() {
-                prop_assert_eq!(got.to_bits(), dot_wide(&x, &w[r * k..(r + 1) * k]).to_bits());
             }
         }
     }

@@ -6,7 +6,8 @@
 //! - [`tensors`]: safetensors in and out (sharded, f32/f16/bf16).
 //! - [`gguf`], [`quant`]: GGUF files and their quantized block formats.
 //! - [`tokenizer`], [`chat`]: text ⇄ ids, chat templates.
-//! - [`kernels`]: batch-invariant CPU kernels; the seam for other backends.
+//! - [`kernels`]: batch-invariant CPU kernels; the seam for other backends;
+//!   `qtile`: the register-tiled quantized dot products.
 //! - [`forward`]: the batched, paged forward pass.
 //! - [`sampling`]: token choice and stop strings.
 //! - [`builtin`]: deterministic built-in models; [`fetch`]: pretrained
@@ -21,6 +22,7 @@ pub mod forward;
 pub mod gguf;
 pub mod kernels;
 pub mod loader;
+mod qtile;
 pub mod quant;
 pub mod sampling;
 pub mod tensors;

@@ -76,7 +76,7 @@ fn write_tiny(path: &Path, format: QuantFormat) {
         let k = dims[0];
         let chosen = if dims.len() == 1 {
             QuantFormat::F32
-        } else if k % format.block_elements() == 0 {
+        } else if k.is_multiple_of(format.block_elements()) {
             format
         } else {
             QuantFormat::F16

@@ -223,10 +223,10 @@ impl Lease {
     ) -> Result<(), PoolError> {
         let geometry = self.shared.geometry;
         let per_token = geometry.token_elements();
-        if k.len() != v.len() || k.len() % per_token != 0 {
+        if k.len() != v.len() || !k.len().is_multiple_of(per_token) {
             return Err(PoolError::ShapeMismatch {
                 expected: k.len().div_ceil(per_token) * per_token,
-                got: if k.len() % per_token != 0 {
+                got: if !k.len().is_multiple_of(per_token) {
                     k.len()
                 } else {
                     v.len()

@@ -75,10 +75,10 @@ fn concurrent_leases_keep_ownership_and_counters_consistent() {
                             }
                         }
                     }
-                    if next(&mut rng) % 5 == 0 {
+                    if next(&mut rng).is_multiple_of(5) {
                         lease.expose_to_one_sided_writer();
                         drop(lease);
-                        if next(&mut rng) % 2 == 0 {
+                        if next(&mut rng).is_multiple_of(2) {
                             // The drainer thread may have been first.
                             match pool.drain(owner) {
                                 Ok(_) | Err(PoolError::NothingQuarantined { .. }) => {}

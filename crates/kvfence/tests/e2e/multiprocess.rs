@@ -47,7 +47,7 @@ fn body(i: usize, prompt_len: usize, max_tokens: usize) -> serde_json::Value {
     json!({
         "prompt": format!("{i}: {}", "k".repeat(prompt_len)),
         "max_tokens": max_tokens,
-        "temperature": if i % 2 == 0 { 0.0 } else { 0.9 },
+        "temperature": if i.is_multiple_of(2) { 0.0 } else { 0.9 },
         "seed": i,
         "ignore_eos": true,
     })

@@ -1,0 +1,548 @@
+//! Register-tiled micro-kernels for quantized matmuls: the hot loop where
+//! weight rows meet activation rows.
+//!
+//! A weight row is read one 32-weight block at a time through [`BlockRow`]:
+//! decoded in registers from the repacked 4-bit ([`Nibbles`]) or 8-bit
+//! ([`Bytes`]) layout, or loaded from a row decoded earlier ([`Decoded`]).
+//! [`tile`] multiplies up to four activation rows by up to two weight rows,
+//! so each decoded block serves every activation row and each activation
+//! block serves both weight rows while it is in a register.
+//!
+//! # One sequence of operations
+//!
+//! Every output element is one [`reference_dot`]: lane `j` of a 32-lane
+//! accumulator takes element `j` of each block with an exactly rounded
+//! multiply-add (`f32::mul_add`), blocks in ascending order, then
+//! [`sum_lanes`] adds the lanes as a fixed tree. Which source a weight
+//! row comes from, how many rows share its tile, which instruction set the
+//! dispatcher picked and which thread ran it change the speed, never the
+//! bits: a request's logits are the same alone or batched (batch
+//! invariance), and every vector variant equals the scalar reference
+//! exactly (property tests below).
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+
+/// Weights per block: the block size of Q4_0, Q4_1 and Q8_0, and the lanes
+/// of every accumulator.
+pub(crate) const BLOCK: usize = 32;
+/// Activation rows in the largest tile.
+pub(crate) const MAX_TILE_ROWS: usize = 4;
+
+/// Weight rows stored back to back that yield their f32 values one block
+/// at a time.
+pub(crate) trait BlockRow: Copy {
+    /// The values of block `b` (weights `32 b .. 32 b + 32` of the first row).
+    fn block(self, b: usize) -> [f32; BLOCK];
+
+    /// The rows from row `i` on, rows being `blocks` blocks wide.
+    fn skip(self, i: usize, blocks: usize) -> Self;
+}
+
+/// A weight row every implementation of [`tile`] can read.
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait Source: BlockRow + avx512::Block512 {}
+#[cfg(target_arch = "x86_64")]
+impl<T: BlockRow + avx512::Block512> Source for T {}
+/// A weight row every implementation of [`tile`] can read.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) trait Source: BlockRow {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T: BlockRow> Source for T {}
+
+/// Rows already decoded to f32.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Decoded<'a>(pub &'a [f32]);
+
+impl BlockRow for Decoded<'_> {
+    #[inline(always)]
+    fn block(self, b: usize) -> [f32; BLOCK] {
+        *<&[f32; BLOCK]>::try_from(&self.0[b * BLOCK..][..BLOCK])
+            .expect("a decoded row is whole blocks")
+    }
+
+    #[inline(always)]
+    fn skip(self, i: usize, blocks: usize) -> Self {
+        Decoded(&self.0[i * blocks * BLOCK..])
+    }
+}
+
+/// 4-bit rows (Q4_0, Q4_1) repacked: per block 16 bytes of nibbles (low
+/// nibbles are weights 0..16, high nibbles 16..32, as in ggml), a scale
+/// and an offset, each weight being `q * scale + offset`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Nibbles<'a> {
+    /// `k / 2` bytes a row.
+    pub quants: &'a [u8],
+    /// `k / 32` scales a row.
+    pub scales: &'a [f32],
+    /// `k / 32` offsets a row (Q4_0: `-8 * scale`).
+    pub offsets: &'a [f32],
+}
+
+impl BlockRow for Nibbles<'_> {
+    #[inline(always)]
+    fn block(self, b: usize) -> [f32; BLOCK] {
+        let quants = <&[u8; 16]>::try_from(&self.quants[b * 16..][..16])
+            .expect("a 4-bit block holds 16 bytes");
+        decode_nibbles(quants, self.scales[b], self.offsets[b])
+    }
+
+    #[inline(always)]
+    fn skip(self, i: usize, blocks: usize) -> Self {
+        Nibbles {
+            quants: &self.quants[i * blocks * 16..],
+            scales: &self.scales[i * blocks..],
+            offsets: &self.offsets[i * blocks..],
+        }
+    }
+}
+
+/// 8-bit rows (Q8_0) repacked: per block 32 signed bytes and a scale.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bytes<'a> {
+    /// `k` bytes a row, each an `i8`.
+    pub quants: &'a [u8],
+    /// `k / 32` scales a row.
+    pub scales: &'a [f32],
+}
+
+impl BlockRow for Bytes<'_> {
+    #[inline(always)]
+    fn block(self, b: usize) -> [f32; BLOCK] {
+        let quants = <&[u8; BLOCK]>::try_from(&self.quants[b * BLOCK..][..BLOCK])
+            .expect("an 8-bit block holds 32 bytes");
+        decode_bytes(quants, self.scales[b])
+    }
+
+    #[inline(always)]
+    fn skip(self, i: usize, blocks: usize) -> Self {
+        Bytes {
+            quants: &self.quants[i * blocks * BLOCK..],
+            scales: &self.scales[i * blocks..],
+        }
+    }
+}
+
+/// The value of each weight of a 4-bit block: the one definition, shared
+/// by the matmul and by row decoding (embedding lookups, tests).
+#[inline(always)]
+pub(crate) fn decode_nibbles(quants: &[u8; 16], scale: f32, offset: f32) -> [f32; BLOCK] {
+    let mut out = [0.0f32; BLOCK];
+    for j in 0..16 {
+        out[j] = f32::from(quants[j] & 0x0F).mul_add(scale, offset);
+        out[j + 16] = f32::from(quants[j] >> 4).mul_add(scale, offset);
+    }
+    out
+}
+
+/// The value of each weight of an 8-bit block.
+#[inline(always)]
+pub(crate) fn decode_bytes(quants: &[u8; BLOCK], scale: f32) -> [f32; BLOCK] {
+    let mut out = [0.0f32; BLOCK];
+    for (o, &q) in out.iter_mut().zip(quants) {
+        *o = f32::from(q as i8) * scale;
+    }
+    out
+}
+
+/// Sums 32 lanes as a fixed tree (halves added pairwise), so the order is
+/// the same everywhere and vectorises to a few shuffles.
+#[inline(always)]
+pub(crate) fn sum_lanes(mut lanes: [f32; BLOCK]) -> f32 {
+    let mut width = BLOCK;
+    while width > 1 {
+        width /= 2;
+        for j in 0..width {
+            lanes[j] += lanes[j + width];
+        }
+    }
+    lanes[0]
+}
+
+/// `out[r][c] = x[r] · w[c]` for `M` activation rows and `R` weight rows,
+/// each element computed exactly as [`reference_dot`] does.
+#[inline(always)]
+pub(crate) fn tile<const M: usize, const R: usize, W: BlockRow>(
+    x: [&[f32]; M],
+    w: [W; R],
+) -> [[f32; R]; M] {
+    let blocks = x[0].len() / BLOCK;
+    let mut acc = [[[0.0f32; BLOCK]; R]; M];
+    for b in 0..blocks {
+        // Explicit loops, not `array::from_fn` or `map`: those are not
+        // always inlined, and out of line they lose the caller's target
+        // features (`mul_add` becomes a libm call).
+        let mut values = [[0.0f32; BLOCK]; R];
+        for (v, row) in values.iter_mut().zip(w) {
+            *v = row.block(b);
+        }
+        for (acc_row, x_row) in acc.iter_mut().zip(x) {
+            let xs = <&[f32; BLOCK]>::try_from(&x_row[b * BLOCK..][..BLOCK])
+                .expect("activation rows are whole blocks");
+            for (lanes, v) in acc_row.iter_mut().zip(&values) {
+                for j in 0..BLOCK {
+                    lanes[j] = xs[j].mul_add(v[j], lanes[j]);
+                }
+            }
+        }
+    }
+    let mut sums = [[0.0f32; R]; M];
+    for (s_row, acc_row) in sums.iter_mut().zip(acc) {
+        for (s, lanes) in s_row.iter_mut().zip(acc_row) {
+            *s = sum_lanes(lanes);
+        }
+    }
+    sums
+}
+
+/// Which implementation of [`tile`] a driver calls.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    /// The portable code, compiled per instruction set by `multiversion`.
+    Portable,
+    /// Hand-written AVX-512 ([`avx512::tile`]), on a CPU that has it.
+    #[cfg(target_arch = "x86_64")]
+    Avx512(avx512::Cpu),
+}
+
+/// `out[r * stride + c] = x[r] · rows[c]` for every activation row of `x`
+/// (rows of `k`) and each of the first `count` weight rows: tiles of up to
+/// [`MAX_TILE_ROWS`] activation rows by two weight rows.
+#[inline(always)]
+fn dots<W: Source>(
+    isa: Isa,
+    rows: W,
+    count: usize,
+    x: &[f32],
+    k: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    let m = x.len() / k;
+    let mut first = 0;
+    while first < m {
+        let take = MAX_TILE_ROWS.min(m - first);
+        let x = &x[first * k..(first + take) * k];
+        let out = &mut out[first * stride..];
+        match take {
+            4 => tile_rows::<4, W>(isa, rows, count, x, k, stride, out),
+            3 => tile_rows::<3, W>(isa, rows, count, x, k, stride, out),
+            2 => tile_rows::<2, W>(isa, rows, count, x, k, stride, out),
+            _ => tile_rows::<1, W>(isa, rows, count, x, k, stride, out),
+        }
+        first += take;
+    }
+}
+
+/// [`dots`] for exactly `M` activation rows.
+#[inline(always)]
+fn tile_rows<const M: usize, W: Source>(
+    isa: Isa,
+    rows: W,
+    count: usize,
+    x: &[f32],
+    k: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    let blocks = k / BLOCK;
+    let mut rows_x: [&[f32]; M] = [&[]; M];
+    for (r, row) in rows_x.iter_mut().enumerate() {
+        *row = &x[r * k..(r + 1) * k];
+    }
+    let x = rows_x;
+    let mut c = 0;
+    // Few activation rows leave registers for four weight rows at a time
+    // (more independent work per loaded activation block).
+    if M <= 2 {
+        while c + 4 <= count {
+            let quad = [0, 1, 2, 3].map(|i| rows.skip(c + i, blocks));
+            store(&tile_with::<M, 4, W>(isa, x, quad), c, stride, out);
+            c += 4;
+        }
+    }
+    while c + 2 <= count {
+        let pair = [rows.skip(c, blocks), rows.skip(c + 1, blocks)];
+        store(&tile_with::<M, 2, W>(isa, x, pair), c, stride, out);
+        c += 2;
+    }
+    if c < count {
+        store(
+            &tile_with::<M, 1, W>(isa, x, [rows.skip(c, blocks)]),
+            c,
+            stride,
+            out,
+        );
+    }
+}
+
+/// Writes a tile's sums at column `c` of rows `stride` apart.
+#[inline(always)]
+fn store<const M: usize, const R: usize>(
+    sums: &[[f32; R]; M],
+    c: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    for (r, s) in sums.iter().enumerate() {
+        out[r * stride + c..][..R].copy_from_slice(s);
+    }
+}
+
+#[inline(always)]
+fn tile_with<const M: usize, const R: usize, W: Source>(
+    isa: Isa,
+    x: [&[f32]; M],
+    w: [W; R],
+) -> [[f32; R]; M] {
+    match isa {
+        Isa::Portable => tile::<M, R, W>(x, w),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512(cpu) => avx512::tile::<M, R, W>(cpu, x, w),
+    }
+}
+
+/// The fastest implementation this CPU runs.
+fn best_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = avx512::Cpu::detect() {
+        return Isa::Avx512(cpu);
+    }
+    Isa::Portable
+}
+
+/// `out[r * stride + c] = x[r] · rows[c]` for the first `count` rows of
+/// `rows` (4-bit, decoded in registers).
+pub(crate) fn dots_nibbles(
+    rows: Nibbles,
+    count: usize,
+    x: &[f32],
+    k: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    match best_isa() {
+        Isa::Portable => portable_dots_nibbles(rows, count, x, k, stride, out),
+        isa => dots(isa, rows, count, x, k, stride, out),
+    }
+}
+
+/// [`dots_nibbles`] for 8-bit rows.
+pub(crate) fn dots_bytes(
+    rows: Bytes,
+    count: usize,
+    x: &[f32],
+    k: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    match best_isa() {
+        Isa::Portable => portable_dots_bytes(rows, count, x, k, stride, out),
+        isa => dots(isa, rows, count, x, k, stride, out),
+    }
+}
+
+/// [`dots_nibbles`] for rows decoded earlier, back to back in `decoded`.
+pub(crate) fn dots_decoded(decoded: &[f32], x: &[f32], k: usize, stride: usize, out: &mut [f32]) {
+    let count = decoded.len() / k;
+    match best_isa() {
+        Isa::Portable => portable_dots_decoded(Decoded(decoded), count, x, k, stride, out),
+        isa => dots(isa, Decoded(decoded), count, x, k, stride, out),
+    }
+}
+
+// The portable drivers, each compiled for several instruction sets and
+// picked at run time by the CPU's features (`multiversion`).
+
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn portable_dots_nibbles(
+    rows: Nibbles,
+    count: usize,
+    x: &[f32],
+    k: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    dots(Isa::Portable, rows, count, x, k, stride, out)
+}
+
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn portable_dots_bytes(
+    rows: Bytes,
+    count: usize,
+    x: &[f32],
+    k: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    dots(Isa::Portable, rows, count, x, k, stride, out)
+}
+
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn portable_dots_decoded(
+    rows: Decoded,
+    count: usize,
+    x: &[f32],
+    k: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    dots(Isa::Portable, rows, count, x, k, stride, out)
+}
+
+/// Decodes the first `out.len() / k` 4-bit rows into `out`, back to back.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+pub(crate) fn decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
+    decode_rows(rows, k, out)
+}
+
+/// Decodes the first `out.len() / k` 8-bit rows into `out`, back to back.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+pub(crate) fn decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
+    decode_rows(rows, k, out)
+}
+
+#[inline(always)]
+fn decode_rows<W: BlockRow>(rows: W, k: usize, out: &mut [f32]) {
+    // Rows are back to back, so block `b` of the set is block `b` of `out`.
+    let whole = out.len() / k * k;
+    for (b, chunk) in out[..whole].chunks_exact_mut(BLOCK).enumerate() {
+        chunk.copy_from_slice(&rows.block(b));
+    }
+}
+
+/// The scalar definition every kernel variant must match bit for bit:
+/// 32 lanes of exactly rounded multiply-adds over whole blocks, summed by
+/// [`sum_lanes`].
+#[cfg(test)]
+pub(crate) fn reference_dot(x: &[f32], w: &[f32]) -> f32 {
+    assert_eq!(x.len(), w.len(), "dot of rows of different widths");
+    assert_eq!(x.len() % BLOCK, 0, "rows are whole blocks");
+    let mut lanes = [0.0f32; BLOCK];
+    for (xs, ws) in x.chunks_exact(BLOCK).zip(w.chunks_exact(BLOCK)) {
+        for j in 0..BLOCK {
+            lanes[j] = xs[j].mul_add(ws[j], lanes[j]);
+        }
+    }
+    sum_lanes(lanes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn floats(seed: u64, len: usize) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 20001) as f32 / 10000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn bytes(seed: u64, len: usize) -> Vec<u8> {
+        floats(seed, len)
+            .iter()
+            .map(|v| (v * 127.5 + 127.5) as u8)
+            .collect()
+    }
+
+    /// Every implementation this CPU runs, dispatched and portable, and the
+    /// reference, over one weight source.
+    fn check_all<W: Source>(
+        rows: W,
+        count: usize,
+        m: usize,
+        k: usize,
+        seed: u64,
+        portable: fn(W, usize, &[f32], usize, usize, &mut [f32]),
+    ) -> Result<(), TestCaseError> {
+        let x = floats(seed, m * k);
+        let mut decoded = vec![0.0; count * k];
+        decode_rows(rows, k, &mut decoded);
+        let stride = count + 3;
+        let mut results = vec![("portable", vec![f32::NAN; m * stride])];
+        portable(rows, count, &x, k, stride, &mut results[0].1);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = avx512::Cpu::detect() {
+            let mut out = vec![f32::NAN; m * stride];
+            dots(Isa::Avx512(cpu), rows, count, &x, k, stride, &mut out);
+            results.push(("avx512", out));
+        }
+        for (name, out) in &results {
+            for r in 0..m {
+                for c in 0..count {
+                    let want = reference_dot(&x[r * k..(r + 1) * k], &decoded[c * k..(c + 1) * k]);
+                    let got = out[r * stride + c];
+                    prop_assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{} ({}, {}): {} vs {}",
+                        name,
+                        r,
+                        c,
+                        got,
+                        want
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #[test]
+        fn every_kernel_variant_equals_the_scalar_reference_bit_for_bit(
+            m in 1usize..11, count in 1usize..20, blocks in 1usize..6, seed in any::<u64>(),
+        ) {
+            let k = blocks * BLOCK;
+            let scales = floats(seed ^ 1, count * blocks);
+            let offsets = floats(seed ^ 2, count * blocks);
+            let nibble_quants = bytes(seed ^ 3, count * k / 2);
+            let nibbles = Nibbles { quants: &nibble_quants, scales: &scales, offsets: &offsets };
+            check_all(nibbles, count, m, k, seed, portable_dots_nibbles)?;
+            let byte_quants = bytes(seed ^ 4, count * k);
+            let bytes = Bytes { quants: &byte_quants, scales: &scales };
+            check_all(bytes, count, m, k, seed, portable_dots_bytes)?;
+            let values = floats(seed ^ 5, count * k);
+            check_all(Decoded(&values), count, m, k, seed, portable_dots_decoded)?;
+        }
+
+    }
+
+    #[test]
+    fn lanes_sum_as_a_tree() {
+        let mut lanes = [0.0f32; BLOCK];
+        // 1e8 absorbs a 1.0 added to it: the tree pairs lane 0 with 16,
+        // so the two large lanes cancel before the small ones are added.
+        lanes[0] = 1e8;
+        lanes[16] = -1e8;
+        lanes[1] = 1.0;
+        assert_eq!(sum_lanes(lanes), 1.0);
+    }
+}
