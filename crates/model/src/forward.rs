@@ -486,10 +486,19 @@ impl Model {
 /// `q_row` is `[num_heads][head_dim]`, already rotated) over positions
 /// `0..upto` of `layer`, read page by page through `view`; writes
 /// `[num_heads][head_dim]` into `out_row`. Public for its benchmark.
-pub fn attend_row(
+///
+/// Compiled for several instruction sets and picked by CPU features; Rust
+/// never contracts a multiply and an add, so every variant gives the same
+/// bits.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+pub fn attend_row<'v>(
     c: &ModelConfig,
     q_row: &[f32],
-    view: &ReadView<'_, f32>,
+    view: &ReadView<'v, f32>,
     layer: usize,
     upto: usize,
     out_row: &mut [f32],

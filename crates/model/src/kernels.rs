@@ -197,7 +197,9 @@ const LANES: usize = 8;
 
 /// Dot product with a fixed 8-lane layout: deterministic and vectorisable.
 /// Lane `i` sums elements `i, i + 8, i + 16, ...`, then lanes are summed in
-/// order, then the tail.
+/// order, then the tail. Always inlined, so each caller compiles it for its
+/// own instruction set.
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut lanes = [0.0f32; LANES];
@@ -218,6 +220,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `out += weight * v`, elementwise.
+#[inline(always)]
 pub fn axpy(weight: f32, v: &[f32], out: &mut [f32]) {
     for (o, x) in out.iter_mut().zip(v) {
         *o += weight * x;

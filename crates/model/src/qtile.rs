@@ -404,28 +404,44 @@ fn portable_dots_decoded(
 }
 
 /// Decodes the first `out.len() / k` 4-bit rows into `out`, back to back.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
 pub(crate) fn decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
-    decode_rows(rows, k, out)
+    match best_isa() {
+        Isa::Portable => portable_decode_nibble_rows(rows, k, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
+    }
 }
 
 /// Decodes the first `out.len() / k` 8-bit rows into `out`, back to back.
+pub(crate) fn decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
+    match best_isa() {
+        Isa::Portable => portable_decode_byte_rows(rows, k, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
+    }
+}
+
 #[multiversion::multiversion(targets(
     "x86_64+avx512f+avx512vl+avx2+fma",
     "x86_64+avx2+fma",
     "aarch64+neon"
 ))]
-pub(crate) fn decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
+fn portable_decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
     decode_rows(rows, k, out)
 }
 
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn portable_decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
+    decode_rows(rows, k, out)
+}
+
+/// Rows are back to back, so block `b` of the set is block `b` of `out`.
 #[inline(always)]
 fn decode_rows<W: BlockRow>(rows: W, k: usize, out: &mut [f32]) {
-    // Rows are back to back, so block `b` of the set is block `b` of `out`.
     let whole = out.len() / k * k;
     for (b, chunk) in out[..whole].chunks_exact_mut(BLOCK).enumerate() {
         chunk.copy_from_slice(&rows.block(b));
@@ -490,6 +506,10 @@ mod tests {
         portable(rows, count, &x, k, stride, &mut results[0].1);
         #[cfg(target_arch = "x86_64")]
         if let Some(cpu) = avx512::Cpu::detect() {
+            let mut vector_decoded = vec![f32::NAN; count * k];
+            avx512::decode_rows(cpu, rows, k, &mut vector_decoded);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&vector_decoded), bits(&decoded));
             let mut out = vec![f32::NAN; m * stride];
             dots(Isa::Avx512(cpu), rows, count, &x, k, stride, &mut out);
             results.push(("avx512", out));
