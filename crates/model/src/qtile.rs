@@ -4,9 +4,10 @@
 //! A weight row is read one 32-weight block at a time through [`BlockRow`]:
 //! decoded in registers from the repacked 4-bit ([`Nibbles`]) or 8-bit
 //! ([`Bytes`]) layout, or loaded from a row decoded earlier ([`Decoded`]).
-//! [`tile`] multiplies up to four activation rows by up to two weight rows,
-//! so each decoded block serves every activation row and each activation
-//! block serves both weight rows while it is in a register.
+//! [`tile`] multiplies up to four activation rows by up to four weight rows
+//! (four with one or two activation rows, else two, so the accumulators fit
+//! the registers): each decoded block serves every activation row and each
+//! activation block every weight row while it is in a register.
 //!
 //! # One sequence of operations
 //!
@@ -208,7 +209,7 @@ enum Isa {
 
 /// `out[r * stride + c] = x[r] · rows[c]` for every activation row of `x`
 /// (rows of `k`) and each of the first `count` weight rows: tiles of up to
-/// [`MAX_TILE_ROWS`] activation rows by two weight rows.
+/// [`MAX_TILE_ROWS`] activation rows by two or four weight rows.
 #[inline(always)]
 fn dots<W: Source>(
     isa: Isa,
@@ -257,7 +258,12 @@ fn tile_rows<const M: usize, W: Source>(
     // (more independent work per loaded activation block).
     if M <= 2 {
         while c + 4 <= count {
-            let quad = [0, 1, 2, 3].map(|i| rows.skip(c + i, blocks));
+            let quad = [
+                rows.skip(c, blocks),
+                rows.skip(c + 1, blocks),
+                rows.skip(c + 2, blocks),
+                rows.skip(c + 3, blocks),
+            ];
             store(&tile_with::<M, 4, W>(isa, x, quad), c, stride, out);
             c += 4;
         }
