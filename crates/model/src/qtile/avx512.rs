@@ -1,7 +1,9 @@
 //! AVX-512 versions of [`super::tile`] and of block decoding, written with
 //! intrinsics because the compiler's auto-vectorisation of the portable
-//! code was measured to use 4-wide vectors for nibble decoding (decode at
-//! one sequence: 29 tok/s portable on SmolLM2, see `docs/performance.md`).
+//! code decodes nibbles in narrow vectors and cannot keep multi-row tiles
+//! in registers (SmolLM2 on 2 cores, portable vs this module: decode
+//! 85 vs 142 tok/s at one sequence, 147 vs 321 at eight; see
+//! `docs/performance.md`).
 //!
 //! Every function performs the portable code's operations in the portable
 //! code's order, sixteen lanes at a time: the nibble decode is
