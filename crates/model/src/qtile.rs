@@ -345,7 +345,7 @@ pub(crate) fn dots_nibbles(
     out: &mut [f32],
 ) {
     match best_isa() {
-        Isa::Portable => portable_dots_nibbles(rows, count, x, k, stride, out),
+        Isa::Portable => portable_dots(rows, count, x, k, stride, out),
         isa => dots(isa, rows, count, x, k, stride, out),
     }
 }
@@ -360,7 +360,7 @@ pub(crate) fn dots_bytes(
     out: &mut [f32],
 ) {
     match best_isa() {
-        Isa::Portable => portable_dots_bytes(rows, count, x, k, stride, out),
+        Isa::Portable => portable_dots(rows, count, x, k, stride, out),
         isa => dots(isa, rows, count, x, k, stride, out),
     }
 }
@@ -369,7 +369,7 @@ pub(crate) fn dots_bytes(
 pub(crate) fn dots_decoded(decoded: &[f32], x: &[f32], k: usize, stride: usize, out: &mut [f32]) {
     let count = decoded.len() / k;
     match best_isa() {
-        Isa::Portable => portable_dots_decoded(Decoded(decoded), count, x, k, stride, out),
+        Isa::Portable => portable_dots(Decoded(decoded), count, x, k, stride, out),
         isa => dots(isa, Decoded(decoded), count, x, k, stride, out),
     }
 }
@@ -382,40 +382,8 @@ pub(crate) fn dots_decoded(decoded: &[f32], x: &[f32], k: usize, stride: usize, 
     "x86_64+avx2+fma",
     "aarch64+neon"
 ))]
-fn portable_dots_nibbles(
-    rows: Nibbles,
-    count: usize,
-    x: &[f32],
-    k: usize,
-    stride: usize,
-    out: &mut [f32],
-) {
-    dots(Isa::Portable, rows, count, x, k, stride, out)
-}
-
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn portable_dots_bytes(
-    rows: Bytes,
-    count: usize,
-    x: &[f32],
-    k: usize,
-    stride: usize,
-    out: &mut [f32],
-) {
-    dots(Isa::Portable, rows, count, x, k, stride, out)
-}
-
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn portable_dots_decoded(
-    rows: Decoded,
+fn portable_dots<W: Source>(
+    rows: W,
     count: usize,
     x: &[f32],
     k: usize,
@@ -428,7 +396,7 @@ fn portable_dots_decoded(
 /// Decodes the first `out.len() / k` 4-bit rows into `out`, back to back.
 pub(crate) fn decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
     match best_isa() {
-        Isa::Portable => portable_decode_nibble_rows(rows, k, out),
+        Isa::Portable => portable_decode_rows(rows, k, out),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
     }
@@ -437,7 +405,7 @@ pub(crate) fn decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
 /// Decodes the first `out.len() / k` 8-bit rows into `out`, back to back.
 pub(crate) fn decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
     match best_isa() {
-        Isa::Portable => portable_decode_byte_rows(rows, k, out),
+        Isa::Portable => portable_decode_rows(rows, k, out),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
     }
@@ -448,16 +416,7 @@ pub(crate) fn decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
     "x86_64+avx2+fma",
     "aarch64+neon"
 ))]
-fn portable_decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
-    decode_rows(rows, k, out)
-}
-
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn portable_decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
+fn portable_decode_rows<W: BlockRow>(rows: W, k: usize, out: &mut [f32]) {
     decode_rows(rows, k, out)
 }
 
@@ -487,11 +446,12 @@ pub(crate) fn reference_dot(x: &[f32], w: &[f32]) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn floats(seed: u64, len: usize) -> Vec<f32> {
+    /// Deterministic pseudo-random values in [-1, 1] (xorshift).
+    pub(crate) fn floats(seed: u64, len: usize) -> Vec<f32> {
         let mut s = seed | 1;
         (0..len)
             .map(|_| {
@@ -567,12 +527,12 @@ mod tests {
             let offsets = floats(seed ^ 2, count * blocks);
             let nibble_quants = bytes(seed ^ 3, count * k / 2);
             let nibbles = Nibbles { quants: &nibble_quants, scales: &scales, offsets: &offsets };
-            check_all(nibbles, count, m, k, seed, portable_dots_nibbles)?;
+            check_all(nibbles, count, m, k, seed, portable_dots)?;
             let byte_quants = bytes(seed ^ 4, count * k);
             let bytes = Bytes { quants: &byte_quants, scales: &scales };
-            check_all(bytes, count, m, k, seed, portable_dots_bytes)?;
+            check_all(bytes, count, m, k, seed, portable_dots)?;
             let values = floats(seed ^ 5, count * k);
-            check_all(Decoded(&values), count, m, k, seed, portable_dots_decoded)?;
+            check_all(Decoded(&values), count, m, k, seed, portable_dots)?;
         }
 
     }

@@ -655,17 +655,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn values(seed: u64, len: usize) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::qtile::tests::floats as values;
 
     /// One block each of Q4_K and Q6_K with fixed bytes, and values decoded
     /// from them by llama.cpp's own reference (`gguf` Python package 0.19,
