@@ -17,10 +17,9 @@
 use std::collections::HashMap;
 
 use kvfence_pool::{Lease, Window};
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::HandoffError;
-use crate::sender::digest;
+use crate::sender::{chunk_checksum, digest};
 use crate::wire::{Epoch, HandoffId, Message, RejectReason};
 
 /// A hand-off whose KV is complete and verified. The lease now holds the
@@ -326,7 +325,7 @@ impl Receiver {
                         },
                     );
                 }
-                if xxh3_64(&bytes) != checksum {
+                if chunk_checksum(std::iter::once(&bytes[..])) != checksum {
                     self.stats.checksum_failures += 1;
                     return self.fail(id, HandoffError::ChecksumMismatch { id, page: index });
                 }
@@ -393,9 +392,10 @@ impl Receiver {
                 let slots = 0..incoming
                     .page_size
                     .min(incoming.tokens - index * incoming.page_size);
-                let bytes = view.export_slots(index, slots);
-                written_in_place += bytes.len() as u64;
-                incoming.checksums[index] = Some(xxh3_64(&bytes));
+                let runs = view.slot_runs(index, slots);
+                written_in_place += runs.clone().map(|run| run.len() as u64).sum::<u64>();
+                // Hashed where the writer put them: no copy.
+                incoming.checksums[index] = Some(chunk_checksum(runs));
             }
         }
         let pages = incoming.checksums.len();

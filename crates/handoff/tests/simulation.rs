@@ -28,7 +28,7 @@ use kvfence_pool::{
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use xxhash_rust::xxh3::xxh3_64;
+use twox_hash::XxHash3_64;
 
 const SHAPE: KvShape = KvShape {
     layers: 2,
@@ -251,7 +251,7 @@ impl Sim {
         if let Message::Chunk {
             checksum, bytes, ..
         } = &message
-            && xxh3_64(bytes) != *checksum
+            && XxHash3_64::oneshot(bytes) != *checksum
             && let Some(req) = self.reqs.get_mut(&id)
             && req.state == State::Granted
         {

@@ -135,7 +135,8 @@ impl Lease {
         bytes: &[u8],
     ) -> Result<(), PoolError> {
         let mut guard = self.fenced_page(page)?;
-        self.shared.copy_slots_in(&mut guard, slots, bytes)
+        self.shared
+            .copy_slots_in(&mut guard, slots, std::iter::once(bytes))
     }
 
     /// Opens a one-sided write window over this lease's pages and marks the

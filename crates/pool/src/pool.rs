@@ -368,12 +368,15 @@ impl Shared {
 
     /// Copies every layer's K and V for `slots` from hand-off bytes
     /// (`[layer][K|V][kv_head][slot][head_dim]`) into `page` and marks them
-    /// covered. The caller has checked who may write.
-    pub(crate) fn copy_slots_in(
+    /// covered. The chunk comes as `runs` whose concatenation is those
+    /// bytes, cut anywhere (one slice, or [`ReadView::slot_runs`] of
+    /// another page); nothing is written unless their total length is the
+    /// chunk's. The caller has checked who may write.
+    pub(crate) fn copy_slots_in<'b>(
         &self,
         page: &mut Page,
         slots: std::ops::Range<usize>,
-        bytes: &[u8],
+        runs: impl Iterator<Item = &'b [u8]> + Clone,
     ) -> Result<(), PoolError> {
         let g = self.geometry;
         if slots.start >= slots.end || slots.end > g.page_size {
@@ -383,25 +386,25 @@ impl Shared {
                 page_size: g.page_size,
             });
         }
-        let elem = g.elem.size_bytes();
-        let run = slots.len() * g.shape.head_dim * elem;
-        let expected = run * g.shape.layers * 2 * g.shape.kv_heads;
-        if bytes.len() != expected {
-            return Err(PoolError::ShapeMismatch {
-                expected,
-                got: bytes.len(),
-            });
+        let expected = g.chunk_bytes(slots.len());
+        let got = runs.clone().map(<[u8]>::len).sum();
+        if got != expected {
+            return Err(PoolError::ShapeMismatch { expected, got });
         }
         let data: &mut [u8] = bytemuck::cast_slice_mut(&mut page.data);
-        let mut from = 0;
-        for layer in 0..g.shape.layers {
-            for kv in 0..2 {
-                for head in 0..g.shape.kv_heads {
-                    let at =
-                        (g.block_offset(layer, kv, head) + slots.start * g.shape.head_dim) * elem;
-                    data[at..at + run].copy_from_slice(&bytes[from..from + run]);
-                    from += run;
+        // Source runs and page runs need not line up: each page run is
+        // filled from as many source runs as it takes.
+        let (mut runs, mut run): (_, &[u8]) = (runs, &[]);
+        for bytes in g.chunk_runs(slots.clone()) {
+            let mut target = &mut data[bytes];
+            while !target.is_empty() {
+                if run.is_empty() {
+                    run = runs.next().expect("the lengths were checked above");
                 }
+                let n = run.len().min(target.len());
+                let (filled, rest) = target.split_at_mut(n);
+                filled.copy_from_slice(&run[..n]);
+                (target, run) = (rest, &run[n..]);
             }
         }
         for layer in 0..g.shape.layers {

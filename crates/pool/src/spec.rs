@@ -4,6 +4,8 @@
 //! allocated. Capacity is always reported from the geometry, never from the
 //! request, because admission (I6) must be computed from real memory.
 
+use std::ops::Range;
+
 use crate::error::PoolError;
 
 /// Element type of the K and V values stored in pages.
@@ -260,6 +262,36 @@ impl Geometry {
     /// of a page are contiguous: attention streams through them.
     pub fn block_offset(&self, layer: usize, kv: usize, head: usize) -> usize {
         ((layer * 2 + kv) * self.shape.kv_heads + head) * self.head_block()
+    }
+
+    /// Where the bytes of a hand-off chunk of `slots` lie in a page: one
+    /// byte range per `(layer, K|V, kv_head)` block, in the chunk's order
+    /// (`[layer][K|V][kv_head][slot][head_dim]` over just those slots).
+    pub fn chunk_runs(&self, slots: Range<usize>) -> impl Iterator<Item = Range<usize>> + Clone {
+        let g = *self;
+        let elem = g.elem.size_bytes();
+        let (first, run) = (
+            slots.start * g.shape.head_dim * elem,
+            slots.len() * g.shape.head_dim * elem,
+        );
+        (0..g.shape.layers).flat_map(move |layer| {
+            (0..2).flat_map(move |kv| {
+                (0..g.shape.kv_heads).map(move |head| {
+                    let at = g.block_offset(layer, kv, head) * elem + first;
+                    at..at + run
+                })
+            })
+        })
+    }
+
+    /// Bytes of a hand-off chunk of `slots` slots: every layer's K and V.
+    pub fn chunk_bytes(&self, slots: usize) -> usize {
+        slots
+            * self.shape.head_dim
+            * self.elem.size_bytes()
+            * self.shape.layers
+            * 2
+            * self.shape.kv_heads
     }
 
     /// Elements one token contributes to one layer's K (or V): all heads.

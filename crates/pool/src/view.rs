@@ -72,7 +72,23 @@ impl<E> ReadView<'_, E> {
     /// Every layer's K and V of `slots` of page `page` as raw bytes, laid
     /// out `[layer][K|V][kv_head][slot][head_dim]` over just those slots:
     /// what a hand-off chunk carries. Needs a view of every layer.
-    pub fn export_slots(&self, page: usize, slots: std::ops::Range<usize>) -> Vec<u8> {
+    pub fn export_slots(&self, page: usize, slots: Range<usize>) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.geometry.chunk_bytes(slots.len()));
+        for run in self.slot_runs(page, slots) {
+            out.extend_from_slice(run);
+        }
+        out
+    }
+
+    /// The bytes of [`ReadView::export_slots`] where they lie in the page,
+    /// without copying: one run per layer, K or V and KV head, in chunk
+    /// order. Hashing or copying these costs one pass over the bytes where
+    /// exporting first would cost two.
+    pub fn slot_runs(
+        &self,
+        page: usize,
+        slots: Range<usize>,
+    ) -> impl Iterator<Item = &[u8]> + Clone + '_ {
         let g = self.geometry;
         assert!(
             self.layers == (0..g.shape.layers),
@@ -83,19 +99,7 @@ impl<E> ReadView<'_, E> {
             "slots {slots:?} are outside the view's page {page}"
         );
         let data: &[u8] = bytemuck::cast_slice(&self.guards[page].data);
-        let elem = g.elem.size_bytes();
-        let run = slots.len() * g.shape.head_dim * elem;
-        let mut out = Vec::with_capacity(run * g.shape.layers * 2 * g.shape.kv_heads);
-        for layer in 0..g.shape.layers {
-            for kv in 0..2 {
-                for head in 0..g.shape.kv_heads {
-                    let at =
-                        (g.block_offset(layer, kv, head) + slots.start * g.shape.head_dim) * elem;
-                    out.extend_from_slice(&data[at..at + run]);
-                }
-            }
-        }
-        out
+        g.chunk_runs(slots).map(move |bytes| &data[bytes])
     }
 }
 

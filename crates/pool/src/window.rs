@@ -124,6 +124,19 @@ impl Window {
         slots: Range<usize>,
         bytes: &[u8],
     ) -> Result<(), PoolError> {
+        self.write_runs(key, index, slots, std::iter::once(bytes))
+    }
+
+    /// [`Window::write`] of the bytes `runs` yield in turn, such as
+    /// [`crate::ReadView::slot_runs`] of the sender's page: the bytes go
+    /// from page to page with one copy.
+    pub fn write_runs<'b>(
+        &self,
+        key: WindowKey,
+        index: usize,
+        slots: Range<usize>,
+        runs: impl Iterator<Item = &'b [u8]> + Clone,
+    ) -> Result<(), PoolError> {
         let inner = &self.inner;
         let Some(_pass) = inner.gate.enter(key) else {
             Counters::bump(&inner.shared.counters.stale_writes_rejected);
@@ -139,7 +152,7 @@ impl Window {
                 // The page lock keeps the copy memory-safe; ownership is
                 // deliberately not checked: that is the window's job.
                 let mut page = inner.shared.pages[id.index()].write();
-                inner.shared.copy_slots_in(&mut page, slots, bytes)
+                inner.shared.copy_slots_in(&mut page, slots, runs)
             }
         }
     }

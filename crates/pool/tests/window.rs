@@ -144,3 +144,96 @@ fn i4_no_write_lands_after_revoke_and_drain_even_under_contention() {
         assert_eq!(window.release(), Ok(1));
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+
+    /// A chunk handed over as pieces cut anywhere (the sender's page runs,
+    /// say) lands exactly as the same chunk in one slice: the same bytes in
+    /// the same places of the page, and nothing else touched.
+    #[test]
+    fn a_chunk_cut_anywhere_lands_as_the_same_bytes(
+        start in 0..PAGE,
+        width in 1..=PAGE,
+        cuts in proptest::collection::vec(0..PAGE_BYTES, 0..12),
+        seed in proptest::prelude::any::<u8>(),
+    ) {
+        let slots = start..(start + width).min(PAGE);
+        let len = PAGE_BYTES / PAGE * slots.len();
+        let chunk: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect();
+        let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (len + 1)).collect();
+        cuts.extend([0, len]);
+        cuts.sort_unstable();
+        let pieces = cuts.windows(2).map(|w| &chunk[w[0]..w[1]]);
+
+        let pool = pool(2);
+        let mut lease = pool.lease(RequestId(1), 2 * PAGE).unwrap();
+        let window = lease.open_window();
+        let key = window.key();
+        let background = [0xA5u8; PAGE_BYTES];
+        for page in 0..2 {
+            window.write(key, page, 0..PAGE, &background).unwrap();
+        }
+        window.write(key, 0, slots.clone(), &chunk).unwrap();
+        window.write_runs(key, 1, slots.clone(), pieces).unwrap();
+        lease.close_window(&window).unwrap();
+
+        let view = lease.read_view_raw(2 * PAGE).unwrap();
+        proptest::prop_assert_eq!(view.export_slots(1, 0..PAGE), view.export_slots(0, 0..PAGE));
+        proptest::prop_assert_eq!(&view.export_slots(1, slots.clone()), &chunk);
+        let joined: Vec<u8> = view.slot_runs(1, slots.clone()).flatten().copied().collect();
+        proptest::prop_assert_eq!(joined, view.export_slots(1, slots.clone()));
+        drop(view);
+
+        // And where the model reads them: run `(layer, K|V, head)` of the
+        // chunk is those slots of that head's keys or values.
+        let view = lease.read_view::<f32>(2 * PAGE).unwrap();
+        let run = slots.len() * SHAPE.head_dim;
+        let mut runs = chunk.chunks_exact(run * 4);
+        for layer in 0..SHAPE.layers {
+            for kv in 0..2 {
+                for head in 0..SHAPE.kv_heads {
+                    let stored = if kv == 0 { view.keys(1, layer, head) } else { view.values(1, layer, head) };
+                    let stored = &stored[slots.start * SHAPE.head_dim..][..run];
+                    let sent: Vec<f32> = runs
+                        .next()
+                        .unwrap()
+                        .chunks_exact(4)
+                        .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
+                        .collect();
+                    proptest::prop_assert_eq!(
+                        stored.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        sent.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_chunk_of_the_wrong_length_is_refused_before_any_byte_lands() {
+    let pool = pool(1);
+    let mut lease = pool.lease(RequestId(1), PAGE).unwrap();
+    let window = lease.open_window();
+    let chunk = [9u8; PAGE_BYTES];
+    for runs in [
+        vec![&chunk[..PAGE_BYTES - 1]],
+        vec![&chunk[..], &chunk[..1]],
+        vec![&chunk[..8], &chunk[8..16]],
+    ] {
+        let got: usize = runs.iter().map(|r| r.len()).sum();
+        assert_eq!(
+            window.write_runs(window.key(), 0, 0..PAGE, runs.into_iter()),
+            Err(PoolError::ShapeMismatch {
+                expected: PAGE_BYTES,
+                got
+            })
+        );
+    }
+    assert!(
+        lease.check_covered(1).is_err(),
+        "nothing was marked written"
+    );
+    lease.close_window(&window).unwrap();
+}
