@@ -9,12 +9,14 @@
 //!   decoding them into the local inbox. A lost connection becomes
 //!   `Command::PeerLost`, so in-flight hand-offs fail instead of hanging.
 
+use std::borrow::Cow;
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use kvfence_handoff::HandoffError;
-use kvfence_handoff::tcp::{handshake, read_link_frame, write_link_frame};
+use kvfence_handoff::tcp::{handshake, read_link_frame, write_link_frame_parts};
 use kvfence_model::{SamplingParams, StopStrings};
 use tracing::warn;
 
@@ -44,19 +46,17 @@ const ORDER: u8 = 2;
 pub(crate) const CONTROL: u8 = 3;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn encode(command: &Command) -> Option<Vec<u8>> {
+/// A command as a link frame: its kind, then its body. A hand-off frame is
+/// its own body, borrowed: a chunk's bytes are not copied again on the way
+/// to the socket.
+fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
     match command {
-        Command::Frame(frame) => {
-            let mut out = Vec::with_capacity(frame.len() + 1);
-            out.push(FRAME);
-            out.extend_from_slice(frame);
-            Some(out)
-        }
+        Command::Frame(frame) => Some((FRAME, Cow::Borrowed(frame))),
         Command::Prefill(order) => {
             // A window is a mapping into this process's memory; over TCP
             // grants are always two-sided.
             debug_assert!(order.window.is_none(), "one-sided grants never cross TCP");
-            let mut out = vec![ORDER];
+            let mut out = Vec::new();
             out.extend_from_slice(&(order.grant.len() as u32).to_le_bytes());
             out.extend_from_slice(&order.grant);
             out.extend_from_slice(&(order.request.prompt.len() as u32).to_le_bytes());
@@ -68,7 +68,7 @@ fn encode(command: &Command) -> Option<Vec<u8>> {
             out.extend_from_slice(&(s.top_k as u32).to_le_bytes());
             out.extend_from_slice(&s.top_p.to_le_bytes());
             out.extend_from_slice(&s.seed.to_le_bytes());
-            Some(out)
+            Some((ORDER, Cow::Owned(out)))
         }
         // Local-only commands never cross a link.
         Command::Submit(_) | Command::Shutdown | Command::PeerLost => None,
@@ -101,15 +101,14 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Decodes one link frame; errors for anything malformed, never panics.
-fn decode(payload: &[u8]) -> Result<Command, HandoffError> {
-    let (&kind, body) = payload
-        .split_first()
-        .ok_or_else(|| malformed("empty frame"))?;
+/// Decodes one link frame; errors for anything malformed, never panics. A
+/// hand-off frame stays a view of `payload`.
+fn decode(payload: Bytes) -> Result<Command, HandoffError> {
+    let &kind = payload.first().ok_or_else(|| malformed("empty frame"))?;
     match kind {
-        FRAME => Ok(Command::Frame(body.to_vec())),
+        FRAME => Ok(Command::Frame(payload.slice(1..))),
         ORDER => {
-            let mut c = Cursor(body);
+            let mut c = Cursor(&payload[1..]);
             let grant_len = c.u32()? as usize;
             let grant = c.take(grant_len)?.to_vec();
             let count = c.u32()? as usize;
@@ -163,8 +162,8 @@ pub(crate) fn bridge(
         .name(format!("{name}-tx"))
         .spawn(move || {
             for command in outbox {
-                if let Some(payload) = encode(&command)
-                    && let Err(error) = write_link_frame(&mut writer, &payload)
+                if let Some((kind, body)) = encode(&command)
+                    && let Err(error) = write_link_frame_parts(&mut writer, &[&[kind], &body])
                 {
                     warn!(%error, "hand-off link write failed");
                     break;
@@ -177,7 +176,7 @@ pub(crate) fn bridge(
         .spawn(move || {
             loop {
                 match read_link_frame(&mut reader)
-                    .and_then(|frame| frame.map(|f| decode(&f)).transpose())
+                    .and_then(|frame| frame.map(|f| decode(f.into())).transpose())
                 {
                     Ok(Some(command)) => {
                         if inbox.send(command).is_err() {
@@ -240,6 +239,28 @@ pub(crate) fn connect(
 mod tests {
     use super::*;
 
+    /// What the peer's reader decodes for `command`: its encoding through
+    /// the real link framing.
+    fn over_the_link(command: &Command) -> Result<Command, HandoffError> {
+        let (kind, body) = encode(command).expect("a command that crosses links");
+        let mut wire = Vec::new();
+        write_link_frame_parts(&mut wire, &[&[kind], &body])?;
+        let payload = read_link_frame(&mut &wire[..])?.expect("one whole frame");
+        decode(payload.into())
+    }
+
+    #[test]
+    fn hand_off_frames_cross_the_link_unchanged() {
+        for len in [0, 1, 5, 70_000] {
+            let frame: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            let Command::Frame(got) = over_the_link(&Command::Frame(frame.clone().into())).unwrap()
+            else {
+                panic!("not a frame")
+            };
+            assert_eq!(got, frame);
+        }
+    }
+
     #[test]
     fn orders_round_trip_through_the_link_encoding() {
         let request = GenerationRequest {
@@ -254,13 +275,12 @@ mod tests {
             stop: StopStrings::default(),
             ignore_eos: false,
         };
-        let payload = encode(&Command::Prefill(Box::new(PrefillOrder {
+        let sent = Command::Prefill(Box::new(PrefillOrder {
             window: None,
             grant: vec![9, 9],
             request,
-        })))
-        .unwrap();
-        let Command::Prefill(order) = decode(&payload).unwrap() else {
+        }));
+        let Command::Prefill(order) = over_the_link(&sent).unwrap() else {
             panic!("not an order")
         };
         assert_eq!(order.grant, vec![9, 9]);
@@ -285,7 +305,7 @@ mod tests {
             &[ORDER, 255, 255, 255, 255],
             &[ORDER, 0, 0, 0, 0, 255, 255, 255, 255],
         ] {
-            assert!(decode(bad).is_err(), "{bad:?}");
+            assert!(decode(Bytes::copy_from_slice(bad)).is_err(), "{bad:?}");
         }
         let mut s = 1u64;
         for len in 0..400 {
@@ -297,7 +317,7 @@ mod tests {
                     s as u8
                 })
                 .collect();
-            let _ = decode(&bytes);
+            let _ = decode(bytes.into());
         }
     }
 }

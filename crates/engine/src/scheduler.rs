@@ -26,8 +26,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use kvfence_handoff::{
-    Chunks, Grant, HandoffId, Message, Outcome, Receiver, RejectReason, Streaming, WindowWrites,
+    ChunkFrames, Grant, HandoffId, Message, Outcome, Receiver, RejectReason, Streaming,
+    WindowWrites,
 };
 use kvfence_model::{LoadedModel, Logits, Sampler, Sequence};
 use kvfence_pool::mutation::Mutation;
@@ -75,8 +77,9 @@ pub(crate) enum Command {
     Submit(Box<Pending>),
     /// A grant to fill, with the prompt it is for (prefill).
     Prefill(Box<PrefillOrder>),
-    /// One hand-off frame from the peer worker.
-    Frame(Vec<u8>),
+    /// One hand-off frame from the peer worker (shared, so a chunk's
+    /// payload is decoded as a view of it rather than copied).
+    Frame(Bytes),
     /// The connection to the peer worker is gone.
     PeerLost,
     Shutdown,
@@ -176,7 +179,7 @@ enum End {
 /// Sends one hand-off message to the peer worker, if there is one.
 fn frame_to(peer: &Option<mpsc::Sender<Command>>, message: &Message) {
     if let Some(peer) = peer {
-        let _ = peer.send(Command::Frame(message.to_frame()));
+        let _ = peer.send(Command::Frame(message.to_frame().into()));
     }
 }
 
@@ -349,8 +352,8 @@ impl Scheduler {
     }
 
     /// A hand-off frame from the peer.
-    fn take_frame(&mut self, frame: &[u8]) {
-        let message = match Message::decode(frame) {
+    fn take_frame(&mut self, frame: &Bytes) {
+        let message = match Message::decode_shared(frame) {
             Ok(Some((message, _))) => message,
             Ok(None) | Err(_) => {
                 warn!("malformed hand-off frame dropped");
@@ -834,7 +837,7 @@ impl Scheduler {
             Some((window, key)) => streaming.finish(lease, &mut WindowWrites::new(window, *key)),
             None => streaming.finish(
                 lease,
-                &mut Chunks::new(&grant, |chunk| send_chunk(&peer, &chunk)),
+                &mut ChunkFrames::new(&grant, |chunk| send_chunk(&peer, chunk)),
             ),
         };
         match sent {
@@ -873,7 +876,7 @@ impl Scheduler {
                 streaming.send_ready(
                     lease,
                     active.prefilled,
-                    &mut Chunks::new(&grant, |chunk| send_chunk(&peer, &chunk)),
+                    &mut ChunkFrames::new(&grant, |chunk| send_chunk(&peer, chunk)),
                 )
             }
         }
@@ -952,12 +955,14 @@ impl Scheduler {
     }
 }
 
-/// Sends one KV chunk to the decode worker.
-fn send_chunk(peer: &Option<mpsc::Sender<Command>>, chunk: &Message) {
+/// Sends one KV chunk's frame to the decode worker.
+fn send_chunk(peer: &Option<mpsc::Sender<Command>>, chunk: Vec<u8>) {
     // Fault injection between chunks: a delay, a lost chunk (`stall`), or a
     // crash partway through a transfer.
     fail::fail_point!("handoff-mid-chunk", crash_or_stall);
-    frame_to(peer, chunk);
+    if let Some(peer) = peer {
+        let _ = peer.send(Command::Frame(chunk.into()));
+    }
 }
 
 /// What a `return(ARG)` failpoint does: `crash` ends the process the way a

@@ -4,9 +4,10 @@
 //! 16-token pages; one 512-token prompt is 23.6 MB. Compared in one run:
 //! - baseline: export each page's bytes and copy them into another pool's
 //!   pages with no checks (the least any transfer must do);
-//! - two-sided: `send_kv` chunks through the wire codec (encode + decode)
-//!   into a `Receiver` that checks epoch, grant, generation and checksum,
-//!   then verifies coverage and digest at commit;
+//! - two-sided: chunk frames encoded from the source pages (`ChunkFrames`),
+//!   decoded in place (`Message::decode_shared`) into a `Receiver` that
+//!   checks epoch, grant, generation and checksum, then verifies coverage
+//!   and digest at commit: the engine's in-process path, minus the channel;
 //! - one-sided: `send_kv_one_sided` through a window, then the commit check
 //!   (which re-reads and hashes every page);
 //! - the codec alone on one page-sized chunk.
@@ -14,8 +15,11 @@
 use std::hint::black_box;
 use std::time::Duration;
 
+use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvfence_handoff::{Grant, HandoffId, Message, Outcome, Receiver, send_kv, send_kv_one_sided};
+use kvfence_handoff::{
+    ChunkFrames, Grant, HandoffId, Message, Outcome, Receiver, Streaming, send_kv_one_sided,
+};
 use kvfence_pool::{ElemType, KvShape, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 const SHAPE: KvShape = KvShape {
@@ -46,15 +50,27 @@ fn source(pool: &Pool) -> Lease {
     lease
 }
 
-fn commit(receiver: &mut Receiver, messages: Vec<Message>) {
-    for m in messages {
-        let frame = m.to_frame();
-        let (m, _) = Message::decode(&frame)
-            .expect("valid frame")
-            .expect("whole frame");
-        if let Outcome::Committed(c) = receiver.handle(m) {
+/// Every frame of one two-sided transfer of `source` into `grant`, `Done` last.
+fn frames(grant: &Grant, source: &Lease) -> Vec<Vec<u8>> {
+    let mut frames = Vec::new();
+    let proof = Streaming::new(grant.clone())
+        .finish(source, &mut ChunkFrames::new(grant, |f| frames.push(f)))
+        .expect("complete source");
+    frames.push(proof.done(0).to_frame());
+    frames
+}
+
+/// Hands `frame` to `receiver` as the engine does: decoded in place.
+fn receive(receiver: &mut Receiver, frame: Bytes) -> bool {
+    let (m, _) = Message::decode_shared(&frame)
+        .expect("valid frame")
+        .expect("whole frame");
+    match receiver.handle(m) {
+        Outcome::Committed(c) => {
             black_box(c.into_lease());
+            true
         }
+        _ => false,
     }
 }
 
@@ -81,7 +97,7 @@ fn bench(c: &mut Criterion) {
             black_box(dst)
         })
     });
-    group.bench_function("two-sided: chunks + codec + every check", |b| {
+    group.bench_function("two-sided: chunk frames + every check", |b| {
         let mut receiver = Receiver::new();
         let mut id = 0;
         b.iter(|| {
@@ -90,10 +106,17 @@ fn bench(c: &mut Criterion) {
             let grant =
                 Grant::from_message(&receiver.grant(HandoffId(id), lease, TOKENS).expect("grant"))
                     .expect("grant");
-            let mut messages = Vec::new();
-            let proof = send_kv(&grant, &src, |m| messages.push(m)).expect("complete source");
-            messages.push(proof.done(0));
-            commit(&mut receiver, messages);
+            // Each frame is received as soon as it is made, as the decode
+            // worker takes them off its channel while prefill sends more.
+            let proof = Streaming::new(grant.clone())
+                .finish(
+                    &src,
+                    &mut ChunkFrames::new(&grant, |frame| {
+                        receive(&mut receiver, frame.into());
+                    }),
+                )
+                .expect("complete source");
+            assert!(receive(&mut receiver, proof.done(0).to_frame().into()));
         })
     });
     group.bench_function("one-sided: window writes + commit check", |b| {
@@ -108,7 +131,7 @@ fn bench(c: &mut Criterion) {
             let grant = Grant::from_message(&grant).expect("grant");
             let proof =
                 send_kv_one_sided(&grant, &src, &window, window.key()).expect("live window");
-            commit(&mut receiver, vec![proof.done(0)]);
+            receive(&mut receiver, proof.done(0).to_frame().into());
         })
     });
     group.finish();
@@ -121,7 +144,7 @@ fn bench(c: &mut Criterion) {
         slot_start: 0,
         slot_end: 16,
         checksum: 0,
-        bytes: view.export_slots(0, 0..16),
+        bytes: view.export_slots(0, 0..16).into(),
     };
     drop(view);
     let mut codec = c.benchmark_group("codec");
@@ -207,9 +230,7 @@ fn tcp(c: &mut Criterion) {
                 let Ok(Some(frame)) = read_link_frame(&mut s) else {
                     return;
                 };
-                let (message, _) = Message::decode(&frame).expect("valid").expect("whole");
-                if let Outcome::Committed(committed) = receiver.handle(message) {
-                    drop(committed.into_lease());
+                if receive(&mut receiver, frame.into()) {
                     break;
                 }
             }
@@ -223,11 +244,8 @@ fn tcp(c: &mut Criterion) {
             let frame = read_link_frame(&mut link).expect("grant").expect("grant");
             let (grant, _) = Message::decode(&frame).expect("valid").expect("whole");
             let grant = Grant::from_message(&grant).expect("a grant");
-            let mut out = Vec::new();
-            let proof = send_kv(&grant, &src, |m| out.push(m)).expect("complete source");
-            out.push(proof.done(0));
-            for m in out {
-                write_link_frame(&mut link, &m.to_frame()).expect("write");
+            for frame in frames(&grant, &src) {
+                write_link_frame(&mut link, &frame).expect("write");
             }
         })
     });

@@ -11,7 +11,7 @@ use kvfence_pool::{Lease, PageRef, Window, WindowKey};
 use twox_hash::XxHash3_64;
 
 use crate::error::HandoffError;
-use crate::wire::{Epoch, HandoffId, Message};
+use crate::wire::{Epoch, HandoffId, Message, chunk_frame};
 
 /// A grant as the sender holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -162,8 +162,45 @@ impl<F: FnMut(Message)> Put for Chunks<F> {
             slot_start: slots.start as u16,
             slot_end: slots.end as u16,
             checksum,
-            bytes,
+            bytes: bytes.into(),
         });
+        Ok(())
+    }
+}
+
+/// Two-sided, for a transport that moves frames: every page becomes the
+/// encoded frame of its `Chunk`, written straight from the source page (one
+/// copy, where a message and then its frame would take two).
+pub struct ChunkFrames<F: FnMut(Vec<u8>)> {
+    id: HandoffId,
+    epoch: Epoch,
+    send: F,
+}
+
+impl<F: FnMut(Vec<u8>)> ChunkFrames<F> {
+    /// Chunk frames for `grant`, delivered by `send`.
+    pub fn new(grant: &Grant, send: F) -> Self {
+        ChunkFrames {
+            id: grant.id,
+            epoch: grant.epoch,
+            send,
+        }
+    }
+}
+
+impl<F: FnMut(Vec<u8>)> Put for ChunkFrames<F> {
+    fn put<'b>(
+        &mut self,
+        _: usize,
+        page: PageRef,
+        slots: std::ops::Range<usize>,
+        runs: impl Iterator<Item = &'b [u8]> + Clone,
+        checksum: u64,
+    ) -> Result<(), HandoffError> {
+        let slots = slots.start as u16..slots.end as u16;
+        (self.send)(chunk_frame(
+            self.id, self.epoch, page, slots, checksum, runs,
+        ));
         Ok(())
     }
 }

@@ -12,7 +12,7 @@
 //! These are blocking `std::net` helpers: each connection gets one reader and
 //! one writer thread, which fits the engine's thread-per-worker schedulers.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 
 use hmac::{Hmac, Mac};
 use rand::Rng;
@@ -23,8 +23,6 @@ use crate::wire::MAX_FRAME;
 
 const MAGIC: &[u8; 8] = b"KVFHAND1";
 const LABEL: &[u8] = b"kvfence hand-off v1";
-/// Frames up to this size are written with a single write.
-const SMALL_FRAME: usize = 64 << 10;
 /// Largest link frame: a hand-off frame plus a little envelope.
 pub const MAX_LINK_FRAME: usize = MAX_FRAME + 64;
 
@@ -80,26 +78,37 @@ pub fn handshake<S: Read + Write>(stream: &mut S, secret: &[u8]) -> Result<(), H
 
 /// Writes one link frame.
 pub fn write_link_frame<W: Write>(out: &mut W, payload: &[u8]) -> Result<(), HandoffError> {
-    if payload.len() > MAX_LINK_FRAME {
+    write_link_frame_parts(out, &[payload])
+}
+
+/// Writes one link frame whose payload is `parts` joined, without joining
+/// them: the length and every part go to the socket in one vectored write
+/// (a few, for frames larger than the kernel takes at once). One write also
+/// keeps a small frame in one segment: a length sent alone would wait on
+/// Nagle's algorithm for the payload (or for the peer's delayed ACK).
+pub fn write_link_frame_parts<W: Write>(out: &mut W, parts: &[&[u8]]) -> Result<(), HandoffError> {
+    let len: usize = parts.iter().map(|part| part.len()).sum();
+    if len > MAX_LINK_FRAME {
         return Err(HandoffError::FrameTooLarge {
-            len: payload.len(),
+            len,
             max: MAX_LINK_FRAME,
         });
     }
-    let len = u32::try_from(payload.len())
-        .expect("bounded above")
-        .to_le_bytes();
-    if payload.len() <= SMALL_FRAME {
-        // One write, one segment: a length sent alone would wait on Nagle's
-        // algorithm for the payload (or for the peer's delayed ACK).
-        let mut frame = Vec::with_capacity(4 + payload.len());
-        frame.extend_from_slice(&len);
-        frame.extend_from_slice(payload);
-        out.write_all(&frame).map_err(io)
-    } else {
-        out.write_all(&len).map_err(io)?;
-        out.write_all(payload).map_err(io)
+    let len = u32::try_from(len).expect("bounded above").to_le_bytes();
+    let mut slices: Vec<IoSlice<'_>> = std::iter::once(&len[..])
+        .chain(parts.iter().copied())
+        .map(IoSlice::new)
+        .collect();
+    let mut unsent = &mut slices[..];
+    while !unsent.is_empty() {
+        match out.write_vectored(unsent) {
+            Ok(0) => return Err(io(std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => IoSlice::advance_slices(&mut unsent, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(e)),
+        }
     }
+    Ok(())
 }
 
 /// Reads one link frame; `Ok(None)` on a clean end of stream between frames.
@@ -117,8 +126,16 @@ pub fn read_link_frame<R: Read>(input: &mut R) -> Result<Option<Vec<u8>>, Handof
             max: MAX_LINK_FRAME,
         });
     }
-    let mut payload = vec![0u8; len];
-    input.read_exact(&mut payload).map_err(io)?;
+    // Read into spare capacity: zeroing a page-sized buffer first would be
+    // one more pass over every chunk.
+    let mut payload = Vec::with_capacity(len);
+    input
+        .take(len as u64)
+        .read_to_end(&mut payload)
+        .map_err(io)?;
+    if payload.len() < len {
+        return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
+    }
     Ok(Some(payload))
 }
 
@@ -190,6 +207,24 @@ mod tests {
             read_link_frame(&mut &huge[..]),
             Err(HandoffError::FrameTooLarge { .. })
         ));
+        // In parts, through a writer that takes three bytes at a time.
+        struct Trickle(Vec<u8>);
+        impl Write for Trickle {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                let n = buf.len().min(3);
+                self.0.extend_from_slice(&buf[..n]);
+                Ok(n)
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut trickle = Trickle(Vec::new());
+        write_link_frame_parts(&mut trickle, &[b"he", b"", b"llo, ", b"world"]).unwrap();
+        assert_eq!(
+            read_link_frame(&mut &trickle.0[..]).unwrap().unwrap(),
+            b"hello, world"
+        );
         let truncated = [5u8, 0, 0, 0, b'h'];
         assert!(matches!(
             read_link_frame(&mut &truncated[..]),

@@ -5,9 +5,15 @@
 //! [`Message::decode`] rejects anything malformed with an error — wrong
 //! length, unknown type, counts that overrun the frame, trailing bytes,
 //! oversized frames — and never panics: peers are untrusted input.
+//!
+//! A chunk's payload is most of the bytes a hand-off moves, so the codec
+//! avoids copying it: [`chunk_frame`] encodes straight from the source
+//! page's runs, and [`Message::decode_shared`] hands out the payload as a
+//! view of the received frame.
 
 use std::fmt;
 
+use bytes::Bytes;
 use kvfence_pool::{Generation, PageId, PageRef};
 
 use crate::error::HandoffError;
@@ -92,7 +98,7 @@ pub enum Message {
         /// xxh3-64 of `bytes`.
         checksum: u64,
         /// The KV bytes.
-        bytes: Vec<u8>,
+        bytes: Bytes,
     },
     /// prefill → decode: every granted token was sent.
     Done {
@@ -141,6 +147,8 @@ const ABORT: u8 = 5;
 const ABORT_ACK: u8 = 6;
 
 const PAGE_REF_BYTES: usize = 12;
+/// A `Chunk` frame's type and fields before its payload.
+const CHUNK_HEADER_BYTES: usize = 1 + 8 + 4 + PAGE_REF_BYTES + 2 + 2 + 8 + 4;
 
 impl Message {
     /// The hand-off this message belongs to.
@@ -157,9 +165,7 @@ impl Message {
 
     /// Appends this message's frame to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        let start = out.len();
-        out.extend_from_slice(&[0; 4]);
-        match self {
+        framed(out, |out| match self {
             Message::Grant {
                 id,
                 epoch,
@@ -190,18 +196,14 @@ impl Message {
                 checksum,
                 bytes,
             } => {
-                out.push(CHUNK);
-                put_u64(out, id.0);
-                put_u32(out, epoch.0);
-                put_u32(out, page.id.0);
-                put_u64(out, page.generation.0);
-                out.extend_from_slice(&slot_start.to_le_bytes());
-                out.extend_from_slice(&slot_end.to_le_bytes());
-                put_u64(out, *checksum);
-                put_u32(
-                    out,
-                    u32::try_from(bytes.len()).expect("chunks are far below 4 GiB"),
-                );
+                let header = ChunkHeader {
+                    id: *id,
+                    epoch: *epoch,
+                    page: *page,
+                    slots: *slot_start..*slot_end,
+                    checksum: *checksum,
+                };
+                header.encode(out, bytes.len());
                 out.extend_from_slice(bytes);
             }
             Message::Done {
@@ -232,9 +234,7 @@ impl Message {
                 put_u64(out, id.0);
                 put_u32(out, epoch.0);
             }
-        }
-        let len = u32::try_from(out.len() - start - 4).expect("frames are far below 4 GiB");
-        out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+        })
     }
 
     /// This message as one frame.
@@ -246,7 +246,23 @@ impl Message {
 
     /// Decodes the first frame of `buf`. `Ok(None)`: more bytes are needed.
     /// `Ok(Some((message, used)))`: one message and the bytes it took.
+    /// A chunk's payload is copied out of `buf`.
     pub fn decode(buf: &[u8]) -> Result<Option<(Message, usize)>, HandoffError> {
+        Self::decode_with(buf, Bytes::copy_from_slice)
+    }
+
+    /// [`Message::decode`] without copying a chunk's payload: it stays a
+    /// view of `buf`, which lives as long as the message does.
+    pub fn decode_shared(buf: &Bytes) -> Result<Option<(Message, usize)>, HandoffError> {
+        Self::decode_with(buf, |payload| buf.slice_ref(payload))
+    }
+
+    /// Decodes the first frame of `buf`, turning a chunk's payload (a
+    /// subslice of `buf`) into the message's bytes with `payload`.
+    fn decode_with(
+        buf: &[u8],
+        payload: impl FnOnce(&[u8]) -> Bytes,
+    ) -> Result<Option<(Message, usize)>, HandoffError> {
         let Some(len_bytes) = buf.get(..4) else {
             return Ok(None);
         };
@@ -301,7 +317,7 @@ impl Message {
                 if count != r.buf.len() {
                     return Err(r.malformed("byte count does not match the frame length"));
                 }
-                let bytes = r.take(count)?.to_vec();
+                let bytes = payload(r.take(count)?);
                 Message::Chunk {
                     id,
                     epoch,
@@ -350,6 +366,68 @@ impl Message {
         }
         Ok(Some((message, 4 + len)))
     }
+}
+
+/// The fields of a `Chunk` frame before its payload.
+struct ChunkHeader {
+    id: HandoffId,
+    epoch: Epoch,
+    page: PageRef,
+    slots: std::ops::Range<u16>,
+    checksum: u64,
+}
+
+impl ChunkHeader {
+    /// Appends the frame's type and fields, up to the payload of `len` bytes.
+    fn encode(&self, out: &mut Vec<u8>, len: usize) {
+        out.push(CHUNK);
+        put_u64(out, self.id.0);
+        put_u32(out, self.epoch.0);
+        put_u32(out, self.page.id.0);
+        put_u64(out, self.page.generation.0);
+        out.extend_from_slice(&self.slots.start.to_le_bytes());
+        out.extend_from_slice(&self.slots.end.to_le_bytes());
+        put_u64(out, self.checksum);
+        put_u32(out, u32::try_from(len).expect("chunks are far below 4 GiB"));
+    }
+}
+
+/// The frame of `Message::Chunk` whose payload is the concatenation of
+/// `runs`, written straight from them: one copy of the payload, where
+/// building the message and then its frame takes two.
+pub(crate) fn chunk_frame<'b>(
+    id: HandoffId,
+    epoch: Epoch,
+    page: PageRef,
+    slots: std::ops::Range<u16>,
+    checksum: u64,
+    runs: impl Iterator<Item = &'b [u8]> + Clone,
+) -> Vec<u8> {
+    let len: usize = runs.clone().map(<[u8]>::len).sum();
+    let mut out = Vec::with_capacity(4 + CHUNK_HEADER_BYTES + len);
+    let header = ChunkHeader {
+        id,
+        epoch,
+        page,
+        slots,
+        checksum,
+    };
+    framed(&mut out, |out| {
+        header.encode(out, len);
+        for run in runs {
+            out.extend_from_slice(run);
+        }
+    });
+    out
+}
+
+/// Appends the frame whose body `body` writes: its length, then the body.
+fn framed(out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>)) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    body(out);
+    let len = u32::try_from(out.len() - start - 4).expect("frames are far below 4 GiB");
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
 }
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {

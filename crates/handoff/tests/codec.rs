@@ -49,7 +49,7 @@ fn message() -> impl Strategy<Value = Message> {
                     slot_start,
                     slot_end,
                     checksum,
-                    bytes,
+                    bytes: bytes.into(),
                 }
             }),
         (
@@ -92,6 +92,17 @@ proptest! {
         prop_assert_eq!(used, frame.len());
         let short = cut.index(frame.len());
         prop_assert_eq!(Message::decode(&frame[..short]).unwrap(), None);
+
+        // Decoding in place gives the same message, and a chunk's payload
+        // is a view of the frame, not a copy.
+        let frame = bytes::Bytes::from(frame);
+        let (shared, used) = Message::decode_shared(&frame).unwrap().unwrap();
+        prop_assert_eq!(&shared, &m);
+        prop_assert_eq!(used, frame.len());
+        if let Message::Chunk { bytes, .. } = &shared && !bytes.is_empty() {
+            let within = frame.as_ptr_range();
+            prop_assert!(within.contains(&bytes.as_ptr()));
+        }
     }
 
     #[test]

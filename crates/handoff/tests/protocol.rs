@@ -124,6 +124,33 @@ fn a_clean_transfer_commits_with_exactly_the_sent_kv() {
     assert_baseline(&s.prefill);
 }
 
+#[test]
+fn chunk_frames_written_from_the_page_are_the_frames_of_the_chunk_messages() {
+    let mut s = setup();
+    let (messages, proof) = chunks(&s);
+    let mut frames = Vec::new();
+    let framed_proof = kvfence_handoff::Streaming::new(s.grant.clone())
+        .finish(
+            &s.source,
+            &mut kvfence_handoff::ChunkFrames::new(&s.grant, |f| frames.push(f)),
+        )
+        .unwrap();
+    let expected: Vec<Vec<u8>> = messages.iter().map(Message::to_frame).collect();
+    assert_eq!(frames, expected);
+    let done = framed_proof.done(7);
+    assert_eq!(done, proof.done(7), "the same digest");
+    // And they commit, decoded in place.
+    for frame in frames {
+        let frame = bytes::Bytes::from(frame);
+        let (message, _) = Message::decode_shared(&frame).unwrap().unwrap();
+        assert!(matches!(s.receiver.handle(message), Outcome::Accepted));
+    }
+    assert!(matches!(
+        s.receiver.handle(wire(&done)),
+        Outcome::Committed(_)
+    ));
+}
+
 fn fails_with(s: &mut Setup, messages: Vec<Message>, check: impl Fn(&HandoffError) -> bool) {
     fails_with_others_holding(s, messages, check, 0);
 }
@@ -202,7 +229,9 @@ fn i7_a_chunk_with_a_bad_checksum_is_rejected_and_counted() {
     let mut s = setup();
     let (mut messages, _) = chunks(&s);
     if let Message::Chunk { bytes, .. } = &mut messages[2] {
-        bytes[5] ^= 0x40;
+        let mut flipped = bytes.to_vec();
+        flipped[5] ^= 0x40;
+        *bytes = flipped.into();
     }
     fails_with(&mut s, messages, |e| {
         matches!(e, HandoffError::ChecksumMismatch { page: 2, .. })

@@ -401,8 +401,10 @@ impl Sim {
             .collect();
         let Some(i) = self.pick(&chunks) else { return };
         if let Message::Chunk { bytes, .. } = &mut self.net[i] {
-            let at = self.rng.random_range(0..bytes.len());
-            bytes[at] ^= 1 << self.rng.random_range(0..8);
+            let mut flipped = bytes.to_vec();
+            let at = self.rng.random_range(0..flipped.len());
+            flipped[at] ^= 1 << self.rng.random_range(0..8);
+            *bytes = flipped.into();
         }
     }
 
