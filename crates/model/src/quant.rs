@@ -724,25 +724,30 @@ mod tests {
             let k = blocks * 32;
             let x = values(seed, m * k);
             let w = values(seed ^ 0x9e37, n * k);
-            // Rows from three formats stacked, as Q, K and V may be.
-            let split = [n / 3, n / 3 + n / 3];
-            let encode = |format, rows: std::ops::Range<usize>| {
-                let data = w[rows.start * k..rows.end * k]
-                    .chunks(k)
-                    .flat_map(|r| quantize_row(format, r).unwrap())
-                    .collect();
-                QuantMatrix::new(format, rows.len(), k, data)
-            };
-            let matrix = QuantMatrix::stack(vec![
-                encode(QuantFormat::Q4_1, 0..split[0]),
-                encode(QuantFormat::F16, split[0]..split[1]),
-                encode(QuantFormat::Q8_0, split[1]..n),
-            ]);
+            // Rows from four formats stacked, as Q, K and V may be.
+            let formats = [QuantFormat::Q4_1, QuantFormat::Q4_0, QuantFormat::F16, QuantFormat::Q8_0];
+            let format_of = |c: usize| formats[c * formats.len() / n];
+            let file_row = |c: usize| quantize_row(format_of(c), &w[c * k..(c + 1) * k]).unwrap();
+            let matrix = QuantMatrix::stack(
+                formats
+                    .iter()
+                    .map(|&format| {
+                        let rows: Vec<usize> = (0..n).filter(|&c| format_of(c) == format).collect();
+                        let data = rows.iter().flat_map(|&c| file_row(c)).collect();
+                        QuantMatrix::new(format, rows.len(), k, data)
+                    })
+                    .collect(),
+            );
             let mut out = vec![0.0; m * n];
             matrix.matmul(&x, m, &mut out);
-            let mut decoded = vec![0.0; k];
+            let (mut decoded, mut stored) = (vec![0.0; k], vec![0.0; k]);
             for c in 0..n {
-                matrix.dequantize_row(c, &mut decoded);
+                // The reference decodes the file's bytes; the matrix's
+                // repacked rows must hold exactly those values.
+                dequantize_row(format_of(c), &file_row(c), &mut decoded);
+                matrix.dequantize_row(c, &mut stored);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                prop_assert_eq!(bits(&stored), bits(&decoded), "row {} as stored", c);
                 for r in 0..m {
                     let want: f32 = x[r * k..(r + 1) * k].iter().zip(&decoded).map(|(a, b)| a * b).sum();
                     let bound: f32 = x[r * k..(r + 1) * k].iter().zip(&decoded).map(|(a, b)| (a * b).abs()).sum::<f32>() * 1e-5 + 1e-6;
