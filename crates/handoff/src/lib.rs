@@ -20,6 +20,7 @@ mod wire;
 pub use error::HandoffError;
 pub use receiver::{Committed, Outcome, Receiver, ReceiverStats};
 pub use sender::{
-    AllSent, ChunkFrames, Chunks, Grant, Put, Streaming, WindowWrites, send_kv, send_kv_one_sided,
+    AllSent, ChunkFrames, Chunks, Grant, Put, Streaming, TwoSided, WindowWrites, send_kv,
+    send_kv_one_sided,
 };
 pub use wire::{Epoch, HandoffId, MAX_FRAME, Message, RejectReason};

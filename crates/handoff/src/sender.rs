@@ -6,6 +6,7 @@
 //! prompt — the incident's one-token placeholder — has no path to `Done` (I5).
 
 use std::hash::Hasher as _;
+use std::marker::PhantomData;
 
 use kvfence_pool::{Lease, PageRef, Window, WindowKey};
 use twox_hash::XxHash3_64;
@@ -123,20 +124,32 @@ pub trait Put {
     ) -> Result<(), HandoffError>;
 }
 
-/// Two-sided: every page becomes a `Chunk` handed to the closure.
-pub struct Chunks<F: FnMut(Message)> {
+/// Two-sided: every page becomes one chunk handed to `send`, in the form
+/// `Form` names: a [`Message`] ([`Chunks`]) or its encoded frame
+/// ([`ChunkFrames`]).
+pub struct TwoSided<F, Form> {
     id: HandoffId,
     epoch: Epoch,
     send: F,
+    form: PhantomData<Form>,
 }
 
-impl<F: FnMut(Message)> Chunks<F> {
+/// Chunks as [`Message`]s (tests and simulations look inside them).
+pub type Chunks<F> = TwoSided<F, Message>;
+
+/// Chunks as encoded frames, for a transport that moves frames: each is
+/// written straight from the source page (one copy, where a message and
+/// then its frame would take two). What the engine sends.
+pub type ChunkFrames<F> = TwoSided<F, Vec<u8>>;
+
+impl<F: FnMut(Form), Form> TwoSided<F, Form> {
     /// Chunks for `grant`, delivered by `send`.
     pub fn new(grant: &Grant, send: F) -> Self {
-        Chunks {
+        TwoSided {
             id: grant.id,
             epoch: grant.epoch,
             send,
+            form: PhantomData,
         }
     }
 }
@@ -165,26 +178,6 @@ impl<F: FnMut(Message)> Put for Chunks<F> {
             bytes: bytes.into(),
         });
         Ok(())
-    }
-}
-
-/// Two-sided, for a transport that moves frames: every page becomes the
-/// encoded frame of its `Chunk`, written straight from the source page (one
-/// copy, where a message and then its frame would take two).
-pub struct ChunkFrames<F: FnMut(Vec<u8>)> {
-    id: HandoffId,
-    epoch: Epoch,
-    send: F,
-}
-
-impl<F: FnMut(Vec<u8>)> ChunkFrames<F> {
-    /// Chunk frames for `grant`, delivered by `send`.
-    pub fn new(grant: &Grant, send: F) -> Self {
-        ChunkFrames {
-            id: grant.id,
-            epoch: grant.epoch,
-            send,
-        }
     }
 }
 
