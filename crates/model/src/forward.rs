@@ -507,37 +507,58 @@ pub fn attend_row<'v>(
     let group = c.num_heads / c.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let pages = upto.div_ceil(view.page_size());
-    let mut scores = Vec::with_capacity(upto);
-    for (head, out) in out_row.chunks_exact_mut(hd).enumerate() {
-        let kv_head = head / group;
-        let q = &q_row[head * hd..(head + 1) * hd];
-        scores.clear();
+    // The query heads of a group share one KV head: each key and value row
+    // is read once for the whole group (from L2, at long contexts) rather
+    // than once per head. Each head's arithmetic is unchanged, in the same
+    // order, so the result is too.
+    let mut scores = vec![0.0f32; group * upto];
+    let mut sums = vec![0.0f32; group];
+    for (kv_head, (q_group, out_group)) in q_row
+        .chunks_exact(group * hd)
+        .zip(out_row.chunks_exact_mut(group * hd))
+        .enumerate()
+    {
         let mut seen = 0;
         for page in 0..pages {
             let keys = view.keys(page, layer, kv_head);
             let slots = (keys.len() / hd).min(upto - seen);
-            for key in keys[..slots * hd].chunks_exact(hd) {
-                scores.push(kernels::dot(q, key) * scale);
+            for (pos, key) in keys[..slots * hd].chunks_exact(hd).enumerate() {
+                for (head_scores, q) in scores.chunks_exact_mut(upto).zip(q_group.chunks_exact(hd))
+                {
+                    head_scores[seen + pos] = kernels::dot(q, key) * scale;
+                }
             }
             seen += slots;
         }
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
+        sums.fill(0.0);
+        for (head_scores, sum) in scores.chunks_exact_mut(upto).zip(&mut sums) {
+            let max = head_scores
+                .iter()
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max);
+            for s in head_scores.iter_mut() {
+                *s = (*s - max).exp();
+                *sum += *s;
+            }
         }
-        out.fill(0.0);
+        out_group.fill(0.0);
         let mut seen = 0;
         for page in 0..pages {
             let values = view.values(page, layer, kv_head);
             let slots = (values.len() / hd).min(upto - seen);
-            for (value, &w) in values[..slots * hd].chunks_exact(hd).zip(&scores[seen..]) {
-                kernels::axpy(w, value, out);
+            for (pos, value) in values[..slots * hd].chunks_exact(hd).enumerate() {
+                for (out, head_scores) in out_group
+                    .chunks_exact_mut(hd)
+                    .zip(scores.chunks_exact(upto))
+                {
+                    kernels::axpy(head_scores[seen + pos], value, out);
+                }
             }
             seen += slots;
         }
-        let inv = 1.0 / sum;
-        out.iter_mut().for_each(|o| *o *= inv);
+        for (out, &sum) in out_group.chunks_exact_mut(hd).zip(&sums) {
+            let inv = 1.0 / sum;
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
     }
 }
