@@ -354,6 +354,11 @@ impl Engine {
         }
     }
 
+    /// The scheduling limits this engine runs with.
+    pub fn config(&self) -> EngineConfig {
+        self.config
+    }
+
     /// The client-facing worker's KV pool (colocated or decode).
     pub fn pool(&self) -> &Pool {
         &self.pool

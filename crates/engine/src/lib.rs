@@ -12,6 +12,7 @@
 mod engine;
 mod error;
 mod link;
+mod net;
 mod remote;
 mod request;
 mod scheduler;
@@ -19,7 +20,9 @@ mod text;
 
 pub use engine::{Engine, EngineConfig, EngineStats};
 pub use error::EngineError;
+pub use kvfence_handoff::tls;
 pub use link::Transport;
+pub use net::ListenLimits;
 pub use remote::{Fleet, Hello, RemoteEngine, serve_prefill, serve_routers};
 pub use request::{
     Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,

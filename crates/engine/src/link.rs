@@ -4,21 +4,24 @@
 //!
 //! - **In-process**: the peer's inbox itself. Hand-off messages still cross
 //!   as encoded frames, so the codec's checks are always on the path.
-//! - **TCP**: a connection opened with the cluster-secret handshake, one
-//!   writer thread encoding commands into link frames and one reader thread
-//!   decoding them into the local inbox. A lost connection becomes
-//!   `Command::PeerLost`, so in-flight hand-offs fail instead of hanging.
+//! - **TCP**: a link inside TLS 1.3 with mutual, role-bound certificates
+//!   ([`crate::net`]); one thread encodes commands into link frames and one
+//!   decodes frames into the local inbox. A lost link — closed, or a record
+//!   that fails TLS's integrity check — becomes `Command::PeerLost`, so
+//!   in-flight hand-offs fail instead of hanging.
 
 use std::borrow::Cow;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::sync::mpsc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
-use kvfence_handoff::tcp::{handshake, read_link_frame, write_link_frame_parts};
+use kvfence_handoff::tls::{ClusterCa, Role as LinkRole};
 use kvfence_model::{SamplingParams, StopStrings};
 use tracing::warn;
+
+use crate::error::EngineError;
+use crate::net::{self, Link, ListenLimits};
 
 use crate::request::GenerationRequest;
 use crate::scheduler::{Command, PrefillOrder};
@@ -33,18 +36,15 @@ pub enum Transport {
     /// revocable window (the RDMA memory-key model); aborted pages wait in
     /// quarantine until the writer acknowledges (I4).
     SharedMemory,
-    /// A loopback TCP connection authenticated with `secret` (at least 16 bytes).
-    Tcp {
-        /// The cluster secret.
-        secret: Vec<u8>,
-    },
+    /// A loopback TCP link inside mutually authenticated TLS 1.3, with
+    /// credentials made for this process alone (an ephemeral cluster CA).
+    Tcp,
 }
 
 const FRAME: u8 = 1;
 const ORDER: u8 = 2;
 /// A control-plane message (JSON): worker hellos, router requests and events.
 pub(crate) const CONTROL: u8 = 3;
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A command as a link frame: its kind, then its body. A hand-off frame is
 /// its own body, borrowed: a chunk's bytes are not copied again on the way
@@ -146,44 +146,49 @@ fn decode(payload: Bytes) -> Result<Command, HandoffError> {
     }
 }
 
-/// Bridges an authenticated stream to a scheduler: returns the sender the
-/// scheduler uses to reach its peer. Frames from the peer go to `inbox`.
+/// Bridges an authenticated link to a scheduler: returns the sender the
+/// scheduler uses to reach its peer. Frames from the peer go to `inbox`;
+/// the link's end arrives there as `Command::PeerLost`.
 pub(crate) fn bridge(
-    stream: TcpStream,
+    link: Link,
     inbox: mpsc::Sender<Command>,
     name: &str,
 ) -> std::io::Result<mpsc::Sender<Command>> {
-    stream.set_read_timeout(None)?;
-    stream.set_nodelay(true)?;
-    let mut reader = stream.try_clone()?;
-    let mut writer = stream;
+    let Link { tx, rx, .. } = link;
     let (to_peer, outbox) = mpsc::channel::<Command>();
     std::thread::Builder::new()
         .name(format!("{name}-tx"))
         .spawn(move || {
             for command in outbox {
-                if let Some((kind, body)) = encode(&command)
-                    && let Err(error) = write_link_frame_parts(&mut writer, &[&[kind], &body])
-                {
-                    warn!(%error, "hand-off link write failed");
+                let parts = match command {
+                    // Shared, not copied: a chunk's bytes go to TLS as they are.
+                    Command::Frame(frame) => vec![Bytes::from_static(&[FRAME]), frame],
+                    other => match encode(&other) {
+                        Some((kind, body)) => {
+                            vec![
+                                Bytes::from_static(kind_byte(kind)),
+                                body.into_owned().into(),
+                            ]
+                        }
+                        None => continue,
+                    },
+                };
+                if !tx.send(parts) {
                     break;
                 }
             }
-            let _ = writer.shutdown(std::net::Shutdown::Both);
+            // Dropping the link's sender closes it.
         })?;
     std::thread::Builder::new()
         .name(format!("{name}-rx"))
         .spawn(move || {
-            loop {
-                match read_link_frame(&mut reader)
-                    .and_then(|frame| frame.map(|f| decode(f.into())).transpose())
-                {
-                    Ok(Some(command)) => {
+            for frame in rx {
+                match decode(frame) {
+                    Ok(command) => {
                         if inbox.send(command).is_err() {
                             return;
                         }
                     }
-                    Ok(None) => break,
                     Err(error) => {
                         warn!(%error, "hand-off link closed on a bad frame");
                         break;
@@ -195,41 +200,51 @@ pub(crate) fn bridge(
     Ok(to_peer)
 }
 
+/// The one-byte kind prefix of a link frame, as a static slice.
+fn kind_byte(kind: u8) -> &'static [u8] {
+    match kind {
+        FRAME => &[FRAME],
+        ORDER => &[ORDER],
+        _ => &[CONTROL],
+    }
+}
+
 /// Connects the two inboxes of a pair over `transport`; returns the senders
 /// (prefill's way to decode, decode's way to prefill).
 pub(crate) fn connect(
     transport: &Transport,
     prefill_inbox: mpsc::Sender<Command>,
     decode_inbox: mpsc::Sender<Command>,
-) -> Result<(mpsc::Sender<Command>, mpsc::Sender<Command>), HandoffError> {
+) -> Result<(mpsc::Sender<Command>, mpsc::Sender<Command>), EngineError> {
     match transport {
         Transport::InProcess | Transport::SharedMemory => Ok((decode_inbox, prefill_inbox)),
-        Transport::Tcp { secret } => {
-            let io = |e: std::io::Error| HandoffError::Io(e.to_string());
+        Transport::Tcp => {
+            let io = |e: std::io::Error| EngineError::Handoff(HandoffError::Io(e.to_string()));
+            // Both ends live in this process: a CA made now, trusted by
+            // nothing else, and forgotten when the process ends.
+            let ca = ClusterCa::generate()?;
+            let prefill_credentials = ca.credentials(LinkRole::Prefill)?;
+            let decode_credentials = ca.credentials(LinkRole::Decode)?;
             let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
             let address = listener.local_addr().map_err(io)?;
-            let secret_for_decode = secret.clone();
-            let decode_side = std::thread::spawn(move || -> Result<TcpStream, HandoffError> {
-                let mut stream = TcpStream::connect(address).map_err(io)?;
-                stream
-                    .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-                    .map_err(io)?;
-                handshake(&mut stream, &secret_for_decode)?;
-                Ok(stream)
-            });
-            let (mut prefill_stream, _) = listener.accept().map_err(io)?;
-            prefill_stream
-                .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-                .map_err(io)?;
-            let prefill_auth = handshake(&mut prefill_stream, secret);
-            let decode_stream = decode_side
-                .join()
-                .map_err(|_| HandoffError::Io("connect thread panicked".into()))??;
-            prefill_auth?;
+            let accepted = net::accept(
+                listener,
+                &prefill_credentials,
+                &[LinkRole::Decode],
+                ListenLimits::new(1),
+            )?;
+            let decode_link = net::dial(address, LinkRole::Prefill, &decode_credentials)?;
+            let prefill_link = accepted
+                .recv_timeout(ListenLimits::new(1).handshake_timeout)
+                .map_err(|_| {
+                    EngineError::Handoff(HandoffError::Tls(
+                        "the in-process TLS link did not come up".into(),
+                    ))
+                })?;
             let prefill_to_decode =
-                bridge(prefill_stream, prefill_inbox, "kvfence-prefill-link").map_err(io)?;
+                bridge(prefill_link, prefill_inbox, "kvfence-prefill-link").map_err(io)?;
             let decode_to_prefill =
-                bridge(decode_stream, decode_inbox, "kvfence-decode-link").map_err(io)?;
+                bridge(decode_link, decode_inbox, "kvfence-decode-link").map_err(io)?;
             Ok((prefill_to_decode, decode_to_prefill))
         }
     }
@@ -238,6 +253,7 @@ pub(crate) fn connect(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvfence_handoff::tcp::{read_link_frame, write_link_frame_parts};
 
     /// What the peer's reader decodes for `command`: its encoding through
     /// the real link framing.

@@ -6,21 +6,24 @@
 //! router ──control link──▶ decode worker ──hand-off link──▶ prefill worker
 //! ```
 //!
-//! Both links open with the cluster-secret handshake and carry length-
-//! delimited frames. Hand-off frames stay binary; the control plane between
+//! Both links are TLS 1.3 with mutual, role-bound certificates
+//! ([`crate::net`]): a prefill worker accepts only decode workers, a decode
+//! worker only routers, and each dialler checks it reached the role it
+//! meant. They carry length-delimited frames. Hand-off frames stay binary; the control plane between
 //! router and decode worker (`Hello`, `Submit`, `Accepted`/`Refused`,
 //! `Event`, `Cancel`, `Stats`) is small JSON, none of it logged (I10). A
 //! lost link fails what depended on it instead of hanging: the decode worker
 //! fails hand-offs waiting for KV; the router fails requests in flight.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
+use bytes::Bytes;
 use kvfence_handoff::HandoffError;
-use kvfence_handoff::tcp::{handshake, read_link_frame, write_link_frame};
+use kvfence_handoff::tls::{Credentials, Role as LinkRole};
 use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{Pool, PoolStats, RequestId};
 use serde::{Deserialize, Serialize};
@@ -30,14 +33,17 @@ use tracing::{info, warn};
 use crate::engine::{Counters, EngineConfig, EngineStats};
 use crate::error::EngineError;
 use crate::link::{CONTROL, bridge};
+use crate::net::{self, Link, LinkTx, ListenLimits};
 use crate::request::{
     Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
 };
 use crate::scheduler::{Role, Scheduler};
 use crate::{Backend, Engine};
 
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Routers one decode worker serves at once.
+const MAX_ROUTER_LINKS: usize = 64;
 
 fn io(e: std::io::Error) -> EngineError {
     EngineError::Handoff(HandoffError::Io(e.to_string()))
@@ -114,24 +120,18 @@ enum Control {
     Stats(WireStats),
 }
 
-fn send_control(out: &mut TcpStream, control: &Control) -> Result<(), HandoffError> {
-    let mut payload = vec![CONTROL];
-    payload.extend(serde_json::to_vec(control).expect("control messages always serialise"));
-    write_link_frame(out, &payload)
+fn send_control(out: &LinkTx, control: &Control) -> bool {
+    let body = serde_json::to_vec(control).expect("control messages always serialise");
+    out.send(vec![Bytes::from_static(&[CONTROL]), body.into()])
 }
 
-fn read_control(input: &mut TcpStream) -> Result<Option<Control>, HandoffError> {
-    let Some(frame) = read_link_frame(input)? else {
-        return Ok(None);
-    };
+fn parse_control(frame: &[u8]) -> Result<Control, HandoffError> {
     match frame.split_first() {
         Some((&CONTROL, body)) => {
-            serde_json::from_slice(body)
-                .map(Some)
-                .map_err(|_| HandoffError::Malformed {
-                    kind: "control",
-                    reason: "not a control message",
-                })
+            serde_json::from_slice(body).map_err(|_| HandoffError::Malformed {
+                kind: "control",
+                reason: "not a control message",
+            })
         }
         _ => Err(HandoffError::Malformed {
             kind: "control",
@@ -140,72 +140,77 @@ fn read_control(input: &mut TcpStream) -> Result<Option<Control>, HandoffError> 
     }
 }
 
+/// The next control message; `Ok(None)` once the link is gone.
+fn read_control(input: &mpsc::Receiver<Bytes>) -> Result<Option<Control>, HandoffError> {
+    match input.recv() {
+        Ok(frame) => parse_control(&frame).map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
 fn fingerprint(model: &LoadedModel) -> (usize, usize, usize, usize) {
     let c = model.model.config();
     (c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size)
 }
 
-/// Connects to a worker, authenticates, and reads the `Hello` it opens with.
+/// Connects to a worker of role `role`, authenticates both ways, and reads
+/// the `Hello` it opens with.
 fn dial(
     address: SocketAddr,
-    secret: &[u8],
+    role: LinkRole,
+    credentials: &Credentials,
     peer: &'static str,
-) -> Result<(TcpStream, Hello), EngineError> {
-    let mut stream = TcpStream::connect(address).map_err(io)?;
-    authenticate(&mut stream, secret)?;
-    stream
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(io)?;
-    let Some(Control::Hello(hello)) = read_control(&mut stream)? else {
-        return Err(EngineError::Handoff(HandoffError::Malformed {
+) -> Result<(Link, Hello), EngineError> {
+    let link = net::dial(address, role, credentials)?;
+    let no_hello = || {
+        EngineError::Handoff(HandoffError::Malformed {
             kind: "control",
             reason: peer,
-        }));
+        })
     };
-    stream.set_read_timeout(None).map_err(io)?;
-    Ok((stream, hello))
-}
-
-fn authenticate(stream: &mut TcpStream, secret: &[u8]) -> Result<(), EngineError> {
-    // Control messages are small and latency-bound: without this, a frame's
-    // second segment waits for the peer's delayed ACK (tens of milliseconds).
-    stream.set_nodelay(true).map_err(io)?;
-    stream
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(io)?;
-    handshake(stream, secret)?;
-    stream.set_read_timeout(None).map_err(io)?;
-    Ok(())
+    let frame = link
+        .rx
+        .recv_timeout(HELLO_TIMEOUT)
+        .map_err(|_| no_hello())?;
+    let Control::Hello(hello) = parse_control(&frame)? else {
+        return Err(no_hello());
+    };
+    Ok((link, hello))
 }
 
 /// Runs a prefill worker: accepts one decode worker at a time on
-/// `listener`, fills its grants, and waits for the next when it leaves.
-/// Returns only on a listener error.
+/// `listener` (only certificates of the decode role), fills its grants, and
+/// waits for the next when it leaves. Returns only on a listener error.
 pub fn serve_prefill(
     model: Arc<LoadedModel>,
     pool: Pool,
     config: EngineConfig,
     listener: TcpListener,
-    secret: &[u8],
+    credentials: &Credentials,
 ) -> Result<(), EngineError> {
+    // One decode worker at a time: a second one is refused at once rather
+    // than left waiting.
+    let links = net::accept(
+        listener,
+        credentials,
+        &[LinkRole::Decode],
+        ListenLimits::new(1),
+    )?;
     loop {
-        let (mut stream, peer) = listener.accept().map_err(io)?;
-        if let Err(error) = authenticate(&mut stream, secret) {
-            warn!(%peer, %error, "refused a connection");
-            continue;
-        }
+        let link = links.recv().map_err(|_| EngineError::ShuttingDown)?;
+        let (peer, role) = (link.address, link.peer);
         let hello = Hello {
             role: Role::Prefill.label().into(),
             model: fingerprint(&model),
             page_size: pool.geometry().page_size,
             capacities: vec![(Role::Prefill.label().into(), pool.capacity_tokens())],
         };
-        if send_control(&mut stream, &Control::Hello(hello)).is_err() {
+        if !send_control(&link.tx, &Control::Hello(hello)) {
             continue;
         }
-        info!(%peer, "decode worker connected");
+        info!(%peer, %role, "decode worker connected");
         let (inbox_tx, inbox) = mpsc::channel();
-        let to_decode = bridge(stream, inbox_tx, "kvfence-prefill-link").map_err(io)?;
+        let to_decode = bridge(link, inbox_tx, "kvfence-prefill-link").map_err(io)?;
         let scheduler = Scheduler::new(
             Role::Prefill,
             Arc::clone(&model),
@@ -229,9 +234,14 @@ impl Engine {
         pool: Pool,
         config: EngineConfig,
         prefill: SocketAddr,
-        secret: &[u8],
+        credentials: &Credentials,
     ) -> Result<Engine, EngineError> {
-        let (stream, hello) = dial(prefill, secret, "the prefill worker sent no Hello")?;
+        let (link, hello) = dial(
+            prefill,
+            LinkRole::Prefill,
+            credentials,
+            "the prefill worker sent no Hello",
+        )?;
         if hello.model != fingerprint(&model) || hello.page_size != pool.geometry().page_size {
             return Err(EngineError::Invalid {
                 reason: format!(
@@ -242,7 +252,7 @@ impl Engine {
         }
         let prefill_tokens = hello.capacities.iter().map(|(_, t)| *t).min().unwrap_or(0);
         let (inbox_tx, inbox) = mpsc::channel();
-        let to_prefill = bridge(stream, inbox_tx.clone(), "kvfence-decode-link").map_err(io)?;
+        let to_prefill = bridge(link, inbox_tx.clone(), "kvfence-decode-link").map_err(io)?;
         let link = crate::engine::DecodeLink {
             inbox_tx,
             inbox,
@@ -259,26 +269,40 @@ impl Engine {
     }
 }
 
-/// Serves routers on `listener` for a running decode worker. Returns only on
-/// a listener error.
+/// Serves routers on `listener` (only certificates of the router role) for
+/// a running decode worker. Returns only on a listener error.
 pub fn serve_routers(
     engine: Arc<Engine>,
     listener: TcpListener,
-    secret: Vec<u8>,
+    credentials: &Credentials,
 ) -> Result<(), EngineError> {
+    let links = net::accept(
+        listener,
+        credentials,
+        &[LinkRole::Router],
+        ListenLimits::new(MAX_ROUTER_LINKS),
+    )?;
     loop {
-        let (stream, peer) = listener.accept().map_err(io)?;
-        let (engine, secret) = (Arc::clone(&engine), secret.clone());
+        let link = links.recv().map_err(|_| EngineError::ShuttingDown)?;
+        let engine = Arc::clone(&engine);
         std::thread::spawn(move || {
-            if let Err(error) = serve_router(&engine, stream, &secret) {
+            let peer = link.address;
+            if let Err(error) = serve_router(&engine, link) {
                 warn!(%peer, %error, "router connection ended");
             }
         });
     }
 }
 
-fn serve_router(engine: &Engine, mut stream: TcpStream, secret: &[u8]) -> Result<(), EngineError> {
-    authenticate(&mut stream, secret)?;
+/// Requests one router link may have in flight: as many as the engine can
+/// hold queued and running, so one router cannot make the decode worker
+/// keep more forwarding state than its own limits allow.
+fn in_flight_limit(engine: &Engine) -> usize {
+    let config = engine.config();
+    config.max_queue + config.max_running
+}
+
+fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
     let capacities = engine
         .capacities()
         .into_iter()
@@ -290,19 +314,22 @@ fn serve_router(engine: &Engine, mut stream: TcpStream, secret: &[u8]) -> Result
         page_size: engine.pool().geometry().page_size,
         capacities,
     };
-    send_control(&mut stream, &Control::Hello(hello))?;
+    let Link { tx, rx, .. } = link;
+    if !send_control(&tx, &Control::Hello(hello)) {
+        return Ok(());
+    }
     let (out_tx, out_rx) = mpsc::channel::<Control>();
-    let mut writer = stream.try_clone().map_err(io)?;
     std::thread::spawn(move || {
         for control in out_rx {
-            if send_control(&mut writer, &control).is_err() {
+            if !send_control(&tx, &control) {
                 break;
             }
         }
     });
+    let limit = in_flight_limit(engine);
     let cancellers: Arc<Mutex<HashMap<u64, Canceller>>> = Arc::default();
     let result = loop {
-        match read_control(&mut stream) {
+        match read_control(&rx) {
             Ok(Some(Control::Submit {
                 id,
                 prompt,
@@ -323,6 +350,13 @@ fn serve_router(engine: &Engine, mut stream: TcpStream, secret: &[u8]) -> Result
                         continue;
                     }
                 };
+                if lock(&cancellers).len() >= limit {
+                    let _ = out_tx.send(Control::Refused {
+                        id,
+                        refusal: Refusal::QueueFull { capacity: limit },
+                    });
+                    continue;
+                }
                 let (temperature, top_k, top_p, seed) = sampling;
                 let request = GenerationRequest {
                     prompt,
@@ -542,22 +576,32 @@ impl std::fmt::Debug for RemoteEngine {
 }
 
 impl RemoteEngine {
-    /// Connects to the decode worker at `address` and authenticates.
-    pub fn connect(address: SocketAddr, secret: &[u8]) -> Result<RemoteEngine, EngineError> {
-        let (stream, hello) = dial(address, secret, "the decode worker sent no Hello")?;
+    /// Connects to the decode worker at `address`; both ends authenticate
+    /// with certificates from the cluster CA, and the worker must prove the
+    /// decode role.
+    pub fn connect(
+        address: SocketAddr,
+        credentials: &Credentials,
+    ) -> Result<RemoteEngine, EngineError> {
+        let (link, hello) = dial(
+            address,
+            LinkRole::Decode,
+            credentials,
+            "the decode worker sent no Hello",
+        )?;
+        let Link { tx, rx: stream, .. } = link;
         let shared = Arc::new(RemoteShared {
             alive: AtomicBool::new(true),
             ..RemoteShared::default()
         });
         let (out, out_rx) = mpsc::channel::<Control>();
-        let mut writer = stream.try_clone().map_err(io)?;
         std::thread::spawn(move || {
             for control in out_rx {
-                if send_control(&mut writer, &control).is_err() {
+                if !send_control(&tx, &control) {
                     break;
                 }
             }
-            let _ = writer.shutdown(std::net::Shutdown::Both);
+            // Dropping the link's sender closes it.
         });
         let reader_shared = Arc::clone(&shared);
         std::thread::spawn(move || read_decode_worker(stream, &reader_shared));
@@ -601,9 +645,9 @@ impl RemoteEngine {
     }
 }
 
-fn read_decode_worker(mut stream: TcpStream, shared: &RemoteShared) {
+fn read_decode_worker(stream: mpsc::Receiver<Bytes>, shared: &RemoteShared) {
     loop {
-        match read_control(&mut stream) {
+        match read_control(&stream) {
             Ok(Some(Control::Accepted { id })) => {
                 if let Some(reply) = lock(&shared.replies).remove(&id) {
                     let _ = reply.send(Ok(()));

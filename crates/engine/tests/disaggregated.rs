@@ -36,9 +36,7 @@ fn transports() -> [Transport; 3] {
     [
         Transport::InProcess,
         Transport::SharedMemory,
-        Transport::Tcp {
-            secret: b"test cluster secret 0123456789".to_vec(),
-        },
+        Transport::Tcp,
     ]
 }
 
@@ -276,9 +274,7 @@ fn cancelling_during_the_hand_off_frees_both_pools_over(transport: &Transport) {
 #[test]
 fn losing_the_prefill_worker_fails_in_flight_requests_and_refuses_new_ones() {
     let model = model();
-    let transport = Transport::Tcp {
-        secret: b"test cluster secret 0123456789".to_vec(),
-    };
+    let transport = Transport::Tcp;
     let engine = Engine::start_disaggregated(
         Arc::clone(&model),
         pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),

@@ -158,15 +158,19 @@ fn bench(c: &mut Criterion) {
     codec.finish();
 }
 
-/// TCP: the authenticated link (link frames, codec, receiver checks) against
-/// a plain loopback socket moving the same bytes, one connection each.
+/// TCP: the link as the engine runs it — TLS 1.3 with mutual certificates
+/// (AES-GCM), link frames, codec, receiver checks — against a plain loopback
+/// socket moving the same bytes, one connection each.
 fn tcp(c: &mut Criterion) {
     use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
 
-    use kvfence_handoff::tcp::{handshake, read_link_frame, write_link_frame};
+    use kvfence_handoff::tcp::{read_link_frame, write_link_frame};
+    use kvfence_handoff::tls::{ClusterCa, Role};
 
-    const SECRET: &[u8] = b"bench cluster secret 0123456789";
+    let ca = ClusterCa::generate().expect("a CA");
+    let decode_tls = ca.credentials(Role::Decode).expect("credentials");
+    let prefill_tls = ca.credentials(Role::Prefill).expect("credentials");
     let prefill = pool();
     let src = source(&prefill);
     let bytes = (TOKENS * SHAPE.layers * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4) as u64;
@@ -215,15 +219,16 @@ fn tcp(c: &mut Criterion) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = listener.local_addr().expect("address");
     std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().expect("accept");
+        let (s, _) = listener.accept().expect("accept");
         s.set_nodelay(true).expect("nodelay");
-        handshake(&mut s, SECRET).expect("handshake");
+        let tls = rustls::ServerConnection::new(decode_tls.server_config()).expect("tls");
+        let mut s = rustls::StreamOwned::new(tls, s);
         let decode = pool();
         let mut receiver = Receiver::new();
         for id in 1.. {
             let lease = decode.lease(RequestId(2), TOKENS).expect("room");
             let grant = receiver.grant(HandoffId(id), lease, TOKENS).expect("grant");
-            if write_link_frame(&mut s, &grant.to_frame()).is_err() {
+            if write_link_frame(&mut s, &grant.to_frame()).is_err() || s.flush().is_err() {
                 return;
             }
             loop {
@@ -236,10 +241,13 @@ fn tcp(c: &mut Criterion) {
             }
         }
     });
-    let mut link = TcpStream::connect(address).expect("connect");
-    link.set_nodelay(true).expect("nodelay");
-    handshake(&mut link, SECRET).expect("handshake");
-    group.bench_function("link: authenticated frames + every check", |b| {
+    let tcp = TcpStream::connect(address).expect("connect");
+    tcp.set_nodelay(true).expect("nodelay");
+    let tls =
+        rustls::ClientConnection::new(prefill_tls.client_config(), Role::Decode.server_name())
+            .expect("tls");
+    let mut link = rustls::StreamOwned::new(tls, tcp);
+    group.bench_function("link: TLS 1.3 frames + every check", |b| {
         b.iter(|| {
             let frame = read_link_frame(&mut link).expect("grant").expect("grant");
             let (grant, _) = Message::decode(&frame).expect("valid").expect("whole");
@@ -247,6 +255,7 @@ fn tcp(c: &mut Criterion) {
             for frame in frames(&grant, &src) {
                 write_link_frame(&mut link, &frame).expect("write");
             }
+            link.flush().expect("flush");
         })
     });
     group.finish();

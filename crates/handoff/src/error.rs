@@ -108,11 +108,23 @@ pub enum HandoffError {
         /// Lease capacity.
         capacity: usize,
     },
-    /// The peer failed the cluster-secret challenge, or spoke another protocol.
+    /// The peer is not a member of the cluster in a role this end accepts.
     #[error("peer authentication failed: {reason}")]
     AuthFailed {
-        /// What went wrong (never the secret).
-        reason: &'static str,
+        /// What went wrong.
+        reason: String,
+    },
+    /// TLS could not be set up, or a link's TLS failed (handshake, a record
+    /// that fails its integrity check).
+    #[error("TLS: {0}")]
+    Tls(String),
+    /// Cluster credentials could not be read or written.
+    #[error("cluster credentials {path}: {reason}")]
+    Credentials {
+        /// The file or directory.
+        path: String,
+        /// What is wrong (never key material).
+        reason: String,
     },
     /// The connection failed.
     #[error("transport: {0}")]

@@ -15,6 +15,7 @@ mod error;
 mod receiver;
 mod sender;
 pub mod tcp;
+pub mod tls;
 mod wire;
 
 pub use error::HandoffError;

@@ -40,6 +40,9 @@ enum Command {
     Decode(workers::DecodeArgs),
     /// Run the HTTP router process in front of a decode worker.
     Router(workers::RouterArgs),
+    /// Set up the credentials of a multi-process cluster.
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
     /// Manage tenants (API keys and limits).
     #[command(subcommand)]
     Tenant(TenantCommand),
@@ -59,6 +62,20 @@ enum Command {
     /// Inspect KV pool sizing.
     #[command(subcommand)]
     Pool(PoolCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum ClusterCommand {
+    /// Create a cluster certificate authority and a TLS certificate and key
+    /// for each role (router, prefill, decode) in DIR: ca.crt, ROLE.crt,
+    /// ROLE.key. Every link between the processes is TLS 1.3 with mutual
+    /// authentication, and each end checks the other's role. Refuses to
+    /// overwrite existing files; the CA's private key is not kept.
+    Init {
+        /// Directory to write (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -144,6 +161,7 @@ fn main() -> anyhow::Result<()> {
         Command::Prefill(args) => workers::prefill(args),
         Command::Decode(args) => workers::decode(args),
         Command::Router(args) => workers::router(args),
+        Command::Cluster(ClusterCommand::Init { out }) => workers::cluster_init(&out),
         Command::Tenant(TenantCommand::Add {
             name,
             max_concurrent,

@@ -30,15 +30,11 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_enum, default_value_t = Mode::Disaggregated)]
     mode: Mode,
     /// Transport between the prefill and decode workers: channels, one-sided
-    /// shared-memory windows, or a loopback TCP connection authenticated
-    /// with the cluster secret.
+    /// shared-memory windows, or a loopback TCP link inside mutually
+    /// authenticated TLS 1.3 (with credentials made at start-up, since both
+    /// ends live in this process).
     #[arg(long, value_enum, default_value_t = Handoff::Inproc)]
     handoff: Handoff,
-    /// File holding the cluster secret for --handoff tcp (else the
-    /// KVFENCE_CLUSTER_SECRET variable; else a random one, since both ends
-    /// live in this process).
-    #[arg(long)]
-    cluster_secret_file: Option<PathBuf>,
     /// Tokens of KV cache for the decode (or colocated) worker, rounded up
     /// to whole pages.
     #[arg(long, default_value_t = 16384)]
@@ -152,7 +148,7 @@ enum Handoff {
     /// One-sided writes into the decode worker's pages through revocable
     /// windows (the RDMA model); aborted pages are quarantined until drained.
     Shm,
-    /// Loopback TCP with an HMAC challenge-response on the cluster secret.
+    /// Loopback TCP inside TLS 1.3 with mutual, role-bound certificates.
     Tcp,
 }
 
@@ -165,18 +161,6 @@ pub(crate) fn init_logging() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-}
-
-/// The cluster secret from `file`, else `KVFENCE_CLUSTER_SECRET`.
-pub(crate) fn configured_secret(file: Option<&PathBuf>) -> anyhow::Result<Option<Vec<u8>>> {
-    if let Some(path) = file {
-        let text = std::fs::read(path)
-            .with_context(|| format!("reading the cluster secret from {}", path.display()))?;
-        return Ok(Some(text.trim_ascii().to_vec()));
-    }
-    Ok(std::env::var("KVFENCE_CLUSTER_SECRET")
-        .ok()
-        .map(String::into_bytes))
 }
 
 /// The model `serve` runs when none is named, and the one it falls back to
@@ -228,12 +212,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             let transport = match args.handoff {
                 Handoff::Inproc => Transport::InProcess,
                 Handoff::Shm => Transport::SharedMemory,
-                Handoff::Tcp => {
-                    let random = || rand::random::<[u8; 32]>().to_vec();
-                    let secret = configured_secret(args.cluster_secret_file.as_ref())?
-                        .unwrap_or_else(random);
-                    Transport::Tcp { secret }
-                }
+                Handoff::Tcp => Transport::Tcp,
             };
             Engine::start_disaggregated(Arc::clone(&model), prefill, decode, config, &transport)
                 .context("connecting the prefill and decode workers")?

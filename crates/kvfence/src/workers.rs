@@ -5,9 +5,9 @@
 //! client ──HTTP──▶ router ──▶ decode worker ──hand-off──▶ prefill worker
 //! ```
 //!
-//! Every link opens with the cluster-secret challenge-response; the secret
-//! comes from `--cluster-secret-file` or `KVFENCE_CLUSTER_SECRET` and must be
-//! the same for all three.
+//! Every link is TLS 1.3 with mutual, role-bound certificates: each process
+//! reads its role's certificate, its key and the cluster CA from
+//! `--tls-dir` (written by `kvfence cluster init`).
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
@@ -16,13 +16,35 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
+use kvfence_engine::tls::{Credentials, Role};
 use kvfence_engine::{Engine, Fleet, RemoteEngine, serve_prefill, serve_routers};
 use kvfence_model::LoadedModel;
 use kvfence_pool::Pool;
+use tracing::warn;
 
-use crate::serve::{
-    EngineArgs, HttpArgs, configured_secret, init_logging, load_model, serve_http, tenants,
-};
+use crate::serve::{EngineArgs, HttpArgs, init_logging, load_model, serve_http, tenants};
+
+/// Where a process finds its TLS credentials.
+#[derive(Args, Debug)]
+pub(crate) struct TlsArgs {
+    /// Directory holding ca.crt and this role's certificate and key
+    /// (ROLE.crt and ROLE.key, as `kvfence cluster init` writes them, or
+    /// tls.crt and tls.key, as a Kubernetes TLS Secret mounts them).
+    #[arg(long, env = "KVFENCE_TLS_DIR")]
+    tls_dir: PathBuf,
+}
+
+impl TlsArgs {
+    fn credentials(&self, role: Role) -> anyhow::Result<Credentials> {
+        if std::env::var_os("KVFENCE_CLUSTER_SECRET").is_some() {
+            warn!(
+                "KVFENCE_CLUSTER_SECRET is no longer used: links authenticate with the certificates in --tls-dir"
+            );
+        }
+        Credentials::load(&self.tls_dir, role)
+            .with_context(|| format!("loading the {role} role's TLS credentials"))
+    }
+}
 
 /// What every worker process takes.
 #[derive(Args, Debug)]
@@ -39,9 +61,8 @@ pub(crate) struct WorkerArgs {
     /// Tokens of KV cache for this worker's pool.
     #[arg(long, default_value_t = 16384)]
     kv_pool_tokens: usize,
-    /// File holding the cluster secret (else KVFENCE_CLUSTER_SECRET).
-    #[arg(long)]
-    cluster_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsArgs,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -71,17 +92,10 @@ pub(crate) struct RouterArgs {
     /// request goes to the one with the fewest requests in flight.
     #[arg(long, value_delimiter = ',', required = true)]
     decode: Vec<SocketAddr>,
-    /// File holding the cluster secret (else KVFENCE_CLUSTER_SECRET).
-    #[arg(long)]
-    cluster_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsArgs,
     #[command(flatten)]
     http: HttpArgs,
-}
-
-fn secret(file: Option<&PathBuf>) -> anyhow::Result<Vec<u8>> {
-    configured_secret(file)?.context(
-        "separate worker processes need a shared cluster secret: set KVFENCE_CLUSTER_SECRET or pass --cluster-secret-file",
-    )
 }
 
 fn listen(address: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -91,48 +105,73 @@ fn listen(address: SocketAddr) -> anyhow::Result<TcpListener> {
     Ok(listener)
 }
 
-/// The parts every worker starts from: secret, model and pool.
-fn start_worker(args: &WorkerArgs) -> anyhow::Result<(Vec<u8>, Arc<LoadedModel>, Pool)> {
+/// The parts every worker starts from: credentials, model and pool.
+fn start_worker(
+    args: &WorkerArgs,
+    role: Role,
+) -> anyhow::Result<(Credentials, Arc<LoadedModel>, Pool)> {
     init_logging();
-    let secret = secret(args.cluster_secret_file.as_ref())?;
+    let credentials = args.tls.credentials(role)?;
     let model = load_model(&args.model)?;
     let pool = args.engine.pool(&model, args.kv_pool_tokens)?;
-    Ok((secret, model, pool))
+    Ok((credentials, model, pool))
 }
 
 pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
-    let (secret, model, pool) = start_worker(&args.worker)?;
+    let (credentials, model, pool) = start_worker(&args.worker, Role::Prefill)?;
     let listener = listen(args.worker.listen)?;
-    serve_prefill(model, pool, args.worker.engine.config()?, listener, &secret)
-        .context("serving decode workers")
+    serve_prefill(
+        model,
+        pool,
+        args.worker.engine.config()?,
+        listener,
+        &credentials,
+    )
+    .context("serving decode workers")
 }
 
 pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
-    let (secret, model, pool) = start_worker(&args.worker)?;
+    let (credentials, model, pool) = start_worker(&args.worker, Role::Decode)?;
     let engine = Engine::start_decode_worker(
         model,
         pool,
         args.worker.engine.config()?,
         args.prefill,
-        &secret,
+        &credentials,
     )
     .with_context(|| format!("connecting to the prefill worker at {}", args.prefill))?;
     let listener = listen(args.worker.listen)?;
-    serve_routers(Arc::new(engine), listener, secret).context("serving routers")
+    serve_routers(Arc::new(engine), listener, &credentials).context("serving routers")
 }
 
 pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
     init_logging();
-    let secret = secret(args.cluster_secret_file.as_ref())?;
+    let credentials = args.tls.credentials(Role::Router)?;
     let tenants = tenants(&args.http)?;
     let model = load_model(&args.model)?;
     let workers = args
         .decode
         .iter()
         .map(|address| {
-            RemoteEngine::connect(*address, &secret)
+            RemoteEngine::connect(*address, &credentials)
                 .with_context(|| format!("connecting to the decode worker at {address}"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     serve_http(&args.http, tenants, model, Box::new(Fleet::new(workers)?))
+}
+
+/// `kvfence cluster init`: a new cluster CA and a certificate per role.
+pub(crate) fn cluster_init(out: &std::path::Path) -> anyhow::Result<()> {
+    let ca = kvfence_engine::tls::ClusterCa::generate()?;
+    let files = ca
+        .write_dir(out)
+        .with_context(|| format!("writing cluster credentials to {}", out.display()))?;
+    for file in &files {
+        println!("wrote {}", file.display());
+    }
+    println!(
+        "\nGive each process its role's files (ca.crt, ROLE.crt, ROLE.key) and pass --tls-dir {}.\nThe CA's private key was not kept: to add a role or rotate, run this again into a new directory.",
+        out.display()
+    );
+    Ok(())
 }

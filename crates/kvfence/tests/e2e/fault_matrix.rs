@@ -11,13 +11,8 @@
 
 use std::time::Duration;
 
-use crate::common::{Server, post};
+use crate::common::{ClusterTls, Server, post};
 use serde_json::json;
-
-const SECRET: (&str, &str) = (
-    "KVFENCE_CLUSTER_SECRET",
-    "fault matrix secret 0123456789abcdef",
-);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -65,19 +60,29 @@ struct Cluster {
     _prefill: Server,
     _decode: Server,
     router: Server,
+    _tls: ClusterTls,
 }
 
 /// Starts the three processes; `failpoints` goes to the process the phase lives in.
 fn cluster(phase: Phase, failpoints: &str) -> Cluster {
-    let fp = [("FAILPOINTS", failpoints), SECRET];
-    let none = [SECRET];
+    let tls = ClusterTls::init();
+    let fp = [("FAILPOINTS", failpoints)];
+    let none: [(&str, &str); 0] = [];
     let (prefill_env, decode_env): (Env<'_>, Env<'_>) = if phase.in_prefill() {
         (&fp, &none)
     } else {
         (&none, &fp)
     };
     let prefill = Server::start_process(
-        &["prefill", "--listen", "127.0.0.1:0", "--step-tokens", "16"],
+        &[
+            "prefill",
+            "--listen",
+            "127.0.0.1:0",
+            "--step-tokens",
+            "16",
+            "--tls-dir",
+            tls.dir(),
+        ],
         prefill_env,
     );
     let decode = Server::start_process(
@@ -89,14 +94,28 @@ fn cluster(phase: Phase, failpoints: &str) -> Cluster {
             &prefill.base,
             "--handoff-timeout-ms",
             "1000",
+            "--tls-dir",
+            tls.dir(),
         ],
         decode_env,
     );
-    let router = Server::start_process(&["router", "--port", "0", "--decode", &decode.base], &none);
+    let router = Server::start_process(
+        &[
+            "router",
+            "--port",
+            "0",
+            "--decode",
+            &decode.base,
+            "--tls-dir",
+            tls.dir(),
+        ],
+        &none,
+    );
     Cluster {
         _prefill: prefill,
         _decode: decode,
         router,
+        _tls: tls,
     }
 }
 

@@ -10,6 +10,7 @@ mod disaggregated;
 mod failpoints;
 #[cfg(feature = "failpoints")]
 mod fault_matrix;
+mod links;
 mod multiprocess;
 mod serve;
 mod smollm2;

@@ -1,46 +1,67 @@
-//! The roles as real processes over authenticated TCP: `kvfence prefill`,
-//! `kvfence decode` and `kvfence router`. Answers equal a single-process
-//! server's; killing the prefill process mid-request gives clients errors
-//! and the decode pool returns to baseline; a wrong secret is refused.
+//! The roles as real processes over mutually authenticated TLS: `kvfence
+//! prefill`, `kvfence decode` and `kvfence router`. Answers equal a
+//! single-process server's; killing the prefill process mid-request gives
+//! clients errors and the decode pool returns to baseline. Attacks on the
+//! links themselves are in `links.rs`.
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common::{Server, post};
+use crate::common::{ClusterTls, Server, post};
 use serde_json::json;
 
-const SECRET: (&str, &str) = (
-    "KVFENCE_CLUSTER_SECRET",
-    "multiprocess test secret 0123456789",
-);
-
-struct Cluster {
-    prefill: Server,
-    _decode: Server,
-    router: Server,
+pub struct Cluster {
+    pub prefill: Server,
+    pub decode: Server,
+    pub router: Server,
+    pub tls: ClusterTls,
 }
 
-fn cluster(prefill_args: &[&str], decode_args: &[&str]) -> Cluster {
-    let mut args = vec!["prefill", "--listen", "127.0.0.1:0"];
-    args.extend_from_slice(prefill_args);
-    let prefill = Server::start_process(&args, &[SECRET]);
+/// A prefill, a decode and a router process sharing fresh credentials.
+pub fn cluster(prefill_args: &[&str], decode_args: &[&str]) -> Cluster {
+    let tls = ClusterTls::init();
+    let prefill = start_prefill(&tls, prefill_args);
+    let decode = start_decode(&tls, &prefill.base, decode_args);
+    let router = start_router(&tls, &decode.base, &[]);
+    Cluster {
+        prefill,
+        decode,
+        router,
+        tls,
+    }
+}
+
+pub fn start_prefill(tls: &ClusterTls, extra: &[&str]) -> Server {
+    let mut args = vec!["prefill", "--listen", "127.0.0.1:0", "--tls-dir", tls.dir()];
+    args.extend_from_slice(extra);
+    Server::start_process(&args, &[])
+}
+
+pub fn start_decode(tls: &ClusterTls, prefill: &str, extra: &[&str]) -> Server {
     let mut args = vec![
         "decode",
         "--listen",
         "127.0.0.1:0",
         "--prefill",
-        &prefill.base,
-    ];
-    args.extend_from_slice(decode_args);
-    let decode = Server::start_process(&args, &[SECRET]);
-    let router = Server::start_process(
-        &["router", "--port", "0", "--decode", &decode.base],
-        &[SECRET],
-    );
-    Cluster {
         prefill,
-        _decode: decode,
-        router,
-    }
+        "--tls-dir",
+        tls.dir(),
+    ];
+    args.extend_from_slice(extra);
+    Server::start_process(&args, &[])
+}
+
+pub fn start_router(tls: &ClusterTls, decode: &str, extra: &[&str]) -> Server {
+    let mut args = vec![
+        "router",
+        "--port",
+        "0",
+        "--decode",
+        decode,
+        "--tls-dir",
+        tls.dir(),
+    ];
+    args.extend_from_slice(extra);
+    Server::start_process(&args, &[])
 }
 
 fn body(i: usize, prompt_len: usize, max_tokens: usize) -> serde_json::Value {
@@ -122,65 +143,13 @@ async fn killing_the_prefill_process_mid_request_gives_errors_and_frees_the_deco
     assert_eq!(status, 503, "no prefill worker: {answer}");
 }
 
-#[test]
-fn a_decode_worker_with_the_wrong_secret_is_refused() {
-    let prefill = Server::start_process(&["prefill", "--listen", "127.0.0.1:0"], &[SECRET]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
-        .args([
-            "decode",
-            "--listen",
-            "127.0.0.1:0",
-            "--prefill",
-            &prefill.base,
-        ])
-        .env("KVFENCE_CLUSTER_SECRET", "not the cluster secret at all")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("authentication failed"), "{stderr}");
-    let without = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
-        .args([
-            "decode",
-            "--listen",
-            "127.0.0.1:0",
-            "--prefill",
-            &prefill.base,
-        ])
-        .env_remove("KVFENCE_CLUSTER_SECRET")
-        .output()
-        .unwrap();
-    assert!(
-        String::from_utf8_lossy(&without.stderr).contains("KVFENCE_CLUSTER_SECRET"),
-        "a missing secret is explained"
-    );
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_router_spreads_requests_over_decode_workers_and_advertises_the_smallest_pool() {
     let a = cluster(&["--kv-pool-tokens", "4096"], &["--kv-pool-tokens", "4096"]);
-    let small_prefill = Server::start_process(
-        &[
-            "prefill",
-            "--listen",
-            "127.0.0.1:0",
-            "--kv-pool-tokens",
-            "1024",
-        ],
-        &[SECRET],
-    );
-    let b = Server::start_process(
-        &[
-            "decode",
-            "--listen",
-            "127.0.0.1:0",
-            "--prefill",
-            &small_prefill.base,
-        ],
-        &[SECRET],
-    );
-    let decodes = format!("{},{}", a._decode.base, b.base);
-    let router = Server::start_process(&["router", "--port", "0", "--decode", &decodes], &[SECRET]);
+    let small_prefill = start_prefill(&a.tls, &["--kv-pool-tokens", "1024"]);
+    let b = start_decode(&a.tls, &small_prefill.base, &[]);
+    let decodes = format!("{},{}", a.decode.base, b.base);
+    let router = start_router(&a.tls, &decodes, &[]);
     let models: serde_json::Value = router.get_json("/v1/models").await;
     assert_eq!(
         models["data"][0]["max_model_len"], 1024,

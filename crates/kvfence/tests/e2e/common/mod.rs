@@ -199,6 +199,38 @@ pub fn tenant(name: &str, extra: &[&str]) -> (String, String) {
     (key, lines)
 }
 
+/// Cluster credentials written by `kvfence cluster init` into a fresh
+/// directory; keep the returned guard alive while processes use it.
+pub struct ClusterTls {
+    dir: tempfile::TempDir,
+}
+
+impl ClusterTls {
+    pub fn init() -> ClusterTls {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_kvfence"))
+            .args(["cluster", "init", "--out"])
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cluster init: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ClusterTls { dir }
+    }
+
+    /// The directory, for `--tls-dir`.
+    pub fn dir(&self) -> &str {
+        self.dir.path().to_str().unwrap()
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+}
+
 /// Writes a tenants file holding `configs`; keep the returned guard alive.
 pub fn tenants_file(configs: &[String]) -> tempfile::NamedTempFile {
     let file = tempfile::NamedTempFile::new().unwrap();

@@ -1,0 +1,363 @@
+//! Links between kvfence processes: TCP inside TLS 1.3 with mutual,
+//! role-bound certificates ([`kvfence_handoff::tls`]), carrying
+//! length-delimited frames ([`kvfence_handoff::tcp`]).
+//!
+//! Every link is authenticated before a single frame is read: the server
+//! requires a client certificate from the cluster CA naming a role its
+//! listener accepts, and the client verifies the server's certificate for
+//! the role it dialled. There is no plain-TCP mode.
+//!
+//! What an unauthenticated peer can cost is bounded ([`ListenLimits`]): a
+//! connection gets `handshake_timeout` to finish its handshake, at most
+//! `max_handshaking` are in a handshake at once (past that the oldest is
+//! closed, so silent sockets cannot lock out a real peer), and at most
+//! `max_links` authenticated links per listener are open at once.
+//!
+//! The sockets and TLS live on one small IO runtime shared by every link of
+//! the process ([`runtime`]); the schedulers stay plain threads and see a
+//! link as a sender of frames ([`LinkTx`]) and a blocking receiver of frames.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, mpsc};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use kvfence_handoff::HandoffError;
+use kvfence_handoff::tcp::MAX_LINK_FRAME;
+use kvfence_handoff::tls::{Credentials, Role, peer_role};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc as tokio_mpsc;
+use tracing::{debug, warn};
+
+use crate::error::EngineError;
+
+/// The IO runtime every link of this process runs on: one thread, since it
+/// only moves bytes (encryption included) and the cores belong to the
+/// compute pool.
+pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvfence-links")
+            .enable_all()
+            .build()
+            .expect("the OS can start the link runtime's thread")
+    })
+}
+
+/// Runs `future` on the link runtime and waits for it from a plain thread.
+fn wait_for<T: Send + 'static>(
+    future: impl std::future::Future<Output = T> + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    runtime().spawn(async move {
+        let _ = tx.send(future.await);
+    });
+    rx.recv().ok()
+}
+
+fn io(e: std::io::Error) -> EngineError {
+    EngineError::Handoff(HandoffError::Io(e.to_string()))
+}
+
+fn tls(e: std::io::Error) -> EngineError {
+    EngineError::Handoff(HandoffError::Tls(e.to_string()))
+}
+
+/// The sending half of a link: frames queued here are written in order.
+/// Dropping every clone closes the link (TLS close, then FIN).
+#[derive(Clone, Debug)]
+pub(crate) struct LinkTx(tokio_mpsc::UnboundedSender<Vec<Bytes>>);
+
+impl LinkTx {
+    /// Queues one frame whose payload is `parts` joined; `false` once the
+    /// link is gone.
+    pub(crate) fn send(&self, parts: Vec<Bytes>) -> bool {
+        self.0.send(parts).is_ok()
+    }
+}
+
+/// An authenticated link: frames out through `tx`, frames in through `rx`
+/// (disconnected once the link is gone).
+pub(crate) struct Link {
+    pub(crate) tx: LinkTx,
+    pub(crate) rx: mpsc::Receiver<Bytes>,
+    /// The role the peer's certificate proved.
+    pub(crate) peer: Role,
+    pub(crate) address: SocketAddr,
+}
+
+/// How long a link may take to authenticate, how many may try at once, and
+/// how many may be open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenLimits {
+    /// A connection that has not finished its TLS handshake by then is closed.
+    pub handshake_timeout: Duration,
+    /// Connections in a handshake at once; past it the oldest is closed.
+    pub max_handshaking: usize,
+    /// Authenticated links open at once; more are closed after the handshake.
+    pub max_links: usize,
+}
+
+impl ListenLimits {
+    /// Defaults for a listener that serves `max_links` peers.
+    pub fn new(max_links: usize) -> ListenLimits {
+        ListenLimits {
+            handshake_timeout: Duration::from_secs(5),
+            max_handshaking: 32,
+            max_links,
+        }
+    }
+}
+
+async fn read_frames<R: AsyncRead + Unpin>(mut input: R, frames: mpsc::Sender<Bytes>) {
+    loop {
+        let mut len = [0u8; 4];
+        match input.read_exact(&mut len).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return,
+            Err(error) => {
+                // A record that fails its integrity check lands here: the
+                // link ends, and nothing of it was delivered.
+                warn!(%error, "link closed on a read error");
+                return;
+            }
+        }
+        let len = u32::from_le_bytes(len) as usize;
+        if len > MAX_LINK_FRAME {
+            warn!(
+                len,
+                max = MAX_LINK_FRAME,
+                "link closed: frame larger than allowed"
+            );
+            return;
+        }
+        let mut payload = BytesMut::zeroed(len);
+        if let Err(error) = input.read_exact(&mut payload).await {
+            warn!(%error, "link closed inside a frame");
+            return;
+        }
+        if frames.send(payload.freeze()).is_err() {
+            return;
+        }
+    }
+}
+
+async fn write_frames<W: AsyncWrite + Unpin>(
+    mut output: W,
+    mut queue: tokio_mpsc::UnboundedReceiver<Vec<Bytes>>,
+) {
+    while let Some(mut parts) = queue.recv().await {
+        loop {
+            let len: usize = parts.iter().map(Bytes::len).sum();
+            if len > MAX_LINK_FRAME {
+                warn!(len, "refusing to send a frame larger than allowed");
+                let _ = output.shutdown().await;
+                return;
+            }
+            let header = (len as u32).to_le_bytes();
+            let mut result = output.write_all(&header).await;
+            for part in &parts {
+                if result.is_err() {
+                    break;
+                }
+                result = output.write_all(part).await;
+            }
+            if let Err(error) = result {
+                debug!(%error, "link write failed");
+                return;
+            }
+            // Flush once the queue is empty: frames queued together go out
+            // in as few records and segments as TLS allows.
+            match queue.try_recv() {
+                Ok(next) => parts = next,
+                Err(_) => break,
+            }
+        }
+        if output.flush().await.is_err() {
+            return;
+        }
+    }
+    let _ = output.shutdown().await;
+}
+
+/// Starts the reader and writer of an authenticated stream. `on_close`
+/// runs when the reader ends (the peer closed, or a bad record).
+fn start<S>(
+    stream: S,
+    peer: Role,
+    address: SocketAddr,
+    on_close: impl FnOnce() + Send + 'static,
+) -> Link
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (reader, writer) = tokio::io::split(stream);
+    let (frames_tx, frames_rx) = mpsc::channel();
+    let (queue_tx, queue_rx) = tokio_mpsc::unbounded_channel();
+    let rt = runtime();
+    rt.spawn(async move {
+        read_frames(reader, frames_tx).await;
+        on_close();
+    });
+    rt.spawn(write_frames(writer, queue_rx));
+    Link {
+        tx: LinkTx(queue_tx),
+        rx: frames_rx,
+        peer,
+        address,
+    }
+}
+
+/// Dials `address`, which must prove it is a `server` with a certificate
+/// from the cluster CA; presents `credentials`.
+pub(crate) fn dial(
+    address: SocketAddr,
+    server: Role,
+    credentials: &Credentials,
+) -> Result<Link, EngineError> {
+    let connector = tokio_rustls::TlsConnector::from(credentials.client_config());
+    let handshake = async move {
+        let tcp = tokio::net::TcpStream::connect(address).await.map_err(io)?;
+        tcp.set_nodelay(true).map_err(io)?;
+        let stream = connector
+            .connect(server.server_name(), tcp)
+            .await
+            .map_err(tls)?;
+        Ok::<_, EngineError>(start(stream, server, address, || {}))
+    };
+    let timeout = ListenLimits::new(1).handshake_timeout;
+    wait_for(async move {
+        tokio::time::timeout(timeout, handshake)
+            .await
+            .unwrap_or_else(|_| {
+                Err(EngineError::Handoff(HandoffError::Tls(format!(
+                    "no TLS handshake with {address} within {timeout:?}"
+                ))))
+            })
+    })
+    .unwrap_or_else(|| Err(EngineError::ShuttingDown))
+}
+
+/// Accepts links on `listener` from peers proving one of the `allowed`
+/// roles, within `limits`; each authenticated link arrives on the returned
+/// channel. Refused connections are logged (address and reason, nothing
+/// else) and cost no more than `limits` allow.
+pub(crate) fn accept(
+    listener: std::net::TcpListener,
+    credentials: &Credentials,
+    allowed: &'static [Role],
+    limits: ListenLimits,
+) -> Result<mpsc::Receiver<Link>, EngineError> {
+    listener.set_nonblocking(true).map_err(io)?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(credentials.server_config());
+    let (links_tx, links_rx) = mpsc::channel();
+    let handshaking = Arc::new(Handshaking::default());
+    let open = Arc::new(AtomicUsize::new(0));
+    let rt = runtime();
+    let listener = {
+        let _guard = rt.enter();
+        tokio::net::TcpListener::from_std(listener).map_err(io)?
+    };
+    rt.spawn(async move {
+        for serial in 0u64.. {
+            let (tcp, address) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let (acceptor, links_tx) = (acceptor.clone(), links_tx.clone());
+            let (registry, open) = (Arc::clone(&handshaking), Arc::clone(&open));
+            let task = tokio::spawn(async move {
+                let result = tokio::time::timeout(limits.handshake_timeout, async {
+                    let _ = tcp.set_nodelay(true);
+                    acceptor.accept(tcp).await
+                })
+                .await;
+                registry.finished(serial);
+                let stream = match result {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(error)) => {
+                        warn!(%address, %error, "refused a connection: TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        warn!(%address, "refused a connection: no TLS handshake in time");
+                        return;
+                    }
+                };
+                let role = match peer_role(stream.get_ref().1.peer_certificates(), allowed) {
+                    Ok(role) => role,
+                    Err(error) => {
+                        warn!(%address, %error, "refused a connection");
+                        return;
+                    }
+                };
+                let claimed = open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < limits.max_links).then_some(n + 1)
+                });
+                if claimed.is_err() {
+                    warn!(%address, %role, max = limits.max_links, "refused a link: this listener's links are all taken");
+                    return;
+                }
+                let link = start(stream, role, address, move || {
+                    open.fetch_sub(1, Ordering::AcqRel);
+                });
+                let _ = links_tx.send(link);
+            });
+            // Bounded: past the cap the oldest handshake makes room. Silent
+            // sockets cannot crowd out a real peer, whose handshake takes
+            // milliseconds while theirs take the whole timeout.
+            if let Some(evicted) = handshaking.started(serial, task.abort_handle(), limits) {
+                debug!(
+                    max = limits.max_handshaking,
+                    "too many connections in a handshake; closed the oldest"
+                );
+                evicted.abort();
+            }
+        }
+    });
+    Ok(links_rx)
+}
+
+/// Connections in a TLS handshake, oldest first.
+#[derive(Default)]
+struct Handshaking(std::sync::Mutex<std::collections::VecDeque<(u64, tokio::task::AbortHandle)>>);
+
+impl Handshaking {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, tokio::task::AbortHandle)>>
+    {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records a new handshake; returns the oldest one to abort if that
+    /// puts the listener over its cap.
+    fn started(
+        &self,
+        serial: u64,
+        task: tokio::task::AbortHandle,
+        limits: ListenLimits,
+    ) -> Option<tokio::task::AbortHandle> {
+        let mut list = self.lock();
+        if task.is_finished() {
+            return None;
+        }
+        list.push_back((serial, task));
+        (list.len() > limits.max_handshaking.max(1))
+            .then(|| list.pop_front().map(|(_, task)| task))
+            .flatten()
+    }
+
+    fn finished(&self, serial: u64) {
+        self.lock().retain(|(s, _)| *s != serial);
+    }
+}
