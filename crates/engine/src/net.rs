@@ -361,3 +361,105 @@ impl Handshaking {
         self.lock().retain(|(s, _)| *s != serial);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfence_handoff::tls::ClusterCa;
+    use std::io::Read;
+
+    fn limits(handshake_ms: u64, max_handshaking: usize, max_links: usize) -> ListenLimits {
+        ListenLimits {
+            handshake_timeout: Duration::from_millis(handshake_ms),
+            max_handshaking,
+            max_links,
+        }
+    }
+
+    fn listening(
+        limits: ListenLimits,
+    ) -> (SocketAddr, mpsc::Receiver<Link>, Credentials, Credentials) {
+        let ca = ClusterCa::generate().unwrap();
+        let prefill = ca.credentials(Role::Prefill).unwrap();
+        let decode = ca.credentials(Role::Decode).unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let links = accept(listener, &prefill, &[Role::Decode], limits).unwrap();
+        (address, links, prefill, decode)
+    }
+
+    /// How long until the server closes a socket that sends nothing.
+    fn closed_after(mut socket: std::net::TcpStream) -> Duration {
+        let started = std::time::Instant::now();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut buf = [0u8; 16];
+        let _ = socket.read(&mut buf);
+        started.elapsed()
+    }
+
+    #[test]
+    fn an_authenticated_link_carries_frames_both_ways() {
+        let (address, links, _, decode) = listening(limits(2000, 4, 4));
+        let client = dial(address, Role::Prefill, &decode).unwrap();
+        let server = links.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(server.peer, Role::Decode);
+        assert!(client.tx.send(vec![Bytes::from_static(b"ab"), Bytes::from_static(b"c")]));
+        assert_eq!(&server.rx.recv().unwrap()[..], b"abc");
+        assert!(server.tx.send(vec![Bytes::from(vec![7u8; 100_000])]));
+        assert_eq!(client.rx.recv().unwrap().len(), 100_000);
+        drop(client);
+        assert!(server.rx.recv().is_err(), "the link's end is seen");
+    }
+
+    #[test]
+    fn a_silent_connection_is_closed_by_the_handshake_deadline() {
+        let (address, _links, _, _) = listening(limits(200, 4, 4));
+        let waited = closed_after(std::net::TcpStream::connect(address).unwrap());
+        assert!(waited < Duration::from_secs(10), "closed after {waited:?}");
+    }
+
+    #[test]
+    fn past_the_handshake_cap_the_oldest_connection_makes_room() {
+        // A deadline far away: only the cap can close the first socket.
+        let (address, links, _, decode) = listening(limits(60_000, 2, 4));
+        let oldest = std::net::TcpStream::connect(address).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let _second = std::net::TcpStream::connect(address).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let _third = std::net::TcpStream::connect(address).unwrap();
+        assert!(closed_after(oldest) < Duration::from_secs(10));
+        // A real peer still gets through while the cap is full of silence.
+        let _client = dial(address, Role::Prefill, &decode).unwrap();
+        assert!(links.recv_timeout(Duration::from_secs(5)).is_ok());
+    }
+
+    #[test]
+    fn links_past_the_cap_are_closed_after_the_handshake() {
+        let (address, links, _, decode) = listening(limits(2000, 4, 1));
+        let first = dial(address, Role::Prefill, &decode).unwrap();
+        let _kept = links.recv_timeout(Duration::from_secs(5)).unwrap();
+        let second = dial(address, Role::Prefill, &decode).unwrap();
+        assert!(
+            second.rx.recv_timeout(Duration::from_secs(5)).is_err(),
+            "the second link is closed"
+        );
+        assert!(links.try_recv().is_err());
+        drop((first, _kept));
+        // Room again once the first link is gone.
+        std::thread::sleep(Duration::from_millis(200));
+        let _third = dial(address, Role::Prefill, &decode).unwrap();
+        assert!(links.recv_timeout(Duration::from_secs(5)).is_ok());
+    }
+
+    #[test]
+    fn a_listener_refuses_roles_it_does_not_accept() {
+        let (address, links, prefill, _) = listening(limits(2000, 4, 4));
+        // A prefill certificate dialling a listener that takes decode workers.
+        if let Ok(link) = dial(address, Role::Prefill, &prefill) {
+            assert!(link.rx.recv_timeout(Duration::from_secs(5)).is_err());
+        }
+        assert!(links.recv_timeout(Duration::from_millis(500)).is_err());
+    }
+}
