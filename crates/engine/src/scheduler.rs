@@ -35,7 +35,7 @@ use kvfence_model::{LoadedModel, Logits, Sampler, Sequence};
 use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{Lease, Pool, PoolError, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
-use tracing::{debug, warn};
+use tracing::{debug, trace, warn};
 
 use crate::engine::{Counters, EngineConfig};
 use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, Usage};
@@ -338,6 +338,7 @@ impl Scheduler {
             return;
         }
         let id = RequestId(grant.id.0);
+        debug!(handoff = %grant.id, tokens = grant.tokens, "prefill order queued");
         self.counters.queued.fetch_add(1, Ordering::AcqRel);
         self.waiting.push_back(Pending {
             id,
@@ -409,6 +410,7 @@ impl Scheduler {
                 debug!(handoff = %id, pages, "quarantined pages released after the writer's ack")
             }
             Outcome::Committed(committed) => {
+                debug!(handoff = %committed.id(), tokens = committed.tokens(), "hand-off committed");
                 let Some(index) = self.position(RequestId(committed.id().0)) else {
                     return;
                 };
@@ -703,6 +705,12 @@ impl Scheduler {
         if work.is_empty() {
             return;
         }
+        trace!(
+            role = self.role.label(),
+            sequences = work.len(),
+            tokens = work.iter().map(|w| w.tokens.len()).sum::<usize>(),
+            "step"
+        );
         if self.role == Role::Decode {
             // Fault injection: a slow or crashing decode step.
             fail::fail_point!("decode-step", crash_or_stall);

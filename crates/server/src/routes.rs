@@ -19,7 +19,7 @@ use futures_util::stream::{self, Stream};
 use kvfence_engine::{Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage};
 use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
-use tracing::info;
+use tracing::{debug, info};
 
 use crate::AppState;
 use crate::error::{ApiError, ErrorType};
@@ -199,6 +199,12 @@ async fn handle(
         Ok(prepared) => prepared,
         Err(error) => return refuse(&state, &tenant.name, endpoint, error),
     };
+    debug!(
+        tenant = %tenant.name,
+        endpoint = endpoint.label(),
+        prompt_tokens = prepared.request.prompt.len(),
+        "request prepared"
+    );
     let permit = match tenant.admit() {
         Ok(permit) => permit,
         Err(error) => return refuse(&state, &tenant.name, endpoint, error),

@@ -448,3 +448,81 @@ async fn sigterm_lets_in_flight_requests_finish_then_exits_cleanly() {
     assert_eq!(body["usage"]["completion_tokens"], 300);
     assert!(server.wait().success());
 }
+
+/// I10 at the most verbose level: every role — `serve`'s router, prefill
+/// and decode workers in one process, and the three roles as separate
+/// processes — runs with `RUST_LOG=trace` while prompts carry a marker of
+/// rare characters; none of those characters appears anywhere in any log,
+/// so not even a crate that logs text one character at a time leaks it.
+#[tokio::test(flavor = "multi_thread")]
+async fn i10_no_role_logs_prompt_text_even_at_trace_level() {
+    let marker = "ʬʭʮʯ";
+    let trace = [("RUST_LOG", "trace")];
+    let serve = Server::start_process(&["serve", "--port", "0", "--model", "builtin:tiny"], &trace);
+    let tls = crate::common::ClusterTls::init();
+    let prefill = Server::start_process(
+        &["prefill", "--listen", "127.0.0.1:0", "--tls-dir", tls.dir()],
+        &trace,
+    );
+    let decode = Server::start_process(
+        &[
+            "decode",
+            "--listen",
+            "127.0.0.1:0",
+            "--prefill",
+            &prefill.base,
+            "--tls-dir",
+            tls.dir(),
+        ],
+        &trace,
+    );
+    let router = Server::start_process(
+        &[
+            "router",
+            "--port",
+            "0",
+            "--decode",
+            &decode.base,
+            "--tls-dir",
+            tls.dir(),
+        ],
+        &trace,
+    );
+    for front in [&serve, &router] {
+        let chat = front.url("/v1/chat/completions");
+        let (status, _) = post(
+            &chat,
+            None,
+            chat_body(&format!("remember {marker} please"), 4, false),
+        )
+        .await;
+        assert_eq!(status, 200);
+        sse(&chat, None, chat_body(marker, 4, true)).await;
+        let completions = front.url("/v1/completions");
+        post(
+            &completions,
+            None,
+            json!({"prompt": format!("{marker} again"), "max_tokens": 4, "stop": [marker]}),
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for (role, server) in [
+        ("serve", &serve),
+        ("prefill", &prefill),
+        ("decode", &decode),
+        ("router", &router),
+    ] {
+        let log = server.log();
+        assert!(
+            log.contains("TRACE") || log.contains("DEBUG"),
+            "{role} logged at trace: {log}"
+        );
+        for ch in marker.chars() {
+            assert!(
+                !log.contains(ch),
+                "{role}'s trace log holds the prompt's character {ch:?}"
+            );
+        }
+    }
+}

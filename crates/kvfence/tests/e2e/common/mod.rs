@@ -32,8 +32,8 @@ impl Server {
     pub fn start_process(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfence"))
             .args(args)
-            .envs(env.iter().copied())
             .env_remove("RUST_LOG")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
