@@ -131,6 +131,34 @@ pub(crate) struct HttpArgs {
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
+    /// HTTP connections served at once; past it, new ones wait to be accepted.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Milliseconds a client has to send a request's headers (also the idle
+    /// limit of a kept-alive connection); slower connections are closed.
+    #[arg(long, default_value_t = 10_000)]
+    header_timeout_ms: u64,
+    /// Milliseconds an authenticated client has to send a request's whole body.
+    #[arg(long, default_value_t = 30_000)]
+    body_timeout_ms: u64,
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, default_value_t = 2 << 20)]
+    max_body_bytes: usize,
+}
+
+impl HttpArgs {
+    fn limits(&self) -> anyhow::Result<kvfence_server::ConnectionLimits> {
+        anyhow::ensure!(
+            self.max_connections > 0 && self.header_timeout_ms > 0 && self.body_timeout_ms > 0,
+            "--max-connections, --header-timeout-ms and --body-timeout-ms must be positive"
+        );
+        Ok(kvfence_server::ConnectionLimits {
+            max_connections: self.max_connections,
+            header_timeout: Duration::from_millis(self.header_timeout_ms),
+            body_timeout: Duration::from_millis(self.body_timeout_ms),
+            max_body_bytes: self.max_body_bytes,
+        })
+    }
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -326,6 +354,7 @@ pub(crate) fn serve_http(
         model_id,
         capacity,
         default_max_tokens: http.default_max_tokens,
+        limits: http.limits()?,
     };
     let state = AppState::new(backend, model, options);
     let runtime = tokio::runtime::Builder::new_multi_thread()

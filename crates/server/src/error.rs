@@ -66,6 +66,12 @@ pub enum ErrorType {
     ServerError,
     /// 503: cannot serve now.
     ServiceUnavailable,
+    /// 413: the body is larger than the server takes.
+    #[serde(rename = "invalid_request_error")]
+    TooLarge,
+    /// 408: the body did not arrive in time.
+    #[serde(rename = "invalid_request_error")]
+    Timeout,
 }
 
 impl ErrorType {
@@ -77,6 +83,8 @@ impl ErrorType {
             ErrorType::RateLimitError => StatusCode::TOO_MANY_REQUESTS,
             ErrorType::ServerError => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorType::ServiceUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorType::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorType::Timeout => StatusCode::REQUEST_TIMEOUT,
         }
     }
 }

@@ -37,6 +37,10 @@ pub struct AppState {
     capacity: Capacity,
     metrics: Metrics,
     default_max_tokens: usize,
+    limits: ConnectionLimits,
+    /// Template and tokenizer work at once, off the async runtime: bounded,
+    /// so big prompts queue here instead of filling the blocking pool.
+    text_work: Arc<tokio::sync::Semaphore>,
     created: u64,
 }
 
@@ -49,8 +53,10 @@ pub struct ApiOptions {
     pub model_id: String,
     /// The context limits (see [`Capacity::compute`]).
     pub capacity: Capacity,
-    /// `max_tokens` when a request gives none (lowered to what the context allows).
+    /// `max_tokens` when a request gives none (lowered to what the tenant and the context allow).
     pub default_max_tokens: usize,
+    /// What a connection may cost.
+    pub limits: ConnectionLimits,
 }
 
 impl AppState {
@@ -69,6 +75,10 @@ impl AppState {
             tenants: options.tenants,
             capacity: options.capacity,
             default_max_tokens: options.default_max_tokens,
+            limits: options.limits,
+            text_work: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
+            )),
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
@@ -92,34 +102,91 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// What one HTTP connection may cost before it has said who it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Connections served at once; past it, accepting waits.
+    pub max_connections: usize,
+    /// A request's headers must arrive within this (including the wait for
+    /// the next request on a kept-alive connection).
+    pub header_timeout: Duration,
+    /// A request's whole body must arrive within this, once its headers
+    /// were authenticated.
+    pub body_timeout: Duration,
+    /// Largest request body, in bytes (413 past it).
+    pub max_body_bytes: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            max_connections: 1024,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            max_body_bytes: 2 << 20,
+        }
+    }
+}
+
 /// Serves until `shutdown` resolves, then stops accepting connections and
 /// lets in-flight requests finish for up to `grace`; after that the engine
 /// fails what is left, so every client still gets an answer (an error).
+///
+/// Connections are bounded ([`ConnectionLimits`]): at most
+/// `max_connections` at once, and headers that do not arrive within
+/// `header_timeout` close the connection, so a stranger holding sockets
+/// open costs a bounded amount for a bounded time.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> std::io::Result<()> {
-    let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
-    let server =
-        axum::serve(listener, router(Arc::clone(&state))).with_graceful_shutdown(async move {
-            shutdown.await;
-            let _ = stopping_tx.send(());
-        });
-    let enforcer = {
-        let state = Arc::clone(&state);
-        async move {
-            if stopping_rx.await.is_ok() {
-                tokio::time::sleep(grace).await;
-                tracing::warn!("shutdown grace period over; failing requests still in flight");
-                state.engine.shutdown();
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let limits = state.limits;
+    let app = router(Arc::clone(&state));
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            slot = Arc::clone(&slots).acquire_owned() => {
+                slot.expect("the connection semaphore is never closed")
             }
-            std::future::pending::<()>().await;
-        }
-    };
-    tokio::select! {
-        result = server.into_future() => result,
-        () = enforcer => Ok(()),
+            () = &mut shutdown => break,
+        };
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(error) => {
+                    // Out of file descriptors, most likely: wait, do not spin.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_timeout)
+            .serve_connection(TokioIo::new(tcp), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            let _ = connection.await;
+            drop(slot);
+        });
     }
+    drop(listener);
+    let drained = graceful.shutdown();
+    tokio::pin!(drained);
+    if tokio::time::timeout(grace, &mut drained).await.is_err() {
+        tracing::warn!("shutdown grace period over; failing requests still in flight");
+        state.engine.shutdown();
+        // The failures reach their clients as errors; then the connections end.
+        let _ = tokio::time::timeout(Duration::from_secs(5), drained).await;
+    }
+    Ok(())
 }

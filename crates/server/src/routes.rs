@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -144,15 +144,29 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     )
 }
 
-fn authorization(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
+/// The request's one `Authorization` header. Two or more are refused: a
+/// proxy and a client that each add one must not leave it to chance which
+/// tenant the request runs as.
+fn authorization(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let first = values.next();
+    if values.next().is_some() {
+        return Err(ApiError::new(
+            ErrorType::AuthenticationError,
+            "invalid_api_key",
+            "more than one Authorization header: send exactly one",
+        ));
+    }
+    Ok(first.and_then(|v| v.to_str().ok()))
+}
+
+fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<Arc<Tenant>, ApiError> {
+    state.tenants.authenticate(authorization(headers)?)
 }
 
 /// `GET /v1/models`: the served model and its honest context (I6).
 pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(error) = state.tenants.authenticate(authorization(&headers)) {
+    if let Err(error) = authenticate(&state, &headers) {
         state.metrics.rejection(error.reason());
         return error.into_response();
     }
@@ -171,7 +185,7 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     handle(state, headers, body, Endpoint::Chat).await
 }
 
@@ -179,23 +193,104 @@ pub async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
 pub async fn completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Response {
     handle(state, headers, body, Endpoint::Completions).await
+}
+
+/// Reads a request's body, bounded in size and in time. Called only once
+/// its headers were authenticated and its tenant admitted, so a stranger
+/// never makes the server hold a body.
+async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let max = state.limits.max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            ErrorType::TooLarge,
+            "request_too_large",
+            format!("the request body is larger than {max} bytes"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > max as u64) {
+        return Err(too_large());
+    }
+    match tokio::time::timeout(state.limits.body_timeout, axum::body::to_bytes(body, max)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(error)) => {
+            let inner = error.into_inner();
+            if inner.is::<http_body_util::LengthLimitError>() {
+                Err(too_large())
+            } else {
+                Err(ApiError::invalid(
+                    "body",
+                    "the request body could not be read",
+                ))
+            }
+        }
+        Err(_) => Err(ApiError::new(
+            ErrorType::Timeout,
+            "request_timeout",
+            format!(
+                "the request body did not arrive within {} s",
+                state.limits.body_timeout.as_secs()
+            ),
+        )),
+    }
+}
+
+/// Template and tokenizer work for one request, on a blocking thread and
+/// at most `text_work` at once: a big prompt never stalls the async
+/// runtime (and with it `/health` and every stream).
+async fn prepare_off_runtime(
+    state: &Arc<AppState>,
+    tenant: &Arc<Tenant>,
+    body: Bytes,
+    endpoint: Endpoint,
+) -> Result<Prepared, ApiError> {
+    let internal = || {
+        ApiError::new(
+            ErrorType::ServerError,
+            "internal_error",
+            "the request could not be prepared",
+        )
+    };
+    let _slot = Arc::clone(&state.text_work)
+        .acquire_owned()
+        .await
+        .map_err(|_| internal())?;
+    let (state, tenant) = (Arc::clone(state), Arc::clone(tenant));
+    tokio::task::spawn_blocking(move || prepare(&state, &tenant, &body, endpoint))
+        .await
+        .map_err(|_| internal())?
 }
 
 async fn handle(
     state: Arc<AppState>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
     endpoint: Endpoint,
 ) -> Response {
     let started = Instant::now();
-    let tenant = match state.tenants.authenticate(authorization(&headers)) {
+    // Who is asking, from the headers alone: a stranger is refused before
+    // a byte of the body is read.
+    let tenant = match authenticate(&state, &headers) {
         Ok(tenant) => tenant,
         Err(error) => return refuse(&state, "-", endpoint, error),
     };
-    let prepared = match prepare(&state, &tenant, &body, endpoint) {
+    // The tenant's slot before any work: a tenant at its limit costs no
+    // body, no template and no tokenizer.
+    let permit = match tenant.admit() {
+        Ok(permit) => permit,
+        Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+    };
+    let body = match read_body(&state, &headers, body).await {
+        Ok(body) => body,
+        Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+    };
+    let prepared = match prepare_off_runtime(&state, &tenant, body, endpoint).await {
         Ok(prepared) => prepared,
         Err(error) => return refuse(&state, &tenant.name, endpoint, error),
     };
@@ -205,10 +300,6 @@ async fn handle(
         prompt_tokens = prepared.request.prompt.len(),
         "request prepared"
     );
-    let permit = match tenant.admit() {
-        Ok(permit) => permit,
-        Err(error) => return refuse(&state, &tenant.name, endpoint, error),
-    };
     let prompt_tokens = prepared.request.prompt.len();
     let max_tokens = prepared.request.max_tokens;
     // A remote engine answers over the network: keep it off the async workers.
@@ -332,8 +423,11 @@ fn prepare(
     let max_context = state.capacity.max_context;
     let max_tokens = match params.max_tokens()? {
         Some(n) => n,
+        // No max_tokens (what most chat UIs send): the default, lowered to
+        // what this tenant and the context allow, never a refusal.
         None => state
             .default_max_tokens
+            .min(tenant.max_tokens.unwrap_or(usize::MAX))
             .min(max_context.saturating_sub(prompt.len()).max(1)),
     };
     if let Some(limit) = tenant.max_tokens

@@ -294,12 +294,21 @@ async fn tenant_limits_give_429_for_concurrency_and_400_for_max_tokens() {
     assert_eq!(status, 429, "{body}");
     assert_eq!(body["error"]["type"], "rate_limit_error");
     drop(long);
-    let (status, body) = post(
-        &url,
-        Some(&key),
-        json!({"prompt": "big", "max_tokens": 4001}),
-    )
-    .await;
+    // The slot comes back once the server sees the client leave; admission
+    // comes before validation, so until then it answers 429.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (status, body) = loop {
+        let answer = post(
+            &url,
+            Some(&key),
+            json!({"prompt": "big", "max_tokens": 4001}),
+        )
+        .await;
+        if answer.0 != 429 || std::time::Instant::now() > deadline {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(
         (status, body["error"]["param"].as_str()),
         (400, Some("max_tokens"))
@@ -525,4 +534,68 @@ async fn i10_no_role_logs_prompt_text_even_at_trace_level() {
             );
         }
     }
+}
+
+/// A request without `max_tokens` — what most chat UIs send — under a
+/// tenant limit below `--default-max-tokens` gets the tenant's limit, not a
+/// 400; an explicit value over the limit is still refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_absent_max_tokens_is_capped_at_the_tenants_limit() {
+    let (key, lines) = tenant("capped", &["--max-tokens", "5"]);
+    let file = tenants_file(&[lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let url = server.url("/v1/completions");
+    let (status, body) = post(
+        &url,
+        Some(&key),
+        json!({"prompt": "go", "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 5, "{body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    let (status, body) = post(&url, Some(&key), json!({"prompt": "go", "max_tokens": 6})).await;
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("max_tokens"))
+    );
+}
+
+/// Two `Authorization` headers (a proxy's and a client's) are refused,
+/// never settled by whichever comes first.
+#[tokio::test(flavor = "multi_thread")]
+async fn i9_duplicate_authorization_headers_are_refused() {
+    let (key_a, lines_a) = tenant("a", &[]);
+    let (key_b, lines_b) = tenant("b", &[]);
+    let file = tenants_file(&[lines_a, lines_b]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    for path in ["/v1/completions", "/v1/models"] {
+        let mut request = if path == "/v1/models" {
+            reqwest::Client::new().get(server.url(path))
+        } else {
+            reqwest::Client::new()
+                .post(server.url(path))
+                .json(&json!({"prompt": "x", "max_tokens": 1}))
+        };
+        request = request
+            .header("authorization", format!("Bearer {key_a}"))
+            .header("authorization", format!("Bearer {key_b}"));
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), 401, "{path}");
+        let body: Value = response.json().await.unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("more than one"),
+            "{body}"
+        );
+    }
+    let (status, _) = post(
+        &server.url("/v1/completions"),
+        Some(&key_a),
+        json!({"prompt": "x", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200, "one header still works");
 }

@@ -72,6 +72,20 @@ impl Server {
         self.log.lock().unwrap().clone()
     }
 
+    /// Waits (up to 10 s) until the log contains `needle`: the log is read
+    /// from the process as it writes it, so a line may lag its event.
+    pub fn wait_for_log(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.log().contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "the log never said {needle:?}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The sum of the `/metrics` series whose line passes `keep`.
     pub async fn metric_sum(&self, keep: impl Fn(&str) -> bool) -> f64 {
         let text = reqwest::get(self.url("/metrics"))
