@@ -2,7 +2,7 @@
 //! to stream — whole characters only, and nothing that might be the start of
 //! a stop string until it is known not to be.
 
-use kvfence_model::{ModelError, StopStrings, Tokenizer};
+use kvfence_model::{ModelError, StopMatcher, StopStrings, Tokenizer};
 
 /// Incremental detokenizer with stop-string handling for one request.
 #[derive(Debug)]
@@ -14,7 +14,9 @@ pub struct TextStream {
     read: usize,
     text: String,
     emitted: usize,
-    stops: StopStrings,
+    /// Matched incrementally: each new byte costs the same however long the
+    /// stops and the completion are.
+    stops: StopMatcher,
 }
 
 /// Result of pushing one token.
@@ -35,7 +37,7 @@ impl TextStream {
             read: 0,
             text: String::new(),
             emitted: 0,
-            stops,
+            stops: stops.matcher(),
         }
     }
 
@@ -47,15 +49,18 @@ impl TextStream {
         // re-decoding the whole completion each step.
         let before = tokenizer.decode(&self.ids[self.prefix..self.read])?;
         let after = tokenizer.decode(&self.ids[self.prefix..])?;
+        let mut found = None;
         if after.len() > before.len()
             && !after.ends_with('\u{FFFD}')
             && after.is_char_boundary(before.len())
         {
-            self.text.push_str(&after[before.len()..]);
+            let appended = &after[before.len()..];
+            found = self.stops.push(appended);
+            self.text.push_str(appended);
             self.prefix = self.read;
             self.read = self.ids.len();
         }
-        if let Some(cut) = self.stops.find(&self.text) {
+        if let Some(cut) = found {
             let delta = self
                 .text
                 .get(self.emitted..cut)
@@ -68,7 +73,7 @@ impl TextStream {
                 stopped: true,
             });
         }
-        let safe = self.text.len() - self.stops.holdback(&self.text);
+        let safe = self.text.len() - self.stops.holdback();
         let delta = self.text[self.emitted.min(safe)..safe].to_string();
         self.emitted = self.emitted.max(safe);
         Ok(Pushed {

@@ -35,6 +35,6 @@ pub use error::ModelError;
 pub use fetch::{KnownModel, ModelCache};
 pub use forward::{Logits, Model, Sequence};
 pub use loader::LoadedModel;
-pub use sampling::{Sampler, SamplingParams, StopStrings};
+pub use sampling::{MAX_STOP_BYTES, Sampler, SamplingParams, StopMatcher, StopStrings};
 pub use tensors::{DiskDtype, Tensor, TensorMap};
 pub use tokenizer::Tokenizer;

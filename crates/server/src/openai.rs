@@ -225,15 +225,21 @@ impl CommonParams {
         })
     }
 
-    /// Stop strings, at most four, none empty.
+    /// Stop strings: at most four, none empty, at most
+    /// [`kvfence_model::MAX_STOP_BYTES`] together.
     pub fn stop_strings(&self) -> Result<StopStrings, ApiError> {
         let list: Vec<String> = match &self.stop {
             None => Vec::new(),
             Some(StopField::One(s)) => vec![s.expose().to_string()],
             Some(StopField::Many(v)) => v.iter().map(|s| s.expose().to_string()).collect(),
         };
-        StopStrings::new(list)
-            .map_err(|_| ApiError::invalid("stop", "stop takes at most 4 non-empty strings"))
+        StopStrings::new(list).map_err(|error| match error {
+            // The model's reason names counts and sizes, never the text (I10).
+            kvfence_model::ModelError::InvalidSampling { reason } => {
+                ApiError::invalid("stop", reason)
+            }
+            _ => ApiError::invalid("stop", "stop takes at most 4 non-empty strings"),
+        })
     }
 
     /// Whether the last stream chunk should carry usage.

@@ -599,3 +599,34 @@ async fn i9_duplicate_authorization_headers_are_refused() {
     .await;
     assert_eq!(status, 200, "one header still works");
 }
+
+/// Stop strings are bounded in total bytes (400 naming `stop`), so no
+/// request can make the per-token matching every request shares expensive.
+#[tokio::test(flavor = "multi_thread")]
+async fn stop_strings_over_the_byte_bound_are_refused() {
+    let server = Server::start(&[]);
+    let url = server.url("/v1/completions");
+    let huge = "stop".repeat(300);
+    let (status, body) = post(
+        &url,
+        None,
+        json!({"prompt": "x", "max_tokens": 2, "stop": [huge.clone(), huge.clone(), huge.clone(), huge]}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("stop")),
+        "{body}"
+    );
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("4096"),
+        "{body}"
+    );
+    let (status, body) = post(
+        &url,
+        None,
+        json!({"prompt": "x", "max_tokens": 2, "stop": ["a".repeat(1000)]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+}
