@@ -95,7 +95,7 @@ impl Metrics {
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
             "requests",
-            "HTTP requests answered, by tenant, endpoint and status",
+            "HTTP requests ended, by tenant, endpoint and status (an HTTP status, or cancelled when the client left first)",
             requests.clone(),
         );
         let rejections = Family::<ReasonLabel, Counter>::default();
@@ -260,12 +260,14 @@ impl Metrics {
     }
 
     /// Counts one answered request.
-    pub fn request(&self, tenant: &str, endpoint: &str, status: u16) {
+    /// `status` is the HTTP status code, or `cancelled` for a request whose
+    /// client left before it ended.
+    pub fn request(&self, tenant: &str, endpoint: &str, status: &str) {
         self.requests
             .get_or_create(&RequestLabels {
                 tenant: tenant.into(),
                 endpoint: endpoint.into(),
-                status: status.to_string(),
+                status: status.into(),
             })
             .inc();
     }

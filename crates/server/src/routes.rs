@@ -329,6 +329,7 @@ async fn handle(
         started,
         id: endpoint.id(),
         created: unix_now(),
+        ended: std::cell::Cell::new(false),
     };
     if prepared.stream {
         reply.stream(prepared.include_usage)
@@ -341,7 +342,7 @@ fn refuse(state: &AppState, tenant: &str, endpoint: Endpoint, error: ApiError) -
     state.metrics.rejection(error.reason());
     state
         .metrics
-        .request(tenant, endpoint.label(), error.status().as_u16());
+        .request(tenant, endpoint.label(), error.status().as_str());
     info!(
         tenant,
         endpoint = endpoint.label(),
@@ -490,6 +491,25 @@ struct Reply {
     started: Instant,
     id: String,
     created: u64,
+    /// Set when the request's end was counted; a reply dropped before that
+    /// is a client that left.
+    ended: std::cell::Cell<bool>,
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if !self.ended.get() {
+            self.state
+                .metrics
+                .request(&self.tenant.name, self.endpoint.label(), "cancelled");
+            info!(
+                request = %self.handle.id(),
+                tenant = %self.tenant.name,
+                elapsed_ms = self.started.elapsed().as_millis() as u64,
+                "request cancelled by the client"
+            );
+        }
+    }
 }
 
 fn failure(kind: FailureKind, message: String) -> ApiError {
@@ -521,9 +541,12 @@ impl Reply {
     }
 
     fn log_end(&self, status: u16, usage: Option<Usage>) {
-        self.state
-            .metrics
-            .request(&self.tenant.name, self.endpoint.label(), status);
+        self.ended.set(true);
+        self.state.metrics.request(
+            &self.tenant.name,
+            self.endpoint.label(),
+            &status.to_string(),
+        );
         self.state
             .metrics
             .finished(self.started.elapsed().as_secs_f64());

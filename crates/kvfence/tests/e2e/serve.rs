@@ -173,6 +173,12 @@ async fn a_client_disconnect_mid_stream_returns_the_pool_to_baseline() {
         "freed by cancellation, not by finishing"
     );
     assert!(server.metric("kvfence_generated_tokens_total").await < 3500.0);
+    let cancelled = server
+        .metric_sum(|l| {
+            l.starts_with("kvfence_requests_total{") && l.contains("status=\"cancelled\"")
+        })
+        .await;
+    assert_eq!(cancelled, 1.0, "the request is counted, as cancelled");
 }
 
 #[tokio::test(flavor = "multi_thread")]
