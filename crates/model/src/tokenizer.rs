@@ -31,6 +31,10 @@ pub const BUILTIN_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: HfTokenizer,
+    /// The same tokenizer with special-token matching off: special-token
+    /// strings in the text stay characters (I9: user text never becomes a
+    /// control token).
+    as_text: HfTokenizer,
 }
 
 fn tokenizer_error(e: impl std::fmt::Display) -> ModelError {
@@ -56,7 +60,7 @@ impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Tokenizer, ModelError> {
         let inner = HfTokenizer::from_file(path)
             .map_err(|e| tokenizer_error(format!("{}: {e}", path.display())))?;
-        Ok(Tokenizer { inner })
+        Ok(Tokenizer::wrap(inner))
     }
 
     /// The built-in byte-level tokenizer: ids 0..=255 are bytes, then the
@@ -80,7 +84,7 @@ impl Tokenizer {
             .map(|s| AddedToken::from(s, true))
             .collect();
         inner.add_special_tokens(&specials);
-        Ok(Tokenizer { inner })
+        Ok(Tokenizer::wrap(inner))
     }
 
     /// The byte-level BPE tokenizer described by a GGUF file's
@@ -171,7 +175,35 @@ impl Tokenizer {
         };
         inner.add_special_tokens(&added(GGUF_CONTROL));
         inner.add_tokens(&added(GGUF_USER_DEFINED));
-        Ok(Tokenizer { inner })
+        Ok(Tokenizer::wrap(inner))
+    }
+
+    fn wrap(inner: HfTokenizer) -> Tokenizer {
+        let mut as_text = inner.clone();
+        as_text.set_encode_special_tokens(true);
+        Tokenizer { inner, as_text }
+    }
+
+    /// Token ids for text in which every character is a character:
+    /// special-token strings (`<|im_start|>`, ...) in it are encoded as the
+    /// text they are, never as control tokens. What message content goes
+    /// through (I9).
+    pub fn encode_as_text(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        let encoding = self.as_text.encode(text, false).map_err(tokenizer_error)?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Every special (control) token: its text and id, by id.
+    pub fn special_tokens(&self) -> Vec<(String, u32)> {
+        let mut specials: Vec<(String, u32)> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, token)| (token.content, id))
+            .collect();
+        specials.sort_unstable_by_key(|(_, id)| *id);
+        specials
     }
 
     /// Token ids for `text`; special-token strings in `text` become their ids.

@@ -279,10 +279,19 @@ impl ChatRequest {
                         text
                     }
                 };
-                Ok(kvfence_model::ChatMessage {
-                    role: m.role.clone(),
-                    content,
-                })
+                // The role is rendered into the prompt as the template's own
+                // text: only the roles the API defines, never free text.
+                let role = match m.role.as_str() {
+                    "system" | "user" | "assistant" | "tool" => m.role.clone(),
+                    "developer" => "system".to_string(),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            &format!("messages[{i}].role"),
+                            "role must be one of system, developer, user, assistant, tool",
+                        ));
+                    }
+                };
+                Ok(kvfence_model::ChatMessage { role, content })
             })
             .collect()
     }

@@ -369,12 +369,16 @@ fn prepare(
                     "this model has no chat template; use /v1/completions",
                 )
             })?;
-            let text = template
-                .render(&request.messages()?, true)
-                .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-            let ids = state.model.tokenizer.encode(&text).map_err(|e| {
-                ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string())
-            })?;
+            // The template's markers become control tokens; what the
+            // messages say never does (I9).
+            let ids = template
+                .encode(&state.model.tokenizer, &request.messages()?, true)
+                .map_err(|e| match e {
+                    kvfence_model::ModelError::Tokenizer { .. } => {
+                        ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string())
+                    }
+                    _ => ApiError::invalid("messages", e.to_string()),
+                })?;
             (ids, request.params)
         }
         Endpoint::Completions => {
