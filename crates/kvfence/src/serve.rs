@@ -144,7 +144,20 @@ pub(crate) struct HttpArgs {
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, default_value_t = 2 << 20)]
     max_body_bytes: usize,
+    /// Serve /metrics on this address instead of the API's (port 0 picks a
+    /// free one). With --config, metrics never share the API's listener,
+    /// which every tenant and stranger can reach: they default to
+    /// 127.0.0.1:9464. Without --config, they default to the API's listener.
+    #[arg(long)]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// Label request counters with tenant names (without it a scrape does
+    /// not list the tenants).
+    #[arg(long)]
+    metrics_tenant_labels: bool,
 }
+
+/// Where tenant-mode metrics go when --metrics-listen is not given.
+const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 
 impl HttpArgs {
     fn limits(&self) -> anyhow::Result<kvfence_server::ConnectionLimits> {
@@ -349,12 +362,23 @@ pub(crate) fn serve_http(
         .served_model_name
         .clone()
         .unwrap_or_else(|| default_model_id(&model.name));
+    let metrics_listen = match http.metrics_listen {
+        Some(address) => Some(address),
+        None if tenants.is_local() => None,
+        None => Some(
+            DEFAULT_METRICS_LISTEN
+                .parse()
+                .expect("the default metrics address parses"),
+        ),
+    };
     let options = ApiOptions {
         tenants,
         model_id,
         capacity,
         default_max_tokens: http.default_max_tokens,
         limits: http.limits()?,
+        metrics_on_api: metrics_listen.is_none(),
+        tenant_labels: http.metrics_tenant_labels,
     };
     let state = AppState::new(backend, model, options);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -367,6 +391,15 @@ pub(crate) fn serve_http(
         Duration::from_secs(http.shutdown_timeout),
     );
     runtime.block_on(async move {
+        if let Some(address) = metrics_listen {
+            let listener = tokio::net::TcpListener::bind(address)
+                .await
+                .with_context(|| {
+                    format!("binding the metrics listener {address} (--metrics-listen)")
+                })?;
+            println!("metrics on http://{}", listener.local_addr()?);
+            tokio::spawn(kvfence_server::serve_metrics(listener, Arc::clone(&state)));
+        }
         let listener = tokio::net::TcpListener::bind((host, port))
             .await
             .with_context(|| format!("binding {host}:{port}"))?;

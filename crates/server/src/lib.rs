@@ -38,6 +38,7 @@ pub struct AppState {
     metrics: Metrics,
     default_max_tokens: usize,
     limits: ConnectionLimits,
+    metrics_on_api: bool,
     /// Template and tokenizer work at once, off the async runtime: bounded,
     /// so big prompts queue here instead of filling the blocking pool.
     text_work: Arc<tokio::sync::Semaphore>,
@@ -57,6 +58,13 @@ pub struct ApiOptions {
     pub default_max_tokens: usize,
     /// What a connection may cost.
     pub limits: ConnectionLimits,
+    /// Serve `/metrics` on the API's listener. Off when metrics have a
+    /// listener of their own: in tenant mode, every tenant and every stranger
+    /// can reach the API's.
+    pub metrics_on_api: bool,
+    /// Label request counters with tenant names (off: the label is empty, so
+    /// a scrape does not list who the tenants are).
+    pub tenant_labels: bool,
 }
 
 impl AppState {
@@ -68,7 +76,7 @@ impl AppState {
     ) -> Arc<AppState> {
         let roles = engine.capacities();
         Arc::new(AppState {
-            metrics: Metrics::new(&options.capacity, &roles),
+            metrics: Metrics::new(&options.capacity, &roles, options.tenant_labels),
             engine,
             model,
             model_id: options.model_id,
@@ -76,6 +84,7 @@ impl AppState {
             capacity: options.capacity,
             default_max_tokens: options.default_max_tokens,
             limits: options.limits,
+            metrics_on_api: options.metrics_on_api,
             text_work: Arc::new(tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
             )),
@@ -91,15 +100,33 @@ impl AppState {
     }
 }
 
-/// The HTTP routes.
+/// The HTTP routes of the API. `/metrics` is among them only when the
+/// metrics are not on a listener of their own ([`ApiOptions::metrics_on_api`]).
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let mut routes = Router::new()
         .route("/health", get(routes::health))
-        .route("/metrics", get(routes::metrics))
         .route("/v1/models", get(routes::models))
         .route("/v1/chat/completions", post(routes::chat))
-        .route("/v1/completions", post(routes::completions))
+        .route("/v1/completions", post(routes::completions));
+    if state.metrics_on_api {
+        routes = routes.route("/metrics", get(routes::metrics));
+    }
+    routes.fallback(routes::not_found).with_state(state)
+}
+
+/// The routes of the metrics listener: `/metrics` (and `/health`), for the
+/// operator's scraper only.
+pub fn metrics_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/metrics", get(routes::metrics))
+        .route("/health", get(routes::health))
+        .fallback(routes::not_found)
         .with_state(state)
+}
+
+/// Serves [`metrics_router`] on `listener` until the process ends.
+pub async fn serve_metrics(listener: TcpListener, state: Arc<AppState>) -> std::io::Result<()> {
+    axum::serve(listener, metrics_router(state)).await
 }
 
 /// What one HTTP connection may cost before it has said who it is.

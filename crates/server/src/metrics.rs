@@ -78,6 +78,7 @@ pub struct Metrics {
     handoffs: Family<ReasonLabel, Counter>,
     handoff_checksum_failures: Counter,
     handoff_bytes: Counter,
+    tenant_labels: bool,
     seen: Mutex<Seen>,
 }
 
@@ -89,8 +90,13 @@ impl std::fmt::Debug for Metrics {
 
 impl Metrics {
     /// Registers every metric; `capacity` and each role's pool size are
-    /// fixed at start-up.
-    pub fn new(capacity: &Capacity, roles: &[(&'static str, usize)]) -> Metrics {
+    /// fixed at start-up. Without `tenant_labels`, request counters carry an
+    /// empty tenant label: a scrape does not list the tenants.
+    pub fn new(
+        capacity: &Capacity,
+        roles: &[(&'static str, usize)],
+        tenant_labels: bool,
+    ) -> Metrics {
         let mut registry = Registry::with_prefix("kvfence");
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
@@ -255,6 +261,7 @@ impl Metrics {
             handoffs,
             handoff_checksum_failures,
             handoff_bytes,
+            tenant_labels,
             seen: Mutex::new(Seen::default()),
         }
     }
@@ -265,7 +272,11 @@ impl Metrics {
     pub fn request(&self, tenant: &str, endpoint: &str, status: &str) {
         self.requests
             .get_or_create(&RequestLabels {
-                tenant: tenant.into(),
+                tenant: if self.tenant_labels {
+                    tenant.into()
+                } else {
+                    String::new()
+                },
                 endpoint: endpoint.into(),
                 status: status.into(),
             })

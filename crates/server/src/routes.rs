@@ -144,6 +144,16 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     )
 }
 
+/// Any other path: 404 in OpenAI's error envelope.
+pub async fn not_found(uri: axum::http::Uri) -> Response {
+    ApiError::new(
+        ErrorType::NotFoundError,
+        "not_found",
+        format!("no route for {}", uri.path()),
+    )
+    .into_response()
+}
+
 /// The request's one `Authorization` header. Two or more are refused: a
 /// proxy and a client that each add one must not leave it to chance which
 /// tenant the request runs as.
@@ -278,13 +288,13 @@ async fn handle(
     // a byte of the body is read.
     let tenant = match authenticate(&state, &headers) {
         Ok(tenant) => tenant,
-        Err(error) => return refuse(&state, "-", endpoint, error),
+        Err(error) => return refuse_unread(&state, "-", endpoint, error, body),
     };
     // The tenant's slot before any work: a tenant at its limit costs no
     // body, no template and no tokenizer.
     let permit = match tenant.admit() {
         Ok(permit) => permit,
-        Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+        Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
     };
     let body = match read_body(&state, &headers, body).await {
         Ok(body) => body,
@@ -336,6 +346,37 @@ async fn handle(
     } else {
         reply.collect().await
     }
+}
+
+/// A refusal sent before the request's body was read. The body is read and
+/// thrown away in the background — nothing kept, at most `max_body_bytes`,
+/// for at most the header deadline — so a client still sending it gets to
+/// read the answer instead of a broken pipe; then the connection closes.
+fn refuse_unread(
+    state: &Arc<AppState>,
+    tenant: &str,
+    endpoint: Endpoint,
+    error: ApiError,
+    body: Body,
+) -> Response {
+    let mut response = refuse(state, tenant, endpoint, error);
+    response.headers_mut().insert(
+        header::CONNECTION,
+        axum::http::HeaderValue::from_static("close"),
+    );
+    let (limit, deadline) = (state.limits.max_body_bytes, state.limits.header_timeout);
+    tokio::spawn(tokio::time::timeout(deadline, async move {
+        use futures_util::StreamExt;
+        let mut chunks = body.into_data_stream();
+        let mut seen = 0;
+        while let Some(Ok(chunk)) = chunks.next().await {
+            seen += chunk.len();
+            if seen > limit {
+                break;
+            }
+        }
+    }));
+    response
 }
 
 fn refuse(state: &AppState, tenant: &str, endpoint: Endpoint, error: ApiError) -> Response {

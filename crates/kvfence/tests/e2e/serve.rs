@@ -215,7 +215,11 @@ async fn an_over_long_request_gets_400_and_leases_nothing() {
 async fn i9_missing_or_bad_keys_get_401_and_keys_decide_the_tenant() {
     let (key, lines) = tenant("acme", &[]);
     let file = tenants_file(&[lines]);
-    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let server = Server::start(&[
+        "--config",
+        file.path().to_str().unwrap(),
+        "--metrics-tenant-labels",
+    ]);
     let url = server.url("/v1/chat/completions");
     let (status, body) = post(&url, None, chat_body("hi", 2, false)).await;
     assert_eq!(
@@ -369,7 +373,7 @@ async fn i10_prompt_text_never_reaches_logs_metrics_or_error_messages() {
             "error body quotes the prompt: {error}"
         );
     }
-    let metrics = reqwest::get(server.url("/metrics"))
+    let metrics = reqwest::get(server.metrics_url())
         .await
         .unwrap()
         .text()
@@ -652,4 +656,51 @@ async fn i9_a_made_up_role_is_refused() {
         (400, Some("messages[0].role")),
         "{body}"
     );
+}
+
+/// In tenant mode `/metrics` is not on the API's listener, which every
+/// tenant and stranger reaches: it answers 404 there (in the OpenAI
+/// envelope), and the metrics listener names no tenant unless asked to.
+#[tokio::test(flavor = "multi_thread")]
+async fn i9_tenant_mode_metrics_are_off_the_api_and_name_no_tenant_by_default() {
+    let (key, lines) = tenant("secret-customer-name", &[]);
+    let file = tenants_file(&[lines]);
+    let config = file.path().to_str().unwrap();
+    for labels in [false, true] {
+        let mut args = vec!["--config", config];
+        if labels {
+            args.push("--metrics-tenant-labels");
+        }
+        let server = Server::start(&args);
+        let (status, _) = post(
+            &server.url("/v1/completions"),
+            Some(&key),
+            json!({"prompt": "x", "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(status, 200);
+        for auth in [None, Some(key.as_str())] {
+            let mut request = reqwest::Client::new().get(server.url("/metrics"));
+            if let Some(key) = auth {
+                request = request.bearer_auth(key);
+            }
+            let response = request.send().await.unwrap();
+            assert_eq!(response.status(), 404);
+            let body: Value = response.json().await.unwrap();
+            assert_eq!(body["error"]["type"], "not_found_error", "{body}");
+        }
+        assert_ne!(server.metrics_base, server.base);
+        let scrape = reqwest::get(server.metrics_url())
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(scrape.contains("kvfence_requests_total"), "{scrape}");
+        assert_eq!(
+            scrape.contains("secret-customer-name"),
+            labels,
+            "tenant names only when asked: {scrape}"
+        );
+    }
 }

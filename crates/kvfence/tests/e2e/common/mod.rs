@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 pub struct Server {
     child: Child,
     pub base: String,
+    /// Where `/metrics` is served: a listener of its own, or the API's.
+    pub metrics_base: String,
     log: Arc<Mutex<String>>,
 }
 
@@ -20,6 +22,9 @@ impl Server {
     /// The model is the offline `builtin:tiny` unless ARGS name one.
     pub fn start(args: &[&str]) -> Server {
         let mut full = vec!["serve", "--port", "0"];
+        if !args.contains(&"--metrics-listen") {
+            full.extend(["--metrics-listen", "127.0.0.1:0"]);
+        }
         full.extend_from_slice(args);
         if !args.contains(&"--model") {
             full.extend(["--model", "builtin:tiny"]);
@@ -53,18 +58,38 @@ impl Server {
             }
         });
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        let base = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("server did not start: {line:?}\n{}", log.lock().unwrap()))
-            .to_string();
-        Server { child, base, log }
+        let mut metrics_base = None;
+        let base = loop {
+            let mut line = String::new();
+            stdout.read_line(&mut line).unwrap();
+            if let Some(address) = line.trim().strip_prefix("metrics on ") {
+                metrics_base = Some(address.to_string());
+                continue;
+            }
+            break line
+                .trim()
+                .strip_prefix("listening on ")
+                .unwrap_or_else(|| {
+                    panic!("server did not start: {line:?}\n{}", log.lock().unwrap())
+                })
+                .to_string();
+        };
+        let metrics_base = metrics_base.unwrap_or_else(|| base.clone());
+        Server {
+            child,
+            base,
+            metrics_base,
+            log,
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
+    }
+
+    /// The `/metrics` URL, wherever the server serves it.
+    pub fn metrics_url(&self) -> String {
+        format!("{}/metrics", self.metrics_base)
     }
 
     /// Everything the server logged so far.
@@ -88,7 +113,7 @@ impl Server {
 
     /// The sum of the `/metrics` series whose line passes `keep`.
     pub async fn metric_sum(&self, keep: impl Fn(&str) -> bool) -> f64 {
-        let text = reqwest::get(self.url("/metrics"))
+        let text = reqwest::get(self.metrics_url())
             .await
             .unwrap()
             .text()
