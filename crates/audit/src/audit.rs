@@ -60,6 +60,9 @@ pub enum Verdict {
     Report,
     /// Not run (out of budget, or nothing to check against).
     Skipped,
+    /// Started but could not be finished (a request failed or timed out):
+    /// neither a pass nor a failure; the figures say why.
+    Inconclusive,
 }
 
 /// One check's verdict and figures.
@@ -115,6 +118,8 @@ struct Client {
     http: reqwest::Client,
     config: AuditConfig,
     seen: Mutex<Vec<Seen>>,
+    /// The end of the budget: no request outlives it.
+    deadline: Instant,
 }
 
 /// A completion's outcome: status and, for a 200, the text.
@@ -166,7 +171,12 @@ impl Client {
 
     async fn complete(&self, tenant: usize, body: &Value) -> Result<Answer, AuditError> {
         let url = format!("{}/v1/completions", self.config.base_url);
-        let mut request = self.http.post(&url).json(body);
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let mut request = self
+            .http
+            .post(&url)
+            .json(body)
+            .timeout(left.max(Duration::from_secs(1)));
         if let Some(key) = self.key(tenant) {
             request = request.bearer_auth(key);
         }
@@ -222,10 +232,28 @@ impl Client {
             Some(id) => list.iter().find(|m| m["id"] == json!(id))?,
             None => list.first()?,
         };
-        ["max_model_len", "context_length", "context_window"]
-            .iter()
-            .find_map(|field| entry[*field].as_u64())
-            .map(|n| n as usize)
+        advertised_in(entry)
+    }
+}
+
+/// The context a `/v1/models` entry advertises, under the names the common
+/// servers use: vLLM and SGLang `max_model_len`, llama.cpp's server
+/// `meta.n_ctx` (its per-slot context), others `context_length` or
+/// `context_window`.
+fn advertised_in(entry: &Value) -> Option<usize> {
+    ["max_model_len", "context_length", "context_window"]
+        .iter()
+        .find_map(|field| entry[*field].as_u64())
+        .or_else(|| entry["meta"]["n_ctx"].as_u64())
+        .map(|n| n as usize)
+}
+
+/// A check that could not finish: reported, and the audit goes on.
+fn inconclusive(check: &'static str, error: &AuditError) -> CheckResult {
+    CheckResult {
+        check,
+        verdict: Verdict::Inconclusive,
+        figures: format!("could not finish: {error}"),
     }
 }
 
@@ -252,32 +280,62 @@ pub async fn run(
             .map_err(AuditError::http)?,
         config: config.clone(),
         seen: Mutex::new(Vec::new()),
+        deadline,
     };
     let mut checks = Vec::new();
 
+    // A check that cannot finish (a request that fails or outlives the
+    // budget) is reported as inconclusive and the audit goes on: the table
+    // and the report always come out.
     progress("[1/6] capacity honesty: searching for the longest accepted prompt");
     let advertised = match client.advertised_context().await {
         Some(n) => Some(n),
         None => config.context,
     };
-    let (capacity, limit) = capacity_check(&client, advertised, deadline).await?;
-    checks.push(capacity);
+    let limit = match capacity_check(&client, advertised, deadline).await {
+        Ok((capacity, limit)) => {
+            checks.push(capacity);
+            limit
+        }
+        Err(error) => {
+            checks.push(inconclusive("capacity honesty", &error));
+            advertised
+        }
+    };
 
     progress("[2/6] boundaries: at the limit, and one token over");
-    checks.push(boundary_check(&client, limit, deadline).await?);
+    checks.push(
+        boundary_check(&client, limit, deadline)
+            .await
+            .unwrap_or_else(|e| inconclusive("boundaries", &e)),
+    );
 
     progress("[3/6] determinism under load");
     let probes: Vec<Value> = (0..4)
         .map(|i| token_prompt(12 + 9 * i, 100 + i as u64))
         .collect();
-    let solo = solo_answers(&client, &probes).await?;
-    checks.push(determinism_check(&client, &probes, &solo, deadline).await?);
+    let solo = solo_answers(&client, &probes).await;
+    checks.push(match &solo {
+        Ok(solo) => determinism_check(&client, &probes, solo, deadline)
+            .await
+            .unwrap_or_else(|e| inconclusive("determinism under load", &e)),
+        Err(error) => inconclusive("determinism under load", error),
+    });
 
     progress("[4/6] canary isolation across tenants");
-    checks.push(canary_check(&client, deadline).await?);
+    checks.push(
+        canary_check(&client, deadline)
+            .await
+            .unwrap_or_else(|e| inconclusive("canary isolation", &e)),
+    );
 
     progress("[5/6] abort storm");
-    checks.push(abort_storm_check(&client, &probes, &solo, deadline).await?);
+    checks.push(match &solo {
+        Ok(solo) => abort_storm_check(&client, &probes, solo, deadline)
+            .await
+            .unwrap_or_else(|e| inconclusive("abort storm", &e)),
+        Err(error) => inconclusive("abort storm", error),
+    });
 
     progress("[6/6] fail-closed over the whole run");
     checks.push(fail_closed_check(&client));
@@ -668,5 +726,25 @@ fn fail_closed_check(client: &Client) -> CheckResult {
             "{} responses: {ok} ok ({bad_200} without a normal finish), {errors} errors ({bad_errors} not OpenAI-shaped)",
             seen.len()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_advertised_context_is_read_under_the_common_servers_names() {
+        for (entry, expected) in [
+            (json!({"id": "m", "max_model_len": 4096}), Some(4096)),
+            (json!({"id": "m", "context_length": 8192}), Some(8192)),
+            (
+                json!({"id": "m", "meta": {"n_ctx": 2048, "n_ctx_train": 8192}}),
+                Some(2048),
+            ),
+            (json!({"id": "m"}), None),
+        ] {
+            assert_eq!(advertised_in(&entry), expected, "{entry}");
+        }
     }
 }

@@ -64,12 +64,22 @@ pub(crate) fn run(args: &AuditArgs) -> anyhow::Result<()> {
         let text = serde_json::to_string_pretty(&report).context("encoding the report")?;
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
     }
-    let failed: Vec<&str> = report
-        .checks
-        .iter()
-        .filter(|c| c.verdict == kvfence_audit::audit::Verdict::Fail)
-        .map(|c| c.check)
-        .collect();
+    let named = |verdict| -> Vec<&str> {
+        report
+            .checks
+            .iter()
+            .filter(|c| c.verdict == verdict)
+            .map(|c| c.check)
+            .collect()
+    };
+    let inconclusive = named(kvfence_audit::audit::Verdict::Inconclusive);
+    if !inconclusive.is_empty() {
+        eprintln!(
+            "inconclusive (could not finish; see figures): {}",
+            inconclusive.join(", ")
+        );
+    }
+    let failed = named(kvfence_audit::audit::Verdict::Fail);
     anyhow::ensure!(failed.is_empty(), "failed: {}", failed.join(", "));
     Ok(())
 }

@@ -94,6 +94,13 @@ async fn healthy_kvfence_passes_every_check_colocated_and_disaggregated() {
 /// A "server" that answers every request with 200 and the same text, and
 /// advertises a 64-token context it never enforces.
 fn start_fake_server() -> String {
+    start_fake_server_that(false)
+}
+
+/// A fake server that says 200 to everything; with `drops_long_prompts`, it
+/// closes the connection without an answer on prompts of over 100 tokens,
+/// as a server that dies on long requests would.
+fn start_fake_server_that(drops_long_prompts: bool) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
@@ -103,6 +110,9 @@ fn start_fake_server() -> String {
                 let mut buf = [0u8; 65536];
                 let n = stream.read(&mut buf).unwrap_or(0);
                 let request = String::from_utf8_lossy(&buf[..n]);
+                if drops_long_prompts && request.matches(',').count() > 100 {
+                    return;
+                }
                 let body = if request.starts_with("GET /v1/models") {
                     r#"{"object":"list","data":[{"id":"fake","object":"model","max_model_len":64}]}"#
                 } else {
@@ -117,6 +127,25 @@ fn start_fake_server() -> String {
         }
     });
     format!("http://{addr}")
+}
+
+/// A check that cannot finish is reported, and the audit goes on: the
+/// table and the JSON report hold all six checks.
+#[test]
+fn a_check_that_cannot_finish_is_reported_inconclusive_and_the_audit_goes_on() {
+    let base = start_fake_server_that(true);
+    let (out, report) = audit(&base, &[]);
+    let verdicts = verdicts(&report);
+    assert_eq!(verdicts.len(), 6, "every check is reported: {verdicts:?}");
+    assert!(
+        verdicts.contains(&("capacity honesty".to_string(), "inconclusive".to_string())),
+        "{verdicts:?}"
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("inconclusive") && table.contains("fail-closed"),
+        "{table}"
+    );
 }
 
 #[test]
