@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use crate::common::{ClusterTls, Server, post};
+use crate::multiprocess::{Env, start_decode_with, start_prefill_with, start_router_with};
 use serde_json::json;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,9 +54,6 @@ enum Fault {
     Disconnect,
 }
 
-/// Environment variables for one process.
-type Env<'a> = &'a [(&'a str, &'a str)];
-
 struct Cluster {
     _prefill: Server,
     _decode: Server,
@@ -73,44 +71,14 @@ fn cluster(phase: Phase, failpoints: &str) -> Cluster {
     } else {
         (&none, &fp)
     };
-    let prefill = Server::start_process(
-        &[
-            "prefill",
-            "--listen",
-            "127.0.0.1:0",
-            "--step-tokens",
-            "16",
-            "--tls-dir",
-            tls.dir(),
-        ],
-        prefill_env,
-    );
-    let decode = Server::start_process(
-        &[
-            "decode",
-            "--listen",
-            "127.0.0.1:0",
-            "--prefill",
-            &prefill.base,
-            "--handoff-timeout-ms",
-            "1000",
-            "--tls-dir",
-            tls.dir(),
-        ],
+    let prefill = start_prefill_with(&tls, &["--step-tokens", "16"], prefill_env);
+    let decode = start_decode_with(
+        &tls,
+        &prefill.base,
+        &["--handoff-timeout-ms", "1000"],
         decode_env,
     );
-    let router = Server::start_process(
-        &[
-            "router",
-            "--port",
-            "0",
-            "--decode",
-            &decode.base,
-            "--tls-dir",
-            tls.dir(),
-        ],
-        &none,
-    );
+    let router = start_router_with(&tls, &decode.base, &[], &none);
     Cluster {
         _prefill: prefill,
         _decode: decode,

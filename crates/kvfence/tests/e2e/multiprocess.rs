@@ -30,38 +30,42 @@ pub fn cluster(prefill_args: &[&str], decode_args: &[&str]) -> Cluster {
     }
 }
 
+/// Environment variables for one process.
+pub type Env<'a> = &'a [(&'a str, &'a str)];
+
 pub fn start_prefill(tls: &ClusterTls, extra: &[&str]) -> Server {
-    let mut args = vec!["prefill", "--listen", "127.0.0.1:0", "--tls-dir", tls.dir()];
-    args.extend_from_slice(extra);
-    Server::start_process(&args, &[])
+    start_prefill_with(tls, extra, &[])
 }
 
 pub fn start_decode(tls: &ClusterTls, prefill: &str, extra: &[&str]) -> Server {
-    let mut args = vec![
-        "decode",
-        "--listen",
-        "127.0.0.1:0",
-        "--prefill",
-        prefill,
-        "--tls-dir",
-        tls.dir(),
-    ];
-    args.extend_from_slice(extra);
-    Server::start_process(&args, &[])
+    start_decode_with(tls, prefill, extra, &[])
 }
 
 pub fn start_router(tls: &ClusterTls, decode: &str, extra: &[&str]) -> Server {
-    let mut args = vec![
-        "router",
-        "--port",
-        "0",
-        "--decode",
-        decode,
-        "--tls-dir",
-        tls.dir(),
-    ];
+    start_router_with(tls, decode, extra, &[])
+}
+
+/// `kvfence prefill` on a free port, with `extra` arguments and `env`.
+pub fn start_prefill_with(tls: &ClusterTls, extra: &[&str], env: Env<'_>) -> Server {
+    let mut args = vec!["prefill", "--listen", "127.0.0.1:0", "--tls-dir", tls.dir()];
     args.extend_from_slice(extra);
-    Server::start_process(&args, &[])
+    Server::start_process(&args, env)
+}
+
+/// `kvfence decode` dialling `prefill`, with `extra` arguments and `env`.
+pub fn start_decode_with(tls: &ClusterTls, prefill: &str, extra: &[&str], env: Env<'_>) -> Server {
+    let mut args = vec!["decode", "--listen", "127.0.0.1:0", "--prefill", prefill];
+    args.extend(["--tls-dir", tls.dir()]);
+    args.extend_from_slice(extra);
+    Server::start_process(&args, env)
+}
+
+/// `kvfence router` in front of `decode`, with `extra` arguments and `env`.
+pub fn start_router_with(tls: &ClusterTls, decode: &str, extra: &[&str], env: Env<'_>) -> Server {
+    let mut args = vec!["router", "--port", "0", "--decode", decode];
+    args.extend(["--tls-dir", tls.dir()]);
+    args.extend_from_slice(extra);
+    Server::start_process(&args, env)
 }
 
 fn body(i: usize, prompt_len: usize, max_tokens: usize) -> serde_json::Value {

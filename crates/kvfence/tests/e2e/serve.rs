@@ -479,34 +479,9 @@ async fn i10_no_role_logs_prompt_text_even_at_trace_level() {
     let trace = [("RUST_LOG", "trace")];
     let serve = Server::start_process(&["serve", "--port", "0", "--model", "builtin:tiny"], &trace);
     let tls = crate::common::ClusterTls::init();
-    let prefill = Server::start_process(
-        &["prefill", "--listen", "127.0.0.1:0", "--tls-dir", tls.dir()],
-        &trace,
-    );
-    let decode = Server::start_process(
-        &[
-            "decode",
-            "--listen",
-            "127.0.0.1:0",
-            "--prefill",
-            &prefill.base,
-            "--tls-dir",
-            tls.dir(),
-        ],
-        &trace,
-    );
-    let router = Server::start_process(
-        &[
-            "router",
-            "--port",
-            "0",
-            "--decode",
-            &decode.base,
-            "--tls-dir",
-            tls.dir(),
-        ],
-        &trace,
-    );
+    let prefill = crate::multiprocess::start_prefill_with(&tls, &[], &trace);
+    let decode = crate::multiprocess::start_decode_with(&tls, &prefill.base, &[], &trace);
+    let router = crate::multiprocess::start_router_with(&tls, &decode.base, &[], &trace);
     for front in [&serve, &router] {
         let chat = front.url("/v1/chat/completions");
         let (status, _) = post(
