@@ -304,11 +304,39 @@ impl Engine {
     /// Queues a request. Refused at once, holding nothing, if it can never
     /// fit the pool or the queue is full.
     pub fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
+        // Checked here, once, for every path in — HTTP, a router's link,
+        // tests — so a bad request is refused alone, before it can share a
+        // batch with anyone.
         if request.prompt.is_empty() || request.max_tokens == 0 {
             return Err(EngineError::Invalid {
                 reason: "a request needs prompt tokens and max_tokens of at least 1".into(),
             });
         }
+        let config = self.model.model.config();
+        if let Some(&token) = request
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= config.vocab_size)
+        {
+            return Err(EngineError::Invalid {
+                reason: format!(
+                    "token id {token} is outside the vocabulary of {}",
+                    config.vocab_size
+                ),
+            });
+        }
+        if request.kv_tokens() > config.max_position_embeddings {
+            return Err(EngineError::TooLong {
+                needed: request.kv_tokens(),
+                capacity: config.max_position_embeddings,
+            });
+        }
+        request
+            .sampling
+            .validate()
+            .map_err(|e| EngineError::Invalid {
+                reason: e.to_string(),
+            })?;
         let capacity = self.pool.capacity_tokens();
         if request.kv_tokens() > capacity {
             return Err(EngineError::TooLong {

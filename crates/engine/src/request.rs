@@ -24,9 +24,11 @@ pub struct GenerationRequest {
 }
 
 impl GenerationRequest {
-    /// Tokens of KV the request needs at most: its whole reservation.
+    /// Tokens of KV the request needs at most: its whole reservation
+    /// (saturating: a `max_tokens` near `usize::MAX` from a peer is a need
+    /// no pool meets, not an overflow).
     pub fn kv_tokens(&self) -> usize {
-        self.prompt.len() + self.max_tokens
+        self.prompt.len().saturating_add(self.max_tokens)
     }
 }
 

@@ -729,49 +729,45 @@ impl Scheduler {
                     logits: w.logits,
                 })
                 .collect();
-            self.model.model.forward(&mut batch)
+            self.model.model.forward_each(&mut batch)
         };
         self.counters.steps.fetch_add(1, Ordering::Relaxed);
         let mut ended: Vec<(usize, End)> = Vec::new();
-        match result {
-            Ok(rows) => {
-                for (w, row) in work.iter().zip(rows) {
-                    let active = &mut self.active[w.index];
-                    if !active.prefill_done() {
-                        active.prefilled += w.tokens.len();
-                        self.counters
-                            .prompt_tokens
-                            .fetch_add(w.tokens.len() as u64, Ordering::Relaxed);
-                        if !active.prefill_done()
-                            && let Err(error) = self.ship_ready_pages(w.index)
-                        {
-                            ended.push((
-                                w.index,
-                                End::Failed(FailureKind::Internal, error.to_string()),
-                            ));
-                            continue;
-                        }
-                    }
-                    if w.logits == Logits::Last
-                        && let Some(end) = self.advance(w.index, &row)
-                    {
-                        ended.push((w.index, end));
-                    }
+        for (w, row) in work.iter().zip(result) {
+            let row = match row {
+                Ok(row) => row,
+                Err(error) => {
+                    // Fail closed (I7), and alone: this request ends with an
+                    // error and no token from this step; the rest of the
+                    // batch goes on, its rows untouched by this one.
+                    warn!(request = %self.active[w.index].pending.id, %error, "a sequence failed its forward pass");
+                    ended.push((
+                        w.index,
+                        End::Failed(FailureKind::Internal, error.to_string()),
+                    ));
+                    continue;
+                }
+            };
+            let active = &mut self.active[w.index];
+            if !active.prefill_done() {
+                active.prefilled += w.tokens.len();
+                self.counters
+                    .prompt_tokens
+                    .fetch_add(w.tokens.len() as u64, Ordering::Relaxed);
+                if !active.prefill_done()
+                    && let Err(error) = self.ship_ready_pages(w.index)
+                {
+                    ended.push((
+                        w.index,
+                        End::Failed(FailureKind::Internal, error.to_string()),
+                    ));
+                    continue;
                 }
             }
-            Err(error) => {
-                // Fail closed (I7): every request in the batch ends with an
-                // error and no token from this step.
-                warn!(%error, requests = work.len(), "forward pass failed");
-                ended = work
-                    .iter()
-                    .map(|w| {
-                        (
-                            w.index,
-                            End::Failed(FailureKind::Internal, error.to_string()),
-                        )
-                    })
-                    .collect();
+            if w.logits == Logits::Last
+                && let Some(end) = self.advance(w.index, &row)
+            {
+                ended.push((w.index, end));
             }
         }
         ended.sort_unstable_by_key(|(index, _)| *index);

@@ -245,3 +245,39 @@ fn queued_requests_start_when_the_last_running_one_frees_its_pages() {
     }
     wait_for_baseline(&engine);
 }
+
+/// Every path into the engine (HTTP, a router's link) is validated at
+/// `submit`, once: token ids outside the vocabulary, a `max_tokens` whose
+/// reservation overflows, and a reach past the model's positions are
+/// refused at once, holding nothing, before they could share a batch.
+#[test]
+fn submit_refuses_what_could_fail_a_batch() {
+    // A pool larger than the model's 4,096 positions: only the model's
+    // limit refuses the third request.
+    let engine = engine(16384, EngineConfig::default());
+    let mut bad_token = request(1, 8, 4);
+    bad_token.prompt[3] = 1_000_000;
+    assert!(matches!(
+        engine.submit(bad_token),
+        Err(EngineError::Invalid { .. })
+    ));
+    let overflow = GenerationRequest {
+        max_tokens: usize::MAX,
+        ..request(2, 8, 4)
+    };
+    assert!(matches!(
+        engine.submit(overflow),
+        Err(EngineError::TooLong { .. })
+    ));
+    let past_the_model = GenerationRequest {
+        max_tokens: 5000,
+        ..request(3, 8, 4)
+    };
+    assert!(matches!(
+        engine.submit(past_the_model),
+        Err(EngineError::TooLong { .. })
+    ));
+    assert_eq!(engine.pool().stats().leased_pages, 0);
+    let (_, end) = collect(engine.submit(request(4, 8, 4)).unwrap());
+    assert!(matches!(end, Event::Finished { .. }), "{end:?}");
+}

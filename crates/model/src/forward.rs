@@ -323,6 +323,17 @@ impl Model {
     /// of every matmul waking the pool and putting the caller to sleep
     /// (measured on SmolLM2 decode at one sequence: +15 % tokens/s).
     pub fn forward(&self, batch: &mut [Sequence<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.forward_each(batch).into_iter().collect()
+    }
+
+    /// Runs one batched forward pass in which each sequence succeeds or
+    /// fails on its own: a sequence whose checks fail — a token outside the
+    /// vocabulary, positions past its lease or the model, a KV write or
+    /// read the pool refuses (I2, I3) — gets its error, computes nothing
+    /// further from its KV, and leaves every other sequence's rows exactly
+    /// as they would be without it (rows never mix, so batch invariance
+    /// makes this exact).
+    pub fn forward_each(&self, batch: &mut [Sequence<'_>]) -> Vec<Result<Vec<f32>, ModelError>> {
         if rayon::current_thread_index().is_some() {
             self.forward_in_pool(batch)
         } else {
@@ -330,10 +341,11 @@ impl Model {
         }
     }
 
-    fn forward_in_pool(&self, batch: &mut [Sequence<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        for seq in batch.iter() {
-            self.check(seq)?;
-        }
+    fn forward_in_pool(&self, batch: &mut [Sequence<'_>]) -> Vec<Result<Vec<f32>, ModelError>> {
+        // A sequence's first error; from then on its rows are computed from
+        // zeros and thrown away.
+        let mut failed: Vec<Option<ModelError>> =
+            batch.iter().map(|seq| self.check(seq).err()).collect();
         let c = &self.config;
         let (h, hd, q_dim, kv_dim) = (c.hidden_size, c.head_dim, c.q_dim(), c.kv_dim());
         let qkv_width = q_dim + 2 * kv_dim;
@@ -349,9 +361,14 @@ impl Model {
         let half = hd / 2;
 
         let mut x = Vec::with_capacity(total * h);
-        for seq in batch.iter() {
+        for (seq, failure) in batch.iter().zip(&failed) {
             for &t in seq.tokens {
-                self.embed.push_row(t as usize, h, &mut x);
+                if failure.is_some() {
+                    // Its token may be outside the table: nothing is read.
+                    x.resize(x.len() + h, 0.0);
+                } else {
+                    self.embed.push_row(t as usize, h, &mut x);
+                }
             }
         }
         let mut normed = vec![0.0; total * h];
@@ -374,8 +391,16 @@ impl Model {
                 );
                 Rope::apply(&mut row[..q_dim + kv_dim], hd, cos, sin);
             }
-            self.store_kv(batch, layer_index, &qkv)?;
-            self.attention(batch, layer_index, &qkv, &positions, &row_seq, &mut attn)?;
+            self.store_kv(batch, layer_index, &qkv, &mut failed);
+            self.attention(
+                batch,
+                layer_index,
+                &qkv,
+                &positions,
+                &row_seq,
+                &mut attn,
+                &mut failed,
+            );
             layer.o.matmul(&attn, total, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
 
@@ -385,35 +410,52 @@ impl Model {
             layer.down.matmul(&act, total, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
         }
-        self.logits(batch, &x)
+        let rows = self.logits(batch, &x);
+        rows.into_iter()
+            .zip(failed)
+            .map(|(row, failure)| match failure {
+                Some(error) => Err(error),
+                None => Ok(row),
+            })
+            .collect()
     }
 
-    /// Writes each sequence's new K and V rows of one layer into its lease.
+    /// Writes each sequence's new K and V rows of one layer into its lease;
+    /// a refused write fails that sequence alone.
     fn store_kv(
         &self,
         batch: &mut [Sequence<'_>],
         layer: usize,
         qkv: &[f32],
-    ) -> Result<(), ModelError> {
+        failed: &mut [Option<ModelError>],
+    ) {
         let (q_dim, kv_dim) = (self.config.q_dim(), self.config.kv_dim());
         let width = q_dim + 2 * kv_dim;
         let mut row = 0;
         let (mut k, mut v) = (Vec::new(), Vec::new());
-        for seq in batch.iter_mut() {
+        for (seq, failure) in batch.iter_mut().zip(failed.iter_mut()) {
+            let rows = row..row + seq.tokens.len();
+            row += seq.tokens.len();
+            if failure.is_some() {
+                continue;
+            }
             k.clear();
             v.clear();
-            for r in row..row + seq.tokens.len() {
+            for r in rows {
                 let line = &qkv[r * width..(r + 1) * width];
                 k.extend_from_slice(&line[q_dim..q_dim + kv_dim]);
                 v.extend_from_slice(&line[q_dim + kv_dim..]);
             }
-            seq.lease.write_positions(layer, seq.past, &k, &v)?;
-            row += seq.tokens.len();
+            if let Err(error) = seq.lease.write_positions(layer, seq.past, &k, &v) {
+                *failure = Some(error.into());
+            }
         }
-        Ok(())
     }
 
-    /// Causal attention for every row, reading K/V through read views.
+    /// Causal attention for every row, reading K/V through read views. A
+    /// sequence whose view the pool refuses (I2) fails alone: its rows
+    /// attend to nothing (zeros) and are thrown away.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         batch: &[Sequence<'_>],
@@ -422,34 +464,43 @@ impl Model {
         positions: &[usize],
         row_seq: &[usize],
         out: &mut [f32],
-    ) -> Result<(), ModelError> {
+        failed: &mut [Option<ModelError>],
+    ) {
         let c = &self.config;
-        let views = batch
+        let views: Vec<Option<ReadView<'_, f32>>> = batch
             .iter()
-            .map(|s| s.lease.read_layer::<f32>(layer, s.past + s.tokens.len()))
-            .collect::<Result<Vec<_>, _>>()?;
+            .zip(failed.iter_mut())
+            .map(|(s, failure)| {
+                if failure.is_some() {
+                    return None;
+                }
+                match s.lease.read_layer::<f32>(layer, s.past + s.tokens.len()) {
+                    Ok(view) => Some(view),
+                    Err(error) => {
+                        *failure = Some(error.into());
+                        None
+                    }
+                }
+            })
+            .collect();
         let width = c.q_dim() + 2 * c.kv_dim();
         let work: usize = positions.iter().map(|p| p + 1).sum::<usize>() * c.q_dim();
         let run = |(r, out_row): (usize, &mut [f32])| {
+            let Some(view) = &views[row_seq[r]] else {
+                out_row.fill(0.0);
+                return;
+            };
             let q_row = &qkv[r * width..r * width + c.q_dim()];
-            attend_row(
-                c,
-                q_row,
-                &views[row_seq[r]],
-                layer,
-                positions[r] + 1,
-                out_row,
-            );
+            attend_row(c, q_row, view, layer, positions[r] + 1, out_row);
         };
         if work >= 1 << 16 {
             out.par_chunks_mut(c.q_dim()).enumerate().for_each(run);
         } else {
             out.chunks_mut(c.q_dim()).enumerate().for_each(run);
         }
-        Ok(())
     }
 
-    fn logits(&self, batch: &[Sequence<'_>], x: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
+    fn logits(&self, batch: &[Sequence<'_>], x: &[f32]) -> Vec<Vec<f32>> {
         let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
         let mut picked = Vec::new();
         let mut counts = Vec::with_capacity(batch.len());
@@ -458,6 +509,8 @@ impl Model {
             let n = seq.tokens.len();
             let rows = match seq.logits {
                 Logits::None => 0..0,
+                // A sequence without tokens failed its check: no row to pick.
+                Logits::Last if n == 0 => 0..0,
                 Logits::Last => row + n - 1..row + n,
                 Logits::All => row..row + n,
             };
@@ -471,14 +524,14 @@ impl Model {
         let mut logits = vec![0.0; m * vocab];
         self.lm_head.matmul(&normed, m, &mut logits);
         let mut rest = logits.as_slice();
-        Ok(counts
+        counts
             .into_iter()
             .map(|n| {
                 let (mine, tail) = rest.split_at(n * vocab);
                 rest = tail;
                 mine.to_vec()
             })
-            .collect())
+            .collect()
     }
 }
 

@@ -99,3 +99,86 @@ fn eight_sequences_batched_equal_each_run_alone_bit_for_bit() {
         }
     }
 }
+
+/// One bad sequence in a batch of eight fails alone: a token outside the
+/// vocabulary, positions past its lease, and a read of KV never written
+/// (I2) each get their own error, and the other sequences' logits are bit
+/// for bit what they are when run alone.
+#[test]
+fn a_bad_sequence_fails_alone_and_the_rest_of_the_batch_is_untouched() {
+    let model = Model::from_tensors(Builtin::Tiny.config(), &Builtin::Tiny.tensors()).unwrap();
+    let pool = pool_for(&model, 4096);
+    let vocab = model.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = LENGTHS
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| prompt(i, n))
+        .collect();
+    let alone: Vec<Vec<f32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut lease = pool.lease(RequestId(200 + i as u64), p.len()).unwrap();
+            let mut seq = [Sequence {
+                lease: &mut lease,
+                past: 0,
+                tokens: p,
+                logits: Logits::Last,
+            }];
+            model.forward(&mut seq).unwrap().remove(0)
+        })
+        .collect();
+    for bad in [1usize, 4, 7] {
+        let mut leases: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            // The I2 case gets room for its positions: only coverage refuses it.
+            .map(|(i, p)| {
+                let room = if i == bad && bad == 7 { 16 } else { 0 };
+                pool.lease(RequestId(300 + i as u64), p.len() + room)
+                    .unwrap()
+            })
+            .collect();
+        let mut tokens = prompts.clone();
+        let mut past = vec![0; tokens.len()];
+        match bad {
+            // A token id outside the vocabulary.
+            1 => tokens[bad][0] = vocab + 5,
+            // Positions past what the lease holds.
+            4 => tokens[bad].extend(std::iter::repeat_n(1, 64)),
+            // A read of positions never written in this lease (I2).
+            _ => past[bad] = 3,
+        }
+        let mut batch: Vec<Sequence<'_>> = leases
+            .iter_mut()
+            .zip(&tokens)
+            .zip(&past)
+            .map(|((lease, t), &past)| Sequence {
+                lease,
+                past,
+                tokens: t,
+                logits: Logits::Last,
+            })
+            .collect();
+        let rows = model.forward_each(&mut batch);
+        for (i, row) in rows.iter().enumerate() {
+            if i == bad {
+                let error = row.as_ref().expect_err("the bad sequence fails");
+                if bad == 7 {
+                    assert!(
+                        matches!(error, kvfence_model::ModelError::Pool(_)),
+                        "refused by the pool's coverage check: {error}"
+                    );
+                }
+            } else {
+                let row = row.as_ref().unwrap_or_else(|e| panic!("sequence {i}: {e}"));
+                assert!(
+                    row.iter()
+                        .zip(&alone[i])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "sequence {i} changed because sequence {bad} failed"
+                );
+            }
+        }
+    }
+}
