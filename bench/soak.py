@@ -10,7 +10,8 @@ for the pools to drain and reads them from /metrics.
 
 It reports the RSS slope after warm-up (KiB per minute, least squares),
 answers by status (5xx counted apart), canary divergences and the pages
-still held. Exit status 1 if any 5xx, divergence or held page was seen.
+still held. Exit status 1 if anything but a whole answer or a deliberate
+abort came back (5xx counted apart), a canary diverged or a page was held.
 
     python3 bench/soak.py --base-url http://127.0.0.1:8000 --pid PID \\
         --metrics-url http://127.0.0.1:9464/metrics --key KEY_A --key KEY_B \\
@@ -176,11 +177,15 @@ def main():
         held = pages_held(metrics_url)
     warm = [(t, v) for t, v in samples if t >= args.warm_up_minutes * 60]
     server_errors = sum(v for k, v in counts.items() if k.startswith("5"))
+    # Anything but a whole answer or a deliberate abort: a refusal (a wrong
+    # key, a full queue), a stream that ended in an error, a client error.
+    other_failures = sum(v for k, v in counts.items() if k not in ("200", "aborted"))
     result = {
         "minutes": args.minutes,
         "requests": sum(counts.values()),
         "by_status": counts,
         "server_errors": server_errors,
+        "other_failures": other_failures,
         "canary_divergences": len(divergences),
         "pages_held_at_end": held,
         "rss_kib_first_last": [samples[0][1], samples[-1][1]] if samples else None,
@@ -190,7 +195,7 @@ def main():
     if args.report:
         with open(args.report, "w") as out:
             json.dump(result, out, indent=2)
-    bad = server_errors or divergences or held
+    bad = server_errors or other_failures or divergences or held or not samples
     raise SystemExit(1 if bad else 0)
 
 

@@ -27,6 +27,20 @@ const GGUF_USER_DEFINED: i64 = 4;
 /// Special tokens of the built-in byte-level tokenizer, ids 256, 257, 258.
 pub const BUILTIN_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 
+/// Words a BPE tokenizer remembers the merges of. The library's default
+/// (10,000) keyed by request text made a server's memory grow with every
+/// distinct prompt (measured: ≈ 560 bytes a request, linear over 27,000
+/// requests); the merges of a word are quick to recompute.
+const WORD_CACHE: usize = 0;
+
+fn bound_word_cache(tokenizer: &mut HfTokenizer) {
+    if let tokenizers::ModelWrapper::BPE(bpe) = tokenizer.get_model() {
+        let mut bpe = bpe.clone();
+        bpe.resize_cache(WORD_CACHE);
+        tokenizer.with_model(bpe);
+    }
+}
+
 /// A loaded tokenizer.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -178,7 +192,8 @@ impl Tokenizer {
         Ok(Tokenizer::wrap(inner))
     }
 
-    fn wrap(inner: HfTokenizer) -> Tokenizer {
+    fn wrap(mut inner: HfTokenizer) -> Tokenizer {
+        bound_word_cache(&mut inner);
         let mut as_text = inner.clone();
         as_text.set_encode_special_tokens(true);
         Tokenizer { inner, as_text }
