@@ -46,6 +46,10 @@ pub struct AuditConfig {
     pub batch_invariant: bool,
     /// Requests in flight during the load phases.
     pub concurrency: usize,
+    /// Where the server's Prometheus metrics are, when not at
+    /// `BASE/metrics` (kvfence in tenant mode serves them on a listener of
+    /// their own).
+    pub metrics_url: Option<String>,
 }
 
 /// A check's outcome.
@@ -628,7 +632,13 @@ async fn canary_check(client: &Client, deadline: Instant) -> Result<CheckResult,
     }
     let metrics = client
         .http
-        .get(format!("{}/metrics", client.config.base_url))
+        .get(
+            client
+                .config
+                .metrics_url
+                .clone()
+                .unwrap_or_else(|| format!("{}/metrics", client.config.base_url)),
+        )
         .send()
         .await
         .ok();

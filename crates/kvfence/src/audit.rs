@@ -36,6 +36,11 @@ pub(crate) struct AuditArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Where the server's metrics are, if not at BASE_URL/metrics (kvfence
+    /// with --config serves them on --metrics-listen); the canary check
+    /// looks for markers there too.
+    #[arg(long)]
+    metrics_url: Option<String>,
 }
 
 pub(crate) fn run(args: &AuditArgs) -> anyhow::Result<()> {
@@ -51,6 +56,7 @@ pub(crate) fn run(args: &AuditArgs) -> anyhow::Result<()> {
         budget: Duration::from_secs(args.budget_seconds),
         batch_invariant: !args.not_batch_invariant,
         concurrency: args.concurrency,
+        metrics_url: args.metrics_url.clone(),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -85,8 +85,16 @@ async fn healthy_kvfence_passes_every_check_colocated_and_disaggregated() {
             "--kv-pool-tokens",
             "512",
         ]);
-        let (out, report) = audit(&server.base, &keys);
+        let mut args = keys.clone();
+        let metrics = server.metrics_url();
+        args.extend(["--metrics-url", metrics.as_str()]);
+        let (out, report) = audit(&server.base, &args);
         all_pass(&out, &report, mode);
+        let canaries = report["checks"][3]["figures"].as_str().unwrap_or_default();
+        assert!(
+            canaries.contains("/metrics checked"),
+            "the canaries were looked for in the metrics too: {canaries}"
+        );
         server.wait_for_baseline().await;
     }
 }
