@@ -36,6 +36,13 @@ pub enum EngineError {
     /// The engine is stopping and takes no more work.
     #[error("the engine is shutting down")]
     ShuttingDown,
+    /// A worker in another process failed the request for an internal
+    /// reason (the same failure a local engine reports as its own error).
+    #[error("the worker failed: {reason}")]
+    Internal {
+        /// What failed (never request text).
+        reason: String,
+    },
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),

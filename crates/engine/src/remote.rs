@@ -757,7 +757,8 @@ impl Backend for RemoteEngine {
                     }
                     Refusal::Invalid { reason } => EngineError::Invalid { reason },
                     Refusal::ShuttingDown => EngineError::ShuttingDown,
-                    Refusal::Internal { message } => EngineError::Unavailable { reason: message },
+                    // The same status as the same failure in one process.
+                    Refusal::Internal { message } => EngineError::Internal { reason: message },
                 })
             }
             Err(_) => {

@@ -5,7 +5,7 @@
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use kvfence_engine::EngineError;
+use kvfence_engine::{EngineError, FailureKind};
 use serde::Serialize;
 
 /// Why the server could not be configured or started.
@@ -166,6 +166,28 @@ impl IntoResponse for ApiError {
     }
 }
 
+impl ApiError {
+    /// The answer for a request the engine failed after admitting it: the
+    /// same status for the same failure whichever deployment served it.
+    pub fn from_failure(kind: FailureKind, message: String) -> ApiError {
+        match kind {
+            FailureKind::ShuttingDown => {
+                ApiError::new(ErrorType::ServiceUnavailable, "shutting_down", message)
+            }
+            FailureKind::Unavailable => {
+                ApiError::new(ErrorType::ServiceUnavailable, "worker_unavailable", message)
+            }
+            // A worker's own check refused what admission let through (I6, defence in depth).
+            FailureKind::TooLong => ApiError::new(
+                ErrorType::InvalidRequestError,
+                "context_length_exceeded",
+                message,
+            ),
+            _ => ApiError::new(ErrorType::ServerError, "internal_error", message),
+        }
+    }
+}
+
 impl From<EngineError> for ApiError {
     fn from(error: EngineError) -> Self {
         match error {
@@ -194,5 +216,31 @@ impl From<EngineError> for ApiError {
             ),
             other => ApiError::new(ErrorType::ServerError, "internal_error", other.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The same failure gets the same status in one process and behind a
+    /// router: a local engine's own internal error and a remote worker's
+    /// internal refusal are both 500; "cannot serve now" is 503.
+    #[test]
+    fn one_failure_one_status_in_every_deployment() {
+        let local = ApiError::from(EngineError::Model(kvfence_model::ModelError::Tokenizer {
+            reason: "x".into(),
+        }));
+        let remote = ApiError::from(EngineError::Internal { reason: "x".into() });
+        assert_eq!(local.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(remote.status(), local.status());
+        assert_eq!(
+            ApiError::from(EngineError::Unavailable { reason: "x".into() }).status(),
+            ApiError::from_failure(FailureKind::Unavailable, "x".into()).status()
+        );
+        assert_eq!(
+            ApiError::from_failure(FailureKind::Internal, "x".into()).status(),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
     }
 }

@@ -557,24 +557,6 @@ impl Drop for Reply {
     }
 }
 
-fn failure(kind: FailureKind, message: String) -> ApiError {
-    match kind {
-        FailureKind::ShuttingDown => {
-            ApiError::new(ErrorType::ServiceUnavailable, "shutting_down", message)
-        }
-        FailureKind::Unavailable => {
-            ApiError::new(ErrorType::ServiceUnavailable, "worker_unavailable", message)
-        }
-        // A worker's own check refused what admission let through (I6, defence in depth).
-        FailureKind::TooLong => ApiError::new(
-            ErrorType::InvalidRequestError,
-            "context_length_exceeded",
-            message,
-        ),
-        _ => ApiError::new(ErrorType::ServerError, "internal_error", message),
-    }
-}
-
 impl Reply {
     fn first_token(&self, seen: &mut bool) {
         if !*seen {
@@ -627,13 +609,13 @@ impl Reply {
                     return (StatusCode::OK, Json(body)).into_response();
                 }
                 Some(Event::Failed { kind, message }) => {
-                    let error = failure(kind, message);
+                    let error = ApiError::from_failure(kind, message);
                     self.state.metrics.rejection(error.reason());
                     self.log_end(error.status().as_u16(), None);
                     return error.into_response();
                 }
                 None => {
-                    let error = failure(
+                    let error = ApiError::from_failure(
                         FailureKind::Internal,
                         "the engine dropped the request".into(),
                     );
@@ -717,7 +699,7 @@ fn stream_events(
                             );
                         }
                         Some(Event::Failed { kind, message }) => {
-                            let error = failure(kind, message);
+                            let error = ApiError::from_failure(kind, message);
                             reply.state.metrics.rejection(error.reason());
                             reply.log_end(200, None);
                             // An error event, and no normal finish (I5, I7).
@@ -727,7 +709,7 @@ fn stream_events(
                             );
                         }
                         None => {
-                            let error = failure(
+                            let error = ApiError::from_failure(
                                 FailureKind::Internal,
                                 "the engine dropped the request".into(),
                             );
