@@ -74,7 +74,7 @@ impl Counters {
 }
 
 /// A snapshot of the engine's counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct EngineStats {
     /// Requests waiting for pages.
     pub queued: usize,

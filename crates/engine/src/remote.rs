@@ -85,10 +85,63 @@ enum WireEvent {
     },
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+/// One pool's counters on the wire: every field of [`PoolStats`], by name,
+/// so no counter a worker keeps arrives as a zero it never reported.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct WirePool {
+    role: String,
+    num_pages: usize,
+    page_size: usize,
+    free_pages: usize,
+    leased_pages: usize,
+    quarantined_pages: usize,
+    leases_granted: u64,
+    leases_refused: u64,
+    stale_writes_rejected: u64,
+    foreign_writes_rejected: u64,
+    reads_refused: u64,
+    pages_quarantined_total: u64,
+}
+
+impl WirePool {
+    fn new(role: &str, s: &PoolStats) -> WirePool {
+        WirePool {
+            role: role.to_string(),
+            num_pages: s.num_pages,
+            page_size: s.page_size,
+            free_pages: s.free_pages,
+            leased_pages: s.leased_pages,
+            quarantined_pages: s.quarantined_pages,
+            leases_granted: s.leases_granted,
+            leases_refused: s.leases_refused,
+            stale_writes_rejected: s.stale_writes_rejected,
+            foreign_writes_rejected: s.foreign_writes_rejected,
+            reads_refused: s.reads_refused,
+            pages_quarantined_total: s.pages_quarantined_total,
+        }
+    }
+
+    fn stats(&self) -> PoolStats {
+        PoolStats {
+            num_pages: self.num_pages,
+            page_size: self.page_size,
+            free_pages: self.free_pages,
+            leased_pages: self.leased_pages,
+            quarantined_pages: self.quarantined_pages,
+            leases_granted: self.leases_granted,
+            leases_refused: self.leases_refused,
+            stale_writes_rejected: self.stale_writes_rejected,
+            foreign_writes_rejected: self.foreign_writes_rejected,
+            reads_refused: self.reads_refused,
+            pages_quarantined_total: self.pages_quarantined_total,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct WireStats {
-    pools: Vec<(String, [u64; 8])>,
-    engine: [u64; 13],
+    pools: Vec<WirePool>,
+    engine: EngineStats,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -116,8 +169,15 @@ enum Control {
     Cancel {
         id: u64,
     },
-    StatsRequest,
-    Stats(WireStats),
+    /// Answered by the `Stats` with the same id: concurrent scrapes each
+    /// get their own answer.
+    StatsRequest {
+        id: u64,
+    },
+    Stats {
+        id: u64,
+        stats: WireStats,
+    },
 }
 
 fn send_control(out: &LinkTx, control: &Control) -> bool {
@@ -390,8 +450,11 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                     canceller.cancel();
                 }
             }
-            Ok(Some(Control::StatsRequest)) => {
-                let _ = out_tx.send(Control::Stats(wire_stats(engine)));
+            Ok(Some(Control::StatsRequest { id })) => {
+                let _ = out_tx.send(Control::Stats {
+                    id,
+                    stats: wire_stats(engine),
+                });
             }
             Ok(Some(_)) => {
                 break Err(EngineError::Handoff(HandoffError::Malformed {
@@ -473,75 +536,14 @@ fn refusal(error: EngineError) -> Refusal {
     }
 }
 
-fn pool_to_wire(s: &PoolStats) -> [u64; 8] {
-    [
-        s.num_pages as u64,
-        s.page_size as u64,
-        s.free_pages as u64,
-        s.leased_pages as u64,
-        s.quarantined_pages as u64,
-        s.leases_granted,
-        s.leases_refused,
-        s.pages_quarantined_total,
-    ]
-}
-
-fn pool_from_wire(w: [u64; 8], refused_reads: u64) -> PoolStats {
-    PoolStats {
-        num_pages: w[0] as usize,
-        page_size: w[1] as usize,
-        free_pages: w[2] as usize,
-        leased_pages: w[3] as usize,
-        quarantined_pages: w[4] as usize,
-        leases_granted: w[5],
-        leases_refused: w[6],
-        stale_writes_rejected: 0,
-        foreign_writes_rejected: 0,
-        reads_refused: refused_reads,
-        pages_quarantined_total: w[7],
-    }
-}
-
 fn wire_stats(engine: &Engine) -> WireStats {
-    let (pools, e) = engine.snapshot();
+    let (pools, engine) = engine.snapshot();
     WireStats {
         pools: pools
             .iter()
-            .map(|(role, s)| (role.to_string(), pool_to_wire(s)))
+            .map(|(role, s)| WirePool::new(role, s))
             .collect(),
-        engine: [
-            e.queued as u64,
-            e.running as u64,
-            e.finished,
-            e.failed,
-            e.cancelled,
-            e.prompt_tokens,
-            e.generated_tokens,
-            e.steps,
-            e.handoffs_committed,
-            e.handoffs_failed,
-            e.handoff_stale_messages,
-            e.handoff_checksum_failures,
-            e.handoff_bytes,
-        ],
-    }
-}
-
-fn engine_from_wire(w: &[u64; 13]) -> EngineStats {
-    EngineStats {
-        queued: w[0] as usize,
-        running: w[1] as usize,
-        finished: w[2],
-        failed: w[3],
-        cancelled: w[4],
-        prompt_tokens: w[5],
-        generated_tokens: w[6],
-        steps: w[7],
-        handoffs_committed: w[8],
-        handoffs_failed: w[9],
-        handoff_stale_messages: w[10],
-        handoff_checksum_failures: w[11],
-        handoff_bytes: w[12],
+        engine,
     }
 }
 
@@ -554,7 +556,8 @@ struct InFlight {
 struct RemoteShared {
     in_flight: Mutex<HashMap<u64, InFlight>>,
     replies: Mutex<HashMap<u64, mpsc::Sender<Result<(), Refusal>>>>,
-    stats: Mutex<Option<mpsc::Sender<WireStats>>>,
+    /// Stats requests waiting for their answer, by id.
+    stats: Mutex<HashMap<u64, mpsc::Sender<WireStats>>>,
     alive: AtomicBool,
 }
 
@@ -638,10 +641,16 @@ impl RemoteEngine {
     }
 
     fn remote_stats(&self) -> Option<WireStats> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
-        *lock(&self.shared.stats) = Some(tx);
-        self.out.send(Control::StatsRequest).ok()?;
-        rx.recv_timeout(Duration::from_secs(1)).ok()
+        lock(&self.shared.stats).insert(id, tx);
+        let answer = self
+            .out
+            .send(Control::StatsRequest { id })
+            .ok()
+            .and_then(|()| rx.recv_timeout(Duration::from_secs(1)).ok());
+        lock(&self.shared.stats).remove(&id);
+        answer
     }
 }
 
@@ -690,8 +699,8 @@ fn read_decode_worker(stream: mpsc::Receiver<Bytes>, shared: &RemoteShared) {
                     in_flight.remove(&id);
                 }
             }
-            Ok(Some(Control::Stats(stats))) => {
-                if let Some(reply) = lock(&shared.stats).take() {
+            Ok(Some(Control::Stats { id, stats })) => {
+                if let Some(reply) = lock(&shared.stats).remove(&id) {
                     let _ = reply.send(stats);
                 }
             }
@@ -707,6 +716,7 @@ fn read_decode_worker(stream: mpsc::Receiver<Bytes>, shared: &RemoteShared) {
         });
     }
     lock(&shared.replies).clear();
+    lock(&shared.stats).clear();
 }
 
 impl Backend for RemoteEngine {
@@ -778,14 +788,14 @@ impl Backend for RemoteEngine {
 
     fn snapshot(&self) -> (Vec<(&'static str, PoolStats)>, EngineStats) {
         let Some(stats) = self.remote_stats() else {
-            return (Vec::new(), engine_from_wire(&[0; 13]));
+            return (Vec::new(), EngineStats::default());
         };
         let pools = stats
             .pools
             .iter()
-            .map(|(role, w)| (Role::from_label(role).label(), pool_from_wire(*w, 0)))
+            .map(|pool| (Role::from_label(&pool.role).label(), pool.stats()))
             .collect();
-        (pools, engine_from_wire(&stats.engine))
+        (pools, stats.engine)
     }
 
     fn shutdown(&self) {
@@ -856,7 +866,7 @@ impl Backend for Fleet {
 
     fn snapshot(&self) -> (Vec<(&'static str, PoolStats)>, EngineStats) {
         let mut pools: Vec<(&'static str, PoolStats)> = Vec::new();
-        let mut total = engine_from_wire(&[0; 13]);
+        let mut total = EngineStats::default();
         for worker in &self.workers {
             let (worker_pools, e) = worker.snapshot();
             for (role, s) in worker_pools {
@@ -868,6 +878,9 @@ impl Backend for Fleet {
                         sum.quarantined_pages += s.quarantined_pages;
                         sum.leases_granted += s.leases_granted;
                         sum.leases_refused += s.leases_refused;
+                        sum.stale_writes_rejected += s.stale_writes_rejected;
+                        sum.foreign_writes_rejected += s.foreign_writes_rejected;
+                        sum.reads_refused += s.reads_refused;
                         sum.pages_quarantined_total += s.pages_quarantined_total;
                     }
                     None => pools.push((role, s)),

@@ -178,3 +178,32 @@ async fn a_router_spreads_requests_over_decode_workers_and_advertises_the_smalle
     );
     router.wait_for_baseline().await;
 }
+
+/// Two scrapes of the router's `/metrics` at once both show the decode
+/// worker's real counters (they once shared one reply slot, and one of
+/// them read zeros).
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_scrapes_of_the_router_both_see_the_workers_real_counters() {
+    let cluster = cluster(&[], &[]);
+    let url = cluster.router.url("/v1/completions");
+    let long = reqwest::Client::new()
+        .post(&url)
+        .json(&json!({"prompt": "keep going", "max_tokens": 3000, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while cluster.router.metric("kvfence_running_requests").await < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "the request runs");
+    }
+    for _ in 0..5 {
+        let (a, b) = tokio::join!(
+            cluster.router.metric("kvfence_running_requests"),
+            cluster.router.metric("kvfence_running_requests")
+        );
+        assert_eq!((a, b), (1.0, 1.0), "both scrapes see the running request");
+    }
+    drop(long);
+    cluster.router.wait_for_baseline().await;
+}
