@@ -2,6 +2,7 @@
 //! request and their leases; clients talk to it through [`Engine::submit`]
 //! and the returned [`RequestHandle`].
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -14,7 +15,7 @@ use tokio::sync::mpsc as tokio_mpsc;
 use crate::error::EngineError;
 use crate::link::{self, Transport};
 use crate::request::{GenerationRequest, RequestHandle};
-use crate::scheduler::{Command, Origin, Pending, Role, Scheduler};
+use crate::scheduler::{Command, Origin, PeerId, PeerUp, Pending, Role, Scheduler};
 
 /// Scheduling limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,16 +58,41 @@ pub(crate) struct Counters {
     pub(crate) handoff_stale_messages: AtomicU64,
     pub(crate) handoff_checksum_failures: AtomicU64,
     pub(crate) handoff_bytes: AtomicU64,
+    /// Hand-off messages from a link their grant was not sent to, dropped
+    /// before the receiver saw them.
+    pub(crate) handoff_misrouted: AtomicU64,
 }
 
 impl Counters {
+    pub(crate) fn snapshot(&self) -> EngineStats {
+        EngineStats {
+            queued: self.queued.load(Ordering::Acquire),
+            running: self.running.load(Ordering::Acquire),
+            finished: self.finished.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            cancelled: self.cancelled.load(Ordering::Relaxed),
+            prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
+            generated_tokens: self.generated_tokens.load(Ordering::Relaxed),
+            steps: self.steps.load(Ordering::Relaxed),
+            handoffs_committed: self.handoffs_committed.load(Ordering::Relaxed),
+            handoffs_failed: self.handoffs_failed.load(Ordering::Relaxed),
+            handoff_stale_messages: self.handoff_stale_messages.load(Ordering::Relaxed),
+            handoff_checksum_failures: self.handoff_checksum_failures.load(Ordering::Relaxed),
+            handoff_bytes: self.handoff_bytes.load(Ordering::Relaxed),
+        }
+    }
+
     /// Mirrors the receiver's totals, for metrics.
     pub(crate) fn record_handoff(&self, stats: &kvfence_handoff::ReceiverStats) {
         self.handoffs_committed
             .store(stats.committed, Ordering::Relaxed);
         self.handoffs_failed.store(stats.failed, Ordering::Relaxed);
-        self.handoff_stale_messages
-            .store(stats.stale_messages, Ordering::Relaxed);
+        // Misrouted messages are stale too: they belong to no grant of
+        // the link they came on.
+        self.handoff_stale_messages.store(
+            stats.stale_messages + self.handoff_misrouted.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
         self.handoff_checksum_failures
             .store(stats.checksum_failures, Ordering::Relaxed);
         self.handoff_bytes.store(stats.bytes, Ordering::Relaxed);
@@ -104,6 +130,25 @@ pub struct EngineStats {
     pub handoff_bytes: u64,
 }
 
+impl EngineStats {
+    /// Adds another engine's counters to these (a fleet's total).
+    pub fn add(&mut self, other: &EngineStats) {
+        self.queued += other.queued;
+        self.running += other.running;
+        self.finished += other.finished;
+        self.failed += other.failed;
+        self.cancelled += other.cancelled;
+        self.prompt_tokens += other.prompt_tokens;
+        self.generated_tokens += other.generated_tokens;
+        self.steps += other.steps;
+        self.handoffs_committed += other.handoffs_committed;
+        self.handoffs_failed += other.handoffs_failed;
+        self.handoff_stale_messages += other.handoff_stale_messages;
+        self.handoff_checksum_failures += other.handoff_checksum_failures;
+        self.handoff_bytes += other.handoff_bytes;
+    }
+}
+
 /// A worker: the scheduler(s) behind one client-facing queue.
 pub struct Engine {
     commands: mpsc::Sender<Command>,
@@ -111,19 +156,50 @@ pub struct Engine {
     pool: Pool,
     role: Role,
     prefill: Option<Peer>,
-    /// Capacity of a prefill worker in another process, if that is the peer.
-    remote_prefill_tokens: Option<usize>,
+    /// Decode role: the prefill workers in other processes it has a link
+    /// to now.
+    prefills: Arc<PrefillDirectory>,
     model: Arc<LoadedModel>,
     config: EngineConfig,
     next_id: AtomicU64,
+    /// Cleared when the worker drains: new requests are refused, those in
+    /// flight finish.
+    admitting: AtomicBool,
     threads: Vec<JoinHandle<()>>,
 }
 
-/// The decode worker's ends of its link to the prefill worker.
-pub(crate) struct DecodeLink {
-    pub(crate) inbox_tx: mpsc::Sender<Command>,
-    pub(crate) inbox: mpsc::Receiver<Command>,
-    pub(crate) to_prefill: mpsc::Sender<Command>,
+/// A prefill worker in another process that a decode worker has a link to.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PrefillPeer {
+    /// How the decode worker was told to reach it (its address).
+    pub name: String,
+    /// Tokens of KV its pool holds.
+    pub tokens: usize,
+}
+
+/// The prefill workers a decode worker has a link to now: written where
+/// links come up and go, read for capacity, routing and metrics.
+#[derive(Debug, Default)]
+pub(crate) struct PrefillDirectory(std::sync::Mutex<BTreeMap<PeerId, PrefillPeer>>);
+
+impl PrefillDirectory {
+    pub(crate) fn insert(&self, peer: PeerId, prefill: PrefillPeer) {
+        self.lock().insert(peer, prefill);
+    }
+
+    pub(crate) fn remove(&self, peer: PeerId) {
+        self.lock().remove(&peer);
+    }
+
+    pub(crate) fn list(&self) -> Vec<PrefillPeer> {
+        self.lock().values().cloned().collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<PeerId, PrefillPeer>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// The prefill half of an in-process disaggregated pair.
@@ -151,7 +227,6 @@ impl Engine {
             config,
             Arc::clone(&counters),
             inbox,
-            None,
         );
         let thread = spawn("kvfence-colocated", scheduler);
         Engine {
@@ -160,10 +235,11 @@ impl Engine {
             pool,
             role: Role::Colocated,
             prefill: None,
-            remote_prefill_tokens: None,
+            prefills: Arc::default(),
             model,
             config,
             next_id: AtomicU64::new(1),
+            admitting: AtomicBool::new(true),
             threads: vec![thread],
         }
     }
@@ -180,32 +256,43 @@ impl Engine {
         config: EngineConfig,
         transport: &Transport,
     ) -> Result<Engine, EngineError> {
-        let (decode_tx, decode_inbox) = mpsc::channel();
         let (prefill_tx, prefill_inbox) = mpsc::channel();
+        let mut engine = Engine::decode_worker(
+            model.clone(),
+            decode_pool,
+            config,
+            *transport == Transport::SharedMemory,
+        );
         let (prefill_to_decode, decode_to_prefill) =
-            link::connect(transport, prefill_tx.clone(), decode_tx.clone())?;
+            link::connect(transport, prefill_tx.clone(), engine.commands.clone())?;
         let prefill = Scheduler::new(
             Role::Prefill,
-            Arc::clone(&model),
+            model,
             prefill_pool.clone(),
             config,
             Arc::new(Counters::default()),
             prefill_inbox,
-            Some(prefill_to_decode),
         );
-        let link = DecodeLink {
-            inbox_tx: decode_tx,
-            inbox: decode_inbox,
-            to_prefill: decode_to_prefill,
+        // One link each way, named 0 at both ends.
+        let link = PeerId(0);
+        let up = |tx, name: &str, tokens| {
+            Command::PeerUp(Box::new(PeerUp {
+                peer: link,
+                tx,
+                name: name.into(),
+                tokens,
+            }))
         };
-        let mut engine = Engine::decode_over_link(
-            model,
-            decode_pool,
-            config,
-            link,
-            None,
-            *transport == Transport::SharedMemory,
-        );
+        let sent = prefill_tx.send(up(prefill_to_decode, "decode", 0)).is_ok()
+            && engine
+                .commands
+                .send(up(
+                    decode_to_prefill,
+                    "prefill",
+                    prefill_pool.capacity_tokens(),
+                ))
+                .is_ok();
+        assert!(sent, "both schedulers' inboxes are open until they stop");
         engine.prefill = Some(Peer {
             commands: prefill_tx,
             pool: prefill_pool,
@@ -214,17 +301,16 @@ impl Engine {
         Ok(engine)
     }
 
-    /// A decode worker whose prefill worker is reached through `link`.
-    /// `remote_prefill_tokens` is the capacity a prefill worker in another
-    /// process reported; `one_sided` grants shared-memory windows.
-    pub(crate) fn decode_over_link(
+    /// A decode worker with no prefill worker yet: links to them arrive as
+    /// `Command::PeerUp` on its command channel. `one_sided` grants
+    /// shared-memory windows.
+    pub(crate) fn decode_worker(
         model: Arc<LoadedModel>,
         pool: Pool,
         config: EngineConfig,
-        link: DecodeLink,
-        remote_prefill_tokens: Option<usize>,
         one_sided: bool,
     ) -> Engine {
+        let (commands, inbox) = mpsc::channel();
         let counters = Arc::new(Counters::default());
         let decode = Scheduler::new(
             Role::Decode,
@@ -232,20 +318,20 @@ impl Engine {
             pool.clone(),
             config,
             Arc::clone(&counters),
-            link.inbox,
-            Some(link.to_prefill),
+            inbox,
         )
         .with_one_sided_grants(one_sided);
         Engine {
-            commands: link.inbox_tx,
+            commands,
             counters,
             pool,
             role: Role::Decode,
             prefill: None,
-            remote_prefill_tokens,
+            prefills: Arc::default(),
             model,
             config,
             next_id: AtomicU64::new(1),
+            admitting: AtomicBool::new(true),
             threads: vec![spawn("kvfence-decode", decode)],
         }
     }
@@ -256,10 +342,26 @@ impl Engine {
         if let Some(peer) = &self.prefill {
             out.push((Role::Prefill.label(), peer.pool.capacity_tokens()));
         }
-        if let Some(tokens) = self.remote_prefill_tokens {
-            out.push((Role::Prefill.label(), tokens));
+        for prefill in self.prefills.list() {
+            out.push((Role::Prefill.label(), prefill.tokens));
         }
         out
+    }
+
+    /// The prefill workers in other processes this decode worker has a
+    /// link to now.
+    pub fn prefill_peers(&self) -> Vec<PrefillPeer> {
+        self.prefills.list()
+    }
+
+    /// Where links to prefill workers register (decode role).
+    pub(crate) fn prefill_directory(&self) -> Arc<PrefillDirectory> {
+        Arc::clone(&self.prefills)
+    }
+
+    /// The scheduler's command channel, for links that feed it.
+    pub(crate) fn commands(&self) -> mpsc::Sender<Command> {
+        self.commands.clone()
     }
 
     /// Pool and engine counters, by role (local pools only).
@@ -272,10 +374,9 @@ impl Engine {
         (pools, self.stats())
     }
 
-    /// The model's fingerprint: layers, KV heads, head dim, vocabulary.
-    pub(crate) fn fingerprint(&self) -> (usize, usize, usize, usize) {
-        let c = self.model.model.config();
-        (c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size)
+    /// The model this worker runs.
+    pub(crate) fn model(&self) -> &Arc<LoadedModel> {
+        &self.model
     }
 
     /// Stops only the prefill worker, as if its process ended: its in-flight
@@ -304,6 +405,20 @@ impl Engine {
     /// Queues a request. Refused at once, holding nothing, if it can never
     /// fit the pool or the queue is full.
     pub fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
+        self.submit_to(request, None)
+    }
+
+    /// [`Engine::submit`], naming the prefill worker (as listed by
+    /// [`Engine::prefill_peers`]) a decode worker should use if it still
+    /// can: the router's half of choosing the pair.
+    pub fn submit_to(
+        &self,
+        request: GenerationRequest,
+        prefill: Option<String>,
+    ) -> Result<RequestHandle, EngineError> {
+        if !self.is_admitting() {
+            return Err(EngineError::ShuttingDown);
+        }
         // Checked here, once, for every path in — HTTP, a router's link,
         // tests — so a bad request is refused alone, before it can share a
         // batch with anyone.
@@ -361,6 +476,8 @@ impl Engine {
                 events,
                 cancelled: Arc::clone(&cancelled),
             },
+            prefill,
+            moved: false,
         };
         if self
             .commands
@@ -371,6 +488,32 @@ impl Engine {
             return Err(EngineError::ShuttingDown);
         }
         Ok(RequestHandle::new(id, receiver, cancelled))
+    }
+
+    /// Starts draining: new requests are refused (`ShuttingDown`), those
+    /// queued and running go on to their end.
+    pub fn stop_admitting(&self) {
+        self.admitting.store(false, Ordering::Release);
+    }
+
+    /// Whether new requests are taken.
+    pub fn is_admitting(&self) -> bool {
+        self.admitting.load(Ordering::Acquire)
+    }
+
+    /// Whether the worker can take work now: it admits, and a decode
+    /// worker has a prefill worker to fill its grants.
+    pub fn is_ready(&self) -> bool {
+        self.is_admitting()
+            && (self.role != Role::Decode
+                || self.prefill.is_some()
+                || !self.prefills.list().is_empty())
+    }
+
+    /// Requests queued or running.
+    pub fn in_flight(&self) -> usize {
+        let stats = self.stats();
+        stats.queued + stats.running
     }
 
     /// Stops the scheduler now: queued and running requests end with a
@@ -394,22 +537,7 @@ impl Engine {
 
     /// Current counters.
     pub fn stats(&self) -> EngineStats {
-        let c = &self.counters;
-        EngineStats {
-            queued: c.queued.load(Ordering::Acquire),
-            running: c.running.load(Ordering::Acquire),
-            finished: c.finished.load(Ordering::Relaxed),
-            failed: c.failed.load(Ordering::Relaxed),
-            cancelled: c.cancelled.load(Ordering::Relaxed),
-            prompt_tokens: c.prompt_tokens.load(Ordering::Relaxed),
-            generated_tokens: c.generated_tokens.load(Ordering::Relaxed),
-            steps: c.steps.load(Ordering::Relaxed),
-            handoffs_committed: c.handoffs_committed.load(Ordering::Relaxed),
-            handoffs_failed: c.handoffs_failed.load(Ordering::Relaxed),
-            handoff_stale_messages: c.handoff_stale_messages.load(Ordering::Relaxed),
-            handoff_checksum_failures: c.handoff_checksum_failures.load(Ordering::Relaxed),
-            handoff_bytes: c.handoff_bytes.load(Ordering::Relaxed),
-        }
+        self.counters.snapshot()
     }
 }
 
@@ -444,6 +572,10 @@ impl crate::Backend for Engine {
 
     fn snapshot(&self) -> (Vec<(&'static str, kvfence_pool::PoolStats)>, EngineStats) {
         Engine::snapshot(self)
+    }
+
+    fn is_ready(&self) -> bool {
+        Engine::is_ready(self)
     }
 
     fn shutdown(&self) {

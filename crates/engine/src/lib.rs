@@ -18,12 +18,16 @@ mod request;
 mod scheduler;
 mod text;
 
-pub use engine::{Engine, EngineConfig, EngineStats};
+pub use engine::{Engine, EngineConfig, EngineStats, PrefillPeer};
 pub use error::EngineError;
 pub use kvfence_handoff::tls;
 pub use link::Transport;
 pub use net::ListenLimits;
-pub use remote::{Fleet, Hello, RemoteEngine, serve_prefill, serve_routers};
+pub use remote::client::RemoteEngine;
+pub use remote::decode::serve_routers;
+pub use remote::fleet::Fleet;
+pub use remote::prefill::{MAX_DECODE_LINKS, PrefillWorker};
+pub use remote::wire::{Hello, ModelFingerprint};
 pub use request::{
     Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
 };
@@ -40,6 +44,33 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn capacities(&self) -> Vec<(&'static str, usize)>;
     /// Pool counters by role label, and engine counters.
     fn snapshot(&self) -> (Vec<(&'static str, kvfence_pool::PoolStats)>, EngineStats);
+    /// Whether it can take work now (for readiness probes): it admits, and
+    /// the workers it depends on are linked.
+    fn is_ready(&self) -> bool;
     /// Stops taking work; in-flight requests end with an error.
     fn shutdown(&self);
+}
+
+/// A shared backend serves like the backend itself (a worker's status
+/// listener and its links hold the same engine).
+impl<T: Backend + ?Sized> Backend for std::sync::Arc<T> {
+    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
+        (**self).submit(request)
+    }
+
+    fn capacities(&self) -> Vec<(&'static str, usize)> {
+        (**self).capacities()
+    }
+
+    fn snapshot(&self) -> (Vec<(&'static str, kvfence_pool::PoolStats)>, EngineStats) {
+        (**self).snapshot()
+    }
+
+    fn is_ready(&self) -> bool {
+        (**self).is_ready()
+    }
+
+    fn shutdown(&self) {
+        (**self).shutdown()
+    }
 }

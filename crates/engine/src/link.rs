@@ -13,6 +13,7 @@
 use std::borrow::Cow;
 use std::net::TcpListener;
 use std::sync::mpsc;
+use std::thread::JoinHandle;
 
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
@@ -24,7 +25,7 @@ use crate::error::EngineError;
 use crate::net::{self, Link, ListenLimits};
 
 use crate::request::GenerationRequest;
-use crate::scheduler::{Command, PrefillOrder};
+use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, PrefillOrder};
 
 /// How the prefill and decode workers of a pair are connected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,8 +52,8 @@ pub(crate) const CONTROL: u8 = 3;
 /// to the socket.
 fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
     match command {
-        Command::Frame(frame) => Some((FRAME, Cow::Borrowed(frame))),
-        Command::Prefill(order) => {
+        Command::Frame { frame, .. } => Some((FRAME, Cow::Borrowed(frame))),
+        Command::Prefill { order, .. } => {
             // A window is a mapping into this process's memory; over TCP
             // grants are always two-sided.
             debug_assert!(order.window.is_none(), "one-sided grants never cross TCP");
@@ -71,7 +72,7 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
             Some((ORDER, Cow::Owned(out)))
         }
         // Local-only commands never cross a link.
-        Command::Submit(_) | Command::Shutdown | Command::PeerLost => None,
+        Command::Submit(_) | Command::Shutdown | Command::PeerUp(_) | Command::PeerLost(_) => None,
     }
 }
 
@@ -103,10 +104,14 @@ impl<'a> Cursor<'a> {
 
 /// Decodes one link frame; errors for anything malformed, never panics. A
 /// hand-off frame stays a view of `payload`.
-fn decode(payload: Bytes) -> Result<Command, HandoffError> {
+/// The command a link frame carries, as from the link `peer`.
+fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
     let &kind = payload.first().ok_or_else(|| malformed("empty frame"))?;
     match kind {
-        FRAME => Ok(Command::Frame(payload.slice(1..))),
+        FRAME => Ok(Command::Frame {
+            peer,
+            frame: payload.slice(1..),
+        }),
         ORDER => {
             let mut c = Cursor(&payload[1..]);
             let grant_len = c.u32()? as usize;
@@ -136,11 +141,14 @@ fn decode(payload: Bytes) -> Result<Command, HandoffError> {
                 stop: StopStrings::default(),
                 ignore_eos: false,
             };
-            Ok(Command::Prefill(Box::new(PrefillOrder {
-                grant,
-                request,
-                window: None,
-            })))
+            Ok(Command::Prefill {
+                peer,
+                order: Box::new(PrefillOrder {
+                    grant,
+                    request,
+                    window: None,
+                }),
+            })
         }
         _ => Err(malformed("unknown link frame kind")),
     }
@@ -152,17 +160,34 @@ fn decode(payload: Bytes) -> Result<Command, HandoffError> {
 pub(crate) fn bridge(
     link: Link,
     inbox: mpsc::Sender<Command>,
+    peer: PeerId,
     name: &str,
-) -> std::io::Result<mpsc::Sender<Command>> {
+    announce: Option<(String, usize)>,
+) -> std::io::Result<(PeerTx, JoinHandle<()>)> {
     let Link { tx, rx, .. } = link;
     let (to_peer, outbox) = mpsc::channel::<Command>();
+    // The stamp is for in-process peers; the writer below drops it.
+    let peer_tx = PeerTx::new(to_peer, peer);
+    if let Some((name, tokens)) = announce {
+        // Before the reader starts, so the scheduler knows the link before
+        // its first frame.
+        let up = PeerUp {
+            peer,
+            tx: peer_tx.clone(),
+            name,
+            tokens,
+        };
+        if inbox.send(Command::PeerUp(Box::new(up))).is_err() {
+            return Err(std::io::Error::other("the scheduler has stopped"));
+        }
+    }
     std::thread::Builder::new()
         .name(format!("{name}-tx"))
         .spawn(move || {
             for command in outbox {
                 let parts = match command {
                     // Shared, not copied: a chunk's bytes go to TLS as they are.
-                    Command::Frame(frame) => vec![Bytes::from_static(&[FRAME]), frame],
+                    Command::Frame { frame, .. } => vec![Bytes::from_static(&[FRAME]), frame],
                     other => match encode(&other) {
                         Some((kind, body)) => {
                             vec![
@@ -179,11 +204,11 @@ pub(crate) fn bridge(
             }
             // Dropping the link's sender closes it.
         })?;
-    std::thread::Builder::new()
+    let reader = std::thread::Builder::new()
         .name(format!("{name}-rx"))
         .spawn(move || {
             for frame in rx {
-                match decode(frame) {
+                match decode(frame, peer) {
                     Ok(command) => {
                         if inbox.send(command).is_err() {
                             return;
@@ -195,9 +220,9 @@ pub(crate) fn bridge(
                     }
                 }
             }
-            let _ = inbox.send(Command::PeerLost);
+            let _ = inbox.send(Command::PeerLost(peer));
         })?;
-    Ok(to_peer)
+    Ok((peer_tx, reader))
 }
 
 /// The one-byte kind prefix of a link frame, as a static slice.
@@ -215,9 +240,14 @@ pub(crate) fn connect(
     transport: &Transport,
     prefill_inbox: mpsc::Sender<Command>,
     decode_inbox: mpsc::Sender<Command>,
-) -> Result<(mpsc::Sender<Command>, mpsc::Sender<Command>), EngineError> {
+) -> Result<(PeerTx, PeerTx), EngineError> {
+    // The pair's one link is named 0 at both ends.
+    let link = PeerId(0);
     match transport {
-        Transport::InProcess | Transport::SharedMemory => Ok((decode_inbox, prefill_inbox)),
+        Transport::InProcess | Transport::SharedMemory => Ok((
+            PeerTx::new(decode_inbox, link),
+            PeerTx::new(prefill_inbox, link),
+        )),
         Transport::Tcp => {
             let io = |e: std::io::Error| EngineError::Handoff(HandoffError::Io(e.to_string()));
             // Both ends live in this process: a CA made now, trusted by
@@ -241,10 +271,16 @@ pub(crate) fn connect(
                         "the in-process TLS link did not come up".into(),
                     ))
                 })?;
-            let prefill_to_decode =
-                bridge(prefill_link, prefill_inbox, "kvfence-prefill-link").map_err(io)?;
-            let decode_to_prefill =
-                bridge(decode_link, decode_inbox, "kvfence-decode-link").map_err(io)?;
+            let (prefill_to_decode, _) = bridge(
+                prefill_link,
+                prefill_inbox,
+                link,
+                "kvfence-prefill-link",
+                None,
+            )
+            .map_err(io)?;
+            let (decode_to_prefill, _) =
+                bridge(decode_link, decode_inbox, link, "kvfence-decode-link", None).map_err(io)?;
             Ok((prefill_to_decode, decode_to_prefill))
         }
     }
@@ -262,17 +298,21 @@ mod tests {
         let mut wire = Vec::new();
         write_link_frame_parts(&mut wire, &[&[kind], &body])?;
         let payload = read_link_frame(&mut &wire[..])?.expect("one whole frame");
-        decode(payload.into())
+        decode(payload.into(), PeerId(7))
     }
 
     #[test]
     fn hand_off_frames_cross_the_link_unchanged() {
         for len in [0, 1, 5, 70_000] {
             let frame: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-            let Command::Frame(got) = over_the_link(&Command::Frame(frame.clone().into())).unwrap()
-            else {
+            let sent = Command::Frame {
+                peer: PeerId(1),
+                frame: frame.clone().into(),
+            };
+            let Command::Frame { peer, frame: got } = over_the_link(&sent).unwrap() else {
                 panic!("not a frame")
             };
+            assert_eq!(peer, PeerId(7), "stamped with the link it came on");
             assert_eq!(got, frame);
         }
     }
@@ -291,12 +331,15 @@ mod tests {
             stop: StopStrings::default(),
             ignore_eos: false,
         };
-        let sent = Command::Prefill(Box::new(PrefillOrder {
-            window: None,
-            grant: vec![9, 9],
-            request,
-        }));
-        let Command::Prefill(order) = over_the_link(&sent).unwrap() else {
+        let sent = Command::Prefill {
+            peer: PeerId(1),
+            order: Box::new(PrefillOrder {
+                window: None,
+                grant: vec![9, 9],
+                request,
+            }),
+        };
+        let Command::Prefill { order, .. } = over_the_link(&sent).unwrap() else {
             panic!("not an order")
         };
         assert_eq!(order.grant, vec![9, 9]);
@@ -321,7 +364,10 @@ mod tests {
             &[ORDER, 255, 255, 255, 255],
             &[ORDER, 0, 0, 0, 0, 255, 255, 255, 255],
         ] {
-            assert!(decode(Bytes::copy_from_slice(bad)).is_err(), "{bad:?}");
+            assert!(
+                decode(Bytes::copy_from_slice(bad), PeerId(0)).is_err(),
+                "{bad:?}"
+            );
         }
         let mut s = 1u64;
         for len in 0..400 {
@@ -333,7 +379,7 @@ mod tests {
                     s as u8
                 })
                 .collect();
-            let _ = decode(bytes.into());
+            let _ = decode(bytes.into(), PeerId(0));
         }
     }
 }

@@ -62,8 +62,19 @@ fn io(e: std::io::Error) -> EngineError {
     EngineError::Handoff(HandoffError::Io(e.to_string()))
 }
 
+/// A failed TLS handshake: `Tls` when TLS itself refused (a certificate
+/// from another CA or of the wrong role, a protocol error: the
+/// configuration is wrong, retrying will not help), `Io` when the
+/// connection broke under it (a peer restarting: worth retrying).
 fn tls(e: std::io::Error) -> EngineError {
-    EngineError::Handoff(HandoffError::Tls(e.to_string()))
+    let refused_by_tls = e
+        .get_ref()
+        .is_some_and(|inner| inner.is::<tokio_rustls::rustls::Error>());
+    if refused_by_tls {
+        EngineError::Handoff(HandoffError::Tls(e.to_string()))
+    } else {
+        io(e)
+    }
 }
 
 /// The sending half of a link: frames queued here are written in order.
@@ -241,7 +252,7 @@ pub(crate) fn dial(
         tokio::time::timeout(timeout, handshake)
             .await
             .unwrap_or_else(|_| {
-                Err(EngineError::Handoff(HandoffError::Tls(format!(
+                Err(EngineError::Handoff(HandoffError::Io(format!(
                     "no TLS handshake with {address} within {timeout:?}"
                 ))))
             })

@@ -33,7 +33,7 @@ impl GenerationRequest {
 }
 
 /// Why a completion ended normally.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FinishReason {
     /// End-of-sequence token or stop string.
     Stop,
@@ -42,7 +42,7 @@ pub enum FinishReason {
 }
 
 /// Token counts of a finished request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Usage {
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
@@ -51,7 +51,7 @@ pub struct Usage {
 }
 
 /// What kind of failure ended a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FailureKind {
     /// The engine or model failed; nothing computed from unverified KV was sent (I7).
     Internal,

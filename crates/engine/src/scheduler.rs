@@ -20,7 +20,7 @@
 //! A request's lease lives inside its `Active` entry (or the receiver), so
 //! finishing, failing or cancelling it is what returns its pages (I8).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -72,16 +72,79 @@ impl Role {
     }
 }
 
+/// Names one link to a peer worker, as the scheduler at this end knows it.
+/// A prefill worker keeps every order under the link it came on, so each
+/// link is its own namespace of hand-off ids: two decode workers that both
+/// number their hand-offs 1, 2, 3… can never reach each other's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct PeerId(pub(crate) u64);
+
+impl std::fmt::Display for PeerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "link-{}", self.0)
+    }
+}
+
+/// The sending end of a link to a peer worker: its inbox (in-process) or a
+/// bridge onto a TCP link. `stamp` is the name the peer knows this end by,
+/// put on every command so the peer's scheduler can tell its links apart.
+#[derive(Debug, Clone)]
+pub(crate) struct PeerTx {
+    tx: mpsc::Sender<Command>,
+    stamp: PeerId,
+}
+
+impl PeerTx {
+    pub(crate) fn new(tx: mpsc::Sender<Command>, stamp: PeerId) -> PeerTx {
+        PeerTx { tx, stamp }
+    }
+
+    /// Sends one hand-off message; false once the link is gone.
+    fn message(&self, message: &Message) -> bool {
+        self.frame(message.to_frame().into())
+    }
+
+    fn frame(&self, frame: Bytes) -> bool {
+        let peer = self.stamp;
+        self.tx.send(Command::Frame { peer, frame }).is_ok()
+    }
+
+    fn order(&self, order: PrefillOrder) -> bool {
+        let (peer, order) = (self.stamp, Box::new(order));
+        self.tx.send(Command::Prefill { peer, order }).is_ok()
+    }
+}
+
+/// A link coming up: who is at the other end.
+#[derive(Debug)]
+pub(crate) struct PeerUp {
+    pub(crate) peer: PeerId,
+    pub(crate) tx: PeerTx,
+    /// How the operator named the peer (its address), for routing hints.
+    pub(crate) name: String,
+    /// Tokens of KV the peer's pool holds (a decode worker's prefill
+    /// peers; 0 where it does not matter).
+    pub(crate) tokens: usize,
+}
+
 pub(crate) enum Command {
     /// A client request (colocated, decode).
     Submit(Box<Pending>),
     /// A grant to fill, with the prompt it is for (prefill).
-    Prefill(Box<PrefillOrder>),
-    /// One hand-off frame from the peer worker (shared, so a chunk's
-    /// payload is decoded as a view of it rather than copied).
-    Frame(Bytes),
-    /// The connection to the peer worker is gone.
-    PeerLost,
+    Prefill {
+        peer: PeerId,
+        order: Box<PrefillOrder>,
+    },
+    /// One hand-off frame from a peer worker (shared, so a chunk's payload
+    /// is decoded as a view of it rather than copied).
+    Frame {
+        peer: PeerId,
+        frame: Bytes,
+    },
+    /// A link to a peer worker came up.
+    PeerUp(Box<PeerUp>),
+    /// The link to a peer worker is gone.
+    PeerLost(PeerId),
     Shutdown,
 }
 
@@ -104,6 +167,9 @@ pub(crate) enum Origin {
     },
     /// A decode worker, through a grant (prefill role).
     Handoff {
+        /// The link the order came on: where its KV and answers go.
+        peer: PeerId,
+        /// The decode worker's name for the hand-off, unique on that link.
         id: HandoffId,
         /// The transfer; taken when the last page ships.
         streaming: Option<Streaming>,
@@ -117,6 +183,13 @@ pub(crate) struct Pending {
     pub(crate) id: RequestId,
     pub(crate) request: GenerationRequest,
     pub(crate) origin: Origin,
+    /// Decode role: the prefill worker the router chose, by name; another
+    /// live one is used if it is gone.
+    pub(crate) prefill: Option<String>,
+    /// Decode role: its hand-off was already moved once to another prefill
+    /// worker after losing one. A second loss fails it: a prompt that
+    /// kills every prefill worker it reaches must not take down the fleet.
+    pub(crate) moved: bool,
 }
 
 impl Pending {
@@ -152,6 +225,9 @@ struct Active {
     generated: Vec<u32>,
     /// When the decode worker granted this request's pages.
     granted_at: Instant,
+    /// Decode role: the link of the prefill worker filling the grant. Only
+    /// that link's hand-off messages may touch it.
+    prefill: Option<PeerId>,
 }
 
 impl Active {
@@ -176,11 +252,11 @@ enum End {
     Shipped,
 }
 
-/// Sends one hand-off message to the peer worker, if there is one.
-fn frame_to(peer: &Option<mpsc::Sender<Command>>, message: &Message) {
-    if let Some(peer) = peer {
-        let _ = peer.send(Command::Frame(message.to_frame().into()));
-    }
+/// A peer worker this scheduler has a link to.
+struct Peer {
+    tx: PeerTx,
+    name: String,
+    tokens: usize,
 }
 
 pub(crate) struct Scheduler {
@@ -190,14 +266,17 @@ pub(crate) struct Scheduler {
     config: EngineConfig,
     counters: Arc<Counters>,
     inbox: mpsc::Receiver<Command>,
-    /// The other worker of a disaggregated pair.
-    peer: Option<mpsc::Sender<Command>>,
+    /// The workers on the other side: a decode worker's prefill workers, a
+    /// prefill worker's decode workers. Ordered, so choices are
+    /// deterministic.
+    peers: BTreeMap<PeerId, Peer>,
     receiver: Receiver,
     waiting: VecDeque<Pending>,
     active: Vec<Active>,
     stopping: bool,
-    /// The peer worker is unreachable: no hand-off can complete.
-    peer_lost: bool,
+    /// Prefill role: names this worker's own leases (hand-off ids are only
+    /// unique per link).
+    next_local_id: u64,
     /// Decode role: grant one-sided windows (shared memory) instead of
     /// taking chunks.
     one_sided: bool,
@@ -211,7 +290,6 @@ impl Scheduler {
         config: EngineConfig,
         counters: Arc<Counters>,
         inbox: mpsc::Receiver<Command>,
-        peer: Option<mpsc::Sender<Command>>,
     ) -> Self {
         Scheduler {
             role,
@@ -220,12 +298,12 @@ impl Scheduler {
             config,
             counters,
             inbox,
-            peer,
+            peers: BTreeMap::new(),
             receiver: Receiver::new(),
             waiting: VecDeque::new(),
             active: Vec::new(),
             stopping: false,
-            peer_lost: false,
+            next_local_id: 1,
             one_sided: false,
         }
     }
@@ -287,19 +365,35 @@ impl Scheduler {
     fn handle(&mut self, command: Command) {
         match command {
             Command::Submit(pending) => self.waiting.push_back(*pending),
-            Command::Prefill(order) => self.take_order(*order),
-            Command::Frame(frame) => self.take_frame(&frame),
-            Command::PeerLost => self.lose_peer(),
+            Command::Prefill { peer, order } => self.take_order(peer, *order),
+            Command::Frame { peer, frame } => self.take_frame(peer, &frame),
+            Command::PeerUp(up) => {
+                debug!(role = self.role.label(), peer = %up.peer, "peer link up");
+                let peer = Peer {
+                    tx: up.tx,
+                    name: up.name,
+                    tokens: up.tokens,
+                };
+                let replaced = self.peers.insert(up.peer, peer);
+                assert!(
+                    replaced.is_none(),
+                    "a link id names one link for the process's life"
+                );
+            }
+            Command::PeerLost(peer) => self.lose_peer(peer),
             Command::Shutdown => self.stopping = true,
         }
     }
 
-    fn to_peer(&self, message: &Message) {
-        frame_to(&self.peer, message);
+    /// Sends one hand-off message on the link `peer`, if it is still up.
+    fn to_peer(&self, peer: PeerId, message: &Message) {
+        if let Some(p) = self.peers.get(&peer) {
+            let _ = p.tx.message(message);
+        }
     }
 
     /// Prefill role: queue a grant to fill, or reject it at once.
-    fn take_order(&mut self, order: PrefillOrder) {
+    fn take_order(&mut self, peer: PeerId, order: PrefillOrder) {
         let grant = match Message::decode(&order.grant) {
             Ok(Some((message, _))) => Grant::from_message(&message),
             _ => None,
@@ -322,38 +416,69 @@ impl Scheduler {
         if let Some(reason) = reject {
             if reason == RejectReason::TooLong && Mutation::PlaceholderDone.active() {
                 // Incident replay (a): claim a one-token placeholder was sent.
-                self.to_peer(&Message::Done {
-                    id: grant.id,
-                    epoch: grant.epoch,
-                    tokens: 1,
-                    digest: 0,
-                    first_token: 0,
-                });
+                self.to_peer(
+                    peer,
+                    &Message::Done {
+                        id: grant.id,
+                        epoch: grant.epoch,
+                        tokens: 1,
+                        digest: 0,
+                        first_token: 0,
+                    },
+                );
                 return;
             }
-            self.to_peer(&Message::Reject {
-                id: grant.id,
-                reason,
-            });
+            self.to_peer(
+                peer,
+                &Message::Reject {
+                    id: grant.id,
+                    reason,
+                },
+            );
             return;
         }
-        let id = RequestId(grant.id.0);
-        debug!(handoff = %grant.id, tokens = grant.tokens, "prefill order queued");
+        if Mutation::SharedHandoffIds.active() {
+            // Incident replay (g): routes kept by hand-off id alone, as if
+            // ids were unique across decode workers: a newer order with the
+            // same id takes over the older one's route.
+            for pending in self.orders_mut() {
+                if let Origin::Handoff {
+                    peer: route, id, ..
+                } = &mut pending.origin
+                    && *id == grant.id
+                {
+                    *route = peer;
+                }
+            }
+        }
+        let id = RequestId(self.next_local_id);
+        self.next_local_id += 1;
+        debug!(%peer, handoff = %grant.id, tokens = grant.tokens, "prefill order queued");
         self.counters.queued.fetch_add(1, Ordering::AcqRel);
         self.waiting.push_back(Pending {
             id,
             request: order.request,
             origin: Origin::Handoff {
+                peer,
                 id: grant.id,
                 streaming: Some(Streaming::new(grant)),
                 aborted: false,
                 window: order.window,
             },
+            prefill: None,
+            moved: false,
         });
     }
 
-    /// A hand-off frame from the peer.
-    fn take_frame(&mut self, frame: &Bytes) {
+    /// Every request waiting or running.
+    fn orders_mut(&mut self) -> impl Iterator<Item = &mut Pending> {
+        self.waiting
+            .iter_mut()
+            .chain(self.active.iter_mut().map(|a| &mut a.pending))
+    }
+
+    /// A hand-off frame from the peer on link `peer`.
+    fn take_frame(&mut self, peer: PeerId, frame: &Bytes) {
         let message = match Message::decode_shared(frame) {
             Ok(Some((message, _))) => message,
             Ok(None) | Err(_) => {
@@ -364,39 +489,54 @@ impl Scheduler {
         match self.role {
             Role::Prefill => {
                 if let Message::Abort { id, epoch } = message {
-                    self.abort_order(id);
+                    self.abort_order(peer, id);
                     // Fault injection: a writer that never acknowledges.
                     fail::fail_point!("prefill-no-abort-ack", |_| {});
                     // This worker writes only from its own thread, so no
                     // write of this hand-off is still in flight now.
-                    self.to_peer(&Message::AbortAck { id, epoch });
+                    self.to_peer(peer, &Message::AbortAck { id, epoch });
                 }
             }
-            Role::Decode => self.receive_kv(message),
+            Role::Decode => self.receive_kv(peer, message),
             Role::Colocated => {}
         }
     }
 
-    fn abort_order(&mut self, id: HandoffId) {
-        for pending in self
-            .waiting
-            .iter_mut()
-            .chain(self.active.iter_mut().map(|a| &mut a.pending))
-        {
+    /// Prefill role: drops the order `id` that came on link `peer`.
+    fn abort_order(&mut self, peer: PeerId, id: HandoffId) {
+        for pending in self.orders_mut() {
             if let Origin::Handoff {
+                peer: route,
                 id: handoff,
                 aborted,
                 ..
             } = &mut pending.origin
                 && *handoff == id
+                && *route == peer
             {
                 *aborted = true;
             }
         }
     }
 
-    /// Decode role: one message for the receiver.
-    fn receive_kv(&mut self, message: Message) {
+    /// Decode role: one message from the prefill worker on link `peer`.
+    fn receive_kv(&mut self, peer: PeerId, message: Message) {
+        // A grant is filled by the prefill worker it was sent to; another
+        // link's messages for it (a confused or hostile peer) are dropped
+        // before the receiver sees them.
+        if let Some(active) = self
+            .position(RequestId(message.id().0))
+            .map(|index| &self.active[index])
+            && active.lease.is_none()
+            && active.prefill != Some(peer)
+        {
+            warn!(%peer, handoff = %message.id(), "hand-off message from a link the grant was not sent to, dropped");
+            self.counters
+                .handoff_misrouted
+                .fetch_add(1, Ordering::Relaxed);
+            self.counters.record_handoff(&self.receiver.stats());
+            return;
+        }
         if matches!(message, Message::Done { .. }) {
             // Fault injection: decode stalls on, or crashes at, a `Done`
             // before committing it.
@@ -428,7 +568,7 @@ impl Scheduler {
             }
             Outcome::Failed { id, error, reply } => {
                 if let Some(reply) = reply {
-                    self.to_peer(&reply);
+                    self.to_peer(peer, &reply);
                 }
                 let Some(index) = self.position(RequestId(id.0)) else {
                     return;
@@ -463,8 +603,8 @@ impl Scheduler {
             if active.lease.is_none() && now >= active.granted_at + self.config.handoff_timeout {
                 let id = active.pending.handoff_id();
                 warn!(handoff = %id, "hand-off timed out; aborting the grant");
-                if let Some(abort) = self.receiver.abort(id) {
-                    self.to_peer(&abort);
+                if let (Some(abort), Some(peer)) = (self.receiver.abort(id), active.prefill) {
+                    self.to_peer(peer, &abort);
                 }
                 if Mutation::ReleaseOnTimeout.active() {
                     // Incident replay (e): free the pages without the writer's ack.
@@ -493,9 +633,10 @@ impl Scheduler {
                 let active = self.active.swap_remove(index);
                 if active.lease.is_none()
                     && let Some(abort) = self.receiver.abort(active.pending.handoff_id())
+                    && let Some(peer) = active.prefill
                 {
                     // The reservation is freed now; tell prefill to stop.
-                    self.to_peer(&abort);
+                    self.to_peer(peer, &abort);
                 }
                 dropped_active += 1;
             }
@@ -520,42 +661,60 @@ impl Scheduler {
         }
     }
 
-    /// The other worker is gone: every hand-off in flight fails now (its
-    /// reservation freed), and new work is refused until a restart.
-    fn lose_peer(&mut self) {
-        if self.peer_lost || self.role == Role::Colocated {
+    /// The link `peer` is gone. A decode worker fails every hand-off that
+    /// link was filling (their reservations freed) and sends new grants to
+    /// its other prefill workers; a prefill worker drops that link's orders.
+    fn lose_peer(&mut self, peer: PeerId) {
+        let Some(lost) = self.peers.remove(&peer) else {
             return;
-        }
-        self.peer_lost = true;
-        warn!(
-            role = self.role.label(),
-            "the peer worker is unreachable; failing in-flight hand-offs"
-        );
+        };
+        warn!(role = self.role.label(), %peer, name = %lost.name, "peer link lost; failing its hand-offs");
         match self.role {
             Role::Decode => {
+                // Hand-offs the link was filling: the grant is revoked (its
+                // pages freed; late frames cannot come from a closed link).
+                // Nothing was sent to the client yet, and prefill is
+                // deterministic, so the request goes back to the front of
+                // the queue once, to be granted to another prefill worker
+                // and give the same answer; on a second loss it fails.
+                let mut requeue = Vec::new();
                 for index in (0..self.active.len()).rev() {
-                    if self.active[index].lease.is_none() {
-                        self.receiver.abort(self.active[index].pending.handoff_id());
-                        self.end(
-                            index,
-                            End::Failed(
-                                FailureKind::Unavailable,
-                                "the prefill worker is unreachable".into(),
-                            ),
-                        );
+                    let active = &self.active[index];
+                    if active.lease.is_none() && active.prefill == Some(peer) {
+                        self.receiver.abort(active.pending.handoff_id());
+                        if active.pending.moved || self.peers.is_empty() {
+                            self.end(
+                                index,
+                                End::Failed(
+                                    FailureKind::Unavailable,
+                                    "the prefill worker is unreachable".into(),
+                                ),
+                            );
+                        } else {
+                            let mut pending = self.active.swap_remove(index).pending;
+                            self.counters.running.fetch_sub(1, Ordering::AcqRel);
+                            pending.moved = true;
+                            pending.prefill = None;
+                            requeue.push(pending);
+                        }
                     }
+                }
+                // Oldest first at the front, as they were admitted.
+                requeue.sort_unstable_by_key(|p| p.id);
+                for pending in requeue.into_iter().rev() {
+                    self.counters.queued.fetch_add(1, Ordering::AcqRel);
+                    self.waiting.push_front(pending);
                 }
             }
             Role::Prefill | Role::Colocated => {
-                // A prefill worker serves one decode worker; without it there
-                // is nothing left to do here.
-                self.stopping = true;
-                for pending in self
-                    .waiting
-                    .iter_mut()
-                    .chain(self.active.iter_mut().map(|a| &mut a.pending))
-                {
-                    if let Origin::Handoff { aborted, .. } = &mut pending.origin {
+                for pending in self.orders_mut() {
+                    if let Origin::Handoff {
+                        peer: route,
+                        aborted,
+                        ..
+                    } = &mut pending.origin
+                        && *route == peer
+                    {
                         *aborted = true;
                     }
                 }
@@ -563,21 +722,62 @@ impl Scheduler {
         }
     }
 
-    fn admit(&mut self) {
-        if self.peer_lost && self.role == Role::Decode {
-            for pending in std::mem::take(&mut self.waiting) {
-                self.counters.queued.fetch_sub(1, Ordering::AcqRel);
-                self.refuse(
-                    &pending,
-                    FailureKind::Unavailable,
-                    "the prefill worker is unreachable".into(),
-                );
-            }
-            return;
+    /// Decode role: the prefill worker for `pending` — the one the router
+    /// chose if its link is up, else the live one with the fewest grants
+    /// outstanding — among those whose pool can hold the prompt (I6 per
+    /// pair). `Err` says why there is none.
+    fn choose_prefill(&self, pending: &Pending) -> Result<PeerId, (FailureKind, String)> {
+        let prompt = pending.request.prompt.len();
+        let fits = |p: &Peer| p.tokens >= prompt;
+        if let Some(name) = &pending.prefill
+            && let Some((&id, _)) = self.peers.iter().find(|(_, p)| &p.name == name && fits(p))
+        {
+            return Ok(id);
         }
+        let outstanding = |id: PeerId| {
+            self.active
+                .iter()
+                .filter(|a| a.lease.is_none() && a.prefill == Some(id))
+                .count()
+        };
+        match self
+            .peers
+            .iter()
+            .filter(|(_, p)| fits(p))
+            .min_by_key(|(id, _)| outstanding(**id))
+        {
+            Some((&id, _)) => Ok(id),
+            None if self.peers.is_empty() => Err((
+                FailureKind::Unavailable,
+                "no prefill worker is reachable".into(),
+            )),
+            None => Err((
+                FailureKind::TooLong,
+                format!(
+                    "the prompt's {prompt} tokens exceed every reachable prefill worker's pool (at most {})",
+                    self.peers.values().map(|p| p.tokens).max().unwrap_or(0)
+                ),
+            )),
+        }
+    }
+
+    fn admit(&mut self) {
         while self.active.len() < self.config.max_running {
             let Some(pending) = self.waiting.front() else {
                 break;
+            };
+            let prefill = if self.role == Role::Decode {
+                match self.choose_prefill(pending) {
+                    Ok(peer) => Some(peer),
+                    Err((kind, message)) => {
+                        let pending = self.waiting.pop_front().expect("front exists");
+                        self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+                        self.refuse(&pending, kind, message);
+                        continue;
+                    }
+                }
+            } else {
+                None
             };
             let lease = match self
                 .pool
@@ -615,7 +815,8 @@ impl Scheduler {
                 };
                 match granted {
                     Ok((grant, window)) => {
-                        self.send_order(grant, &pending.request, window);
+                        let peer = prefill.expect("a decode worker chose a prefill worker");
+                        self.send_order(peer, grant, &pending.request, window);
                         None
                     }
                     Err(error) => {
@@ -636,23 +837,25 @@ impl Scheduler {
                 prefilled: 0,
                 generated: Vec::new(),
                 granted_at: Instant::now(),
+                prefill,
             });
         }
     }
 
     fn send_order(
         &self,
+        peer: PeerId,
         grant: Message,
         request: &GenerationRequest,
         window: Option<(Window, WindowKey)>,
     ) {
-        if let Some(peer) = &self.peer {
+        if let Some(p) = self.peers.get(&peer) {
             let order = PrefillOrder {
                 grant: grant.to_frame(),
                 request: request.clone(),
                 window,
             };
-            let _ = peer.send(Command::Prefill(Box::new(order)));
+            let _ = p.tx.order(order);
         }
     }
 
@@ -796,13 +999,13 @@ impl Scheduler {
         self.counters.failed.fetch_add(1, Ordering::Relaxed);
         match &pending.origin {
             Origin::Client { .. } => pending.send(Event::Failed { kind, message }),
-            Origin::Handoff { id, .. } => {
+            Origin::Handoff { peer, id, .. } => {
                 let reason = if kind == FailureKind::TooLong {
                     RejectReason::TooLong
                 } else {
                     RejectReason::Failed
                 };
-                self.to_peer(&Message::Reject { id: *id, reason });
+                self.to_peer(*peer, &Message::Reject { id: *id, reason });
             }
         }
     }
@@ -829,14 +1032,20 @@ impl Scheduler {
             .as_ref()
             .expect("a prefilled request holds its lease");
         let Origin::Handoff {
-            streaming, window, ..
+            peer,
+            streaming,
+            window,
+            ..
         } = &mut active.pending.origin
         else {
             unreachable!("ship is called for hand-off requests only");
         };
         let streaming = streaming.take().expect("a hand-off ships once");
         let grant = streaming.grant().clone();
-        let peer = self.peer.clone();
+        let Some(peer) = self.peers.get(peer).map(|p| p.tx.clone()) else {
+            // The decode worker left; nobody is waiting for this KV.
+            return End::Shipped;
+        };
         let sent = match window {
             Some((window, key)) => streaming.finish(lease, &mut WindowWrites::new(window, *key)),
             None => streaming.finish(
@@ -846,7 +1055,7 @@ impl Scheduler {
         };
         match sent {
             Ok(proof) => {
-                frame_to(&peer, &proof.done(first_token));
+                let _ = peer.message(&proof.done(first_token));
                 End::Shipped
             }
             Err(error) => End::Failed(FailureKind::Internal, error.to_string()),
@@ -856,17 +1065,20 @@ impl Scheduler {
     /// Prefill role: ships the pages the last step completed, so the
     /// transfer overlaps the rest of the prefill.
     fn ship_ready_pages(&mut self, index: usize) -> Result<(), kvfence_handoff::HandoffError> {
-        let peer = self.peer.clone();
         let active = &mut self.active[index];
         let (
             Some(lease),
             Origin::Handoff {
+                peer,
                 streaming: Some(streaming),
                 window,
                 ..
             },
         ) = (&active.lease, &mut active.pending.origin)
         else {
+            return Ok(());
+        };
+        let Some(peer) = self.peers.get(peer).map(|p| p.tx.clone()) else {
             return Ok(());
         };
         match window {
@@ -960,13 +1172,11 @@ impl Scheduler {
 }
 
 /// Sends one KV chunk's frame to the decode worker.
-fn send_chunk(peer: &Option<mpsc::Sender<Command>>, chunk: Vec<u8>) {
+fn send_chunk(peer: &PeerTx, chunk: Vec<u8>) {
     // Fault injection between chunks: a delay, a lost chunk (`stall`), or a
     // crash partway through a transfer.
     fail::fail_point!("handoff-mid-chunk", crash_or_stall);
-    if let Some(peer) = peer {
-        let _ = peer.send(Command::Frame(chunk.into()));
-    }
+    let _ = peer.frame(chunk.into());
 }
 
 /// What a `return(ARG)` failpoint does: `crash` ends the process the way a

@@ -13,7 +13,7 @@ use clap::{Args, ValueEnum};
 use kvfence_engine::{Backend, Engine, EngineConfig, Transport};
 use kvfence_model::{LoadedModel, ModelCache};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
-use kvfence_server::{ApiOptions, AppState, Capacity, ServerError, Tenants};
+use kvfence_server::{ApiOptions, AppState, Capacity, ConnectionLimits, ServerError, Tenants};
 use tracing::{info, warn};
 
 #[derive(Args, Debug)]
@@ -421,7 +421,31 @@ fn default_model_id(name: &str) -> String {
         .map_or_else(|| name.to_string(), |n| n.to_string_lossy().into_owned())
 }
 
-async fn shutdown_signal() {
+/// The state behind a worker process's status listener: its own pools and
+/// counters, no tenants, no API.
+pub(crate) fn status_state(
+    backend: Box<dyn Backend>,
+    model: Arc<LoadedModel>,
+) -> anyhow::Result<Arc<AppState>> {
+    let capacity = Capacity::compute(
+        model.model.config().max_position_embeddings,
+        &backend.capacities(),
+        None,
+        true,
+    )?;
+    let options = ApiOptions {
+        tenants: Tenants::local(),
+        model_id: default_model_id(&model.name),
+        capacity,
+        default_max_tokens: 1,
+        limits: ConnectionLimits::default(),
+        metrics_on_api: false,
+        tenant_labels: false,
+    };
+    Ok(AppState::new(backend, model, options))
+}
+
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

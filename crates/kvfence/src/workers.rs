@@ -13,16 +13,22 @@ use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
 use kvfence_engine::tls::{Credentials, Role};
-use kvfence_engine::{Engine, Fleet, RemoteEngine, serve_prefill, serve_routers};
+use kvfence_engine::{
+    Backend, Engine, Fleet, ModelFingerprint, PrefillWorker, RemoteEngine, serve_routers,
+};
 use kvfence_model::LoadedModel;
 use kvfence_pool::Pool;
-use tracing::warn;
+use tracing::{info, warn};
 
-use crate::serve::{EngineArgs, HttpArgs, init_logging, load_model, serve_http, tenants};
+use crate::serve::{
+    EngineArgs, HttpArgs, init_logging, load_model, serve_http, shutdown_signal, status_state,
+    tenants,
+};
 
 /// Where a process finds its TLS credentials.
 #[derive(Args, Debug)]
@@ -61,6 +67,16 @@ pub(crate) struct WorkerArgs {
     /// Tokens of KV cache for this worker's pool.
     #[arg(long, default_value_t = 16384)]
     kv_pool_tokens: usize,
+    /// Address for the operator's probes and scraper: GET /health (alive),
+    /// /ready (can take work: 503 while draining, or, for a decode worker,
+    /// while no prefill worker is linked) and /metrics (this worker's own
+    /// pools and counters). Serves no API. Off unless given.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// Seconds in-flight work may take to finish after SIGINT/SIGTERM;
+    /// meanwhile nothing new is admitted and /ready answers 503.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout: u64,
     #[command(flatten)]
     tls: TlsArgs,
     #[command(flatten)]
@@ -75,9 +91,11 @@ pub(crate) struct PrefillArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct DecodeArgs {
-    /// The prefill worker to connect to.
-    #[arg(long)]
-    prefill: SocketAddr,
+    /// The prefill workers to fill this worker's grants (comma-separated).
+    /// Each is dialled at start and again, with backoff, whenever its link
+    /// drops; a certificate or model that can never match stops the start.
+    #[arg(long, value_delimiter = ',', required = true)]
+    prefill: Vec<SocketAddr>,
     #[command(flatten)]
     worker: WorkerArgs,
 }
@@ -88,21 +106,16 @@ pub(crate) struct RouterArgs {
     /// workers must run the same model).
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
-    /// The decode workers to send requests to (comma-separated); each
-    /// request goes to the one with the fewest requests in flight.
+    /// The decode workers to send requests to (comma-separated). Per
+    /// request the router picks a decode worker and one of its prefill
+    /// workers that can hold it, least loaded first; workers that drop are
+    /// dialled again with backoff.
     #[arg(long, value_delimiter = ',', required = true)]
     decode: Vec<SocketAddr>,
     #[command(flatten)]
     tls: TlsArgs,
     #[command(flatten)]
     http: HttpArgs,
-}
-
-fn listen(address: SocketAddr) -> anyhow::Result<TcpListener> {
-    let listener = TcpListener::bind(address).with_context(|| format!("binding {address}"))?;
-    println!("listening on {}", listener.local_addr()?);
-    std::io::stdout().flush()?;
-    Ok(listener)
 }
 
 /// The parts every worker starts from: credentials, model and pool.
@@ -117,31 +130,109 @@ fn start_worker(
     Ok((credentials, model, pool))
 }
 
+/// How a worker drains: what stops new work, and what is still in flight.
+struct Drain {
+    stop_admitting: Box<dyn Fn()>,
+    in_flight: Box<dyn Fn() -> usize>,
+}
+
+/// Serves a worker's `/health`, `/ready` and `/metrics` on
+/// `--metrics-listen` (if given), says where the worker listens (`address`,
+/// already bound), and waits for SIGINT/SIGTERM; then drains: stops
+/// admitting, waits up to `--shutdown-timeout` for `in_flight` to reach
+/// zero, and returns.
+fn run_until_drained(
+    address: SocketAddr,
+    args: &WorkerArgs,
+    model: Arc<LoadedModel>,
+    backend: Arc<dyn Backend>,
+    drain: Drain,
+) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    if let Some(status) = args.metrics_listen {
+        let state = status_state(Box::new(Arc::clone(&backend)), model)?;
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind(status))
+            .with_context(|| format!("binding the status listener {status} (--metrics-listen)"))?;
+        println!("metrics on http://{}", listener.local_addr()?);
+        runtime.spawn(kvfence_server::serve_metrics(listener, state));
+    }
+    println!("listening on {address}");
+    std::io::stdout().flush()?;
+    runtime.block_on(shutdown_signal());
+    (drain.stop_admitting)();
+    let deadline = Instant::now() + Duration::from_secs(args.shutdown_timeout);
+    while (drain.in_flight)() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    match (drain.in_flight)() {
+        0 => info!("drained; exiting"),
+        left => warn!(
+            left,
+            "shutdown grace period over; exiting with work in flight"
+        ),
+    }
+    Ok(())
+}
+
 pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
     let (credentials, model, pool) = start_worker(&args.worker, Role::Prefill)?;
-    let listener = listen(args.worker.listen)?;
-    serve_prefill(
-        model,
+    let listener = TcpListener::bind(args.worker.listen)
+        .with_context(|| format!("binding {}", args.worker.listen))?;
+    let address = listener.local_addr()?;
+    let worker = PrefillWorker::start(
+        Arc::clone(&model),
         pool,
         args.worker.engine.config()?,
         listener,
         &credentials,
     )
-    .context("serving decode workers")
+    .context("starting the prefill worker")?;
+    let worker = Arc::new(worker);
+    let status: Arc<dyn Backend> = Arc::clone(&worker) as Arc<dyn Backend>;
+    let drain = Drain {
+        stop_admitting: Box::new({
+            let worker = Arc::clone(&worker);
+            move || worker.stop_admitting()
+        }),
+        in_flight: Box::new(move || worker.in_flight()),
+    };
+    run_until_drained(address, &args.worker, model, status, drain)
 }
 
 pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
     let (credentials, model, pool) = start_worker(&args.worker, Role::Decode)?;
     let engine = Engine::start_decode_worker(
-        model,
+        Arc::clone(&model),
         pool,
         args.worker.engine.config()?,
-        args.prefill,
+        &args.prefill,
         &credentials,
     )
-    .with_context(|| format!("connecting to the prefill worker at {}", args.prefill))?;
-    let listener = listen(args.worker.listen)?;
-    serve_routers(Arc::new(engine), listener, &credentials).context("serving routers")
+    .context("linking to the prefill workers")?;
+    let engine = Arc::new(engine);
+    let listener = TcpListener::bind(args.worker.listen)
+        .with_context(|| format!("binding {}", args.worker.listen))?;
+    let address = listener.local_addr()?;
+    let serving = Arc::clone(&engine);
+    std::thread::spawn(move || {
+        if let Err(error) = serve_routers(serving, listener, &credentials) {
+            warn!(%error, "stopped serving routers");
+        }
+    });
+    let status: Arc<dyn Backend> = Arc::clone(&engine) as Arc<dyn Backend>;
+    let drain = Drain {
+        stop_admitting: Box::new({
+            let engine = Arc::clone(&engine);
+            move || engine.stop_admitting()
+        }),
+        in_flight: Box::new(move || engine.in_flight()),
+    };
+    run_until_drained(address, &args.worker, model, status, drain)
 }
 
 pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
@@ -149,15 +240,46 @@ pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
     let credentials = args.tls.credentials(Role::Router)?;
     let tenants = tenants(&args.http)?;
     let model = load_model(&args.model)?;
+    let fingerprint = ModelFingerprint::of(&model);
     let workers = args
         .decode
         .iter()
         .map(|address| {
-            RemoteEngine::connect(*address, &credentials)
+            RemoteEngine::connect(*address, &credentials, fingerprint)
                 .with_context(|| format!("connecting to the decode worker at {address}"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    serve_http(&args.http, tenants, model, Box::new(Fleet::new(workers)?))
+    let fleet = Fleet::new(workers)?;
+    wait_for_workers(&fleet);
+    serve_http(&args.http, tenants, model, Box::new(fleet))
+}
+
+/// The advertised context is computed once, from the pools the workers
+/// report: wait until every worker has answered, or, once one has, at most
+/// [`FIRST_CONTACT_WAIT`] for the rest (they join when they come up, and
+/// are only given requests their pools can hold).
+fn wait_for_workers(fleet: &Fleet) {
+    const FIRST_CONTACT_WAIT: Duration = Duration::from_secs(10);
+    let started = Instant::now();
+    let mut first_contact: Option<Instant> = None;
+    let mut said = Instant::now();
+    while !fleet.has_heard_from_every_worker() {
+        if first_contact.is_none() && fleet.has_heard_from_any_worker() {
+            first_contact = Some(Instant::now());
+        }
+        if first_contact.is_some_and(|t| t.elapsed() >= FIRST_CONTACT_WAIT) {
+            warn!("starting without every decode worker; the others join when reachable");
+            return;
+        }
+        if said.elapsed() >= Duration::from_secs(5) {
+            info!(
+                waited_s = started.elapsed().as_secs(),
+                "waiting for the decode workers to answer"
+            );
+            said = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// `kvfence cluster init`: a new cluster CA and a certificate per role.

@@ -9,7 +9,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::error::ModelError;
 
 /// How to pick tokens for one request.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy.
     pub temperature: f32,

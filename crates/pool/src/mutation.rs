@@ -1,7 +1,7 @@
 //! Incident replays: deliberate bugs, each a real-world way a serving engine
 //! leaked KV between requests, that the test suite must catch. They exist
 //! only in builds with the `mutations` feature, where `KVFENCE_MUTATION`
-//! (a letter, `a` to `f`) switches one on for the whole process and its
+//! (a letter, `a` to `g`) switches one on for the whole process and its
 //! children; in every other build [`Mutation::active`] is a constant
 //! `false` and the bug cannot be reached. `scripts/mutation-check` runs
 //! each one against the tests that should catch it and reports the result.
@@ -25,17 +25,22 @@ pub enum Mutation {
     /// (f) The advertised context uses the decode pool's capacity instead
     /// of the smallest pool's (server, I6).
     DecodeCapacity,
+    /// (g) A prefill worker keys hand-offs by id alone, as if ids were
+    /// unique across decode workers: two decode workers' hand-offs with the
+    /// same id share a route, and one's KV goes to the other (engine, I1).
+    SharedHandoffIds,
 }
 
 impl Mutation {
     /// Every mutation with its letter.
-    pub const ALL: [(char, Mutation); 6] = [
+    pub const ALL: [(char, Mutation); 7] = [
         ('a', Mutation::PlaceholderDone),
         ('b', Mutation::SkipCoverage),
         ('c', Mutation::IgnoreGenerations),
         ('d', Mutation::FreeBeforeDrain),
         ('e', Mutation::ReleaseOnTimeout),
         ('f', Mutation::DecodeCapacity),
+        ('g', Mutation::SharedHandoffIds),
     ];
 
     /// Whether this bug is switched on (never, without the feature).

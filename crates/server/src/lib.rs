@@ -105,6 +105,7 @@ impl AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     let mut routes = Router::new()
         .route("/health", get(routes::health))
+        .route("/ready", get(routes::ready))
         .route("/v1/models", get(routes::models))
         .route("/v1/chat/completions", post(routes::chat))
         .route("/v1/completions", post(routes::completions));
@@ -114,12 +115,14 @@ pub fn router(state: Arc<AppState>) -> Router {
     routes.fallback(routes::not_found).with_state(state)
 }
 
-/// The routes of the metrics listener: `/metrics` (and `/health`), for the
-/// operator's scraper only.
+/// The routes of the metrics listener: `/metrics` (and `/health`,
+/// `/ready`), for the operator's scraper and probes only. A worker process
+/// (`kvfence prefill`, `kvfence decode`) serves these and nothing else.
 pub fn metrics_router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/metrics", get(routes::metrics))
         .route("/health", get(routes::health))
+        .route("/ready", get(routes::ready))
         .fallback(routes::not_found)
         .with_state(state)
 }

@@ -123,6 +123,22 @@ pub async fn health() -> impl IntoResponse {
     Json(json!({ "status": "ok" }))
 }
 
+/// `GET /ready`: 200 while this process can take work — it admits, and
+/// the workers it depends on are linked — else 503, so an orchestrator or
+/// a load balancer sends traffic elsewhere. `/health` answers whether the
+/// process is alive at all.
+pub async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.engine.is_ready() {
+        Json(json!({ "status": "ready" })).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "not ready" })),
+        )
+            .into_response()
+    }
+}
+
 /// `GET /metrics`: Prometheus text. Holds counts, states and tenant names;
 /// never request text (I10).
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {

@@ -280,9 +280,10 @@ async fn i9_a_flood_of_half_open_connections_does_not_lock_out_real_peers() {
 enum Tamper {
     /// The first server-to-client record of at least 8 KiB: KV chunk data.
     LargeRecordDownstream,
-    /// The first client-to-server record after the link sat idle: the
-    /// router's first control message after start-up.
-    FirstRecordAfterIdleUpstream,
+    /// The first client-to-server record of at least 1 KiB: a `Submit`
+    /// with a long prompt (the router's periodic stats questions are tens
+    /// of bytes).
+    LargeRecordUpstream,
 }
 
 /// A man in the middle that forwards TLS records and flips one byte in one
@@ -300,7 +301,6 @@ fn tampering_proxy(upstream: String, tamper: Tamper) -> (String, Arc<Mutex<bool>
         let pipe = move |mut from: TcpStream, mut to: TcpStream, flip: bool| {
             let done = Arc::clone(&done);
             std::thread::spawn(move || {
-                let mut last = Instant::now();
                 loop {
                     let mut header = [0u8; 5];
                     if from.read_exact(&mut header).is_err() {
@@ -311,17 +311,13 @@ fn tampering_proxy(upstream: String, tamper: Tamper) -> (String, Arc<Mutex<bool>
                     if from.read_exact(&mut body).is_err() {
                         break;
                     }
-                    let idle = last.elapsed();
-                    last = Instant::now();
                     let mut flag = done.lock().unwrap();
                     let hit = flip
                         && !*flag
                         && header[0] == 23
                         && match tamper {
                             Tamper::LargeRecordDownstream => len >= 8192,
-                            Tamper::FirstRecordAfterIdleUpstream => {
-                                idle > Duration::from_millis(700)
-                            }
+                            Tamper::LargeRecordUpstream => len >= 1024,
                         };
                     if hit {
                         body[len / 2] ^= 0x01;
@@ -375,10 +371,10 @@ async fn i9_a_tampered_control_frame_ends_the_link_and_the_request_with_an_error
     let tls = ClusterTls::init();
     let prefill = start_prefill(&tls, &[]);
     let decode = start_decode(&tls, &address(&prefill), &[]);
-    let (proxy, flipped) = tampering_proxy(address(&decode), Tamper::FirstRecordAfterIdleUpstream);
+    let (proxy, flipped) = tampering_proxy(address(&decode), Tamper::LargeRecordUpstream);
     let router = start_router(&tls, &proxy, &[]);
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    let (status, answer) = post(&router.url("/v1/completions"), None, request(1)).await;
+    let long = json!({"prompt": "tamper ".repeat(300), "max_tokens": 4, "temperature": 0.0});
+    let (status, answer) = post(&router.url("/v1/completions"), None, long).await;
     assert!(*flipped.lock().unwrap(), "the proxy flipped a byte");
     assert_ne!(status, 200, "{answer}");
     assert!(answer["error"]["message"].is_string(), "{answer}");

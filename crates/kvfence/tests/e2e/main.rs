@@ -10,6 +10,7 @@ mod disaggregated;
 mod failpoints;
 #[cfg(feature = "failpoints")]
 mod fault_matrix;
+mod fleet;
 mod front_door;
 mod links;
 mod multiprocess;

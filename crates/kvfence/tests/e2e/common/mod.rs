@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 
 pub struct Server {
     child: Child,
+    /// What it was started with, for `restart`.
+    args: Vec<String>,
+    env: Vec<(String, String)>,
     pub base: String,
     /// Where `/metrics` is served: a listener of its own, or the API's.
     pub metrics_base: String,
@@ -77,6 +80,11 @@ impl Server {
         let metrics_base = metrics_base.unwrap_or_else(|| base.clone());
         Server {
             child,
+            args: args.iter().map(|a| a.to_string()).collect(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             base,
             metrics_base,
             log,
@@ -161,6 +169,40 @@ impl Server {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Starts the same command again on the same addresses (after `kill`,
+    /// or killing it first): a process coming back after a crash.
+    pub fn restart(&mut self) {
+        self.kill();
+        let address = |base: &str| base.trim_start_matches("http://").to_string();
+        let mut args = self.args.clone();
+        for i in 1..args.len() {
+            match args[i - 1].as_str() {
+                "--listen" => args[i] = address(&self.base),
+                "--metrics-listen" => args[i] = address(&self.metrics_base),
+                "--port" => args[i] = address(&self.base).rsplit(':').next().unwrap().to_string(),
+                _ => {}
+            }
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let env: Vec<(&str, &str)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let fresh = Server::start_process(&args, &env);
+        assert_eq!(fresh.base, self.base, "restarted on the same address");
+        *self = fresh;
+    }
+
+    /// Sends SIGTERM: the process should drain and exit by itself.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
     }
 
     /// Kills the process at once, as a crash would.

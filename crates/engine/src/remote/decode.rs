@@ -1,0 +1,338 @@
+//! `kvfence decode` as a process: a decode worker with links to its
+//! prefill workers, serving routers.
+//!
+//! Each prefill address has a keeper thread that dials it, checks its
+//! `Hello` (protocol, model, page size), hands the link to the scheduler
+//! (`PeerUp`), waits for the link to end, and dials again with backoff. The
+//! scheduler fails only the hand-offs the lost link was filling and sends
+//! new grants to the prefill workers still linked; with none, requests are
+//! refused as unavailable and the worker reports not ready.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+
+use kvfence_handoff::HandoffError;
+use kvfence_handoff::tls::{Credentials, Role as LinkRole};
+use kvfence_model::{LoadedModel, StopStrings};
+use kvfence_pool::Pool;
+use tracing::{info, warn};
+
+use super::wire::{
+    Control, Hello, ModelFingerprint, PROTOCOL, Refusal, WireEvent, WirePool, WireStats,
+    parse_control, send_control,
+};
+use super::{Backoff, dial, io, is_transient, lock};
+use crate::Engine;
+use crate::engine::{EngineConfig, PrefillDirectory, PrefillPeer};
+use crate::error::EngineError;
+use crate::link::bridge;
+use crate::net::{self, Link, ListenLimits};
+use crate::request::{Canceller, Event, GenerationRequest, RequestHandle};
+use crate::scheduler::{Command, PeerId};
+
+/// Routers one decode worker serves at once.
+const MAX_ROUTER_LINKS: usize = 64;
+
+impl Engine {
+    /// A decode worker whose prefill workers are other processes at
+    /// `prefills`. Each is dialled now: a certificate or model that can
+    /// never work is an error here; one that is merely unreachable is
+    /// dialled again in the background, as is any link that drops later.
+    pub fn start_decode_worker(
+        model: Arc<LoadedModel>,
+        pool: Pool,
+        config: EngineConfig,
+        prefills: &[SocketAddr],
+        credentials: &Credentials,
+    ) -> Result<Engine, EngineError> {
+        let page_size = pool.geometry().page_size;
+        let engine = Engine::decode_worker(model, pool, config, false);
+        let ids = Arc::new(AtomicU64::new(0));
+        for &address in prefills {
+            let keeper = PrefillKeeper {
+                address,
+                credentials: credentials.clone(),
+                model: ModelFingerprint::of(engine.model()),
+                page_size,
+                commands: engine.commands(),
+                directory: engine.prefill_directory(),
+                ids: Arc::clone(&ids),
+            };
+            let first = match keeper.dial() {
+                Ok(link) => Some(link),
+                Err(error) if is_transient(&error) => {
+                    warn!(%address, %error, "prefill worker unreachable; dialling again in the background");
+                    None
+                }
+                Err(error) => return Err(error),
+            };
+            std::thread::Builder::new()
+                .name("kvfence-prefill-keeper".into())
+                .spawn(move || keeper.run(first))
+                .map_err(io)?;
+        }
+        Ok(engine)
+    }
+}
+
+/// Keeps one prefill link up for a decode worker.
+struct PrefillKeeper {
+    address: SocketAddr,
+    credentials: Credentials,
+    model: ModelFingerprint,
+    page_size: usize,
+    commands: mpsc::Sender<Command>,
+    directory: Arc<PrefillDirectory>,
+    ids: Arc<AtomicU64>,
+}
+
+impl PrefillKeeper {
+    /// One dial: the link and its `Hello`, checked.
+    fn dial(&self) -> Result<(Link, Hello), EngineError> {
+        let (link, hello) = dial(self.address, LinkRole::Prefill, &self.credentials)?;
+        hello
+            .check(self.model, Some(self.page_size))
+            .map_err(|why| EngineError::Invalid {
+                reason: format!(
+                    "the prefill worker at {} does not match: {why}",
+                    self.address
+                ),
+            })?;
+        Ok((link, hello))
+    }
+
+    /// Links, waits for the link to end, and dials again, until the decode
+    /// worker stops.
+    fn run(self, mut first: Option<(Link, Hello)>) {
+        let address = self.address;
+        let mut backoff = Backoff::new();
+        loop {
+            let dialled = match first.take() {
+                Some(link) => Ok(link),
+                None => self.dial(),
+            };
+            let (link, hello) = match dialled {
+                Ok(link) => link,
+                Err(error) => {
+                    if is_transient(&error) {
+                        tracing::debug!(%address, %error, "prefill worker still unreachable");
+                    } else {
+                        warn!(%address, %error, "prefill worker refused");
+                    }
+                    backoff.wait();
+                    continue;
+                }
+            };
+            let peer = PeerId(self.ids.fetch_add(1, Ordering::Relaxed));
+            let name = address.to_string();
+            let announce = Some((name.clone(), hello.tokens));
+            let reader = match bridge(
+                link,
+                self.commands.clone(),
+                peer,
+                "kvfence-decode-link",
+                announce,
+            ) {
+                Ok((_, reader)) => reader,
+                // The scheduler has stopped: so does this keeper.
+                Err(_) => return,
+            };
+            self.directory.insert(
+                peer,
+                PrefillPeer {
+                    name,
+                    tokens: hello.tokens,
+                },
+            );
+            info!(%address, %peer, tokens = hello.tokens, "linked to a prefill worker");
+            backoff.reset();
+            let _ = reader.join();
+            self.directory.remove(peer);
+            warn!(%address, %peer, "link to the prefill worker lost; dialling again");
+            backoff.wait();
+        }
+    }
+}
+
+/// Serves routers on `listener` (only certificates of the router role) for
+/// a running decode worker. Returns only on a listener error.
+pub fn serve_routers(
+    engine: Arc<Engine>,
+    listener: TcpListener,
+    credentials: &Credentials,
+) -> Result<(), EngineError> {
+    let links = net::accept(
+        listener,
+        credentials,
+        &[LinkRole::Router],
+        ListenLimits::new(MAX_ROUTER_LINKS),
+    )?;
+    loop {
+        let link = links.recv().map_err(|_| EngineError::ShuttingDown)?;
+        let engine = Arc::clone(&engine);
+        std::thread::spawn(move || {
+            let peer = link.address;
+            if let Err(error) = serve_router(&engine, link) {
+                warn!(%peer, %error, "router connection ended");
+            }
+        });
+    }
+}
+
+/// Requests one router link may have in flight: as many as the engine can
+/// hold queued and running, so one router cannot make the decode worker
+/// keep more forwarding state than its own limits allow.
+fn in_flight_limit(engine: &Engine) -> usize {
+    let config = engine.config();
+    config.max_queue + config.max_running
+}
+
+pub(crate) fn hello(engine: &Engine) -> Hello {
+    Hello {
+        protocol: PROTOCOL,
+        role: engine.role().label().into(),
+        model: ModelFingerprint::of(engine.model()),
+        page_size: engine.pool().geometry().page_size,
+        tokens: engine.pool().capacity_tokens(),
+        prefills: engine.prefill_peers(),
+    }
+}
+
+fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
+    let Link { tx, rx, .. } = link;
+    if !send_control(&tx, &Control::Hello(hello(engine))) {
+        return Ok(());
+    }
+    let (out_tx, out_rx) = mpsc::channel::<Control>();
+    std::thread::spawn(move || {
+        for control in out_rx {
+            if !send_control(&tx, &control) {
+                break;
+            }
+        }
+    });
+    let limit = in_flight_limit(engine);
+    let cancellers: Arc<Mutex<HashMap<u64, Canceller>>> = Arc::default();
+    let refuse = |id, refusal| {
+        let _ = out_tx.send(Control::Refused { id, refusal });
+    };
+    let result = loop {
+        let Ok(frame) = rx.recv() else {
+            break Ok(());
+        };
+        let control = match parse_control(&frame) {
+            Ok(control) => control,
+            Err(error) => break Err(error.into()),
+        };
+        match control {
+            Control::Submit {
+                id,
+                prompt,
+                max_tokens,
+                sampling,
+                stop,
+                ignore_eos,
+                prefill,
+            } => {
+                let stop = match StopStrings::new(stop) {
+                    Ok(stop) => stop,
+                    Err(error) => {
+                        let reason = error.to_string();
+                        refuse(id, Refusal::Invalid { reason });
+                        continue;
+                    }
+                };
+                if lock(&cancellers).len() >= limit {
+                    refuse(id, Refusal::QueueFull { capacity: limit });
+                    continue;
+                }
+                let request = GenerationRequest {
+                    prompt,
+                    max_tokens,
+                    sampling,
+                    stop,
+                    ignore_eos,
+                };
+                match engine.submit_to(request, prefill) {
+                    Ok(handle) => {
+                        lock(&cancellers).insert(id, handle.canceller());
+                        let _ = out_tx.send(Control::Accepted { id });
+                        let (out, cancellers) = (out_tx.clone(), Arc::clone(&cancellers));
+                        std::thread::spawn(move || forward(id, handle, &out, &cancellers));
+                    }
+                    Err(error) => refuse(id, refusal(error)),
+                }
+            }
+            Control::Cancel { id } => {
+                if let Some(canceller) = lock(&cancellers).remove(&id) {
+                    canceller.cancel();
+                }
+            }
+            Control::StatsRequest { id } => {
+                let _ = out_tx.send(Control::Stats {
+                    id,
+                    stats: wire_stats(engine),
+                });
+            }
+            _ => {
+                break Err(EngineError::Handoff(HandoffError::Malformed {
+                    kind: "control",
+                    reason: "unexpected message from a router",
+                }));
+            }
+        }
+    };
+    // The router is gone: nobody will read these answers; free their pages.
+    for (_, canceller) in lock(&cancellers).drain() {
+        canceller.cancel();
+    }
+    result
+}
+
+fn forward(
+    id: u64,
+    mut handle: RequestHandle,
+    out: &mpsc::Sender<Control>,
+    cancellers: &Mutex<HashMap<u64, Canceller>>,
+) {
+    while let Some(event) = handle.blocking_next() {
+        let terminal = !matches!(event, Event::Token { .. });
+        let event = match event {
+            Event::Token { text } => WireEvent::Token { text },
+            Event::Finished { reason, usage } => WireEvent::Finished { reason, usage },
+            Event::Failed { kind, message } => WireEvent::Failed { kind, message },
+        };
+        if out.send(Control::Event { id, event }).is_err() || terminal {
+            break;
+        }
+    }
+    lock(cancellers).remove(&id);
+}
+
+fn refusal(error: EngineError) -> Refusal {
+    match error {
+        EngineError::QueueFull { capacity } => Refusal::QueueFull { capacity },
+        EngineError::TooLong { needed, capacity } => Refusal::TooLong { needed, capacity },
+        EngineError::Invalid { reason } => Refusal::Invalid { reason },
+        EngineError::Unavailable { reason } => Refusal::Unavailable { reason },
+        EngineError::ShuttingDown => Refusal::ShuttingDown,
+        other => Refusal::Internal {
+            message: other.to_string(),
+        },
+    }
+}
+
+fn wire_stats(engine: &Engine) -> WireStats {
+    let (pools, stats) = engine.snapshot();
+    WireStats {
+        pools: pools
+            .iter()
+            .map(|(role, s)| WirePool::new(role, s))
+            .collect(),
+        engine: stats,
+        prefills: engine.prefill_peers(),
+        admitting: engine.is_admitting(),
+    }
+}

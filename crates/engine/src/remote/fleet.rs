@@ -1,0 +1,172 @@
+//! [`Fleet`]: the router's decode workers, and its choice of a pair per
+//! request.
+//!
+//! A pair is a decode worker and one of the prefill workers it is linked
+//! to. A pair is a candidate only if its decode worker is linked, answering
+//! (a fresh view) and admitting, and both pools can hold the request —
+//! the decode pool its prompt plus `max_tokens`, the prefill pool its
+//! prompt (I6 for the pair, not only for the fleet). Candidates are tried
+//! in order of load: requests this router has in flight on the decode
+//! worker plus those on the prefill worker (through any decode worker),
+//! then the decode pool's free pages, most first. A refusal that says
+//! "elsewhere might work" (unavailable, draining, queue full) moves on to
+//! the next candidate; nothing was started, so trying again is safe.
+
+use std::cmp::Reverse;
+
+use kvfence_pool::PoolStats;
+
+use super::client::RemoteEngine;
+use crate::engine::EngineStats;
+use crate::error::EngineError;
+use crate::request::{GenerationRequest, RequestHandle};
+use crate::scheduler::Role;
+
+/// Several decode workers behind one router. The advertised context is
+/// the smallest pool any of them, or any prefill worker they were linked
+/// to, holds: any pair may get any request (I6).
+#[derive(Debug)]
+pub struct Fleet {
+    workers: Vec<RemoteEngine>,
+}
+
+/// One pair the router could send a request to.
+struct Candidate<'a> {
+    worker: &'a RemoteEngine,
+    prefill: String,
+    load: usize,
+    free_pages: usize,
+}
+
+impl Fleet {
+    /// A fleet of decode workers (at least one).
+    pub fn new(workers: Vec<RemoteEngine>) -> Result<Fleet, EngineError> {
+        if workers.is_empty() {
+            return Err(EngineError::Invalid {
+                reason: "a router needs at least one decode worker".into(),
+            });
+        }
+        Ok(Fleet { workers })
+    }
+
+    /// Requests in flight on each worker, in the order given.
+    pub fn load(&self) -> Vec<usize> {
+        self.workers.iter().map(RemoteEngine::in_flight).collect()
+    }
+
+    /// Whether every worker has answered once, so the advertised context
+    /// is known from all of them.
+    pub fn has_heard_from_every_worker(&self) -> bool {
+        self.workers.iter().all(|w| w.hello().is_some())
+    }
+
+    /// Whether some worker has answered once.
+    pub fn has_heard_from_any_worker(&self) -> bool {
+        self.workers.iter().any(|w| w.hello().is_some())
+    }
+
+    /// The pairs that could take `request`, best first.
+    fn candidates(&self, request: &GenerationRequest) -> Vec<Candidate<'_>> {
+        let mut candidates = Vec::new();
+        for worker in &self.workers {
+            let Some(view) = worker.fresh_view() else {
+                continue;
+            };
+            let stats = view.stats.as_ref();
+            if stats.is_some_and(|s| !s.admitting) || view.hello.tokens < request.kv_tokens() {
+                continue;
+            }
+            let free_pages = stats
+                .and_then(|s| s.pools.iter().find(|p| p.role == Role::Decode.label()))
+                .map_or(0, |p| p.free_pages);
+            for prefill in &view.hello.prefills {
+                if prefill.tokens < request.prompt.len() {
+                    continue;
+                }
+                let on_prefill: usize = self
+                    .workers
+                    .iter()
+                    .map(|w| w.in_flight_on(&prefill.name))
+                    .sum();
+                candidates.push(Candidate {
+                    worker,
+                    prefill: prefill.name.clone(),
+                    load: worker.in_flight() + on_prefill,
+                    free_pages,
+                });
+            }
+        }
+        candidates.sort_by_key(|c| (c.load, Reverse(c.free_pages)));
+        candidates
+    }
+}
+
+impl crate::Backend for Fleet {
+    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
+        let mut last = EngineError::Unavailable {
+            reason: format!(
+                "no decode worker with a prefill worker that can hold {} tokens is reachable",
+                request.kv_tokens()
+            ),
+        };
+        for candidate in self.candidates(&request) {
+            match candidate
+                .worker
+                .submit_to(request.clone(), Some(candidate.prefill))
+            {
+                Ok(handle) => return Ok(handle),
+                Err(
+                    error @ (EngineError::Unavailable { .. }
+                    | EngineError::ShuttingDown
+                    | EngineError::QueueFull { .. }),
+                ) => last = error,
+                Err(error) => return Err(error),
+            }
+        }
+        Err(match last {
+            // The router is not shutting down: to the client, a draining
+            // worker is a worker that is unavailable.
+            EngineError::ShuttingDown => EngineError::Unavailable {
+                reason: "every decode worker that could take the request is draining".into(),
+            },
+            other => other,
+        })
+    }
+
+    fn capacities(&self) -> Vec<(&'static str, usize)> {
+        let mut least: Vec<(&'static str, usize)> = Vec::new();
+        for (role, tokens) in self.workers.iter().flat_map(crate::Backend::capacities) {
+            match least.iter_mut().find(|(r, _)| *r == role) {
+                Some(entry) => entry.1 = entry.1.min(tokens),
+                None => least.push((role, tokens)),
+            }
+        }
+        least
+    }
+
+    fn snapshot(&self) -> (Vec<(&'static str, PoolStats)>, EngineStats) {
+        let mut pools: Vec<(&'static str, PoolStats)> = Vec::new();
+        let mut total = EngineStats::default();
+        for worker in &self.workers {
+            let (worker_pools, e) = crate::Backend::snapshot(worker);
+            for (role, s) in worker_pools {
+                match pools.iter_mut().find(|(r, _)| *r == role) {
+                    Some((_, sum)) => sum.add(&s),
+                    None => pools.push((role, s)),
+                }
+            }
+            total.add(&e);
+        }
+        (pools, total)
+    }
+
+    fn is_ready(&self) -> bool {
+        self.workers.iter().any(crate::Backend::is_ready)
+    }
+
+    fn shutdown(&self) {
+        for worker in &self.workers {
+            crate::Backend::shutdown(worker);
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! The control plane's messages: what a worker says when a link opens
+//! (`Hello`) and what a router and a decode worker exchange (`Control`).
+//! Every field is named, so adding one never shifts another, and a
+//! `protocol` number in `Hello` makes a mismatched pair of builds refuse
+//! each other at once instead of misreading each other later. The messages
+//! travel as JSON inside the links' TLS and length-delimited frames; none is
+//! ever logged (I10: a `Submit` holds prompt tokens).
+
+use bytes::Bytes;
+use kvfence_handoff::HandoffError;
+use kvfence_model::{LoadedModel, SamplingParams};
+use kvfence_pool::PoolStats;
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{EngineStats, PrefillPeer};
+use crate::link::CONTROL;
+use crate::net::LinkTx;
+use crate::request::{FailureKind, FinishReason, Usage};
+
+/// The control protocol's version; a peer speaking another is refused.
+pub(crate) const PROTOCOL: u32 = 2;
+
+/// What identifies a model for the hand-off: two workers whose
+/// fingerprints differ cannot read each other's KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelFingerprint {
+    /// Transformer layers.
+    pub layers: usize,
+    /// KV heads per layer.
+    pub kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+impl ModelFingerprint {
+    /// The fingerprint of a loaded model.
+    pub fn of(model: &LoadedModel) -> ModelFingerprint {
+        let c = model.model.config();
+        ModelFingerprint {
+            layers: c.num_layers,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            vocab: c.vocab_size,
+        }
+    }
+}
+
+/// What a worker tells whoever connects to it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// [`PROTOCOL`] of the worker's build.
+    pub protocol: u32,
+    /// The worker's role label.
+    pub role: String,
+    /// The model it runs.
+    pub model: ModelFingerprint,
+    /// Token slots per KV page.
+    pub page_size: usize,
+    /// Tokens of KV the worker's own pool holds.
+    pub tokens: usize,
+    /// A decode worker's prefill workers, as its links stand now.
+    pub prefills: Vec<PrefillPeer>,
+}
+
+impl Hello {
+    /// Whether a peer that said this can work with one running `model`
+    /// with `page_size`; `Err` says what differs (no request content).
+    pub(crate) fn check(
+        &self,
+        model: ModelFingerprint,
+        page_size: Option<usize>,
+    ) -> Result<(), String> {
+        if self.protocol != PROTOCOL {
+            return Err(format!(
+                "it speaks control protocol {}, this build speaks {PROTOCOL}",
+                self.protocol
+            ));
+        }
+        if self.model != model {
+            return Err(format!(
+                "it runs another model ({:?}, this process {:?})",
+                self.model, model
+            ));
+        }
+        if let Some(page_size) = page_size
+            && self.page_size != page_size
+        {
+            return Err(format!(
+                "its KV pages hold {} tokens, this process's {page_size}",
+                self.page_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a decode worker did not take a request. Carried by name so each
+/// becomes the same error, and the same HTTP status, as in one process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum Refusal {
+    QueueFull { capacity: usize },
+    TooLong { needed: usize, capacity: usize },
+    Invalid { reason: String },
+    Unavailable { reason: String },
+    ShuttingDown,
+    Internal { message: String },
+}
+
+/// One event of a request's life on the wire.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum WireEvent {
+    Token { text: String },
+    Finished { reason: FinishReason, usage: Usage },
+    Failed { kind: FailureKind, message: String },
+}
+
+/// One pool's counters on the wire: every field of [`PoolStats`], by name,
+/// so no counter a worker keeps arrives as a zero it never reported.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct WirePool {
+    pub(crate) role: String,
+    pub(crate) num_pages: usize,
+    pub(crate) page_size: usize,
+    pub(crate) free_pages: usize,
+    pub(crate) leased_pages: usize,
+    pub(crate) quarantined_pages: usize,
+    pub(crate) leases_granted: u64,
+    pub(crate) leases_refused: u64,
+    pub(crate) stale_writes_rejected: u64,
+    pub(crate) foreign_writes_rejected: u64,
+    pub(crate) reads_refused: u64,
+    pub(crate) pages_quarantined_total: u64,
+}
+
+impl WirePool {
+    pub(crate) fn new(role: &str, s: &PoolStats) -> WirePool {
+        WirePool {
+            role: role.to_string(),
+            num_pages: s.num_pages,
+            page_size: s.page_size,
+            free_pages: s.free_pages,
+            leased_pages: s.leased_pages,
+            quarantined_pages: s.quarantined_pages,
+            leases_granted: s.leases_granted,
+            leases_refused: s.leases_refused,
+            stale_writes_rejected: s.stale_writes_rejected,
+            foreign_writes_rejected: s.foreign_writes_rejected,
+            reads_refused: s.reads_refused,
+            pages_quarantined_total: s.pages_quarantined_total,
+        }
+    }
+
+    pub(crate) fn stats(&self) -> PoolStats {
+        PoolStats {
+            num_pages: self.num_pages,
+            page_size: self.page_size,
+            free_pages: self.free_pages,
+            leased_pages: self.leased_pages,
+            quarantined_pages: self.quarantined_pages,
+            leases_granted: self.leases_granted,
+            leases_refused: self.leases_refused,
+            stale_writes_rejected: self.stale_writes_rejected,
+            foreign_writes_rejected: self.foreign_writes_rejected,
+            reads_refused: self.reads_refused,
+            pages_quarantined_total: self.pages_quarantined_total,
+        }
+    }
+}
+
+/// A decode worker's counters, and its prefill links as they stand.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct WireStats {
+    pub(crate) pools: Vec<WirePool>,
+    pub(crate) engine: EngineStats,
+    pub(crate) prefills: Vec<PrefillPeer>,
+    /// Whether the worker takes new requests (false while it drains).
+    pub(crate) admitting: bool,
+}
+
+/// The router ↔ decode worker conversation. Ids are the router's, unique
+/// per link.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Control {
+    Hello(Hello),
+    Submit {
+        id: u64,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        sampling: SamplingParams,
+        stop: Vec<String>,
+        ignore_eos: bool,
+        /// The prefill worker the router chose (a name from the decode
+        /// worker's `prefills`).
+        prefill: Option<String>,
+    },
+    Accepted {
+        id: u64,
+    },
+    Refused {
+        id: u64,
+        refusal: Refusal,
+    },
+    Event {
+        id: u64,
+        event: WireEvent,
+    },
+    Cancel {
+        id: u64,
+    },
+    /// Answered by the `Stats` with the same id: concurrent scrapes each
+    /// get their own answer.
+    StatsRequest {
+        id: u64,
+    },
+    Stats {
+        id: u64,
+        stats: WireStats,
+    },
+}
+
+/// Queues `control` on a link; false once the link is gone.
+pub(crate) fn send_control(out: &LinkTx, control: &Control) -> bool {
+    let body = serde_json::to_vec(control).expect("control messages always serialise");
+    out.send(vec![Bytes::from_static(&[CONTROL]), body.into()])
+}
+
+pub(crate) fn parse_control(frame: &[u8]) -> Result<Control, HandoffError> {
+    match frame.split_first() {
+        Some((&CONTROL, body)) => {
+            serde_json::from_slice(body).map_err(|_| HandoffError::Malformed {
+                kind: "control",
+                reason: "not a control message",
+            })
+        }
+        _ => Err(HandoffError::Malformed {
+            kind: "control",
+            reason: "expected a control frame",
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_submit_names_every_field() {
+        let submit = Control::Submit {
+            id: 7,
+            prompt: vec![1, 2],
+            max_tokens: 3,
+            sampling: SamplingParams {
+                temperature: 0.5,
+                top_k: 4,
+                top_p: 0.9,
+                seed: 11,
+            },
+            stop: vec!["x".into()],
+            ignore_eos: true,
+            prefill: Some("10.0.0.1:7000".into()),
+        };
+        let json = serde_json::to_value(&submit).unwrap();
+        let fields = &json["Submit"];
+        for name in [
+            "id",
+            "prompt",
+            "max_tokens",
+            "stop",
+            "ignore_eos",
+            "prefill",
+        ] {
+            assert!(fields.get(name).is_some(), "{name} missing in {json}");
+        }
+        assert_eq!(fields["sampling"]["top_k"], 4);
+    }
+
+    #[test]
+    fn a_failure_kind_travels_by_name_and_unknown_kinds_are_refused() {
+        let event = WireEvent::Failed {
+            kind: FailureKind::TooLong,
+            message: String::new(),
+        };
+        let json = serde_json::to_string(&event).unwrap();
+        assert!(json.contains("TooLong"), "{json}");
+        let unknown = json.replace("TooLong", "Mystery");
+        assert!(serde_json::from_str::<WireEvent>(&unknown).is_err());
+    }
+
+    #[test]
+    fn hellos_from_another_protocol_model_or_page_size_are_refused() {
+        let model = ModelFingerprint {
+            layers: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            vocab: 300,
+        };
+        let hello = Hello {
+            protocol: PROTOCOL,
+            role: "decode".into(),
+            model,
+            page_size: 16,
+            tokens: 1024,
+            prefills: Vec::new(),
+        };
+        assert!(hello.check(model, Some(16)).is_ok());
+        assert!(hello.check(model, Some(32)).is_err());
+        let other = ModelFingerprint {
+            vocab: 301,
+            ..model
+        };
+        assert!(hello.check(other, None).is_err());
+        let old = Hello {
+            protocol: PROTOCOL - 1,
+            ..hello
+        };
+        assert!(old.check(model, None).unwrap_err().contains("protocol"));
+    }
+}

@@ -1,0 +1,392 @@
+//! A fleet as an operator runs one: two prefill workers, two decode
+//! workers (each linked to both prefill workers) and a router, as real
+//! processes over the authenticated links. Answers equal one process's;
+//! every worker takes work; a killed worker fails only what it held, the
+//! rest keeps serving, and a restarted one rejoins within seconds without
+//! restarting anything else; SIGTERM drains.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::common::{ClusterTls, Server, post, tenant, tenants_file};
+use crate::multiprocess::{start_decode, start_prefill, start_router};
+
+/// Status listener for a worker, so its own counters can be read.
+const STATUS: [&str; 2] = ["--metrics-listen", "127.0.0.1:0"];
+
+/// How long a decode worker waits for KV before failing a grant: shorter
+/// than the default, so a request caught by a crash ends sooner, and long
+/// enough for a loaded two-core machine to prefill the test's prompts.
+const HANDOFF_TIMEOUT: [&str; 2] = ["--handoff-timeout-ms", "15000"];
+
+struct Fleet {
+    prefills: Vec<Server>,
+    decodes: Vec<Server>,
+    router: Server,
+    _tls: ClusterTls,
+}
+
+/// `prefills` prefill workers, `decodes` decode workers each linked to
+/// every prefill worker, and a router in front of all decode workers,
+/// started with `router_args`.
+fn fleet(prefills: usize, decodes: usize, router_args: &[&str]) -> Fleet {
+    let tls = ClusterTls::init();
+    let prefills: Vec<Server> = (0..prefills)
+        .map(|_| start_prefill(&tls, &STATUS))
+        .collect();
+    let prefill_list = prefills
+        .iter()
+        .map(|p| p.base.as_str())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut decode_args = STATUS.to_vec();
+    decode_args.extend(HANDOFF_TIMEOUT);
+    let decodes: Vec<Server> = (0..decodes)
+        .map(|_| start_decode(&tls, &prefill_list, &decode_args))
+        .collect();
+    let decode_list = decodes
+        .iter()
+        .map(|d| d.base.as_str())
+        .collect::<Vec<_>>()
+        .join(",");
+    let router = start_router(&tls, &decode_list, router_args);
+    Fleet {
+        prefills,
+        decodes,
+        router,
+        _tls: tls,
+    }
+}
+
+fn body(i: usize) -> serde_json::Value {
+    json!({
+        "prompt": format!("{i} fleet {}", "z".repeat(i * 13 % 90)),
+        "max_tokens": 12,
+        "temperature": if i.is_multiple_of(3) { 0.8 } else { 0.0 },
+        "seed": i,
+        "ignore_eos": true,
+    })
+}
+
+/// Waits until `server` answers `path` with `status`.
+async fn wait_for_status(server: &Server, path: &str, status: u16) {
+    let url = format!("{}{path}", server.metrics_base);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = reqwest::get(&url).await.map(|r| r.status().as_u16());
+        if got.as_ref().ok() == Some(&status) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{url} answered {got:?}, not {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until no page is held in `server`'s own pools.
+async fn wait_for_own_baseline(server: &Server) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.pages_held().await > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "I8: a worker's pool never came back to baseline"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_prefill_and_two_decode_workers_answer_64_requests_from_4_tenants_like_one_process() {
+    let tenants: Vec<(String, String)> = (0..4)
+        .map(|t| tenant(&format!("team{t}"), &["--max-concurrent", "32"]))
+        .collect();
+    let config = tenants_file(&tenants.iter().map(|(_, c)| c.clone()).collect::<Vec<_>>());
+    let config_path = config.path().to_str().unwrap().to_string();
+    let fleet = fleet(
+        2,
+        2,
+        &["--config", &config_path, "--metrics-listen", "127.0.0.1:0"],
+    );
+    let reference = Server::start(&["--mode", "colocated"]);
+    let url = fleet.router.url("/v1/completions");
+    let jobs = (0..64).map(|i| {
+        let (url, key) = (url.clone(), tenants[i % 4].0.clone());
+        async move {
+            let (status, answer) = post(&url, Some(&key), body(i)).await;
+            assert_eq!(status, 200, "{answer}");
+            answer["choices"][0]["text"].as_str().unwrap().to_string()
+        }
+    });
+    let got = futures_util::future::join_all(jobs).await;
+    let reference_url = reference.url("/v1/completions");
+    let expected = futures_util::future::join_all((0..64).map(|i| {
+        let url = reference_url.clone();
+        async move {
+            let (status, answer) = post(&url, None, body(i)).await;
+            assert_eq!(status, 200, "{answer}");
+            answer["choices"][0]["text"].as_str().unwrap().to_string()
+        }
+    }))
+    .await;
+    assert_eq!(got, expected, "the fleet answers exactly like one process");
+    for (i, decode) in fleet.decodes.iter().enumerate() {
+        let committed = decode
+            .metric("kvfence_handoffs_total{reason=\"committed\"}")
+            .await;
+        assert!(
+            committed > 0.0 && committed < 64.0,
+            "decode worker {i} took {committed} of 64"
+        );
+    }
+    for (i, prefill) in fleet.prefills.iter().enumerate() {
+        let prompt_tokens = prefill.metric("kvfence_prompt_tokens_total").await;
+        assert!(prompt_tokens > 0.0, "prefill worker {i} prefilled nothing");
+    }
+    fleet.router.wait_for_baseline().await;
+    for worker in fleet.prefills.iter().chain(&fleet.decodes) {
+        wait_for_own_baseline(worker).await;
+    }
+}
+
+/// Sends `n` requests of `max_tokens` at once; every one must end as a
+/// whole answer or an OpenAI error, within the hand-off timeout's reach.
+/// Returns how many failed.
+async fn load(url: &str, n: usize, offset: usize, max_tokens: usize) -> usize {
+    let jobs = (0..n).map(|i| {
+        let url = url.to_string();
+        async move {
+            let request = json!({
+                "prompt": format!("{i} under load {}", "w".repeat(600 + i * 7)),
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": true,
+                "seed": offset + i,
+            });
+            // The hand-off timeout is 15 s: nothing may wait much longer.
+            let answer = tokio::time::timeout(Duration::from_secs(30), post(&url, None, request))
+                .await
+                .expect("no request hangs past the hand-off timeout");
+            match answer {
+                (200, answer) => {
+                    assert_eq!(
+                        answer["usage"]["completion_tokens"], max_tokens,
+                        "a 200 is a whole answer"
+                    );
+                    0
+                }
+                (_, answer) => {
+                    assert!(
+                        answer["error"]["message"].is_string(),
+                        "an OpenAI error: {answer}"
+                    );
+                    1
+                }
+            }
+        }
+    });
+    futures_util::future::join_all(jobs).await.into_iter().sum()
+}
+
+/// Sends one request a time until one succeeds; panics after `limit`.
+async fn serves_within(router: &Server, limit: Duration, what: &str) {
+    let started = Instant::now();
+    loop {
+        let (status, answer) = post(&router.url("/v1/completions"), None, body(5)).await;
+        if status == 200 {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{what}: still {status} after {limit:?}: {answer}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_worker_fails_only_what_it_held_and_rejoins_when_restarted() {
+    let mut fleet = fleet(2, 2, &["--metrics-listen", "127.0.0.1:0"]);
+    let url = fleet.router.url("/v1/completions");
+    for victim in ["prefill", "decode"] {
+        let router = fleet.router.base.clone();
+        let pending = tokio::spawn({
+            let url = url.clone();
+            // Long completions, so the decode worker is killed mid-answer.
+            let max_tokens = if victim == "decode" { 400 } else { 16 };
+            async move { load(&url, 16, 0, max_tokens).await }
+        });
+        let killed = match victim {
+            "prefill" => &mut fleet.prefills[0],
+            _ => &mut fleet.decodes[0],
+        };
+        // Killed while it holds work.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while killed.metric("kvfence_running_requests").await < 1.0 {
+            assert!(
+                Instant::now() < deadline,
+                "the {victim} worker never got work"
+            );
+        }
+        killed.kill();
+        let failed = pending.await.unwrap();
+        assert!(
+            failed < 16,
+            "{victim} killed: the other pair kept serving ({failed} of 16 failed)"
+        );
+        match victim {
+            // Its hand-offs move to the other prefill worker: nothing is
+            // lost, and the answers are the same (prefill is deterministic).
+            "prefill" => assert_eq!(failed, 0, "hand-offs on the lost prefill worker moved"),
+            // What it was decoding is gone with it.
+            _ => assert!(
+                failed > 0,
+                "the requests the killed decode worker ran failed"
+            ),
+        }
+        // The rest of the fleet serves at once, without the dead worker.
+        serves_within(&fleet.router, Duration::from_secs(5), "the surviving pair").await;
+        assert_eq!(
+            load(&url, 8, 100, 16).await,
+            0,
+            "{victim} down: requests go around it"
+        );
+        // Restarted on the same address, it rejoins within seconds and
+        // takes work again; nothing else was restarted.
+        let restarted_at = Instant::now();
+        let killed = match victim {
+            "prefill" => &mut fleet.prefills[0],
+            _ => &mut fleet.decodes[0],
+        };
+        killed.restart();
+        let metric = match victim {
+            "prefill" => "kvfence_prompt_tokens_total",
+            _ => "kvfence_handoffs_total{reason=\"committed\"}",
+        };
+        loop {
+            assert_eq!(
+                load(&url, 4, 200, 16).await,
+                0,
+                "requests succeed while it rejoins"
+            );
+            let worker = match victim {
+                "prefill" => &fleet.prefills[0],
+                _ => &fleet.decodes[0],
+            };
+            if worker.metric(metric).await > 0.0 {
+                break;
+            }
+            assert!(
+                restarted_at.elapsed() < Duration::from_secs(5),
+                "the restarted {victim} worker took no work within 5 s"
+            );
+        }
+        assert_eq!(fleet.router.base, router);
+        fleet.router.wait_for_baseline().await;
+        for worker in fleet.prefills.iter().chain(&fleet.decodes) {
+            wait_for_own_baseline(worker).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn workers_report_readiness_and_drain_on_sigterm() {
+    let fleet = fleet(1, 1, &["--metrics-listen", "127.0.0.1:0"]);
+    for server in [&fleet.prefills[0], &fleet.decodes[0], &fleet.router] {
+        wait_for_status(server, "/ready", 200).await;
+        wait_for_status(server, "/health", 200).await;
+    }
+    // The decode worker without a prefill worker is alive but not ready,
+    // and the router, with no pair left, says so too.
+    let Fleet {
+        mut prefills,
+        decodes,
+        router,
+        _tls,
+    } = fleet;
+    prefills[0].kill();
+    wait_for_status(&decodes[0], "/ready", 503).await;
+    wait_for_status(&decodes[0], "/health", 200).await;
+    wait_for_status(&router, "/ready", 503).await;
+    let (status, answer) = post(&router.url("/v1/completions"), None, body(1)).await;
+    assert_eq!(status, 503, "{answer}");
+    prefills[0].restart();
+    wait_for_status(&decodes[0], "/ready", 200).await;
+    wait_for_status(&router, "/ready", 200).await;
+    serves_within(&router, Duration::from_secs(5), "after the prefill restart").await;
+    // SIGTERM on the decode worker mid-request: the request finishes, new
+    // ones are refused, and the process exits by itself, cleanly.
+    let long = tokio::spawn({
+        let url = router.url("/v1/completions");
+        async move {
+            post(
+                &url,
+                None,
+                json!({"prompt": "drain me", "max_tokens": 400, "ignore_eos": true}),
+            )
+            .await
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while decodes[0].metric("kvfence_running_requests").await < 1.0 {
+        assert!(Instant::now() < deadline, "the long request started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut decodes = decodes;
+    let decode = decodes.remove(0);
+    decode.terminate();
+    wait_for_status(&router, "/ready", 503).await;
+    let (status, answer) = long.await.unwrap();
+    assert_eq!(
+        status, 200,
+        "a request in flight finishes during the drain: {answer}"
+    );
+    assert_eq!(answer["usage"]["completion_tokens"], 400);
+    assert!(
+        decode.wait().success(),
+        "the drained decode worker exits cleanly"
+    );
+    let (status, _) = post(&router.url("/v1/completions"), None, body(2)).await;
+    assert_eq!(status, 503, "no decode worker left");
+    prefills[0].terminate();
+    assert!(prefills.remove(0).wait().success());
+    router.terminate();
+    assert!(router.wait().success());
+}
+
+/// Two decode workers on one prefill worker number their hand-offs the
+/// same way (1, 2, 3…): the prefill worker keeps each link's apart, so
+/// every answer is still exactly one process's. Incident replay (g) keys
+/// them by id alone and is caught here.
+#[tokio::test(flavor = "multi_thread")]
+async fn i1_hand_off_ids_of_two_decode_workers_on_one_prefill_worker_never_meet() {
+    let fleet = fleet(1, 2, &[]);
+    let reference = Server::start(&["--mode", "colocated"]);
+    let run = |server: &Server| {
+        let url = server.url("/v1/completions");
+        async move {
+            futures_util::future::join_all((0..32).map(|i| {
+                let url = url.clone();
+                async move {
+                    let (status, answer) = post(&url, None, body(i)).await;
+                    assert_eq!(status, 200, "{answer}");
+                    answer["choices"][0]["text"].as_str().unwrap().to_string()
+                }
+            }))
+            .await
+        }
+    };
+    let got = run(&fleet.router).await;
+    assert_eq!(got, run(&reference).await);
+    for decode in &fleet.decodes {
+        let committed = decode
+            .metric("kvfence_handoffs_total{reason=\"committed\"}")
+            .await;
+        assert!(committed > 0.0, "both decode workers took work");
+    }
+    fleet.router.wait_for_baseline().await;
+}
