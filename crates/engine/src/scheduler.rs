@@ -723,9 +723,12 @@ impl Scheduler {
     }
 
     /// Decode role: the prefill worker for `pending` — the one the router
-    /// chose if its link is up, else the live one with the fewest grants
-    /// outstanding — among those whose pool can hold the prompt (I6 per
-    /// pair). `Err` says why there is none.
+    /// chose if its link is up and its pool holds the prompt, else the
+    /// linked one with the fewest grants outstanding among those whose pool
+    /// holds it (I6 per pair). If none holds it, the largest gets it anyway
+    /// and must refuse it itself: a prefill worker never trusts a decode
+    /// worker's idea of its capacity (I5, the incident). `Err` only when no
+    /// prefill worker is linked.
     fn choose_prefill(&self, pending: &Pending) -> Result<PeerId, (FailureKind, String)> {
         let prompt = pending.request.prompt.len();
         let fits = |p: &Peer| p.tokens >= prompt;
@@ -740,25 +743,18 @@ impl Scheduler {
                 .filter(|a| a.lease.is_none() && a.prefill == Some(id))
                 .count()
         };
-        match self
-            .peers
+        self.peers
             .iter()
             .filter(|(_, p)| fits(p))
             .min_by_key(|(id, _)| outstanding(**id))
-        {
-            Some((&id, _)) => Ok(id),
-            None if self.peers.is_empty() => Err((
-                FailureKind::Unavailable,
-                "no prefill worker is reachable".into(),
-            )),
-            None => Err((
-                FailureKind::TooLong,
-                format!(
-                    "the prompt's {prompt} tokens exceed every reachable prefill worker's pool (at most {})",
-                    self.peers.values().map(|p| p.tokens).max().unwrap_or(0)
-                ),
-            )),
-        }
+            .or_else(|| self.peers.iter().max_by_key(|(_, p)| p.tokens))
+            .map(|(&id, _)| id)
+            .ok_or_else(|| {
+                (
+                    FailureKind::Unavailable,
+                    "no prefill worker is reachable".into(),
+                )
+            })
     }
 
     fn admit(&mut self) {
