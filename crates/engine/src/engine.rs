@@ -4,150 +4,19 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use kvfence_model::LoadedModel;
 use kvfence_pool::{Pool, RequestId};
-use tokio::sync::mpsc as tokio_mpsc;
 
+use crate::config::EngineConfig;
+use crate::counters::{Counters, EngineStats};
 use crate::error::EngineError;
 use crate::link::{self, Transport};
 use crate::request::{GenerationRequest, RequestHandle};
-use crate::scheduler::{Command, Origin, PeerId, PeerUp, Pending, Role, Scheduler};
-
-/// Scheduling limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EngineConfig {
-    /// Requests decoding or prefilling at once.
-    pub max_running: usize,
-    /// Requests waiting for pages at most; more are refused (back-pressure).
-    pub max_queue: usize,
-    /// Tokens one forward pass may process (decode tokens plus prefill chunks).
-    pub step_tokens: usize,
-    /// How long a decode worker waits for a granted hand-off to commit
-    /// before it aborts the grant and fails the request (503).
-    pub handoff_timeout: std::time::Duration,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            max_running: 64,
-            max_queue: 256,
-            step_tokens: 256,
-            handoff_timeout: std::time::Duration::from_secs(30),
-        }
-    }
-}
-
-/// Counters the engine keeps; read with [`Engine::stats`].
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) queued: AtomicUsize,
-    pub(crate) running: AtomicUsize,
-    pub(crate) finished: AtomicU64,
-    pub(crate) failed: AtomicU64,
-    pub(crate) cancelled: AtomicU64,
-    pub(crate) prompt_tokens: AtomicU64,
-    pub(crate) generated_tokens: AtomicU64,
-    pub(crate) steps: AtomicU64,
-    pub(crate) handoffs_committed: AtomicU64,
-    pub(crate) handoffs_failed: AtomicU64,
-    pub(crate) handoff_stale_messages: AtomicU64,
-    pub(crate) handoff_checksum_failures: AtomicU64,
-    pub(crate) handoff_bytes: AtomicU64,
-    /// Hand-off messages from a link their grant was not sent to, dropped
-    /// before the receiver saw them.
-    pub(crate) handoff_misrouted: AtomicU64,
-}
-
-impl Counters {
-    pub(crate) fn snapshot(&self) -> EngineStats {
-        EngineStats {
-            queued: self.queued.load(Ordering::Acquire),
-            running: self.running.load(Ordering::Acquire),
-            finished: self.finished.load(Ordering::Relaxed),
-            failed: self.failed.load(Ordering::Relaxed),
-            cancelled: self.cancelled.load(Ordering::Relaxed),
-            prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
-            generated_tokens: self.generated_tokens.load(Ordering::Relaxed),
-            steps: self.steps.load(Ordering::Relaxed),
-            handoffs_committed: self.handoffs_committed.load(Ordering::Relaxed),
-            handoffs_failed: self.handoffs_failed.load(Ordering::Relaxed),
-            handoff_stale_messages: self.handoff_stale_messages.load(Ordering::Relaxed),
-            handoff_checksum_failures: self.handoff_checksum_failures.load(Ordering::Relaxed),
-            handoff_bytes: self.handoff_bytes.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Mirrors the receiver's totals, for metrics.
-    pub(crate) fn record_handoff(&self, stats: &kvfence_handoff::ReceiverStats) {
-        self.handoffs_committed
-            .store(stats.committed, Ordering::Relaxed);
-        self.handoffs_failed.store(stats.failed, Ordering::Relaxed);
-        // Misrouted messages are stale too: they belong to no grant of
-        // the link they came on.
-        self.handoff_stale_messages.store(
-            stats.stale_messages + self.handoff_misrouted.load(Ordering::Relaxed),
-            Ordering::Relaxed,
-        );
-        self.handoff_checksum_failures
-            .store(stats.checksum_failures, Ordering::Relaxed);
-        self.handoff_bytes.store(stats.bytes, Ordering::Relaxed);
-    }
-}
-
-/// A snapshot of the engine's counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub struct EngineStats {
-    /// Requests waiting for pages.
-    pub queued: usize,
-    /// Requests holding pages.
-    pub running: usize,
-    /// Requests that finished normally.
-    pub finished: u64,
-    /// Requests that ended with an error.
-    pub failed: u64,
-    /// Requests cancelled by their client.
-    pub cancelled: u64,
-    /// Prompt tokens prefilled.
-    pub prompt_tokens: u64,
-    /// Tokens generated.
-    pub generated_tokens: u64,
-    /// Forward passes run.
-    pub steps: u64,
-    /// Hand-offs committed (decode role).
-    pub handoffs_committed: u64,
-    /// Hand-offs failed (decode role).
-    pub handoffs_failed: u64,
-    /// Hand-off messages for revoked or unknown grants, dropped.
-    pub handoff_stale_messages: u64,
-    /// Hand-off chunks that failed their checksum.
-    pub handoff_checksum_failures: u64,
-    /// KV bytes received through hand-offs.
-    pub handoff_bytes: u64,
-}
-
-impl EngineStats {
-    /// Adds another engine's counters to these (a fleet's total).
-    pub fn add(&mut self, other: &EngineStats) {
-        self.queued += other.queued;
-        self.running += other.running;
-        self.finished += other.finished;
-        self.failed += other.failed;
-        self.cancelled += other.cancelled;
-        self.prompt_tokens += other.prompt_tokens;
-        self.generated_tokens += other.generated_tokens;
-        self.steps += other.steps;
-        self.handoffs_committed += other.handoffs_committed;
-        self.handoffs_failed += other.handoffs_failed;
-        self.handoff_stale_messages += other.handoff_stale_messages;
-        self.handoff_checksum_failures += other.handoff_checksum_failures;
-        self.handoff_bytes += other.handoff_bytes;
-    }
-}
+use crate::scheduler::{Command, PeerId, PeerUp, Pending, Role, Scheduler};
 
 /// A worker: the scheduler(s) behind one client-facing queue.
 pub struct Engine {
@@ -467,18 +336,7 @@ impl Engine {
             })
             .map_err(|_| EngineError::QueueFull { capacity: bound })?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (events, receiver) = tokio_mpsc::unbounded_channel();
-        let cancelled = Arc::new(AtomicBool::new(false));
-        let pending = Pending {
-            id,
-            request,
-            origin: Origin::Client {
-                events,
-                cancelled: Arc::clone(&cancelled),
-            },
-            prefill,
-            moved: false,
-        };
+        let (pending, handle) = Pending::for_client(id, request, prefill);
         if self
             .commands
             .send(Command::Submit(Box::new(pending)))
@@ -487,7 +345,7 @@ impl Engine {
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
             return Err(EngineError::ShuttingDown);
         }
-        Ok(RequestHandle::new(id, receiver, cancelled))
+        Ok(handle)
     }
 
     /// Starts draining: new requests are refused (`ShuttingDown`), those

@@ -9,6 +9,8 @@
 //!   front, all or nothing, so a running request never runs out of pages
 //!   and nothing is ever truncated silently.
 
+mod config;
+mod counters;
 mod engine;
 mod error;
 mod link;
@@ -18,7 +20,9 @@ mod request;
 mod scheduler;
 mod text;
 
-pub use engine::{Engine, EngineConfig, EngineStats, PrefillPeer};
+pub use config::EngineConfig;
+pub use counters::EngineStats;
+pub use engine::{Engine, PrefillPeer};
 pub use error::EngineError;
 pub use kvfence_handoff::tls;
 pub use link::Transport;

@@ -37,8 +37,9 @@ use kvfence_pool::{Lease, Pool, PoolError, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, trace, warn};
 
-use crate::engine::{Counters, EngineConfig};
-use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, Usage};
+use crate::config::EngineConfig;
+use crate::counters::Counters;
+use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage};
 use crate::text::TextStream;
 
 /// What a scheduler does.
@@ -193,6 +194,25 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
+    /// A client's request, and the handle the client reads it through.
+    pub(crate) fn for_client(
+        id: RequestId,
+        request: GenerationRequest,
+        prefill: Option<String>,
+    ) -> (Pending, RequestHandle) {
+        let (events, receiver) = tokio_mpsc::unbounded_channel();
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let handle = RequestHandle::new(id, receiver, Arc::clone(&cancelled));
+        let pending = Pending {
+            id,
+            request,
+            origin: Origin::Client { events, cancelled },
+            prefill,
+            moved: false,
+        };
+        (pending, handle)
+    }
+
     fn is_cancelled(&self) -> bool {
         match &self.origin {
             Origin::Client { events, cancelled } => {
@@ -314,55 +334,92 @@ impl Scheduler {
         self
     }
 
+    /// The shell around the core: blocks on the inbox while there is
+    /// nothing to compute (until a command arrives or the next hand-off
+    /// deadline), feeds every command to [`Scheduler::handle`], and polls
+    /// with the wall clock, until told to stop. The core below takes its
+    /// inputs and its time from here — or from the simulator, which runs
+    /// many schedulers on one virtual clock.
     pub(crate) fn run(mut self) {
-        while !self.stopping {
-            self.receive();
-            self.expire_handoffs();
-            self.drop_cancelled();
-            self.admit();
-            if self.active.iter().any(|a| a.lease.is_some()) {
-                self.step();
-                // The step may have ended requests and freed their pages:
-                // admit the queue now, before `receive` decides whether to
-                // sleep. Otherwise a worker whose last request just ended
-                // would sleep with requests queued and pages free, until
-                // some unrelated message woke it.
-                self.admit();
+        loop {
+            if !self.has_work() {
+                let received = match self.next_deadline() {
+                    None => self.inbox.recv().map_err(|_| true),
+                    Some(deadline) => {
+                        let wait = deadline.saturating_duration_since(Instant::now());
+                        self.inbox
+                            .recv_timeout(wait)
+                            .map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
+                    }
+                };
+                match received {
+                    Ok(command) => self.handle(command),
+                    Err(disconnected) => self.stopping |= disconnected,
+                }
             }
+            while let Ok(command) = self.inbox.try_recv() {
+                self.handle(command);
+            }
+            if self.stopping {
+                break;
+            }
+            self.poll(Instant::now());
         }
         self.fail_everything();
-    }
-
-    fn receive(&mut self) {
-        let idle = !self.active.iter().any(|a| a.lease.is_some());
-        if idle {
-            // Nothing to compute: sleep until a command arrives, or until the
-            // oldest hand-off in flight would time out.
-            let deadline = self
-                .active
-                .iter()
-                .map(|a| a.granted_at + self.config.handoff_timeout)
-                .min();
-            let received = match deadline {
-                None => self.inbox.recv().map_err(|_| true),
-                Some(deadline) => {
-                    let wait = deadline.saturating_duration_since(Instant::now());
-                    self.inbox
-                        .recv_timeout(wait)
-                        .map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
-                }
-            };
-            match received {
-                Ok(command) => self.handle(command),
-                Err(disconnected) => self.stopping |= disconnected,
+        // Requests that raced the shutdown.
+        while let Ok(command) = self.inbox.try_recv() {
+            if let Command::Submit(pending) = command {
+                self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+                self.refuse(
+                    &pending,
+                    FailureKind::ShuttingDown,
+                    "the server is shutting down".into(),
+                );
             }
         }
-        while let Ok(command) = self.inbox.try_recv() {
-            self.handle(command);
-        }
     }
 
-    fn handle(&mut self, command: Command) {
+    /// Does what is due at `now`: aborts hand-offs past their deadline,
+    /// drops cancelled requests, admits what fits, and runs one step if any
+    /// request has pages to compute (admitting again after it, since the
+    /// step may have freed pages). Returns whether a step ran.
+    pub(crate) fn poll(&mut self, now: Instant) -> bool {
+        self.expire_handoffs(now);
+        self.drop_cancelled();
+        self.admit(now);
+        if !self.has_work() {
+            return false;
+        }
+        self.step();
+        self.admit(now);
+        true
+    }
+
+    /// Whether some request holds pages to compute: `poll` would step.
+    pub(crate) fn has_work(&self) -> bool {
+        self.active.iter().any(|a| a.lease.is_some())
+    }
+
+    /// When the oldest hand-off in flight times out: `poll` is due then
+    /// even if nothing arrives.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.active
+            .iter()
+            .filter(|a| a.lease.is_none())
+            .map(|a| a.granted_at + self.config.handoff_timeout)
+            .min()
+    }
+
+    /// Whether a `Shutdown` was handled (or the inbox closed).
+    #[cfg(test)]
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.stopping
+    }
+
+    /// Feeds one command. No IO and no clock: what it sends goes into the
+    /// peers' and clients' channels, which the shell or the simulator
+    /// drain.
+    pub(crate) fn handle(&mut self, command: Command) {
         match command {
             Command::Submit(pending) => self.waiting.push_back(*pending),
             Command::Prefill { peer, order } => self.take_order(peer, *order),
@@ -593,11 +650,10 @@ impl Scheduler {
     /// Decode role: a grant that has not committed in time is aborted — its
     /// pages freed, or quarantined behind a revoked window until the writer
     /// acknowledges (I4) — and its client gets an error, never a late answer.
-    fn expire_handoffs(&mut self) {
+    fn expire_handoffs(&mut self, now: Instant) {
         if self.role != Role::Decode {
             return;
         }
-        let now = Instant::now();
         for index in (0..self.active.len()).rev() {
             let active = &self.active[index];
             if active.lease.is_none() && now >= active.granted_at + self.config.handoff_timeout {
@@ -757,7 +813,7 @@ impl Scheduler {
             })
     }
 
-    fn admit(&mut self) {
+    fn admit(&mut self, now: Instant) {
         while self.active.len() < self.config.max_running {
             let Some(pending) = self.waiting.front() else {
                 break;
@@ -832,7 +888,7 @@ impl Scheduler {
                 text,
                 prefilled: 0,
                 generated: Vec::new(),
-                granted_at: Instant::now(),
+                granted_at: now,
                 prefill,
             });
         }
@@ -1139,7 +1195,9 @@ impl Scheduler {
         None
     }
 
-    fn fail_everything(&mut self) {
+    /// Ends every request queued or running with `ShuttingDown`, giving
+    /// back every page.
+    pub(crate) fn fail_everything(&mut self) {
         let reason = || {
             (
                 FailureKind::ShuttingDown,
@@ -1155,14 +1213,6 @@ impl Scheduler {
             self.counters.running.fetch_sub(1, Ordering::AcqRel);
             let (kind, message) = reason();
             self.refuse(&active.pending, kind, message);
-        }
-        // Commands that raced the shutdown.
-        while let Ok(command) = self.inbox.try_recv() {
-            if let Command::Submit(pending) = command {
-                self.counters.queued.fetch_sub(1, Ordering::AcqRel);
-                let (kind, message) = reason();
-                self.refuse(&pending, kind, message);
-            }
         }
     }
 }

@@ -26,7 +26,8 @@ use super::wire::{
     Control, Hello, ModelFingerprint, Refusal, WireEvent, WireStats, parse_control, send_control,
 };
 use super::{Backoff, dial, io, is_transient, lock};
-use crate::engine::{EngineStats, PrefillPeer};
+use crate::counters::EngineStats;
+use crate::engine::PrefillPeer;
 use crate::error::EngineError;
 use crate::net::Link;
 use crate::request::{Event, FailureKind, GenerationRequest, RequestHandle};

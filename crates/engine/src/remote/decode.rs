@@ -25,7 +25,8 @@ use super::wire::{
 };
 use super::{Backoff, dial, io, is_transient, lock};
 use crate::Engine;
-use crate::engine::{EngineConfig, PrefillDirectory, PrefillPeer};
+use crate::config::EngineConfig;
+use crate::engine::{PrefillDirectory, PrefillPeer};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, Link, ListenLimits};

@@ -17,7 +17,7 @@ use std::cmp::Reverse;
 use kvfence_pool::PoolStats;
 
 use super::client::RemoteEngine;
-use crate::engine::EngineStats;
+use crate::counters::EngineStats;
 use crate::error::EngineError;
 use crate::request::{GenerationRequest, RequestHandle};
 use crate::scheduler::Role;

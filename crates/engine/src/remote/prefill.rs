@@ -17,7 +17,8 @@ use tracing::{info, warn};
 
 use super::io;
 use super::wire::{Control, Hello, ModelFingerprint, PROTOCOL, send_control};
-use crate::engine::{Counters, EngineConfig, EngineStats};
+use crate::config::EngineConfig;
+use crate::counters::{Counters, EngineStats};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, ListenLimits};

@@ -12,7 +12,8 @@ use kvfence_model::{LoadedModel, SamplingParams};
 use kvfence_pool::PoolStats;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{EngineStats, PrefillPeer};
+use crate::counters::EngineStats;
+use crate::engine::PrefillPeer;
 use crate::link::CONTROL;
 use crate::net::LinkTx;
 use crate::request::{FailureKind, FinishReason, Usage};
