@@ -18,6 +18,8 @@ mod net;
 mod remote;
 mod request;
 mod scheduler;
+#[cfg(test)]
+mod sim;
 mod text;
 
 pub use config::EngineConfig;

@@ -148,6 +148,12 @@ impl RequestHandle {
         self.events.recv().await
     }
 
+    /// The next event if one is waiting (the simulator's client).
+    #[cfg(test)]
+    pub(crate) fn try_next(&mut self) -> Result<Event, mpsc::error::TryRecvError> {
+        self.events.try_recv()
+    }
+
     /// The next event, blocking the thread (outside async code only).
     pub fn blocking_next(&mut self) -> Option<Event> {
         self.events.blocking_recv()

@@ -410,12 +410,6 @@ impl Scheduler {
             .min()
     }
 
-    /// Whether a `Shutdown` was handled (or the inbox closed).
-    #[cfg(test)]
-    pub(crate) fn is_stopping(&self) -> bool {
-        self.stopping
-    }
-
     /// Feeds one command. No IO and no clock: what it sends goes into the
     /// peers' and clients' channels, which the shell or the simulator
     /// drain.

@@ -1,0 +1,805 @@
+//! A deterministic simulation of a whole fleet: a router, prefill and
+//! decode workers — the real schedulers, with real pools and the real
+//! `builtin:tiny` model — and the links between them, on one virtual clock,
+//! driven from a seed.
+//!
+//! The schedulers are state machines fed through [`Scheduler::handle`] and
+//! [`Scheduler::poll`]; what they send goes into channels this simulation
+//! drains and delivers after a latency, in order per link direction (as TCP
+//! does). The world has crashes and restarts of either kind of worker (a
+//! restarted one has a fresh pool and fresh links), partitions (a link
+//! breaks and is dialled again later, under new link ids), slow links
+//! (long enough for hand-off timeouts), client aborts and the incident's
+//! prompt — one that fits a decode pool but no prefill pool. Two decode
+//! workers number their requests the same way (1, 2, 3…), as real ones do,
+//! so hand-off ids collide on a shared prefill worker.
+//!
+//! After every event it checks:
+//! - I1/I8: every live pool's pages add up (free + leased + quarantined);
+//! - I2/I5/I7: a request that finishes produced exactly the text and token
+//!   count it produces alone on a colocated engine — a foreign, stale or
+//!   missing page would change it;
+//! - I5/I7: no request fails with an internal error (a check caught a bug:
+//!   a placeholder `Done`, a chunk for someone else's grant); without
+//!   faults, a request fails only as too long, and only if its prompt fits
+//!   no prefill pool; no event follows a request's end;
+//! - liveness: once the world heals, every request ends, and every pool is
+//!   back at baseline with nothing queued or running.
+//!
+//! `cargo test -p kvfence-engine --lib sim::` runs 2,000 seeds;
+//! `KVFENCE_FLEET_SIM_SEEDS=N` runs N; `KVFENCE_FLEET_SIM_SEED=S` replays one.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::time::{Duration, Instant};
+
+use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::Engine;
+use crate::config::EngineConfig;
+use crate::counters::Counters;
+use crate::request::{Event, FailureKind, GenerationRequest, RequestHandle};
+use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler};
+
+const PAGE: usize = 16;
+const HANDOFF_TIMEOUT: Duration = Duration::from_millis(300);
+/// Virtual time one forward pass takes.
+const STEP: Duration = Duration::from_millis(1);
+/// Faults and arrivals happen before this; then the world heals.
+const CHAOS: Duration = Duration::from_millis(400);
+/// Everything must have ended by then.
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn model() -> Arc<LoadedModel> {
+    static MODEL: OnceLock<Arc<LoadedModel>> = OnceLock::new();
+    Arc::clone(MODEL.get_or_init(|| Arc::new(LoadedModel::load("builtin:tiny").unwrap())))
+}
+
+/// What a request produces alone on a colocated engine: its text and
+/// completion tokens. Cached across seeds (requests come from a small
+/// family, so most repeat).
+fn reference(request: &GenerationRequest) -> (String, usize) {
+    type Key = (Vec<u32>, usize, u32, u64);
+    static ENGINE: OnceLock<Engine> = OnceLock::new();
+    static CACHE: OnceLock<Mutex<HashMap<Key, (String, usize)>>> = OnceLock::new();
+    let key = (
+        request.prompt.clone(),
+        request.max_tokens,
+        request.sampling.temperature.to_bits(),
+        request.sampling.seed,
+    );
+    let cache = CACHE.get_or_init(Mutex::default);
+    if let Some(hit) = cache.lock().unwrap().get(&key) {
+        return hit.clone();
+    }
+    let engine = ENGINE.get_or_init(|| {
+        let model = model();
+        let pool = pool(&model, 1024, Scrub::Zero);
+        Engine::start(model, pool, EngineConfig::default())
+    });
+    let mut handle = engine.submit(request.clone()).unwrap();
+    let mut text = String::new();
+    let answer = loop {
+        match handle.blocking_next().unwrap() {
+            Event::Token { text: t } => text.push_str(&t),
+            Event::Finished { usage, .. } => break (text, usage.completion_tokens),
+            failed => panic!("the reference run failed: {failed:?}"),
+        }
+    };
+    cache.lock().unwrap().insert(key, answer.clone());
+    answer
+}
+
+fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub) -> Pool {
+    let spec = PoolSpec::new(
+        model.model.kv_shape(),
+        PAGE,
+        ElemType::F32,
+        PoolSize::Tokens(tokens),
+    )
+    .with_scrub(scrub)
+    .with_reuse(ReusePolicy::NewestFreedFirst);
+    Pool::new(&spec).unwrap()
+}
+
+/// One worker process: its scheduler while it runs.
+struct Node {
+    role: Role,
+    tokens: usize,
+    config: EngineConfig,
+    live: Option<Live>,
+    /// When a crashed worker comes back.
+    restart_at: Option<Duration>,
+}
+
+struct Live {
+    scheduler: Scheduler,
+    pool: Pool,
+    counters: Arc<Counters>,
+    /// Decode role: the next request id (each incarnation numbers from 1,
+    /// as a real decode worker does).
+    next_id: u64,
+    // Keeps the unused inbox open.
+    _inbox: mpsc::Sender<Command>,
+}
+
+impl Node {
+    fn start(&mut self) {
+        let model = model();
+        let pool = pool(&model, self.tokens, Scrub::Poison);
+        let counters = Arc::new(Counters::default());
+        let (inbox_tx, inbox) = mpsc::channel();
+        let scheduler = Scheduler::new(
+            self.role,
+            model,
+            pool.clone(),
+            self.config,
+            Arc::clone(&counters),
+            inbox,
+        );
+        self.live = Some(Live {
+            scheduler,
+            pool,
+            counters,
+            next_id: 1,
+            _inbox: inbox_tx,
+        });
+        self.restart_at = None;
+    }
+}
+
+/// A message on its way along one direction of a link.
+struct InFlight {
+    at: Duration,
+    command: Command,
+}
+
+/// The link between decode worker `decode` and prefill worker `prefill`.
+struct Link {
+    decode: usize,
+    prefill: usize,
+    /// The ids each end knows this link by, while it is up.
+    up: Option<(PeerId, PeerId)>,
+    /// What the decode end sent, and what the prefill end sent.
+    from_decode: Option<mpsc::Receiver<Command>>,
+    from_prefill: Option<mpsc::Receiver<Command>>,
+    to_prefill: VecDeque<InFlight>,
+    to_decode: VecDeque<InFlight>,
+    latency: Duration,
+    /// Until when the link stays broken after a partition.
+    broken_until: Option<Duration>,
+    slow_until: Option<Duration>,
+}
+
+/// A client of the router.
+struct Client {
+    request: GenerationRequest,
+    arrives: Duration,
+    abort_at: Option<Duration>,
+    /// The decode worker it went to, and that worker's incarnation.
+    on: Option<(usize, u64)>,
+    handle: Option<RequestHandle>,
+    text: String,
+    tokens: usize,
+    ended: Option<Ending>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Ending {
+    Finished,
+    Failed(FailureKind, String),
+    /// Its decode worker crashed: the router reports it unavailable.
+    LostWithWorker,
+    Aborted,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    CrashPrefill(usize),
+    CrashDecode(usize),
+    Partition(usize),
+    Slow(usize),
+}
+
+struct World {
+    rng: ChaCha8Rng,
+    base: Instant,
+    t: Duration,
+    prefills: Vec<Node>,
+    decodes: Vec<Node>,
+    /// Incarnation of each decode worker (bumped at each crash).
+    decode_lives: Vec<u64>,
+    links: Vec<Link>,
+    clients: Vec<Client>,
+    faults: Vec<(Duration, Fault)>,
+    next_link_id: u64,
+    faulty: bool,
+    /// What happened, for a failing seed's report.
+    log: Vec<String>,
+}
+
+fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
+    let family = rng.random_range(0..8usize);
+    let len = [3, 9, 17, 30, 45, 70, 100][rng.random_range(0..7)];
+    let greedy = rng.random_bool(0.6);
+    GenerationRequest {
+        prompt: (0..len)
+            .map(|j| ((j * 7 + family * 13) % 256) as u32)
+            .collect(),
+        max_tokens: [1, 3, 6][rng.random_range(0..3)],
+        sampling: SamplingParams {
+            temperature: if greedy { 0.0 } else { 0.8 },
+            top_k: 0,
+            top_p: 0.95,
+            seed: family as u64,
+        },
+        stop: StopStrings::default(),
+        ignore_eos: true,
+    }
+}
+
+impl World {
+    fn new(seed: u64) -> World {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let config = |rng: &mut ChaCha8Rng| EngineConfig {
+            max_running: [2, 4, 8][rng.random_range(0..3)],
+            max_queue: 64,
+            step_tokens: [16, 48][rng.random_range(0..2)],
+            handoff_timeout: HANDOFF_TIMEOUT,
+        };
+        let node = |role, tokens, config| Node {
+            role,
+            tokens,
+            config,
+            live: None,
+            restart_at: None,
+        };
+        let prefills: Vec<Node> = (0..rng.random_range(1..=2))
+            .map(|_| {
+                let tokens = [64, 128][rng.random_range(0..2)];
+                node(Role::Prefill, tokens, config(&mut rng))
+            })
+            .collect();
+        let decodes: Vec<Node> = (0..rng.random_range(1..=2))
+            .map(|_| {
+                let tokens = [128, 256][rng.random_range(0..2)];
+                node(Role::Decode, tokens, config(&mut rng))
+            })
+            .collect();
+        let mut links = Vec::new();
+        for decode in 0..decodes.len() {
+            for prefill in 0..prefills.len() {
+                links.push(Link {
+                    decode,
+                    prefill,
+                    up: None,
+                    from_decode: None,
+                    from_prefill: None,
+                    to_prefill: VecDeque::new(),
+                    to_decode: VecDeque::new(),
+                    latency: Duration::from_micros(rng.random_range(50..2000)),
+                    broken_until: None,
+                    slow_until: None,
+                });
+            }
+        }
+        let clients = (0..rng.random_range(4..=12))
+            .map(|_| Client {
+                request: request_from(&mut rng),
+                arrives: Duration::from_micros(rng.random_range(0..CHAOS.as_micros() as u64)),
+                abort_at: rng
+                    .random_bool(0.15)
+                    .then(|| Duration::from_micros(rng.random_range(0..CHAOS.as_micros() as u64))),
+                on: None,
+                handle: None,
+                text: String::new(),
+                tokens: 0,
+                ended: None,
+            })
+            .collect();
+        let faulty = rng.random_bool(0.7);
+        let mut faults = Vec::new();
+        if faulty {
+            for _ in 0..rng.random_range(1..=4) {
+                let at = Duration::from_micros(rng.random_range(0..CHAOS.as_micros() as u64));
+                let fault = match rng.random_range(0..4) {
+                    0 => Fault::CrashPrefill(rng.random_range(0..prefills.len())),
+                    1 => Fault::CrashDecode(rng.random_range(0..decodes.len())),
+                    2 => Fault::Partition(rng.random_range(0..links.len())),
+                    _ => Fault::Slow(rng.random_range(0..links.len())),
+                };
+                faults.push((at, fault));
+            }
+            faults.sort_by_key(|(at, _)| *at);
+        }
+        let decode_lives = vec![0; decodes.len()];
+        let mut world = World {
+            rng,
+            base: Instant::now(),
+            t: Duration::ZERO,
+            prefills,
+            decodes,
+            decode_lives,
+            links,
+            clients,
+            faults,
+            next_link_id: 0,
+            faulty,
+            log: Vec::new(),
+        };
+        for node in world.prefills.iter_mut().chain(&mut world.decodes) {
+            node.start();
+        }
+        for link in 0..world.links.len() {
+            world.connect(link);
+        }
+        world
+    }
+
+    fn now(&self) -> Instant {
+        self.base + self.t
+    }
+
+    fn note(&mut self, what: String) {
+        self.log
+            .push(format!("{:>9.3} ms  {what}", self.t.as_secs_f64() * 1e3));
+    }
+
+    /// Brings link `index` up, if both ends run: fresh ids at both ends.
+    fn connect(&mut self, index: usize) {
+        let link = &self.links[index];
+        let (d, p) = (link.decode, link.prefill);
+        if link.up.is_some()
+            || link.broken_until.is_some()
+            || self.decodes[d].live.is_none()
+            || self.prefills[p].live.is_none()
+        {
+            return;
+        }
+        let decode_end = PeerId(self.next_link_id);
+        let prefill_end = PeerId(self.next_link_id + 1);
+        self.next_link_id += 2;
+        let (to_prefill_tx, from_decode) = mpsc::channel();
+        let (to_decode_tx, from_prefill) = mpsc::channel();
+        let tokens = self.prefills[p].tokens;
+        let decode = &mut self.decodes[d].live.as_mut().unwrap().scheduler;
+        decode.handle(Command::PeerUp(Box::new(PeerUp {
+            peer: decode_end,
+            tx: PeerTx::new(to_prefill_tx, prefill_end),
+            name: format!("prefill-{p}"),
+            tokens,
+        })));
+        let prefill = &mut self.prefills[p].live.as_mut().unwrap().scheduler;
+        prefill.handle(Command::PeerUp(Box::new(PeerUp {
+            peer: prefill_end,
+            tx: PeerTx::new(to_decode_tx, decode_end),
+            name: format!("decode-{d}"),
+            tokens: 0,
+        })));
+        let link = &mut self.links[index];
+        link.up = Some((decode_end, prefill_end));
+        link.from_decode = Some(from_decode);
+        link.from_prefill = Some(from_prefill);
+        self.note(format!("link d{d}-p{p} up"));
+    }
+
+    /// Breaks link `index`: what was on the wire is lost, and each live end
+    /// learns the link is gone.
+    fn disconnect(&mut self, index: usize) {
+        let link = &mut self.links[index];
+        let Some((decode_end, prefill_end)) = link.up.take() else {
+            return;
+        };
+        let (d, p) = (link.decode, link.prefill);
+        link.from_decode = None;
+        link.from_prefill = None;
+        link.to_prefill.clear();
+        link.to_decode.clear();
+        if let Some(live) = self.decodes[d].live.as_mut() {
+            live.scheduler.handle(Command::PeerLost(decode_end));
+        }
+        if let Some(live) = self.prefills[p].live.as_mut() {
+            live.scheduler.handle(Command::PeerLost(prefill_end));
+        }
+        self.note(format!("link d{d}-p{p} down"));
+    }
+
+    fn apply(&mut self, fault: Fault) {
+        let restart = Duration::from_micros(self.rng.random_range(10_000..400_000));
+        match fault {
+            Fault::CrashPrefill(p) => {
+                if self.prefills[p].live.take().is_some() {
+                    self.note(format!("prefill {p} crashed"));
+                    self.prefills[p].restart_at = Some(self.t + restart);
+                    for index in self.links_of(|l| l.prefill == p) {
+                        self.disconnect(index);
+                    }
+                }
+            }
+            Fault::CrashDecode(d) => {
+                if self.decodes[d].live.take().is_some() {
+                    self.note(format!("decode {d} crashed"));
+                    self.decode_lives[d] += 1;
+                    self.decodes[d].restart_at = Some(self.t + restart);
+                    for index in self.links_of(|l| l.decode == d) {
+                        self.disconnect(index);
+                    }
+                }
+            }
+            Fault::Partition(index) => {
+                self.disconnect(index);
+                self.links[index].broken_until = Some(self.t + restart);
+            }
+            Fault::Slow(index) => {
+                self.note(format!("link {index} slow"));
+                self.links[index].slow_until = Some(self.t + restart);
+            }
+        }
+    }
+
+    fn links_of(&self, keep: impl Fn(&Link) -> bool) -> Vec<usize> {
+        (0..self.links.len())
+            .filter(|&i| keep(&self.links[i]))
+            .collect()
+    }
+
+    /// The router: a request goes to the live decode worker with the fewest
+    /// requests in flight, naming a prefill worker it is linked to (the
+    /// decode worker falls back to another if that one cannot hold it).
+    fn route(&mut self, index: usize) {
+        let in_flight = |d: usize, clients: &[Client]| {
+            clients
+                .iter()
+                .filter(|c| c.ended.is_none() && c.on.is_some_and(|(on, _)| on == d))
+                .count()
+        };
+        let request = self.clients[index].request.clone();
+        let target = (0..self.decodes.len())
+            .filter(|&d| {
+                self.decodes[d].live.is_some() && self.decodes[d].tokens >= request.kv_tokens()
+            })
+            .min_by_key(|&d| in_flight(d, &self.clients));
+        let Some(d) = target else {
+            self.clients[index].ended = Some(Ending::Failed(
+                FailureKind::Unavailable,
+                "no decode worker".into(),
+            ));
+            return;
+        };
+        let linked: Vec<usize> = self
+            .links
+            .iter()
+            .filter(|l| l.decode == d && l.up.is_some())
+            .map(|l| l.prefill)
+            .collect();
+        let hint = (!linked.is_empty())
+            .then(|| format!("prefill-{}", linked[self.rng.random_range(0..linked.len())]));
+        let live = self.decodes[d].live.as_mut().unwrap();
+        let id = RequestId(live.next_id);
+        live.next_id += 1;
+        let (pending, handle) = Pending::for_client(id, request, hint);
+        live.counters
+            .queued
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        live.scheduler.handle(Command::Submit(Box::new(pending)));
+        let client = &mut self.clients[index];
+        client.on = Some((d, self.decode_lives[d]));
+        client.handle = Some(handle);
+        self.note(format!("client {index} → decode {d} as {id}"));
+    }
+
+    /// Moves what the workers sent onto the wire, and what is due off it.
+    fn network(&mut self) {
+        let slow = Duration::from_millis(self.rng.random_range(50..400));
+        for index in 0..self.links.len() {
+            let t = self.t;
+            let link = &mut self.links[index];
+            let latency = if link.slow_until.is_some_and(|until| t < until) {
+                slow
+            } else {
+                link.latency
+            };
+            for (from, queue) in [
+                (&link.from_decode, &mut link.to_prefill),
+                (&link.from_prefill, &mut link.to_decode),
+            ] {
+                if let Some(from) = from {
+                    while let Ok(command) = from.try_recv() {
+                        // In order per direction, as on a TCP stream.
+                        let at = queue
+                            .back()
+                            .map_or(t + latency, |last| last.at.max(t + latency));
+                        queue.push_back(InFlight { at, command });
+                    }
+                }
+            }
+            let (d, p) = (link.decode, link.prefill);
+            let mut due_prefill = Vec::new();
+            while link.to_prefill.front().is_some_and(|m| m.at <= t) {
+                due_prefill.push(link.to_prefill.pop_front().unwrap().command);
+            }
+            let mut due_decode = Vec::new();
+            while link.to_decode.front().is_some_and(|m| m.at <= t) {
+                due_decode.push(link.to_decode.pop_front().unwrap().command);
+            }
+            if let Some(live) = self.prefills[p].live.as_mut() {
+                for command in due_prefill {
+                    live.scheduler.handle(command);
+                }
+            }
+            if let Some(live) = self.decodes[d].live.as_mut() {
+                for command in due_decode {
+                    live.scheduler.handle(command);
+                }
+            }
+        }
+    }
+
+    /// Reads every client's events and checks them.
+    fn clients(&mut self) -> Result<(), String> {
+        let lives = self.decode_lives.clone();
+        for index in 0..self.clients.len() {
+            let client = &mut self.clients[index];
+            if client.ended.is_some() {
+                if let Some(handle) = client.handle.as_mut()
+                    && let Ok(event) = handle.try_next()
+                {
+                    return Err(format!("client {index}: {event:?} after its end"));
+                }
+                continue;
+            }
+            let Some(handle) = client.handle.as_mut() else {
+                continue;
+            };
+            loop {
+                match handle.try_next() {
+                    Ok(Event::Token { text }) => {
+                        client.text.push_str(&text);
+                        client.tokens += 1;
+                    }
+                    Ok(Event::Finished { usage, .. }) => {
+                        let (text, tokens) = reference(&client.request);
+                        if client.text != text || usage.completion_tokens != tokens {
+                            return Err(format!(
+                                "client {index}: finished with {:?} ({} tokens), alone it gives {text:?} ({tokens})",
+                                client.text, usage.completion_tokens
+                            ));
+                        }
+                        client.ended = Some(Ending::Finished);
+                        break;
+                    }
+                    Ok(Event::Failed { kind, message }) => {
+                        client.ended = Some(Ending::Failed(kind, message));
+                        break;
+                    }
+                    Err(mpsc_error) => {
+                        if mpsc_error == tokio::sync::mpsc::error::TryRecvError::Disconnected {
+                            // Only a crash drops a request without an end.
+                            let (d, life) = client.on.expect("a routed client");
+                            if lives[d] == life {
+                                return Err(format!(
+                                    "client {index}: its channel closed with no end"
+                                ));
+                            }
+                            client.ended = Some(Ending::LostWithWorker);
+                        }
+                        break;
+                    }
+                }
+            }
+            let client = &self.clients[index];
+            if let Some(Ending::Failed(kind, message)) = &client.ended {
+                let prompt = client.request.prompt.len();
+                let fits_a_prefill = self.prefills.iter().any(|p| p.tokens >= prompt);
+                match kind {
+                    FailureKind::Internal => {
+                        return Err(format!("client {index}: internal failure: {message}"));
+                    }
+                    // With faults, the larger prefill worker may be the
+                    // one that is down; the router's pair choice avoids
+                    // that, this one's hint does not.
+                    FailureKind::TooLong if fits_a_prefill && !self.faulty => {
+                        return Err(format!(
+                            "client {index}: too long ({message}) though a prefill pool holds {prompt} tokens"
+                        ));
+                    }
+                    FailureKind::Unavailable if !self.faulty && fits_a_prefill => {
+                        return Err(format!(
+                            "client {index}: unavailable in a world without faults: {message}"
+                        ));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// I1/I8: every live pool's pages add up.
+    fn pools_add_up(&self) -> Result<(), String> {
+        for (role, node) in self
+            .prefills
+            .iter()
+            .map(|n| ("prefill", n))
+            .chain(self.decodes.iter().map(|n| ("decode", n)))
+        {
+            if let Some(live) = &node.live {
+                let s = live.pool.stats();
+                if s.free_pages + s.leased_pages + s.quarantined_pages != s.num_pages {
+                    return Err(format!("{role} pool does not add up: {s:?}"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One round: arrivals, aborts, faults, restarts, the network, every
+    /// worker's poll, the clients. Returns the time of the next thing due.
+    fn round(&mut self) -> Result<(), String> {
+        let now = self.now();
+        for index in 0..self.clients.len() {
+            let client = &self.clients[index];
+            if client.handle.is_none() && client.ended.is_none() && client.arrives <= self.t {
+                self.route(index);
+            }
+            let client = &mut self.clients[index];
+            if client.ended.is_none() && client.abort_at.is_some_and(|at| at <= self.t) {
+                if let Some(handle) = &client.handle {
+                    handle.canceller().cancel();
+                }
+                client.ended = Some(Ending::Aborted);
+            }
+        }
+        while self.faults.first().is_some_and(|(at, _)| *at <= self.t) {
+            let (_, fault) = self.faults.remove(0);
+            self.apply(fault);
+        }
+        for node in self.prefills.iter_mut().chain(&mut self.decodes) {
+            if node.restart_at.is_some_and(|at| at <= self.t) {
+                node.start();
+            }
+        }
+        for index in 0..self.links.len() {
+            let link = &mut self.links[index];
+            if link.broken_until.is_some_and(|until| until <= self.t) {
+                link.broken_until = None;
+            }
+            if link.slow_until.is_some_and(|until| until <= self.t) {
+                link.slow_until = None;
+            }
+            self.connect(index);
+        }
+        self.network();
+        for node in self.prefills.iter_mut().chain(&mut self.decodes) {
+            if let Some(live) = node.live.as_mut() {
+                live.scheduler.poll(now);
+            }
+        }
+        self.network();
+        self.clients()?;
+        self.pools_add_up()
+    }
+
+    /// When something is next due, if the world is idle until then.
+    fn next_due(&self) -> Option<Duration> {
+        let busy = self
+            .prefills
+            .iter()
+            .chain(&self.decodes)
+            .any(|n| n.live.as_ref().is_some_and(|l| l.scheduler.has_work()));
+        if busy {
+            return Some(self.t + STEP);
+        }
+        let mut due: Vec<Duration> = Vec::new();
+        for client in &self.clients {
+            if client.ended.is_none() {
+                if client.handle.is_none() {
+                    due.push(client.arrives);
+                }
+                due.extend(client.abort_at);
+            }
+        }
+        due.extend(self.faults.iter().map(|(at, _)| *at));
+        for node in self.prefills.iter().chain(&self.decodes) {
+            due.extend(node.restart_at);
+            if let Some(deadline) = node.live.as_ref().and_then(|l| l.scheduler.next_deadline()) {
+                due.push(deadline.saturating_duration_since(self.base));
+            }
+        }
+        for link in &self.links {
+            due.extend(link.broken_until);
+            due.extend(link.slow_until);
+            due.extend(link.to_prefill.front().map(|m| m.at));
+            due.extend(link.to_decode.front().map(|m| m.at));
+        }
+        due.into_iter()
+            .min()
+            .map(|at| at.max(self.t + Duration::from_micros(1)))
+    }
+
+    fn run(&mut self) -> Result<(), String> {
+        loop {
+            self.round()?;
+            let Some(next) = self.next_due() else {
+                break;
+            };
+            if next > DEADLINE {
+                break;
+            }
+            self.t = next;
+        }
+        // The world has healed: every request must have ended, and every
+        // pool be back at baseline.
+        for (index, client) in self.clients.iter().enumerate() {
+            if client.ended.is_none() {
+                return Err(format!("client {index} never ended"));
+            }
+        }
+        for node in self.prefills.iter().chain(&self.decodes) {
+            let live = node.live.as_ref().expect("every worker restarted");
+            let s = live.pool.stats();
+            let c = live.counters.snapshot();
+            if s.leased_pages != 0 || s.quarantined_pages != 0 || c.queued != 0 || c.running != 0 {
+                return Err(format!(
+                    "{} not at baseline: {s:?}, {} queued, {} running",
+                    node.role.label(),
+                    c.queued,
+                    c.running
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run_seed(seed: u64) -> Result<(), (String, Vec<String>)> {
+    let mut world = World::new(seed);
+    world.run().map_err(|error| (error, world.log.clone()))
+}
+
+#[test]
+fn the_whole_fleet_holds_every_invariant_under_crashes_partitions_and_aborts() {
+    let replay = |seed| {
+        format!(
+            "KVFENCE_FLEET_SIM_SEED={seed} cargo test -p kvfence-engine --lib sim:: -- --nocapture"
+        )
+    };
+    if let Ok(seed) = std::env::var("KVFENCE_FLEET_SIM_SEED") {
+        let seed: u64 = seed.parse().expect("KVFENCE_FLEET_SIM_SEED is a number");
+        if let Err((error, log)) = run_seed(seed) {
+            panic!("seed {seed}: {error}\n{}", log.join("\n"));
+        }
+        return;
+    }
+    let seeds: u64 = std::env::var("KVFENCE_FLEET_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2_000);
+    let (mut finished, mut faulty) = (0usize, 0usize);
+    for seed in 0..seeds {
+        let mut world = World::new(seed);
+        if let Err(error) = world.run() {
+            panic!("seed {seed}: {error}\nreplay: {}", replay(seed));
+        }
+        faulty += usize::from(world.faulty);
+        finished += world
+            .clients
+            .iter()
+            .filter(|c| c.ended == Some(Ending::Finished))
+            .count();
+    }
+    // The runs really exercised something.
+    assert!(
+        finished as u64 > seeds * 2,
+        "{finished} requests finished in {seeds} seeds"
+    );
+    assert!(
+        faulty as u64 > seeds / 2,
+        "{faulty} of {seeds} seeds had faults"
+    );
+}
