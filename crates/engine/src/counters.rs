@@ -91,21 +91,19 @@ pub struct EngineStats {
     pub handoff_bytes: u64,
 }
 
-impl EngineStats {
-    /// Adds another engine's counters to these (a fleet's total).
-    pub fn add(&mut self, other: &EngineStats) {
-        self.queued += other.queued;
-        self.running += other.running;
-        self.finished += other.finished;
-        self.failed += other.failed;
-        self.cancelled += other.cancelled;
-        self.prompt_tokens += other.prompt_tokens;
-        self.generated_tokens += other.generated_tokens;
-        self.steps += other.steps;
-        self.handoffs_committed += other.handoffs_committed;
-        self.handoffs_failed += other.handoffs_failed;
-        self.handoff_stale_messages += other.handoff_stale_messages;
-        self.handoff_checksum_failures += other.handoff_checksum_failures;
-        self.handoff_bytes += other.handoff_bytes;
-    }
+/// One worker's pools and counters at one moment, named for metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSnapshot {
+    /// Which worker: `local` for this process's own, else the address a
+    /// router reaches it at.
+    pub worker: String,
+    /// Its pools' counters, by role label.
+    pub pools: Vec<(&'static str, kvfence_pool::PoolStats)>,
+    /// Its scheduler's counters.
+    pub engine: EngineStats,
+}
+
+impl WorkerSnapshot {
+    /// The name of this process's own worker.
+    pub const LOCAL: &'static str = "local";
 }

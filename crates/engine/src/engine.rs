@@ -12,7 +12,7 @@ use kvfence_model::LoadedModel;
 use kvfence_pool::{Pool, RequestId};
 
 use crate::config::EngineConfig;
-use crate::counters::{Counters, EngineStats};
+use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::link::{self, Transport};
 use crate::request::{GenerationRequest, RequestHandle};
@@ -428,8 +428,13 @@ impl crate::Backend for Engine {
         Engine::capacities(self)
     }
 
-    fn snapshot(&self) -> (Vec<(&'static str, kvfence_pool::PoolStats)>, EngineStats) {
-        Engine::snapshot(self)
+    fn snapshot(&self) -> Vec<WorkerSnapshot> {
+        let (pools, engine) = Engine::snapshot(self);
+        vec![WorkerSnapshot {
+            worker: WorkerSnapshot::LOCAL.into(),
+            pools,
+            engine,
+        }]
     }
 
     fn is_ready(&self) -> bool {

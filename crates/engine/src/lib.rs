@@ -23,7 +23,7 @@ mod sim;
 mod text;
 
 pub use config::EngineConfig;
-pub use counters::EngineStats;
+pub use counters::{EngineStats, WorkerSnapshot};
 pub use engine::{Engine, PrefillPeer};
 pub use error::EngineError;
 pub use kvfence_handoff::tls;
@@ -48,8 +48,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError>;
     /// Tokens of KV each worker's pool really holds, by role label (I6).
     fn capacities(&self) -> Vec<(&'static str, usize)>;
-    /// Pool counters by role label, and engine counters.
-    fn snapshot(&self) -> (Vec<(&'static str, kvfence_pool::PoolStats)>, EngineStats);
+    /// Every worker's pool counters by role label and engine counters, as
+    /// they stand now; a worker that cannot be read is left out.
+    fn snapshot(&self) -> Vec<WorkerSnapshot>;
     /// Whether it can take work now (for readiness probes): it admits, and
     /// the workers it depends on are linked.
     fn is_ready(&self) -> bool;
@@ -68,7 +69,7 @@ impl<T: Backend + ?Sized> Backend for std::sync::Arc<T> {
         (**self).capacities()
     }
 
-    fn snapshot(&self) -> (Vec<(&'static str, kvfence_pool::PoolStats)>, EngineStats) {
+    fn snapshot(&self) -> Vec<WorkerSnapshot> {
         (**self).snapshot()
     }
 

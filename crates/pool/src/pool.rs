@@ -124,20 +124,6 @@ impl PoolStats {
     pub fn capacity_tokens(&self) -> usize {
         self.num_pages * self.page_size
     }
-
-    /// Adds another pool's pages and counters to these (a fleet's total).
-    pub fn add(&mut self, other: &PoolStats) {
-        self.num_pages += other.num_pages;
-        self.free_pages += other.free_pages;
-        self.leased_pages += other.leased_pages;
-        self.quarantined_pages += other.quarantined_pages;
-        self.leases_granted += other.leases_granted;
-        self.leases_refused += other.leases_refused;
-        self.stale_writes_rejected += other.stale_writes_rejected;
-        self.foreign_writes_rejected += other.foreign_writes_rejected;
-        self.reads_refused += other.reads_refused;
-        self.pages_quarantined_total += other.pages_quarantined_total;
-    }
 }
 
 impl Pool {

@@ -2,14 +2,16 @@
 //! their unit, counters end in `_total`. Labels are tenant names, reasons and
 //! states — never request text (I10).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use kvfence_engine::EngineStats;
+use kvfence_engine::WorkerSnapshot;
 use kvfence_pool::PoolStats;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -28,32 +30,177 @@ struct RequestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct PoolLabels {
+struct RoleLabel {
+    role: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabel {
+    worker: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerPoolLabels {
+    worker: String,
     role: String,
     state: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RoleLabel {
-    role: String,
+struct WorkerReasonLabels {
+    worker: String,
+    reason: String,
 }
 
-/// Pool counters last seen, to turn the pool's totals into counter increments.
-#[derive(Default)]
-struct Seen {
-    stale: u64,
-    foreign: u64,
-    reads_refused: u64,
-    quarantined: u64,
-    generated: u64,
-    prompt: u64,
-    granted: u64,
-    refused: u64,
-    cancelled: u64,
-    committed: u64,
-    failed: u64,
-    checksum_failures: u64,
-    handoff_bytes: u64,
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The pools and counters workers report, exported as they stand at each
+/// scrape: counters are the workers' own totals (one that restarts starts
+/// again from zero, which Prometheus reads as a counter reset), gauges
+/// their current values. They are the workers' numbers, not this process's,
+/// so they are encoded from the snapshot rather than kept here.
+#[derive(Debug, Default)]
+struct WorkerMetrics {
+    latest: Mutex<Vec<WorkerSnapshot>>,
+}
+
+/// A counter every worker reports: its name, help and value.
+type CounterOf = (&'static str, &'static str, fn(&WorkerSnapshot) -> u64);
+
+/// A gauge every worker reports: its name, help and value.
+type GaugeOf = (&'static str, &'static str, fn(&WorkerSnapshot) -> usize);
+
+const WORKER_GAUGES: [GaugeOf; 2] = [
+    ("queue_depth", "Requests waiting for KV pages.", |w| {
+        w.engine.queued
+    }),
+    ("running_requests", "Requests holding KV pages.", |w| {
+        w.engine.running
+    }),
+];
+
+const WORKER_COUNTERS: [CounterOf; 11] = [
+    (
+        "handoff_stale_writes",
+        "KV writes and hand-off messages refused for a stale generation or epoch (I3).",
+        |w| pools_total(w, |s| s.stale_writes_rejected) + w.engine.handoff_stale_messages,
+    ),
+    (
+        "pool_foreign_writes",
+        "KV writes refused for naming a page outside the lease (I1).",
+        |w| pools_total(w, |s| s.foreign_writes_rejected),
+    ),
+    (
+        "pool_reads_refused",
+        "KV reads refused for missing coverage (I2).",
+        |w| pools_total(w, |s| s.reads_refused),
+    ),
+    (
+        "pool_pages_quarantined",
+        "Pages ever sent to quarantine (I4).",
+        |w| pools_total(w, |s| s.pages_quarantined_total),
+    ),
+    ("generated_tokens", "Completion tokens generated.", |w| {
+        w.engine.generated_tokens
+    }),
+    ("prompt_tokens", "Prompt tokens prefilled.", |w| {
+        w.engine.prompt_tokens
+    }),
+    (
+        "handoff_checksum_failures",
+        "Hand-off chunks refused for a bad checksum (I7).",
+        |w| w.engine.handoff_checksum_failures,
+    ),
+    (
+        "handoff_bytes",
+        "KV bytes accepted through hand-offs.",
+        |w| w.engine.handoff_bytes,
+    ),
+    (
+        "requests_cancelled",
+        "Requests cancelled by their client (disconnects).",
+        |w| w.engine.cancelled,
+    ),
+    ("pool_leases_granted", "KV leases granted.", |w| {
+        pools_total(w, |s| s.leases_granted)
+    }),
+    (
+        "pool_leases_refused",
+        "KV leases refused (too large or pool full).",
+        |w| pools_total(w, |s| s.leases_refused),
+    ),
+];
+
+fn pools_total(worker: &WorkerSnapshot, field: fn(&PoolStats) -> u64) -> u64 {
+    worker.pools.iter().map(|(_, s)| field(s)).sum()
+}
+
+impl Collector for WorkerMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let workers = lock(&self.latest).clone();
+        let label = |w: &WorkerSnapshot| WorkerLabel {
+            worker: w.worker.clone(),
+        };
+        {
+            let mut family = encoder.encode_descriptor(
+                "pool_pages",
+                "KV pages by worker, role and state.",
+                None,
+                MetricType::Gauge,
+            )?;
+            for w in &workers {
+                for (role, stats) in &w.pools {
+                    for (state, pages) in [
+                        ("free", stats.free_pages),
+                        ("leased", stats.leased_pages),
+                        ("quarantined", stats.quarantined_pages),
+                    ] {
+                        let labels = WorkerPoolLabels {
+                            worker: w.worker.clone(),
+                            role: (*role).into(),
+                            state: state.into(),
+                        };
+                        ConstGauge::new(pages as i64).encode(family.encode_family(&labels)?)?;
+                    }
+                }
+            }
+        }
+        for (name, help, value) in WORKER_GAUGES {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for w in &workers {
+                ConstGauge::new(value(w) as i64).encode(family.encode_family(&label(w))?)?;
+            }
+        }
+        for (name, help, value) in WORKER_COUNTERS {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for w in &workers {
+                ConstCounter::new(value(w)).encode(family.encode_family(&label(w))?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "handoffs",
+            "KV hand-offs ended, by worker and outcome (committed, failed).",
+            None,
+            MetricType::Counter,
+        )?;
+        for w in &workers {
+            for (reason, value) in [
+                ("committed", w.engine.handoffs_committed),
+                ("failed", w.engine.handoffs_failed),
+            ] {
+                let labels = WorkerReasonLabels {
+                    worker: w.worker.clone(),
+                    reason: reason.into(),
+                };
+                ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Every metric the server exports.
@@ -63,23 +210,9 @@ pub struct Metrics {
     rejections: Family<ReasonLabel, Counter>,
     ttft: Histogram,
     duration: Histogram,
-    pool_pages: Family<PoolLabels, Gauge>,
-    queue_depth: Gauge,
-    running: Gauge,
-    stale_writes: Counter,
-    foreign_writes: Counter,
-    reads_refused: Counter,
-    quarantined_total: Counter,
-    generated_tokens: Counter,
-    prompt_tokens: Counter,
-    leases_granted: Counter,
-    leases_refused: Counter,
-    cancelled: Counter,
-    handoffs: Family<ReasonLabel, Counter>,
-    handoff_checksum_failures: Counter,
-    handoff_bytes: Counter,
+    /// Every worker's pools and counters, as last read.
+    workers: Arc<WorkerMetrics>,
     tenant_labels: bool,
-    seen: Mutex<Seen>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -122,12 +255,6 @@ impl Metrics {
             "Time from request to its last byte",
             duration.clone(),
         );
-        let pool_pages = Family::<PoolLabels, Gauge>::default();
-        registry.register(
-            "pool_pages",
-            "KV pages by role and state",
-            pool_pages.clone(),
-        );
         let capacity_tokens = Family::<RoleLabel, Gauge>::default();
         registry.register(
             "capacity_tokens",
@@ -146,90 +273,8 @@ impl Metrics {
             "1 if --max-context was lowered to the real capacity",
             context_clamped.clone(),
         );
-        let queue_depth = Gauge::default();
-        registry.register(
-            "queue_depth",
-            "Requests waiting for KV pages",
-            queue_depth.clone(),
-        );
-        let running = Gauge::default();
-        registry.register(
-            "running_requests",
-            "Requests holding KV pages",
-            running.clone(),
-        );
-        let stale_writes = Counter::default();
-        registry.register(
-            "handoff_stale_writes",
-            "KV writes refused for a stale generation (I3)",
-            stale_writes.clone(),
-        );
-        let foreign_writes = Counter::default();
-        registry.register(
-            "pool_foreign_writes",
-            "KV writes refused for naming a page outside the lease (I1)",
-            foreign_writes.clone(),
-        );
-        let reads_refused = Counter::default();
-        registry.register(
-            "pool_reads_refused",
-            "KV reads refused for missing coverage (I2)",
-            reads_refused.clone(),
-        );
-        let quarantined_total = Counter::default();
-        registry.register(
-            "pool_pages_quarantined",
-            "Pages ever sent to quarantine (I4)",
-            quarantined_total.clone(),
-        );
-        let generated_tokens = Counter::default();
-        registry.register(
-            "generated_tokens",
-            "Completion tokens generated",
-            generated_tokens.clone(),
-        );
-        let prompt_tokens = Counter::default();
-        registry.register(
-            "prompt_tokens",
-            "Prompt tokens prefilled",
-            prompt_tokens.clone(),
-        );
-        let handoffs = Family::<ReasonLabel, Counter>::default();
-        registry.register(
-            "handoffs",
-            "KV hand-offs ended, by outcome (committed, failed)",
-            handoffs.clone(),
-        );
-        let handoff_checksum_failures = Counter::default();
-        registry.register(
-            "handoff_checksum_failures",
-            "Hand-off chunks refused for a bad checksum (I7)",
-            handoff_checksum_failures.clone(),
-        );
-        let handoff_bytes = Counter::default();
-        registry.register(
-            "handoff_bytes",
-            "KV bytes accepted through hand-offs",
-            handoff_bytes.clone(),
-        );
-        let cancelled = Counter::default();
-        registry.register(
-            "requests_cancelled",
-            "Requests cancelled by their client (disconnects)",
-            cancelled.clone(),
-        );
-        let leases_granted = Counter::default();
-        registry.register(
-            "pool_leases_granted",
-            "KV leases granted",
-            leases_granted.clone(),
-        );
-        let leases_refused = Counter::default();
-        registry.register(
-            "pool_leases_refused",
-            "KV leases refused (too large or pool full)",
-            leases_refused.clone(),
-        );
+        let workers = Arc::new(WorkerMetrics::default());
+        registry.register_collector(Box::new(Arc::clone(&workers)));
 
         max_context.set(capacity.max_context as i64);
         context_clamped.set(i64::from(capacity.clamped));
@@ -246,23 +291,8 @@ impl Metrics {
             rejections,
             ttft,
             duration,
-            pool_pages,
-            queue_depth,
-            running,
-            stale_writes,
-            foreign_writes,
-            reads_refused,
-            quarantined_total,
-            generated_tokens,
-            prompt_tokens,
-            leases_granted,
-            leases_refused,
-            cancelled,
-            handoffs,
-            handoff_checksum_failures,
-            handoff_bytes,
+            workers,
             tenant_labels,
-            seen: Mutex::new(Seen::default()),
         }
     }
 
@@ -302,94 +332,17 @@ impl Metrics {
         self.duration.observe(seconds);
     }
 
-    /// Renders the exposition text, refreshing pool and engine gauges first.
-    /// `pools` holds every worker's pool by role.
-    pub fn render(&self, pools: &[(&'static str, PoolStats)], engine: &EngineStats) -> String {
-        for (role, stats) in pools {
-            let states = [
-                ("free", stats.free_pages),
-                ("leased", stats.leased_pages),
-                ("quarantined", stats.quarantined_pages),
-            ];
-            for (state, value) in states {
-                let labels = PoolLabels {
-                    role: (*role).into(),
-                    state: state.into(),
-                };
-                self.pool_pages.get_or_create(&labels).set(value as i64);
-            }
-        }
-        let total = |field: fn(&PoolStats) -> u64| pools.iter().map(|(_, s)| field(s)).sum::<u64>();
-        self.queue_depth.set(engine.queued as i64);
-        self.running.set(engine.running as i64);
-        let mut seen = self
-            .seen
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Sources are monotonic totals; counters advance by the difference.
-        let advance = |counter: &Counter, last: &mut u64, now: u64| {
-            counter.inc_by(now.saturating_sub(*last));
-            *last = now.max(*last);
-        };
-        let stale = total(|s| s.stale_writes_rejected) + engine.handoff_stale_messages;
-        advance(&self.stale_writes, &mut seen.stale, stale);
-        advance(
-            &self.foreign_writes,
-            &mut seen.foreign,
-            total(|s| s.foreign_writes_rejected),
-        );
-        advance(
-            &self.reads_refused,
-            &mut seen.reads_refused,
-            total(|s| s.reads_refused),
-        );
-        advance(
-            &self.quarantined_total,
-            &mut seen.quarantined,
-            total(|s| s.pages_quarantined_total),
-        );
-        advance(
-            &self.generated_tokens,
-            &mut seen.generated,
-            engine.generated_tokens,
-        );
-        advance(&self.prompt_tokens, &mut seen.prompt, engine.prompt_tokens);
-        advance(
-            &self.leases_granted,
-            &mut seen.granted,
-            total(|s| s.leases_granted),
-        );
-        advance(
-            &self.leases_refused,
-            &mut seen.refused,
-            total(|s| s.leases_refused),
-        );
-        advance(&self.cancelled, &mut seen.cancelled, engine.cancelled);
-        let outcome = |name: &str| {
-            self.handoffs
-                .get_or_create(&ReasonLabel {
-                    reason: name.into(),
-                })
-                .clone()
-        };
-        advance(
-            &outcome("committed"),
-            &mut seen.committed,
-            engine.handoffs_committed,
-        );
-        advance(&outcome("failed"), &mut seen.failed, engine.handoffs_failed);
-        advance(
-            &self.handoff_checksum_failures,
-            &mut seen.checksum_failures,
-            engine.handoff_checksum_failures,
-        );
-        advance(
-            &self.handoff_bytes,
-            &mut seen.handoff_bytes,
-            engine.handoff_bytes,
-        );
-        drop(seen);
+    /// Renders the exposition text with `workers` as every worker's
+    /// pools and counters now: each series carries its worker's label, and
+    /// a worker missing from `workers` (unreachable) has no series at all —
+    /// absent, never a stale value or a zero it did not report.
+    pub fn render(&self, workers: &[WorkerSnapshot]) -> String {
+        let mut latest = lock(&self.workers.latest);
+        *latest = workers.to_vec();
+        // Encoded while the lock is held, so a concurrent scrape cannot
+        // swap the snapshot between storing and encoding it.
         let mut out = String::new();
+        drop(latest);
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out

@@ -148,7 +148,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         tokio::task::spawn_blocking(move || state.engine.snapshot()).await
     };
     let body = match snapshot {
-        Ok((pools, stats)) => state.metrics.render(&pools, &stats),
+        Ok(workers) => state.metrics.render(&workers),
         Err(_) => String::new(),
     };
     (

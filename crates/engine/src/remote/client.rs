@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
-use kvfence_pool::{PoolStats, RequestId};
+use kvfence_pool::RequestId;
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{info, warn};
 
@@ -26,7 +26,7 @@ use super::wire::{
     Control, Hello, ModelFingerprint, Refusal, WireEvent, WireStats, parse_control, send_control,
 };
 use super::{Backoff, dial, io, is_transient, lock};
-use crate::counters::EngineStats;
+use crate::counters::WorkerSnapshot;
 use crate::engine::PrefillPeer;
 use crate::error::EngineError;
 use crate::net::Link;
@@ -477,16 +477,21 @@ impl crate::Backend for RemoteEngine {
         out
     }
 
-    fn snapshot(&self) -> (Vec<(&'static str, PoolStats)>, EngineStats) {
+    fn snapshot(&self) -> Vec<WorkerSnapshot> {
+        // Unreachable: no numbers at all, rather than old ones or zeros.
         let Some(stats) = self.remote_stats() else {
-            return (Vec::new(), EngineStats::default());
+            return Vec::new();
         };
         let pools = stats
             .pools
             .iter()
             .map(|pool| (Role::from_label(&pool.role).label(), pool.stats()))
             .collect();
-        (pools, stats.engine)
+        vec![WorkerSnapshot {
+            worker: self.address.to_string(),
+            pools,
+            engine: stats.engine,
+        }]
     }
 
     fn is_ready(&self) -> bool {

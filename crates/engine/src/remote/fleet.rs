@@ -14,10 +14,8 @@
 
 use std::cmp::Reverse;
 
-use kvfence_pool::PoolStats;
-
 use super::client::RemoteEngine;
-use crate::counters::EngineStats;
+use crate::counters::WorkerSnapshot;
 use crate::error::EngineError;
 use crate::request::{GenerationRequest, RequestHandle};
 use crate::scheduler::Role;
@@ -144,20 +142,11 @@ impl crate::Backend for Fleet {
         least
     }
 
-    fn snapshot(&self) -> (Vec<(&'static str, PoolStats)>, EngineStats) {
-        let mut pools: Vec<(&'static str, PoolStats)> = Vec::new();
-        let mut total = EngineStats::default();
-        for worker in &self.workers {
-            let (worker_pools, e) = crate::Backend::snapshot(worker);
-            for (role, s) in worker_pools {
-                match pools.iter_mut().find(|(r, _)| *r == role) {
-                    Some((_, sum)) => sum.add(&s),
-                    None => pools.push((role, s)),
-                }
-            }
-            total.add(&e);
-        }
-        (pools, total)
+    fn snapshot(&self) -> Vec<WorkerSnapshot> {
+        self.workers
+            .iter()
+            .flat_map(crate::Backend::snapshot)
+            .collect()
     }
 
     fn is_ready(&self) -> bool {

@@ -18,7 +18,7 @@ use tracing::{info, warn};
 use super::io;
 use super::wire::{Control, Hello, ModelFingerprint, PROTOCOL, send_control};
 use crate::config::EngineConfig;
-use crate::counters::{Counters, EngineStats};
+use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, ListenLimits};
@@ -170,8 +170,13 @@ impl crate::Backend for PrefillWorker {
         vec![(Role::Prefill.label(), self.pool.capacity_tokens())]
     }
 
-    fn snapshot(&self) -> (Vec<(&'static str, PoolStats)>, EngineStats) {
-        PrefillWorker::snapshot(self)
+    fn snapshot(&self) -> Vec<WorkerSnapshot> {
+        let (pools, engine) = PrefillWorker::snapshot(self);
+        vec![WorkerSnapshot {
+            worker: WorkerSnapshot::LOCAL.into(),
+            pools,
+            engine,
+        }]
     }
 
     fn is_ready(&self) -> bool {

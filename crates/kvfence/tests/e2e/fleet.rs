@@ -147,6 +147,17 @@ async fn two_prefill_and_two_decode_workers_answer_64_requests_from_4_tenants_li
         let prompt_tokens = prefill.metric("kvfence_prompt_tokens_total").await;
         assert!(prompt_tokens > 0.0, "prefill worker {i} prefilled nothing");
     }
+    // The router shows each decode worker's own counters, labelled by
+    // worker, and two scrapes at once both do.
+    for decode in &fleet.decodes {
+        let own = decode.metric("kvfence_generated_tokens_total").await;
+        let series = format!(
+            "kvfence_generated_tokens_total{{worker=\"{}\"}}",
+            decode.base
+        );
+        let (a, b) = tokio::join!(fleet.router.metric(&series), fleet.router.metric(&series));
+        assert_eq!((a, b), (own, own), "the router's {series}");
+    }
     fleet.router.wait_for_baseline().await;
     for worker in fleet.prefills.iter().chain(&fleet.decodes) {
         wait_for_own_baseline(worker).await;
@@ -232,8 +243,17 @@ async fn a_killed_worker_fails_only_what_it_held_and_rejoins_when_restarted() {
                 "the {victim} worker never got work"
             );
         }
+        let label = format!("worker=\"{}\"", killed.base);
         killed.kill();
         let failed = pending.await.unwrap();
+        if victim == "decode" {
+            // A dead worker's numbers are absent, not stale, not zero.
+            let text = fleet.router.metrics_text().await;
+            assert!(
+                !text.contains(&label),
+                "{label} still in the router's metrics:\n{text}"
+            );
+        }
         assert!(
             failed < 16,
             "{victim} killed: the other pair kept serving ({failed} of 16 failed)"

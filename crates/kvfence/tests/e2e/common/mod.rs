@@ -119,6 +119,16 @@ impl Server {
         }
     }
 
+    /// The whole `/metrics` text.
+    pub async fn metrics_text(&self) -> String {
+        reqwest::get(self.metrics_url())
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// The sum of the `/metrics` series whose line passes `keep`.
     pub async fn metric_sum(&self, keep: impl Fn(&str) -> bool) -> f64 {
         let text = reqwest::get(self.metrics_url())
@@ -133,9 +143,16 @@ impl Server {
             .sum()
     }
 
-    /// One metric's value (the sum over series starting with `name_and_labels`).
+    /// One metric's value: the sum over the series named as in
+    /// `name_and_labels` (`name` or `name{label="value",...}`) that carry
+    /// at least those labels, whatever others they have (such as `worker`).
     pub async fn metric(&self, name_and_labels: &str) -> f64 {
-        self.metric_sum(|l| l.starts_with(name_and_labels)).await
+        let (name, wanted) = series(name_and_labels);
+        self.metric_sum(|line| {
+            let (got_name, got) = series(line.split(' ').next().unwrap_or(""));
+            got_name == name && wanted.iter().all(|label| got.contains(label))
+        })
+        .await
     }
 
     /// KV pages not free, over every worker's pool.
@@ -227,6 +244,21 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A series' name and its `label="value"` pairs.
+fn series(text: &str) -> (&str, Vec<&str>) {
+    match text.split_once('{') {
+        Some((name, labels)) => (
+            name,
+            labels
+                .trim_end_matches('}')
+                .split(',')
+                .filter(|l| !l.is_empty())
+                .collect(),
+        ),
+        None => (text, Vec::new()),
     }
 }
 
