@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use kvfence_engine::{Backend, Engine, EngineConfig, Transport};
-use kvfence_model::{LoadedModel, ModelCache};
+use kvfence_model::{LoadedModel, ModelCache, TextModel};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use kvfence_server::{ApiOptions, AppState, Capacity, ConnectionLimits, ServerError, Tenants};
 use tracing::{info, warn};
@@ -261,6 +261,16 @@ const DEFAULT_MODEL: &str = "smollm2";
 const OFFLINE_MODEL: &str = "builtin:tiny";
 
 /// Loads a model by name, fetching a known one on first use, showing progress.
+/// What a router loads: the model's tokenizer, template and shape, not
+/// its weights.
+pub(crate) fn load_text_model(name: &str) -> anyhow::Result<Arc<TextModel>> {
+    let cache = ModelCache::from_env();
+    let mut progress = |message: &str| eprintln!("{message}");
+    let model = TextModel::load_or_fetch(name, &cache, &mut progress)
+        .with_context(|| format!("loading model {name}'s tokenizer and template"))?;
+    Ok(Arc::new(model))
+}
+
 pub(crate) fn load_model(name: &str) -> anyhow::Result<Arc<LoadedModel>> {
     eprintln!("loading {name} ...");
     let started = Instant::now();
@@ -311,7 +321,12 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
     info!(mode = ?args.mode, handoff = ?args.handoff, "workers started");
-    serve_http(&args.http, tenants, model, Box::new(engine))
+    serve_http(
+        &args.http,
+        tenants,
+        Arc::new(model.text()),
+        Box::new(engine),
+    )
 }
 
 /// Tenants from `--config`, or local mode (loopback only).
@@ -331,12 +346,12 @@ pub(crate) fn tenants(http: &HttpArgs) -> anyhow::Result<Tenants> {
 pub(crate) fn serve_http(
     http: &HttpArgs,
     tenants: Tenants,
-    model: Arc<LoadedModel>,
+    model: Arc<TextModel>,
     backend: Box<dyn Backend>,
 ) -> anyhow::Result<()> {
     let pools = backend.capacities();
     let capacity = Capacity::compute(
-        model.model.config().max_position_embeddings,
+        model.config.max_position_embeddings,
         &pools,
         http.max_context,
         http.clamp_context,
@@ -425,10 +440,10 @@ fn default_model_id(name: &str) -> String {
 /// counters, no tenants, no API.
 pub(crate) fn status_state(
     backend: Box<dyn Backend>,
-    model: Arc<LoadedModel>,
+    model: Arc<TextModel>,
 ) -> anyhow::Result<Arc<AppState>> {
     let capacity = Capacity::compute(
-        model.model.config().max_position_embeddings,
+        model.config.max_position_embeddings,
         &backend.capacities(),
         None,
         true,

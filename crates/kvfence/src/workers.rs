@@ -26,8 +26,8 @@ use kvfence_pool::Pool;
 use tracing::{info, warn};
 
 use crate::serve::{
-    EngineArgs, HttpArgs, init_logging, load_model, serve_http, shutdown_signal, status_state,
-    tenants,
+    EngineArgs, HttpArgs, init_logging, load_model, load_text_model, serve_http, shutdown_signal,
+    status_state, tenants,
 };
 
 /// Where a process finds its TLS credentials.
@@ -103,7 +103,7 @@ pub(crate) struct DecodeArgs {
 #[derive(Args, Debug)]
 pub(crate) struct RouterArgs {
     /// The model whose tokenizer and chat template the router applies (the
-    /// workers must run the same model).
+    /// workers must run the same model). Its weights are never loaded.
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
     /// The decode workers to send requests to (comma-separated). Per
@@ -154,7 +154,7 @@ fn run_until_drained(
         .build()
         .context("starting the async runtime")?;
     if let Some(status) = args.metrics_listen {
-        let state = status_state(Box::new(Arc::clone(&backend)), model)?;
+        let state = status_state(Box::new(Arc::clone(&backend)), Arc::new(model.text()))?;
         let listener = runtime
             .block_on(tokio::net::TcpListener::bind(status))
             .with_context(|| format!("binding the status listener {status} (--metrics-listen)"))?;
@@ -239,8 +239,8 @@ pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
     init_logging();
     let credentials = args.tls.credentials(Role::Router)?;
     let tenants = tenants(&args.http)?;
-    let model = load_model(&args.model)?;
-    let fingerprint = ModelFingerprint::of(&model);
+    let model = load_text_model(&args.model)?;
+    let fingerprint = ModelFingerprint::of_config(&model.config);
     let workers = args
         .decode
         .iter()

@@ -24,7 +24,7 @@ pub struct ChatMessage {
 pub const CHATML: &str = "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
 /// A compiled chat template with its special-token strings.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,

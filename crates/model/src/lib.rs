@@ -34,7 +34,7 @@ pub use config::{Architecture, ModelConfig};
 pub use error::ModelError;
 pub use fetch::{KnownModel, ModelCache};
 pub use forward::{Logits, Model, Sequence};
-pub use loader::LoadedModel;
+pub use loader::{LoadedModel, TextModel};
 pub use sampling::{MAX_STOP_BYTES, Sampler, SamplingParams, StopMatcher, StopStrings};
 pub use tensors::{DiskDtype, Tensor, TensorMap};
 pub use tokenizer::Tokenizer;

@@ -27,7 +27,129 @@ pub struct LoadedModel {
     pub chat_template: Option<ChatTemplate>,
 }
 
+/// What a front door needs of a model — its name, shape, tokenizer and
+/// chat template — without its weights: a router applies the template and
+/// tokenizes, and never runs a layer.
+#[derive(Debug, Clone)]
+pub struct TextModel {
+    /// The name it was loaded by (shown in `/v1/models`).
+    pub name: String,
+    /// The model's shape: vocabulary, positions, special tokens.
+    pub config: ModelConfig,
+    /// Text ⇄ ids.
+    pub tokenizer: Tokenizer,
+    /// The chat template, if the model has one.
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl TextModel {
+    /// Loads what [`LoadedModel::load`] would, except the weights: a
+    /// built-in model's tensors are never generated, a Hugging Face
+    /// directory's safetensors never read, a GGUF file's tensors never
+    /// decoded (its bytes are read for the metadata and dropped).
+    pub fn load(name: &str) -> Result<TextModel, ModelError> {
+        if let Some(builtin) = Builtin::parse(name) {
+            return Ok(TextModel {
+                name: builtin.name().to_string(),
+                config: builtin.config(),
+                tokenizer: builtin.tokenizer()?,
+                chat_template: Some(builtin.chat_template()?),
+            });
+        }
+        let path = Path::new(name);
+        if path.is_dir() {
+            let template_path = path.join("tokenizer_config.json");
+            return Ok(TextModel {
+                name: path.display().to_string(),
+                config: ModelConfig::from_hf_file(&path.join("config.json"))?,
+                tokenizer: Tokenizer::from_file(&path.join("tokenizer.json"))?,
+                chat_template: if template_path.exists() {
+                    ChatTemplate::from_tokenizer_config(&template_path)?
+                } else {
+                    None
+                },
+            });
+        }
+        if is_gguf(path) {
+            let file = GgufFile::open(path)?;
+            return Ok(TextModel {
+                name: gguf_name(path),
+                config: ModelConfig::from_gguf(&file)?,
+                tokenizer: Tokenizer::from_gguf(&file)?,
+                chat_template: gguf_chat_template(&file)?,
+            });
+        }
+        Err(ModelError::UnknownModel {
+            name: name.to_string(),
+        })
+    }
+
+    /// Like [`TextModel::load`], and also takes the name of a
+    /// [`KnownModel`], fetched into `cache` on first use and checked
+    /// against its pinned digest.
+    pub fn load_or_fetch(
+        name: &str,
+        cache: &ModelCache,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<TextModel, ModelError> {
+        let Some(known) = KnownModel::find(name) else {
+            return Self::load(name);
+        };
+        let path = cache.fetch(known, progress)?;
+        let mut loaded = Self::load(&path.display().to_string())?;
+        loaded.name = known.name.to_string();
+        Ok(loaded)
+    }
+}
+
+fn is_gguf(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        && path.is_file()
+}
+
+fn gguf_name(path: &Path) -> String {
+    path.file_stem().map_or_else(
+        || path.display().to_string(),
+        |s| s.to_string_lossy().into_owned(),
+    )
+}
+
+/// The chat template in a GGUF file's metadata, with its BOS and EOS
+/// token strings.
+fn gguf_chat_template(file: &GgufFile) -> Result<Option<ChatTemplate>, ModelError> {
+    if file.get("tokenizer.chat_template").is_none() {
+        return Ok(None);
+    }
+    let token_text = |key: &str| -> String {
+        file.get(key)
+            .and_then(|v| v.as_u64())
+            .and_then(|id| {
+                file.strings("tokenizer.ggml.tokens")
+                    .ok()?
+                    .get(id as usize)
+                    .map(|t| t.to_string())
+            })
+            .unwrap_or_default()
+    };
+    Ok(Some(ChatTemplate::new(
+        file.str("tokenizer.chat_template")?,
+        &token_text("tokenizer.ggml.bos_token_id"),
+        &token_text("tokenizer.ggml.eos_token_id"),
+    )?))
+}
+
 impl LoadedModel {
+    /// Its name, shape, tokenizer and template, for a front door.
+    pub fn text(&self) -> TextModel {
+        TextModel {
+            name: self.name.clone(),
+            config: self.model.config().clone(),
+            tokenizer: self.tokenizer.clone(),
+            chat_template: self.chat_template.clone(),
+        }
+    }
+
     /// Loads `name`: a built-in model or a Hugging Face directory.
     pub fn load(name: &str) -> Result<LoadedModel, ModelError> {
         if let Some(builtin) = Builtin::parse(name) {
@@ -42,11 +164,7 @@ impl LoadedModel {
         if path.is_dir() {
             return Self::load_hf_dir(path);
         }
-        if path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-            && path.is_file()
-        {
+        if is_gguf(path) {
             return Self::load_gguf(path);
         }
         Err(ModelError::UnknownModel {
@@ -77,33 +195,10 @@ impl LoadedModel {
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
-        let chat_template = match file.get("tokenizer.chat_template") {
-            None => None,
-            Some(_) => {
-                let token_text = |key: &str| -> String {
-                    file.get(key)
-                        .and_then(|v| v.as_u64())
-                        .and_then(|id| {
-                            file.strings("tokenizer.ggml.tokens")
-                                .ok()?
-                                .get(id as usize)
-                                .map(|t| t.to_string())
-                        })
-                        .unwrap_or_default()
-                };
-                Some(ChatTemplate::new(
-                    file.str("tokenizer.chat_template")?,
-                    &token_text("tokenizer.ggml.bos_token_id"),
-                    &token_text("tokenizer.ggml.eos_token_id"),
-                )?)
-            }
-        };
+        let chat_template = gguf_chat_template(&file)?;
         let model = Model::from_gguf(config, &file)?;
         Ok(LoadedModel {
-            name: path.file_stem().map_or_else(
-                || path.display().to_string(),
-                |s| s.to_string_lossy().into_owned(),
-            ),
+            name: gguf_name(path),
             model,
             tokenizer,
             chat_template,

@@ -172,3 +172,35 @@ fn a_corrupt_weights_file_and_an_unknown_model_name_are_clear_errors() {
         Err(ModelError::UnknownModel { .. })
     ));
 }
+
+/// What a router loads: name, shape, tokenizer and template, never the
+/// weights. A directory whose weights are gone still gives the router all
+/// it needs, and the same prompt ids as the full model.
+#[test]
+fn a_text_model_reads_no_weights_and_tokenizes_like_the_full_model() {
+    let dir = export(2, DiskDtype::F32);
+    let full = load(dir.path()).unwrap();
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    assert!(load(dir.path()).is_err(), "the weights are really gone");
+    let text = kvfence_model::TextModel::load(dir.path().to_str().unwrap()).unwrap();
+    assert_eq!(&text.config, full.model.config());
+    let sample = "Hello <|im_start|> wörld";
+    assert_eq!(
+        text.tokenizer.encode(sample).unwrap(),
+        full.tokenizer.encode(sample).unwrap()
+    );
+    let messages = [ChatMessage {
+        role: "user".into(),
+        content: "hi".into(),
+    }];
+    let render = |t: &kvfence_model::ChatTemplate| t.render(&messages, true).unwrap();
+    assert_eq!(
+        render(text.chat_template.as_ref().unwrap()),
+        render(full.chat_template.as_ref().unwrap())
+    );
+}

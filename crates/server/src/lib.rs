@@ -18,7 +18,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::{get, post};
 use kvfence_engine::Backend;
-use kvfence_model::LoadedModel;
+use kvfence_model::TextModel;
 use tokio::net::TcpListener;
 
 pub use admission::Capacity;
@@ -31,7 +31,7 @@ pub use tenants::{Tenant, Tenants, new_tenant};
 #[derive(Debug)]
 pub struct AppState {
     engine: Box<dyn Backend>,
-    model: Arc<LoadedModel>,
+    model: Arc<TextModel>,
     model_id: String,
     tenants: Tenants,
     capacity: Capacity,
@@ -71,7 +71,7 @@ impl AppState {
     /// Shared state over a running engine.
     pub fn new(
         engine: Box<dyn Backend>,
-        model: Arc<LoadedModel>,
+        model: Arc<TextModel>,
         options: ApiOptions,
     ) -> Arc<AppState> {
         let roles = engine.capacities();

@@ -475,7 +475,7 @@ fn prepare(
             "the prompt encodes to no tokens",
         ));
     }
-    let vocab = state.model.model.config().vocab_size;
+    let vocab = state.model.config.vocab_size;
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::invalid(
             "prompt",
@@ -533,7 +533,7 @@ fn encode_prompt(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
         .tokenizer
         .encode(text)
         .map_err(|e| ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string()))?;
-    if let Some(bos) = state.model.model.config().bos_token_id
+    if let Some(bos) = state.model.config.bos_token_id
         && ids.first() != Some(&bos)
     {
         ids.insert(0, bos);

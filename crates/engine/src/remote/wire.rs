@@ -8,7 +8,7 @@
 
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
-use kvfence_model::{LoadedModel, SamplingParams};
+use kvfence_model::{LoadedModel, ModelConfig, SamplingParams};
 use kvfence_pool::PoolStats;
 use serde::{Deserialize, Serialize};
 
@@ -38,7 +38,11 @@ pub struct ModelFingerprint {
 impl ModelFingerprint {
     /// The fingerprint of a loaded model.
     pub fn of(model: &LoadedModel) -> ModelFingerprint {
-        let c = model.model.config();
+        Self::of_config(model.model.config())
+    }
+
+    /// The fingerprint of a model's shape.
+    pub fn of_config(c: &ModelConfig) -> ModelFingerprint {
         ModelFingerprint {
             layers: c.num_layers,
             kv_heads: c.num_kv_heads,
