@@ -420,8 +420,9 @@ impl std::fmt::Debug for Engine {
 }
 
 impl crate::Backend for Engine {
-    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
-        Engine::submit(self, request)
+    fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
+        // Queueing here never waits: answer at once.
+        Box::pin(std::future::ready(Engine::submit(self, request)))
     }
 
     fn capacities(&self) -> Vec<(&'static str, usize)> {

@@ -40,12 +40,19 @@ pub use request::{
 pub use scheduler::Role;
 pub use text::{Pushed, TextStream};
 
+/// A submission's answer, to be awaited.
+pub type Submitted<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<RequestHandle, EngineError>> + Send + 'a>,
+>;
+
 /// What serves generation requests: a local [`Engine`] or a
 /// [`RemoteEngine`] (a decode worker in another process). The HTTP server
 /// holds one of these and does not care which.
 pub trait Backend: Send + Sync + std::fmt::Debug {
-    /// Queues a request; see [`Engine::submit`].
-    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError>;
+    /// Queues a request (see [`Engine::submit`]). Resolves once it is
+    /// accepted — its events follow on the handle — or refused; it never
+    /// blocks the calling thread: a worker in another process is awaited.
+    fn submit(&self, request: GenerationRequest) -> Submitted<'_>;
     /// Tokens of KV each worker's pool really holds, by role label (I6).
     fn capacities(&self) -> Vec<(&'static str, usize)>;
     /// Every worker's pool counters by role label and engine counters, as
@@ -61,7 +68,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// A shared backend serves like the backend itself (a worker's status
 /// listener and its links hold the same engine).
 impl<T: Backend + ?Sized> Backend for std::sync::Arc<T> {
-    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
+    fn submit(&self, request: GenerationRequest) -> Submitted<'_> {
         (**self).submit(request)
     }
 

@@ -461,6 +461,11 @@ impl Scheduler {
         } else if needed > self.pool.capacity_tokens() {
             // Defence in depth (I6): the router should never have sent it.
             Some(RejectReason::TooLong)
+        } else if self.orders_from(peer) >= self.config.max_queue + self.config.max_running {
+            // One decode worker cannot make this one hold more orders than
+            // it could queue and run itself; the decode worker reports the
+            // request as unavailable, and another prefill worker may do.
+            Some(RejectReason::Busy)
         } else {
             None
         };
@@ -519,6 +524,15 @@ impl Scheduler {
             prefill: None,
             moved: false,
         });
+    }
+
+    /// Prefill role: orders from link `peer` waiting or running.
+    fn orders_from(&self, peer: PeerId) -> usize {
+        self.waiting
+            .iter()
+            .chain(self.active.iter().map(|a| &a.pending))
+            .filter(|p| matches!(p.origin, Origin::Handoff { peer: route, .. } if route == peer))
+            .count()
     }
 
     /// Every request waiting or running.

@@ -810,3 +810,92 @@ fn the_whole_fleet_holds_every_invariant_under_crashes_partitions_and_aborts() {
         "{faulty} of {seeds} seeds had faults"
     );
 }
+
+/// One decode link cannot make a prefill worker hold more orders than it
+/// could queue and run: the one past that is rejected as busy at once, and
+/// another link's orders are still taken.
+#[test]
+fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
+    use kvfence_handoff::{Message, Receiver, RejectReason};
+
+    use crate::scheduler::PrefillOrder;
+
+    let model = model();
+    let config = EngineConfig {
+        max_running: 1,
+        max_queue: 2,
+        step_tokens: 16,
+        handoff_timeout: HANDOFF_TIMEOUT,
+    };
+    let (_inbox_tx, inbox) = mpsc::channel();
+    let mut prefill = Scheduler::new(
+        Role::Prefill,
+        Arc::clone(&model),
+        pool(&model, 1024, Scrub::Poison),
+        config,
+        Arc::new(Counters::default()),
+        inbox,
+    );
+    let decode_pool = pool(&model, 1024, Scrub::Poison);
+    let mut receiver = Receiver::new();
+    let mut links = Vec::new();
+    for link in [PeerId(1), PeerId(2)] {
+        let (tx, from_prefill) = mpsc::channel();
+        prefill.handle(Command::PeerUp(Box::new(PeerUp {
+            peer: link,
+            tx: PeerTx::new(tx, PeerId(0)),
+            name: format!("decode-{}", link.0),
+            tokens: 0,
+        })));
+        links.push(from_prefill);
+    }
+    let order = |receiver: &mut Receiver, id: u64| {
+        let lease = decode_pool.lease(RequestId(id), 8).unwrap();
+        let grant = receiver
+            .grant(kvfence_handoff::HandoffId(id), lease, 4)
+            .unwrap();
+        let request = GenerationRequest {
+            prompt: vec![1, 2, 3, 4],
+            max_tokens: 1,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 0,
+            },
+            stop: StopStrings::default(),
+            ignore_eos: true,
+        };
+        Box::new(PrefillOrder {
+            grant: grant.to_frame(),
+            request,
+            window: None,
+        })
+    };
+    // Three orders fill link 1's share (queue 2 + running 1); the fourth
+    // is refused, and link 2's first is taken.
+    for id in 1..=4 {
+        let order = order(&mut receiver, id);
+        prefill.handle(Command::Prefill {
+            peer: PeerId(1),
+            order,
+        });
+    }
+    let order_2 = order(&mut receiver, 5);
+    prefill.handle(Command::Prefill {
+        peer: PeerId(2),
+        order: order_2,
+    });
+    let rejected: Vec<(u64, RejectReason)> = links[0]
+        .try_iter()
+        .filter_map(|command| match command {
+            Command::Frame { frame, .. } => match Message::decode(&frame) {
+                Ok(Some((Message::Reject { id, reason }, _))) => Some((id.0, reason)),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rejected, vec![(4, RejectReason::Busy)]);
+    assert!(links[1].try_recv().is_err(), "link 2's order was taken");
+}

@@ -328,22 +328,11 @@ async fn handle(
     );
     let prompt_tokens = prepared.request.prompt.len();
     let max_tokens = prepared.request.max_tokens;
-    // A remote engine answers over the network: keep it off the async workers.
-    let submitted = {
-        let (state, request) = (Arc::clone(&state), prepared.request);
-        tokio::task::spawn_blocking(move || state.engine.submit(request)).await
-    };
-    let handle = match submitted {
-        Ok(Ok(handle)) => handle,
-        Ok(Err(error)) => return refuse(&state, &tenant.name, endpoint, ApiError::from(error)),
-        Err(_) => {
-            let error = ApiError::new(
-                ErrorType::ServerError,
-                "internal_error",
-                "the request could not be queued",
-            );
-            return refuse(&state, &tenant.name, endpoint, error);
-        }
+    // Awaited, not blocked on: a remote engine's answer comes over the
+    // network, and no thread waits for it.
+    let handle = match state.engine.submit(prepared.request).await {
+        Ok(handle) => handle,
+        Err(error) => return refuse(&state, &tenant.name, endpoint, ApiError::from(error)),
     };
     info!(request = %handle.id(), tenant = %tenant.name, endpoint = endpoint.label(), prompt_tokens, max_tokens, stream = prepared.stream, "request admitted");
     let reply = Reply {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
 use kvfence_pool::RequestId;
-use tokio::sync::mpsc as tokio_mpsc;
+use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 use tracing::{info, warn};
 
 use super::wire::{
@@ -45,7 +45,6 @@ const STATS_TIMEOUT: Duration = Duration::from_secs(1);
 
 struct InFlight {
     events: tokio_mpsc::UnboundedSender<Event>,
-    cancelled: Arc<AtomicBool>,
     /// The prefill worker the router chose for it, for load accounting.
     prefill: Option<String>,
 }
@@ -55,7 +54,7 @@ struct InFlight {
 struct Connection {
     out: Option<mpsc::Sender<Control>>,
     in_flight: Mutex<HashMap<u64, InFlight>>,
-    replies: Mutex<HashMap<u64, mpsc::Sender<Result<(), Refusal>>>>,
+    replies: Mutex<HashMap<u64, oneshot::Sender<Result<(), Refusal>>>>,
     /// Stats requests waiting for their answer, by id.
     stats: Mutex<HashMap<u64, mpsc::Sender<WireStats>>>,
     alive: AtomicBool,
@@ -214,8 +213,10 @@ impl RemoteEngine {
     }
 
     /// Queues a request on the worker, naming the prefill worker it should
-    /// use; answers once the worker has accepted or refused it.
-    pub(crate) fn submit_to(
+    /// use; resolves once the worker has accepted or refused it (or
+    /// [`REPLY_TIMEOUT`] passed, or the link broke), without blocking a
+    /// thread meanwhile.
+    pub(crate) async fn submit_to(
         &self,
         request: GenerationRequest,
         prefill: Option<String>,
@@ -229,7 +230,7 @@ impl RemoteEngine {
             .filter(|c| c.is_alive())
             .ok_or_else(unreachable)?;
         let id = self.state.id();
-        let (reply_tx, reply_rx) = mpsc::channel();
+        let (reply_tx, reply_rx) = oneshot::channel();
         lock(&connection.replies).insert(id, reply_tx);
         let (events, receiver) = tokio_mpsc::unbounded_channel();
         let cancelled = Arc::new(AtomicBool::new(false));
@@ -237,8 +238,7 @@ impl RemoteEngine {
         lock(&connection.in_flight).insert(
             id,
             InFlight {
-                events,
-                cancelled: Arc::clone(&cancelled),
+                events: events.clone(),
                 prefill: prefill.clone(),
             },
         );
@@ -259,9 +259,12 @@ impl RemoteEngine {
             forget();
             return Err(unreachable());
         }
-        match reply_rx.recv_timeout(REPLY_TIMEOUT) {
-            Ok(Ok(())) => Ok(RequestHandle::new(RequestId(id), receiver, cancelled)),
-            Ok(Err(refusal)) => {
+        match tokio::time::timeout(REPLY_TIMEOUT, reply_rx).await {
+            Ok(Ok(Ok(()))) => {
+                watch_for_cancel(id, events, &connection);
+                Ok(RequestHandle::new(RequestId(id), receiver, cancelled))
+            }
+            Ok(Ok(Err(refusal))) => {
                 forget();
                 Err(match refusal {
                     Refusal::QueueFull { capacity } => EngineError::QueueFull { capacity },
@@ -275,12 +278,34 @@ impl RemoteEngine {
                     Refusal::Internal { message } => EngineError::Internal { reason: message },
                 })
             }
-            Err(_) => {
+            // No answer in time, or the link broke first.
+            Ok(Err(_)) | Err(_) => {
                 forget();
                 Err(unreachable())
             }
         }
     }
+}
+
+/// Once the client drops the request's handle (it left), tells the worker
+/// to cancel it, if it has not ended by then: a task that sleeps until
+/// then, on the link runtime, instead of anything polling.
+fn watch_for_cancel(
+    id: u64,
+    events: tokio_mpsc::UnboundedSender<Event>,
+    connection: &Arc<Connection>,
+) {
+    let connection = Arc::downgrade(connection);
+    crate::net::runtime().spawn(async move {
+        events.closed().await;
+        let Some(connection) = connection.upgrade() else {
+            return;
+        };
+        let still_running = lock(&connection.in_flight).remove(&id).is_some();
+        if still_running {
+            connection.send(Control::Cancel { id });
+        }
+    });
 }
 
 impl Drop for RemoteEngine {
@@ -326,9 +351,8 @@ impl Keeper {
         Ok((link, hello))
     }
 
-    /// Makes `link` the worker's connection: a writer, a reader that
-    /// routes answers and events, and a watcher that turns cancelled
-    /// handles into `Cancel` messages.
+    /// Makes `link` the worker's connection: a writer, and a reader that
+    /// routes answers and events.
     fn install(&self, (link, hello): (Link, Hello)) {
         let Link { tx, rx, .. } = link;
         let (out, out_rx) = mpsc::channel::<Control>();
@@ -347,23 +371,6 @@ impl Keeper {
         });
         let reader = Arc::clone(&connection);
         std::thread::spawn(move || read_decode_worker(&rx, &reader));
-        let watched = Arc::clone(&connection);
-        std::thread::spawn(move || {
-            while watched.is_alive() {
-                std::thread::sleep(Duration::from_millis(10));
-                let gone: Vec<u64> = lock(&watched.in_flight)
-                    .iter()
-                    .filter(|(_, f)| f.cancelled.load(Ordering::Acquire) || f.events.is_closed())
-                    .map(|(id, _)| *id)
-                    .collect();
-                for id in gone {
-                    lock(&watched.in_flight).remove(&id);
-                    if !watched.send(Control::Cancel { id }) {
-                        return;
-                    }
-                }
-            }
-        });
         self.state.remember_prefills(&hello.prefills);
         *lock(&self.state.view) = Some(View {
             hello,
@@ -462,8 +469,8 @@ fn read_decode_worker(stream: &mpsc::Receiver<Bytes>, connection: &Connection) {
 }
 
 impl crate::Backend for RemoteEngine {
-    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
-        self.submit_to(request, None)
+    fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
+        Box::pin(self.submit_to(request, None))
     }
 
     fn capacities(&self) -> Vec<(&'static str, usize)> {

@@ -261,7 +261,9 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                         lock(&cancellers).insert(id, handle.canceller());
                         let _ = out_tx.send(Control::Accepted { id });
                         let (out, cancellers) = (out_tx.clone(), Arc::clone(&cancellers));
-                        std::thread::spawn(move || forward(id, handle, &out, &cancellers));
+                        // A task per request on the link runtime, asleep
+                        // until its next event: no thread per request.
+                        crate::net::runtime().spawn(forward(id, handle, out, cancellers));
                     }
                     Err(error) => refuse(id, refusal(error)),
                 }
@@ -292,13 +294,14 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
     result
 }
 
-fn forward(
+/// Relays one request's events to its router.
+async fn forward(
     id: u64,
     mut handle: RequestHandle,
-    out: &mpsc::Sender<Control>,
-    cancellers: &Mutex<HashMap<u64, Canceller>>,
+    out: mpsc::Sender<Control>,
+    cancellers: Arc<Mutex<HashMap<u64, Canceller>>>,
 ) {
-    while let Some(event) = handle.blocking_next() {
+    while let Some(event) = handle.next().await {
         let terminal = !matches!(event, Event::Token { .. });
         let event = match event {
             Event::Token { text } => WireEvent::Token { text },
@@ -309,7 +312,7 @@ fn forward(
             break;
         }
     }
-    lock(cancellers).remove(&id);
+    lock(&cancellers).remove(&id);
 }
 
 fn refusal(error: EngineError) -> Refusal {

@@ -17,7 +17,7 @@ use std::cmp::Reverse;
 use super::client::RemoteEngine;
 use crate::counters::WorkerSnapshot;
 use crate::error::EngineError;
-use crate::request::{GenerationRequest, RequestHandle};
+use crate::request::GenerationRequest;
 use crate::scheduler::Role;
 
 /// Several decode workers behind one router. The advertised context is
@@ -100,34 +100,37 @@ impl Fleet {
 }
 
 impl crate::Backend for Fleet {
-    fn submit(&self, request: GenerationRequest) -> Result<RequestHandle, EngineError> {
-        let mut last = EngineError::Unavailable {
-            reason: format!(
-                "no decode worker with a prefill worker that can hold {} tokens is reachable",
-                request.kv_tokens()
-            ),
-        };
-        for candidate in self.candidates(&request) {
-            match candidate
-                .worker
-                .submit_to(request.clone(), Some(candidate.prefill))
-            {
-                Ok(handle) => return Ok(handle),
-                Err(
-                    error @ (EngineError::Unavailable { .. }
-                    | EngineError::ShuttingDown
-                    | EngineError::QueueFull { .. }),
-                ) => last = error,
-                Err(error) => return Err(error),
+    fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
+        Box::pin(async move {
+            let mut last = EngineError::Unavailable {
+                reason: format!(
+                    "no decode worker with a prefill worker that can hold {} tokens is reachable",
+                    request.kv_tokens()
+                ),
+            };
+            for candidate in self.candidates(&request) {
+                match candidate
+                    .worker
+                    .submit_to(request.clone(), Some(candidate.prefill))
+                    .await
+                {
+                    Ok(handle) => return Ok(handle),
+                    Err(
+                        error @ (EngineError::Unavailable { .. }
+                        | EngineError::ShuttingDown
+                        | EngineError::QueueFull { .. }),
+                    ) => last = error,
+                    Err(error) => return Err(error),
+                }
             }
-        }
-        Err(match last {
-            // The router is not shutting down: to the client, a draining
-            // worker is a worker that is unavailable.
-            EngineError::ShuttingDown => EngineError::Unavailable {
-                reason: "every decode worker that could take the request is draining".into(),
-            },
-            other => other,
+            Err(match last {
+                // The router is not shutting down: to the client, a draining
+                // worker is a worker that is unavailable.
+                EngineError::ShuttingDown => EngineError::Unavailable {
+                    reason: "every decode worker that could take the request is draining".into(),
+                },
+                other => other,
+            })
         })
     }
 

@@ -22,7 +22,7 @@ use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, ListenLimits};
-use crate::request::{GenerationRequest, RequestHandle};
+use crate::request::GenerationRequest;
 use crate::scheduler::{Command, PeerId, Role, Scheduler};
 
 /// Decode workers one prefill worker serves at once.
@@ -160,10 +160,10 @@ impl PrefillWorker {
 /// What a prefill worker's status listener reads. It takes work only from
 /// decode workers, over its links.
 impl crate::Backend for PrefillWorker {
-    fn submit(&self, _: GenerationRequest) -> Result<RequestHandle, EngineError> {
-        Err(EngineError::Invalid {
+    fn submit(&self, _: GenerationRequest) -> crate::Submitted<'_> {
+        Box::pin(std::future::ready(Err(EngineError::Invalid {
             reason: "a prefill worker takes work from decode workers only".into(),
-        })
+        })))
     }
 
     fn capacities(&self) -> Vec<(&'static str, usize)> {
