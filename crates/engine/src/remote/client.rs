@@ -278,9 +278,17 @@ impl RemoteEngine {
                     Refusal::Internal { message } => EngineError::Internal { reason: message },
                 })
             }
-            // No answer in time, or the link broke first.
-            Ok(Err(_)) | Err(_) => {
+            // The link broke first: the worker is gone with the request.
+            Ok(Err(_)) => {
                 forget();
+                Err(unreachable())
+            }
+            // No answer in time from a link still up: the worker may yet
+            // take it, so it is told to cancel — the caller may send the
+            // request elsewhere, and nothing should run twice.
+            Err(_) => {
+                forget();
+                connection.send(Control::Cancel { id });
                 Err(unreachable())
             }
         }

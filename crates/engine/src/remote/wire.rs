@@ -55,7 +55,7 @@ impl ModelFingerprint {
 /// What a worker tells whoever connects to it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
-    /// [`PROTOCOL`] of the worker's build.
+    /// The control protocol version of the worker's build.
     pub protocol: u32,
     /// The worker's role label.
     pub role: String,

@@ -258,15 +258,13 @@ async fn a_killed_worker_fails_only_what_it_held_and_rejoins_when_restarted() {
             failed < 16,
             "{victim} killed: the other pair kept serving ({failed} of 16 failed)"
         );
-        match victim {
-            // Its hand-offs move to the other prefill worker: nothing is
-            // lost, and the answers are the same (prefill is deterministic).
-            "prefill" => assert_eq!(failed, 0, "hand-offs on the lost prefill worker moved"),
-            // What it was decoding is gone with it.
-            _ => assert!(
-                failed > 0,
-                "the requests the killed decode worker ran failed"
-            ),
+        // A lost prefill worker's hand-offs move to the other one: nothing
+        // is lost (prefill is deterministic, so the answers are the same).
+        // What a killed decode worker was decoding ends with an error (or,
+        // if the router had not yet heard it was accepted, is sent to the
+        // other pair), never a hang or a cut answer — `load` checks that.
+        if victim == "prefill" {
+            assert_eq!(failed, 0, "hand-offs on the lost prefill worker moved");
         }
         // The rest of the fleet serves at once, without the dead worker.
         serves_within(&fleet.router, Duration::from_secs(5), "the surviving pair").await;

@@ -1,5 +1,14 @@
-//! The scheduler loop: continuous batching over one model and one pool, in
-//! one of three roles.
+//! The scheduler: continuous batching over one model and one pool, in one
+//! of three roles — a batching core here (queue, admission, plan, step,
+//! finish), the prefill role's part in [`prefill`], the decode role's in
+//! [`decode`].
+//!
+//! The core is a state machine without IO: [`Scheduler::handle`] takes one
+//! command, [`Scheduler::poll`] does what is due at the time it is given,
+//! and what it sends leaves through peers' and clients' channels.
+//! [`Scheduler::run`] is the thin shell that blocks on the inbox and reads
+//! the wall clock; the fleet simulator (`crate::sim`) runs many schedulers
+//! on one virtual clock instead.
 //!
 //! Each step it (1) takes commands — new requests, prefill orders, hand-off
 //! frames — and drops cancelled requests, (2) admits waiting requests whose
@@ -14,11 +23,15 @@
 //!   after the receiver commits (I2, I7). Until then the lease is the
 //!   receiver's, not the batch's.
 //! - **Prefill**: fills a grant. It leases the prompt only, prefills, samples
-//!   the first token, ships the KV with [`send_kv`] and a `Done` built from
-//!   its proof (I5), and answers `Reject` when it cannot.
+//!   the first token, ships the KV as pages fill (`Streaming`) and a `Done`
+//!   built from its proof (I5), and answers `Reject` when it cannot.
 //!
-//! A request's lease lives inside its `Active` entry (or the receiver), so
+//! A request's lease lives inside its `Active` entry — `Kv::Held` — or, while
+//! a decode worker awaits its hand-off (`Kv::Awaited`), in the receiver, so
 //! finishing, failing or cancelling it is what returns its pages (I8).
+
+mod decode;
+mod prefill;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -27,12 +40,8 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use kvfence_handoff::{
-    ChunkFrames, Grant, HandoffId, Message, Outcome, Receiver, RejectReason, Streaming,
-    WindowWrites,
-};
+use kvfence_handoff::{HandoffId, Message, Receiver, RejectReason, Streaming};
 use kvfence_model::{LoadedModel, Logits, Sampler, Sequence};
-use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{Lease, Pool, PoolError, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, trace, warn};
@@ -233,21 +242,53 @@ impl Pending {
     }
 }
 
+/// Where a running request's KV is.
+enum Kv {
+    /// Decode role: granted to the prefill worker on link `prefill`, which
+    /// is filling it. The lease is the hand-off receiver's until it
+    /// commits; only that link's messages may touch it.
+    Awaited {
+        prefill: PeerId,
+        granted_at: Instant,
+    },
+    /// In this worker's hands — prefilled here, or committed — and computed
+    /// on by its steps.
+    Held(Lease),
+}
+
+impl Kv {
+    fn lease(&self) -> Option<&Lease> {
+        match self {
+            Kv::Held(lease) => Some(lease),
+            Kv::Awaited { .. } => None,
+        }
+    }
+
+    fn lease_mut(&mut self) -> Option<&mut Lease> {
+        match self {
+            Kv::Held(lease) => Some(lease),
+            Kv::Awaited { .. } => None,
+        }
+    }
+
+    /// The link filling it, while it is awaited.
+    fn awaited_from(&self) -> Option<PeerId> {
+        match self {
+            Kv::Awaited { prefill, .. } => Some(*prefill),
+            Kv::Held(_) => None,
+        }
+    }
+}
+
 /// A request holding pages.
 struct Active {
     pending: Pending,
-    /// `None` while a decode worker waits for the hand-off to commit.
-    lease: Option<Lease>,
+    kv: Kv,
     sampler: Sampler,
     text: TextStream,
     /// Prompt tokens already in the KV cache.
     prefilled: usize,
     generated: Vec<u32>,
-    /// When the decode worker granted this request's pages.
-    granted_at: Instant,
-    /// Decode role: the link of the prefill worker filling the grant. Only
-    /// that link's hand-off messages may touch it.
-    prefill: Option<PeerId>,
 }
 
 impl Active {
@@ -397,7 +438,7 @@ impl Scheduler {
 
     /// Whether some request holds pages to compute: `poll` would step.
     pub(crate) fn has_work(&self) -> bool {
-        self.active.iter().any(|a| a.lease.is_some())
+        self.active.iter().any(|a| a.kv.lease().is_some())
     }
 
     /// When the oldest hand-off in flight times out: `poll` is due then
@@ -405,8 +446,10 @@ impl Scheduler {
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
         self.active
             .iter()
-            .filter(|a| a.lease.is_none())
-            .map(|a| a.granted_at + self.config.handoff_timeout)
+            .filter_map(|a| match a.kv {
+                Kv::Awaited { granted_at, .. } => Some(granted_at + self.config.handoff_timeout),
+                Kv::Held(_) => None,
+            })
             .min()
     }
 
@@ -443,105 +486,6 @@ impl Scheduler {
         }
     }
 
-    /// Prefill role: queue a grant to fill, or reject it at once.
-    fn take_order(&mut self, peer: PeerId, order: PrefillOrder) {
-        let grant = match Message::decode(&order.grant) {
-            Ok(Some((message, _))) => Grant::from_message(&message),
-            _ => None,
-        };
-        let Some(grant) = grant else {
-            warn!("malformed prefill order dropped");
-            return;
-        };
-        // Fault injection: the prefill worker stalls on, or crashes at, a grant.
-        fail::fail_point!("handoff-grant", crash_or_stall);
-        let needed = order.request.prompt.len();
-        let reject = if needed != grant.tokens {
-            Some(RejectReason::Failed)
-        } else if needed > self.pool.capacity_tokens() {
-            // Defence in depth (I6): the router should never have sent it.
-            Some(RejectReason::TooLong)
-        } else if self.orders_from(peer) >= self.config.max_queue + self.config.max_running {
-            // One decode worker cannot make this one hold more orders than
-            // it could queue and run itself; the decode worker reports the
-            // request as unavailable, and another prefill worker may do.
-            Some(RejectReason::Busy)
-        } else {
-            None
-        };
-        if let Some(reason) = reject {
-            if reason == RejectReason::TooLong && Mutation::PlaceholderDone.active() {
-                // Incident replay (a): claim a one-token placeholder was sent.
-                self.to_peer(
-                    peer,
-                    &Message::Done {
-                        id: grant.id,
-                        epoch: grant.epoch,
-                        tokens: 1,
-                        digest: 0,
-                        first_token: 0,
-                    },
-                );
-                return;
-            }
-            self.to_peer(
-                peer,
-                &Message::Reject {
-                    id: grant.id,
-                    reason,
-                },
-            );
-            return;
-        }
-        if Mutation::SharedHandoffIds.active() {
-            // Incident replay (g): routes kept by hand-off id alone, as if
-            // ids were unique across decode workers: a newer order with the
-            // same id takes over the older one's route.
-            for pending in self.orders_mut() {
-                if let Origin::Handoff {
-                    peer: route, id, ..
-                } = &mut pending.origin
-                    && *id == grant.id
-                {
-                    *route = peer;
-                }
-            }
-        }
-        let id = RequestId(self.next_local_id);
-        self.next_local_id += 1;
-        debug!(%peer, handoff = %grant.id, tokens = grant.tokens, "prefill order queued");
-        self.counters.queued.fetch_add(1, Ordering::AcqRel);
-        self.waiting.push_back(Pending {
-            id,
-            request: order.request,
-            origin: Origin::Handoff {
-                peer,
-                id: grant.id,
-                streaming: Some(Streaming::new(grant)),
-                aborted: false,
-                window: order.window,
-            },
-            prefill: None,
-            moved: false,
-        });
-    }
-
-    /// Prefill role: orders from link `peer` waiting or running.
-    fn orders_from(&self, peer: PeerId) -> usize {
-        self.waiting
-            .iter()
-            .chain(self.active.iter().map(|a| &a.pending))
-            .filter(|p| matches!(p.origin, Origin::Handoff { peer: route, .. } if route == peer))
-            .count()
-    }
-
-    /// Every request waiting or running.
-    fn orders_mut(&mut self) -> impl Iterator<Item = &mut Pending> {
-        self.waiting
-            .iter_mut()
-            .chain(self.active.iter_mut().map(|a| &mut a.pending))
-    }
-
     /// A hand-off frame from the peer on link `peer`.
     fn take_frame(&mut self, peer: PeerId, frame: &Bytes) {
         let message = match Message::decode_shared(frame) {
@@ -567,119 +511,6 @@ impl Scheduler {
         }
     }
 
-    /// Prefill role: drops the order `id` that came on link `peer`.
-    fn abort_order(&mut self, peer: PeerId, id: HandoffId) {
-        for pending in self.orders_mut() {
-            if let Origin::Handoff {
-                peer: route,
-                id: handoff,
-                aborted,
-                ..
-            } = &mut pending.origin
-                && *handoff == id
-                && *route == peer
-            {
-                *aborted = true;
-            }
-        }
-    }
-
-    /// Decode role: one message from the prefill worker on link `peer`.
-    fn receive_kv(&mut self, peer: PeerId, message: Message) {
-        // A grant is filled by the prefill worker it was sent to; another
-        // link's messages for it (a confused or hostile peer) are dropped
-        // before the receiver sees them.
-        if let Some(active) = self
-            .position(RequestId(message.id().0))
-            .map(|index| &self.active[index])
-            && active.lease.is_none()
-            && active.prefill != Some(peer)
-        {
-            warn!(%peer, handoff = %message.id(), "hand-off message from a link the grant was not sent to, dropped");
-            self.counters
-                .handoff_misrouted
-                .fetch_add(1, Ordering::Relaxed);
-            self.counters.record_handoff(&self.receiver.stats());
-            return;
-        }
-        if matches!(message, Message::Done { .. }) {
-            // Fault injection: decode stalls on, or crashes at, a `Done`
-            // before committing it.
-            fail::fail_point!("handoff-before-commit", crash_or_stall);
-        }
-        let outcome = self.receiver.handle(message);
-        self.counters.record_handoff(&self.receiver.stats());
-        match outcome {
-            Outcome::Accepted | Outcome::Ignored => {}
-            Outcome::Released { id, pages } => {
-                debug!(handoff = %id, pages, "quarantined pages released after the writer's ack")
-            }
-            Outcome::Committed(committed) => {
-                debug!(handoff = %committed.id(), tokens = committed.tokens(), "hand-off committed");
-                let Some(index) = self.position(RequestId(committed.id().0)) else {
-                    return;
-                };
-                let first_token = committed.first_token();
-                let active = &mut self.active[index];
-                active.prefilled = committed.tokens();
-                active.lease = Some(committed.into_lease());
-                active.sampler.resume_after(1);
-                self.counters
-                    .prompt_tokens
-                    .fetch_add(active.prefilled as u64, Ordering::Relaxed);
-                if let Some(end) = self.accept(index, first_token) {
-                    self.end(index, end);
-                }
-            }
-            Outcome::Failed { id, error, reply } => {
-                if let Some(reply) = reply {
-                    self.to_peer(peer, &reply);
-                }
-                let Some(index) = self.position(RequestId(id.0)) else {
-                    return;
-                };
-                let kind = match error {
-                    kvfence_handoff::HandoffError::Rejected {
-                        reason: RejectReason::TooLong,
-                        ..
-                    } => FailureKind::TooLong,
-                    kvfence_handoff::HandoffError::Rejected {
-                        reason: RejectReason::Busy,
-                        ..
-                    } => FailureKind::Unavailable,
-                    _ => FailureKind::Internal,
-                };
-                warn!(request = %RequestId(id.0), %error, "hand-off failed");
-                self.end(index, End::Failed(kind, error.to_string()));
-            }
-        }
-    }
-
-    /// Decode role: a grant that has not committed in time is aborted — its
-    /// pages freed, or quarantined behind a revoked window until the writer
-    /// acknowledges (I4) — and its client gets an error, never a late answer.
-    fn expire_handoffs(&mut self, now: Instant) {
-        if self.role != Role::Decode {
-            return;
-        }
-        for index in (0..self.active.len()).rev() {
-            let active = &self.active[index];
-            if active.lease.is_none() && now >= active.granted_at + self.config.handoff_timeout {
-                let id = active.pending.handoff_id();
-                warn!(handoff = %id, "hand-off timed out; aborting the grant");
-                if let (Some(abort), Some(peer)) = (self.receiver.abort(id), active.prefill) {
-                    self.to_peer(peer, &abort);
-                }
-                if Mutation::ReleaseOnTimeout.active() {
-                    // Incident replay (e): free the pages without the writer's ack.
-                    let _ = self.pool.drain(active.pending.id);
-                }
-                let message = "the prefill worker did not deliver the KV in time".to_string();
-                self.end(index, End::Failed(FailureKind::Unavailable, message));
-            }
-        }
-    }
-
     fn position(&self, id: RequestId) -> Option<usize> {
         self.active.iter().position(|a| a.pending.id == id)
     }
@@ -695,9 +526,8 @@ impl Scheduler {
         for index in (0..self.active.len()).rev() {
             if self.active[index].pending.is_cancelled() {
                 let active = self.active.swap_remove(index);
-                if active.lease.is_none()
+                if let Some(peer) = active.kv.awaited_from()
                     && let Some(abort) = self.receiver.abort(active.pending.handoff_id())
-                    && let Some(peer) = active.prefill
                 {
                     // The reservation is freed now; tell prefill to stop.
                     self.to_peer(peer, &abort);
@@ -734,91 +564,9 @@ impl Scheduler {
         };
         warn!(role = self.role.label(), %peer, name = %lost.name, "peer link lost; failing its hand-offs");
         match self.role {
-            Role::Decode => {
-                // Hand-offs the link was filling: the grant is revoked (its
-                // pages freed; late frames cannot come from a closed link).
-                // Nothing was sent to the client yet, and prefill is
-                // deterministic, so the request goes back to the front of
-                // the queue once, to be granted to another prefill worker
-                // and give the same answer; on a second loss it fails.
-                let mut requeue = Vec::new();
-                for index in (0..self.active.len()).rev() {
-                    let active = &self.active[index];
-                    if active.lease.is_none() && active.prefill == Some(peer) {
-                        self.receiver.abort(active.pending.handoff_id());
-                        if active.pending.moved || self.peers.is_empty() {
-                            self.end(
-                                index,
-                                End::Failed(
-                                    FailureKind::Unavailable,
-                                    "the prefill worker is unreachable".into(),
-                                ),
-                            );
-                        } else {
-                            let mut pending = self.active.swap_remove(index).pending;
-                            self.counters.running.fetch_sub(1, Ordering::AcqRel);
-                            pending.moved = true;
-                            pending.prefill = None;
-                            requeue.push(pending);
-                        }
-                    }
-                }
-                // Oldest first at the front, as they were admitted.
-                requeue.sort_unstable_by_key(|p| p.id);
-                for pending in requeue.into_iter().rev() {
-                    self.counters.queued.fetch_add(1, Ordering::AcqRel);
-                    self.waiting.push_front(pending);
-                }
-            }
-            Role::Prefill | Role::Colocated => {
-                for pending in self.orders_mut() {
-                    if let Origin::Handoff {
-                        peer: route,
-                        aborted,
-                        ..
-                    } = &mut pending.origin
-                        && *route == peer
-                    {
-                        *aborted = true;
-                    }
-                }
-            }
+            Role::Decode => self.move_handoffs_of(peer),
+            Role::Prefill | Role::Colocated => self.drop_orders_of(peer),
         }
-    }
-
-    /// Decode role: the prefill worker for `pending` — the one the router
-    /// chose if its link is up and its pool holds the prompt, else the
-    /// linked one with the fewest grants outstanding among those whose pool
-    /// holds it (I6 per pair). If none holds it, the largest gets it anyway
-    /// and must refuse it itself: a prefill worker never trusts a decode
-    /// worker's idea of its capacity (I5, the incident). `Err` only when no
-    /// prefill worker is linked.
-    fn choose_prefill(&self, pending: &Pending) -> Result<PeerId, (FailureKind, String)> {
-        let prompt = pending.request.prompt.len();
-        let fits = |p: &Peer| p.tokens >= prompt;
-        if let Some(name) = &pending.prefill
-            && let Some((&id, _)) = self.peers.iter().find(|(_, p)| &p.name == name && fits(p))
-        {
-            return Ok(id);
-        }
-        let outstanding = |id: PeerId| {
-            self.active
-                .iter()
-                .filter(|a| a.lease.is_none() && a.prefill == Some(id))
-                .count()
-        };
-        self.peers
-            .iter()
-            .filter(|(_, p)| fits(p))
-            .min_by_key(|(id, _)| outstanding(**id))
-            .or_else(|| self.peers.iter().max_by_key(|(_, p)| p.tokens))
-            .map(|(&id, _)| id)
-            .ok_or_else(|| {
-                (
-                    FailureKind::Unavailable,
-                    "no prefill worker is reachable".into(),
-                )
-            })
     }
 
     fn admit(&mut self, now: Instant) {
@@ -862,7 +610,7 @@ impl Scheduler {
                     continue;
                 }
             };
-            let lease = if self.role == Role::Decode {
+            let kv = if self.role == Role::Decode {
                 let prompt = pending.request.prompt.len();
                 let granted = if self.one_sided {
                     self.receiver
@@ -877,7 +625,10 @@ impl Scheduler {
                     Ok((grant, window)) => {
                         let peer = prefill.expect("a decode worker chose a prefill worker");
                         self.send_order(peer, grant, &pending.request, window);
-                        None
+                        Kv::Awaited {
+                            prefill: peer,
+                            granted_at: now,
+                        }
                     }
                     Err(error) => {
                         self.refuse(&pending, FailureKind::Internal, error.to_string());
@@ -885,37 +636,18 @@ impl Scheduler {
                     }
                 }
             } else {
-                Some(lease)
+                Kv::Held(lease)
             };
             let text = TextStream::new(pending.request.stop.clone());
             self.counters.running.fetch_add(1, Ordering::AcqRel);
             self.active.push(Active {
                 pending,
-                lease,
+                kv,
                 sampler,
                 text,
                 prefilled: 0,
                 generated: Vec::new(),
-                granted_at: now,
-                prefill,
             });
-        }
-    }
-
-    fn send_order(
-        &self,
-        peer: PeerId,
-        grant: Message,
-        request: &GenerationRequest,
-        window: Option<(Window, WindowKey)>,
-    ) {
-        if let Some(p) = self.peers.get(&peer) {
-            let order = PrefillOrder {
-                grant: grant.to_frame(),
-                request: request.clone(),
-                window,
-            };
-            let _ = p.tx.order(order);
         }
     }
 
@@ -925,7 +657,7 @@ impl Scheduler {
     fn plan(&self) -> Vec<Work> {
         let mut work = Vec::new();
         for (index, a) in self.active.iter().enumerate() {
-            if a.lease.is_some() && a.prefill_done() {
+            if a.kv.lease().is_some() && a.prefill_done() {
                 let last = *a
                     .generated
                     .last()
@@ -941,7 +673,7 @@ impl Scheduler {
         }
         let mut budget = self.config.step_tokens.saturating_sub(work.len()).max(16);
         for (index, a) in self.active.iter().enumerate() {
-            if a.lease.is_none() || a.prefill_done() || budget == 0 {
+            if a.kv.lease().is_none() || a.prefill_done() || budget == 0 {
                 continue;
             }
             let prompt = &a.pending.request.prompt;
@@ -980,7 +712,7 @@ impl Scheduler {
         }
         let result = {
             let mut leases: Vec<Option<&mut Lease>> =
-                self.active.iter_mut().map(|a| a.lease.as_mut()).collect();
+                self.active.iter_mut().map(|a| a.kv.lease_mut()).collect();
             let mut batch: Vec<Sequence<'_>> = work
                 .iter()
                 .map(|w| Sequence {
@@ -1082,82 +814,6 @@ impl Scheduler {
         self.accept(index, token)
     }
 
-    /// Prefill role: send the prompt's KV and the first token to decode.
-    fn ship(&mut self, index: usize, first_token: u32) -> End {
-        // Fault injection: a writer that goes silent instead of shipping.
-        fail::fail_point!("prefill-stall", |_| End::Shipped);
-        let active = &mut self.active[index];
-        let lease = active
-            .lease
-            .as_ref()
-            .expect("a prefilled request holds its lease");
-        let Origin::Handoff {
-            peer,
-            streaming,
-            window,
-            ..
-        } = &mut active.pending.origin
-        else {
-            unreachable!("ship is called for hand-off requests only");
-        };
-        let streaming = streaming.take().expect("a hand-off ships once");
-        let grant = streaming.grant().clone();
-        let Some(peer) = self.peers.get(peer).map(|p| p.tx.clone()) else {
-            // The decode worker left; nobody is waiting for this KV.
-            return End::Shipped;
-        };
-        let sent = match window {
-            Some((window, key)) => streaming.finish(lease, &mut WindowWrites::new(window, *key)),
-            None => streaming.finish(
-                lease,
-                &mut ChunkFrames::new(&grant, |chunk| send_chunk(&peer, chunk)),
-            ),
-        };
-        match sent {
-            Ok(proof) => {
-                let _ = peer.message(&proof.done(first_token));
-                End::Shipped
-            }
-            Err(error) => End::Failed(FailureKind::Internal, error.to_string()),
-        }
-    }
-
-    /// Prefill role: ships the pages the last step completed, so the
-    /// transfer overlaps the rest of the prefill.
-    fn ship_ready_pages(&mut self, index: usize) -> Result<(), kvfence_handoff::HandoffError> {
-        let active = &mut self.active[index];
-        let (
-            Some(lease),
-            Origin::Handoff {
-                peer,
-                streaming: Some(streaming),
-                window,
-                ..
-            },
-        ) = (&active.lease, &mut active.pending.origin)
-        else {
-            return Ok(());
-        };
-        let Some(peer) = self.peers.get(peer).map(|p| p.tx.clone()) else {
-            return Ok(());
-        };
-        match window {
-            Some((window, key)) => streaming.send_ready(
-                lease,
-                active.prefilled,
-                &mut WindowWrites::new(window, *key),
-            ),
-            None => {
-                let grant = streaming.grant().clone();
-                streaming.send_ready(
-                    lease,
-                    active.prefilled,
-                    &mut ChunkFrames::new(&grant, |chunk| send_chunk(&peer, chunk)),
-                )
-            }
-        }
-    }
-
     /// Records a generated token, streams its text, and says whether the
     /// request is done.
     fn accept(&mut self, index: usize, token: u32) -> Option<End> {
@@ -1223,14 +879,6 @@ impl Scheduler {
             self.refuse(&active.pending, kind, message);
         }
     }
-}
-
-/// Sends one KV chunk's frame to the decode worker.
-fn send_chunk(peer: &PeerTx, chunk: Vec<u8>) {
-    // Fault injection between chunks: a delay, a lost chunk (`stall`), or a
-    // crash partway through a transfer.
-    fail::fail_point!("handoff-mid-chunk", crash_or_stall);
-    let _ = peer.frame(chunk.into());
 }
 
 /// What a `return(ARG)` failpoint does: `crash` ends the process the way a

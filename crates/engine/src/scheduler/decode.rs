@@ -1,0 +1,214 @@
+//! The decode role: granting a request's pages to a prefill worker,
+//! taking the hand-off only from the link the grant went to, committing it
+//! through the receiver (I2, I7), aborting grants past their deadline, and
+//! moving or failing what a lost link was filling.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use kvfence_handoff::{Message, Outcome, RejectReason};
+use kvfence_pool::mutation::Mutation;
+use kvfence_pool::{RequestId, Window, WindowKey};
+use tracing::{debug, warn};
+
+#[cfg(feature = "failpoints")]
+use super::crash_or_stall;
+use super::{End, FailureKind, Kv, Peer, PeerId, Pending, PrefillOrder, Role, Scheduler};
+use crate::request::GenerationRequest;
+
+impl Scheduler {
+    /// Decode role: one message from the prefill worker on link `peer`.
+    pub(super) fn receive_kv(&mut self, peer: PeerId, message: Message) {
+        // A grant is filled by the prefill worker it was sent to; another
+        // link's messages for it (a confused or hostile peer) are dropped
+        // before the receiver sees them.
+        if let Some(active) = self
+            .position(RequestId(message.id().0))
+            .map(|index| &self.active[index])
+            && active.kv.awaited_from().is_some_and(|from| from != peer)
+        {
+            warn!(%peer, handoff = %message.id(), "hand-off message from a link the grant was not sent to, dropped");
+            self.counters
+                .handoff_misrouted
+                .fetch_add(1, Ordering::Relaxed);
+            self.counters.record_handoff(&self.receiver.stats());
+            return;
+        }
+        if matches!(message, Message::Done { .. }) {
+            // Fault injection: decode stalls on, or crashes at, a `Done`
+            // before committing it.
+            fail::fail_point!("handoff-before-commit", crash_or_stall);
+        }
+        let outcome = self.receiver.handle(message);
+        self.counters.record_handoff(&self.receiver.stats());
+        match outcome {
+            Outcome::Accepted | Outcome::Ignored => {}
+            Outcome::Released { id, pages } => {
+                debug!(handoff = %id, pages, "quarantined pages released after the writer's ack")
+            }
+            Outcome::Committed(committed) => {
+                debug!(handoff = %committed.id(), tokens = committed.tokens(), "hand-off committed");
+                let Some(index) = self.position(RequestId(committed.id().0)) else {
+                    return;
+                };
+                let first_token = committed.first_token();
+                let active = &mut self.active[index];
+                active.prefilled = committed.tokens();
+                active.kv = Kv::Held(committed.into_lease());
+                active.sampler.resume_after(1);
+                self.counters
+                    .prompt_tokens
+                    .fetch_add(active.prefilled as u64, Ordering::Relaxed);
+                if let Some(end) = self.accept(index, first_token) {
+                    self.end(index, end);
+                }
+            }
+            Outcome::Failed { id, error, reply } => {
+                if let Some(reply) = reply {
+                    self.to_peer(peer, &reply);
+                }
+                let Some(index) = self.position(RequestId(id.0)) else {
+                    return;
+                };
+                let kind = match error {
+                    kvfence_handoff::HandoffError::Rejected {
+                        reason: RejectReason::TooLong,
+                        ..
+                    } => FailureKind::TooLong,
+                    kvfence_handoff::HandoffError::Rejected {
+                        reason: RejectReason::Busy,
+                        ..
+                    } => FailureKind::Unavailable,
+                    _ => FailureKind::Internal,
+                };
+                warn!(request = %RequestId(id.0), %error, "hand-off failed");
+                self.end(index, End::Failed(kind, error.to_string()));
+            }
+        }
+    }
+
+    /// Decode role: a grant that has not committed in time is aborted — its
+    /// pages freed, or quarantined behind a revoked window until the writer
+    /// acknowledges (I4) — and its client gets an error, never a late answer.
+    pub(super) fn expire_handoffs(&mut self, now: Instant) {
+        if self.role != Role::Decode {
+            return;
+        }
+        for index in (0..self.active.len()).rev() {
+            let active = &self.active[index];
+            let Kv::Awaited {
+                prefill,
+                granted_at,
+            } = active.kv
+            else {
+                continue;
+            };
+            if now >= granted_at + self.config.handoff_timeout {
+                let id = active.pending.handoff_id();
+                warn!(handoff = %id, "hand-off timed out; aborting the grant");
+                if let Some(abort) = self.receiver.abort(id) {
+                    self.to_peer(prefill, &abort);
+                }
+                if Mutation::ReleaseOnTimeout.active() {
+                    // Incident replay (e): free the pages without the writer's ack.
+                    let _ = self.pool.drain(active.pending.id);
+                }
+                let message = "the prefill worker did not deliver the KV in time".to_string();
+                self.end(index, End::Failed(FailureKind::Unavailable, message));
+            }
+        }
+    }
+
+    /// Decode role: the prefill worker for `pending` — the one the router
+    /// chose if its link is up and its pool holds the prompt, else the
+    /// linked one with the fewest grants outstanding among those whose pool
+    /// holds it (I6 per pair). If none holds it, the largest gets it anyway
+    /// and must refuse it itself: a prefill worker never trusts a decode
+    /// worker's idea of its capacity (I5, the incident). `Err` only when no
+    /// prefill worker is linked.
+    pub(super) fn choose_prefill(
+        &self,
+        pending: &Pending,
+    ) -> Result<PeerId, (FailureKind, String)> {
+        let prompt = pending.request.prompt.len();
+        let fits = |p: &Peer| p.tokens >= prompt;
+        if let Some(name) = &pending.prefill
+            && let Some((&id, _)) = self.peers.iter().find(|(_, p)| &p.name == name && fits(p))
+        {
+            return Ok(id);
+        }
+        let outstanding = |id: PeerId| {
+            self.active
+                .iter()
+                .filter(|a| a.kv.awaited_from() == Some(id))
+                .count()
+        };
+        self.peers
+            .iter()
+            .filter(|(_, p)| fits(p))
+            .min_by_key(|(id, _)| outstanding(**id))
+            .or_else(|| self.peers.iter().max_by_key(|(_, p)| p.tokens))
+            .map(|(&id, _)| id)
+            .ok_or_else(|| {
+                (
+                    FailureKind::Unavailable,
+                    "no prefill worker is reachable".into(),
+                )
+            })
+    }
+
+    pub(super) fn send_order(
+        &self,
+        peer: PeerId,
+        grant: Message,
+        request: &GenerationRequest,
+        window: Option<(Window, WindowKey)>,
+    ) {
+        if let Some(p) = self.peers.get(&peer) {
+            let order = PrefillOrder {
+                grant: grant.to_frame(),
+                request: request.clone(),
+                window,
+            };
+            let _ = p.tx.order(order);
+        }
+    }
+
+    /// The link `peer` is gone: what it was filling moves or fails.
+    pub(super) fn move_handoffs_of(&mut self, peer: PeerId) {
+        // Hand-offs the link was filling: the grant is revoked (its
+        // pages freed; late frames cannot come from a closed link).
+        // Nothing was sent to the client yet, and prefill is
+        // deterministic, so the request goes back to the front of
+        // the queue once, to be granted to another prefill worker
+        // and give the same answer; on a second loss it fails.
+        let mut requeue = Vec::new();
+        for index in (0..self.active.len()).rev() {
+            let active = &self.active[index];
+            if active.kv.awaited_from() == Some(peer) {
+                self.receiver.abort(active.pending.handoff_id());
+                if active.pending.moved || self.peers.is_empty() {
+                    self.end(
+                        index,
+                        End::Failed(
+                            FailureKind::Unavailable,
+                            "the prefill worker is unreachable".into(),
+                        ),
+                    );
+                } else {
+                    let mut pending = self.active.swap_remove(index).pending;
+                    self.counters.running.fetch_sub(1, Ordering::AcqRel);
+                    pending.moved = true;
+                    pending.prefill = None;
+                    requeue.push(pending);
+                }
+            }
+        }
+        // Oldest first at the front, as they were admitted.
+        requeue.sort_unstable_by_key(|p| p.id);
+        for pending in requeue.into_iter().rev() {
+            self.counters.queued.fetch_add(1, Ordering::AcqRel);
+            self.waiting.push_front(pending);
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! The prefill role: taking a decode worker's orders, each under the link
+//! it came on, and shipping their KV back on that link as the prefill
+//! fills pages, then `Done` from the sender's proof (I5).
+
+use std::sync::atomic::Ordering;
+
+use kvfence_handoff::{
+    ChunkFrames, Grant, HandoffId, Message, RejectReason, Streaming, WindowWrites,
+};
+use kvfence_pool::RequestId;
+use kvfence_pool::mutation::Mutation;
+use tracing::{debug, warn};
+
+#[cfg(feature = "failpoints")]
+use super::crash_or_stall;
+use super::{End, FailureKind, Origin, PeerId, PeerTx, Pending, PrefillOrder, Scheduler};
+
+impl Scheduler {
+    /// Prefill role: queue a grant to fill, or reject it at once.
+    pub(super) fn take_order(&mut self, peer: PeerId, order: PrefillOrder) {
+        let grant = match Message::decode(&order.grant) {
+            Ok(Some((message, _))) => Grant::from_message(&message),
+            _ => None,
+        };
+        let Some(grant) = grant else {
+            warn!("malformed prefill order dropped");
+            return;
+        };
+        // Fault injection: the prefill worker stalls on, or crashes at, a grant.
+        fail::fail_point!("handoff-grant", crash_or_stall);
+        let needed = order.request.prompt.len();
+        let reject = if needed != grant.tokens {
+            Some(RejectReason::Failed)
+        } else if needed > self.pool.capacity_tokens() {
+            // Defence in depth (I6): the router should never have sent it.
+            Some(RejectReason::TooLong)
+        } else if self.orders_from(peer) >= self.config.max_queue + self.config.max_running {
+            // One decode worker cannot make this one hold more orders than
+            // it could queue and run itself; the decode worker reports the
+            // request as unavailable, and another prefill worker may do.
+            Some(RejectReason::Busy)
+        } else {
+            None
+        };
+        if let Some(reason) = reject {
+            if reason == RejectReason::TooLong && Mutation::PlaceholderDone.active() {
+                // Incident replay (a): claim a one-token placeholder was sent.
+                self.to_peer(
+                    peer,
+                    &Message::Done {
+                        id: grant.id,
+                        epoch: grant.epoch,
+                        tokens: 1,
+                        digest: 0,
+                        first_token: 0,
+                    },
+                );
+                return;
+            }
+            self.to_peer(
+                peer,
+                &Message::Reject {
+                    id: grant.id,
+                    reason,
+                },
+            );
+            return;
+        }
+        if Mutation::SharedHandoffIds.active() {
+            // Incident replay (g): routes kept by hand-off id alone, as if
+            // ids were unique across decode workers: a newer order with the
+            // same id takes over the older one's route.
+            for pending in self.orders_mut() {
+                if let Origin::Handoff {
+                    peer: route, id, ..
+                } = &mut pending.origin
+                    && *id == grant.id
+                {
+                    *route = peer;
+                }
+            }
+        }
+        let id = RequestId(self.next_local_id);
+        self.next_local_id += 1;
+        debug!(%peer, handoff = %grant.id, tokens = grant.tokens, "prefill order queued");
+        self.counters.queued.fetch_add(1, Ordering::AcqRel);
+        self.waiting.push_back(Pending {
+            id,
+            request: order.request,
+            origin: Origin::Handoff {
+                peer,
+                id: grant.id,
+                streaming: Some(Streaming::new(grant)),
+                aborted: false,
+                window: order.window,
+            },
+            prefill: None,
+            moved: false,
+        });
+    }
+
+    /// Prefill role: orders from link `peer` waiting or running.
+    pub(super) fn orders_from(&self, peer: PeerId) -> usize {
+        self.waiting
+            .iter()
+            .chain(self.active.iter().map(|a| &a.pending))
+            .filter(|p| matches!(p.origin, Origin::Handoff { peer: route, .. } if route == peer))
+            .count()
+    }
+
+    /// Every request waiting or running.
+    pub(super) fn orders_mut(&mut self) -> impl Iterator<Item = &mut Pending> {
+        self.waiting
+            .iter_mut()
+            .chain(self.active.iter_mut().map(|a| &mut a.pending))
+    }
+
+    /// Prefill role: drops the order `id` that came on link `peer`.
+    pub(super) fn abort_order(&mut self, peer: PeerId, id: HandoffId) {
+        for pending in self.orders_mut() {
+            if let Origin::Handoff {
+                peer: route,
+                id: handoff,
+                aborted,
+                ..
+            } = &mut pending.origin
+                && *handoff == id
+                && *route == peer
+            {
+                *aborted = true;
+            }
+        }
+    }
+
+    /// Prefill role: send the prompt's KV and the first token to decode.
+    pub(super) fn ship(&mut self, index: usize, first_token: u32) -> End {
+        // Fault injection: a writer that goes silent instead of shipping.
+        fail::fail_point!("prefill-stall", |_| End::Shipped);
+        let active = &mut self.active[index];
+        let lease = active
+            .kv
+            .lease()
+            .expect("a prefilled request holds its lease");
+        let Origin::Handoff {
+            peer,
+            streaming,
+            window,
+            ..
+        } = &mut active.pending.origin
+        else {
+            unreachable!("ship is called for hand-off requests only");
+        };
+        let streaming = streaming.take().expect("a hand-off ships once");
+        let grant = streaming.grant().clone();
+        let Some(peer) = self.peers.get(peer).map(|p| p.tx.clone()) else {
+            // The decode worker left; nobody is waiting for this KV.
+            return End::Shipped;
+        };
+        let sent = match window {
+            Some((window, key)) => streaming.finish(lease, &mut WindowWrites::new(window, *key)),
+            None => streaming.finish(
+                lease,
+                &mut ChunkFrames::new(&grant, |chunk| send_chunk(&peer, chunk)),
+            ),
+        };
+        match sent {
+            Ok(proof) => {
+                let _ = peer.message(&proof.done(first_token));
+                End::Shipped
+            }
+            Err(error) => End::Failed(FailureKind::Internal, error.to_string()),
+        }
+    }
+
+    /// Prefill role: ships the pages the last step completed, so the
+    /// transfer overlaps the rest of the prefill.
+    pub(super) fn ship_ready_pages(
+        &mut self,
+        index: usize,
+    ) -> Result<(), kvfence_handoff::HandoffError> {
+        let active = &mut self.active[index];
+        let (
+            Some(lease),
+            Origin::Handoff {
+                peer,
+                streaming: Some(streaming),
+                window,
+                ..
+            },
+        ) = (active.kv.lease(), &mut active.pending.origin)
+        else {
+            return Ok(());
+        };
+        let Some(peer) = self.peers.get(peer).map(|p| p.tx.clone()) else {
+            return Ok(());
+        };
+        match window {
+            Some((window, key)) => streaming.send_ready(
+                lease,
+                active.prefilled,
+                &mut WindowWrites::new(window, *key),
+            ),
+            None => {
+                let grant = streaming.grant().clone();
+                streaming.send_ready(
+                    lease,
+                    active.prefilled,
+                    &mut ChunkFrames::new(&grant, |chunk| send_chunk(&peer, chunk)),
+                )
+            }
+        }
+    }
+
+    /// The link `peer` is gone: its orders are dropped at the next step.
+    pub(super) fn drop_orders_of(&mut self, peer: PeerId) {
+        for pending in self.orders_mut() {
+            if let Origin::Handoff {
+                peer: route,
+                aborted,
+                ..
+            } = &mut pending.origin
+                && *route == peer
+            {
+                *aborted = true;
+            }
+        }
+    }
+}
+
+/// Sends one KV chunk's frame to the decode worker.
+fn send_chunk(peer: &PeerTx, chunk: Vec<u8>) {
+    // Fault injection between chunks: a delay, a lost chunk (`stall`), or a
+    // crash partway through a transfer.
+    fail::fail_point!("handoff-mid-chunk", crash_or_stall);
+    let _ = peer.frame(chunk.into());
+}
