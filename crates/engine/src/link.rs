@@ -46,6 +46,8 @@ const FRAME: u8 = 1;
 const ORDER: u8 = 2;
 /// A control-plane message (JSON): worker hellos, router requests and events.
 pub(crate) const CONTROL: u8 = 3;
+/// The sender drains (no body): send it nothing new if another can take it.
+const DRAINING: u8 = 4;
 
 /// A command as a link frame: its kind, then its body. A hand-off frame is
 /// its own body, borrowed: a chunk's bytes are not copied again on the way
@@ -72,7 +74,12 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
             Some((ORDER, Cow::Owned(out)))
         }
         // Local-only commands never cross a link.
-        Command::Submit(_) | Command::Shutdown | Command::PeerUp(_) | Command::PeerLost(_) => None,
+        Command::PeerDraining(_) => Some((DRAINING, Cow::Borrowed(&[][..]))),
+        Command::Submit(_)
+        | Command::Shutdown
+        | Command::Drain
+        | Command::PeerUp(_)
+        | Command::PeerLost(_) => None,
     }
 }
 
@@ -112,6 +119,7 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
             peer,
             frame: payload.slice(1..),
         }),
+        DRAINING if payload.len() == 1 => Ok(Command::PeerDraining(peer)),
         ORDER => {
             let mut c = Cursor(&payload[1..]);
             let grant_len = c.u32()? as usize;
@@ -230,6 +238,7 @@ fn kind_byte(kind: u8) -> &'static [u8] {
     match kind {
         FRAME => &[FRAME],
         ORDER => &[ORDER],
+        DRAINING => &[DRAINING],
         _ => &[CONTROL],
     }
 }
@@ -315,6 +324,14 @@ mod tests {
             assert_eq!(peer, PeerId(7), "stamped with the link it came on");
             assert_eq!(got, frame);
         }
+    }
+
+    #[test]
+    fn a_drain_notice_crosses_the_link_as_from_its_link() {
+        let got = over_the_link(&Command::PeerDraining(PeerId(3))).unwrap();
+        assert!(matches!(got, Command::PeerDraining(PeerId(7))));
+        // A drain notice has no body; one with bytes is malformed.
+        assert!(decode(Bytes::from_static(&[DRAINING, 0]), PeerId(0)).is_err());
     }
 
     #[test]

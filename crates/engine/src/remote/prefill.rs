@@ -140,9 +140,11 @@ impl PrefillWorker {
         (pools, self.counters.snapshot())
     }
 
-    /// Stops taking new decode workers; those linked keep being served.
+    /// Drains: takes no new decode workers, and tells those linked to send
+    /// new orders to other prefill workers; what they sent is still served.
     pub fn stop_admitting(&self) {
         self.admitting.store(false, Ordering::Release);
+        let _ = self.commands.send(Command::Drain);
     }
 
     /// Whether it takes new decode workers.

@@ -131,7 +131,7 @@ impl Scheduler {
         pending: &Pending,
     ) -> Result<PeerId, (FailureKind, String)> {
         let prompt = pending.request.prompt.len();
-        let fits = |p: &Peer| p.tokens >= prompt;
+        let fits = |p: &Peer| p.tokens >= prompt && !p.draining;
         if let Some(name) = &pending.prefill
             && let Some((&id, _)) = self.peers.iter().find(|(_, p)| &p.name == name && fits(p))
         {

@@ -119,6 +119,11 @@ impl PeerTx {
         self.tx.send(Command::Frame { peer, frame }).is_ok()
     }
 
+    /// Says this worker drains.
+    fn draining(&self) -> bool {
+        self.tx.send(Command::PeerDraining(self.stamp)).is_ok()
+    }
+
     fn order(&self, order: PrefillOrder) -> bool {
         let (peer, order) = (self.stamp, Box::new(order));
         self.tx.send(Command::Prefill { peer, order }).is_ok()
@@ -155,6 +160,11 @@ pub(crate) enum Command {
     PeerUp(Box<PeerUp>),
     /// The link to a peer worker is gone.
     PeerLost(PeerId),
+    /// The peer on this link drains: send it nothing new if another can
+    /// take it.
+    PeerDraining(PeerId),
+    /// This worker drains: tell every peer (prefill role).
+    Drain,
     Shutdown,
 }
 
@@ -318,6 +328,9 @@ struct Peer {
     tx: PeerTx,
     name: String,
     tokens: usize,
+    /// It said it drains: it finishes what it has and takes nothing new
+    /// if another peer can (decode role).
+    draining: bool,
 }
 
 pub(crate) struct Scheduler {
@@ -467,6 +480,7 @@ impl Scheduler {
                     tx: up.tx,
                     name: up.name,
                     tokens: up.tokens,
+                    draining: false,
                 };
                 let replaced = self.peers.insert(up.peer, peer);
                 assert!(
@@ -475,6 +489,17 @@ impl Scheduler {
                 );
             }
             Command::PeerLost(peer) => self.lose_peer(peer),
+            Command::PeerDraining(peer) => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    debug!(%peer, name = %p.name, "peer drains");
+                    p.draining = true;
+                }
+            }
+            Command::Drain => {
+                for p in self.peers.values() {
+                    let _ = p.tx.draining();
+                }
+            }
             Command::Shutdown => self.stopping = true,
         }
     }

@@ -376,6 +376,64 @@ async fn workers_report_readiness_and_drain_on_sigterm() {
     assert!(router.wait().success());
 }
 
+/// A prefill worker told to stop (SIGTERM) under load tells its decode
+/// workers, which send new orders to the other one: it finishes what it
+/// has, says it drained, and exits cleanly — and no client notices.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_draining_prefill_worker_gets_no_new_orders_and_exits_cleanly() {
+    let tls = ClusterTls::init();
+    // Small steps, so it always has an order in hand under this load: it
+    // could only drain by being sent nothing new.
+    let mut drain_args = STATUS.to_vec();
+    drain_args.extend(["--shutdown-timeout", "20", "--step-tokens", "16"]);
+    let draining = start_prefill(&tls, &drain_args);
+    let other = start_prefill(&tls, &STATUS);
+    let prefills = format!("{},{}", draining.base, other.base);
+    let decode = start_decode(&tls, &prefills, &STATUS);
+    let router = start_router(&tls, &decode.base, &[]);
+    let url = router.url("/v1/completions");
+    // Load that keeps coming for the whole drain: eight clients, each
+    // sending its next request as soon as the last one is answered.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..8)
+        .map(|client| {
+            let (url, stop) = (url.clone(), std::sync::Arc::clone(&stop));
+            tokio::spawn(async move {
+                let (mut failed, mut sent) = (0, 0);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    failed += load(&url, 1, client * 1000 + sent, 8).await;
+                    sent += 1;
+                }
+                (failed, sent)
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while draining.metric("kvfence_prompt_tokens_total").await == 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the first prefill worker took work"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    draining.terminate();
+    let log = draining.log_after_exit();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut failed, mut sent) = (0, 0);
+    for client in clients {
+        let (f, s) = client.await.unwrap();
+        (failed, sent) = (failed + f, sent + s);
+    }
+    assert!(
+        log.contains("drained; exiting"),
+        "it drained rather than timed out:\n{log}"
+    );
+    assert_eq!(failed, 0, "no client noticed ({sent} requests)");
+    serves_within(&router, Duration::from_secs(5), "after the drain").await;
+    router.wait_for_baseline().await;
+    wait_for_own_baseline(&other).await;
+}
+
 /// Two decode workers on one prefill worker number their hand-offs the
 /// same way (1, 2, 3…): the prefill worker keeps each link's apart, so
 /// every answer is still exactly one process's. Incident replay (g) keys

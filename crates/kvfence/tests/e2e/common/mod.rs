@@ -232,6 +232,19 @@ impl Server {
         self.child.id()
     }
 
+    /// Waits for the process to exit by itself, checks it exited cleanly,
+    /// and returns everything it logged.
+    pub fn log_after_exit(mut self) -> String {
+        let status = self.child.wait().unwrap();
+        // The log is read from the process as it writes it: let the reader
+        // catch up with its last lines.
+        std::thread::sleep(Duration::from_millis(200));
+        let log = self.log();
+        assert!(status.success(), "exited with {status}:\n{log}");
+        std::mem::forget(self);
+        log
+    }
+
     /// Waits for the process to exit by itself.
     pub fn wait(mut self) -> std::process::ExitStatus {
         let status = self.child.wait().unwrap();
