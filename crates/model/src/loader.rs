@@ -92,13 +92,35 @@ impl TextModel {
         cache: &ModelCache,
         progress: &mut dyn FnMut(&str),
     ) -> Result<TextModel, ModelError> {
-        let Some(known) = KnownModel::find(name) else {
-            return Self::load(name);
-        };
-        let path = cache.fetch(known, progress)?;
-        let mut loaded = Self::load(&path.display().to_string())?;
-        loaded.name = known.name.to_string();
+        let (target, known) = resolve(name, cache, progress)?;
+        let mut loaded = Self::load(&target)?;
+        if let Some(known) = known {
+            loaded.name = known.to_string();
+        }
         Ok(loaded)
+    }
+}
+
+/// What `name` stands for once a known model is fetched: what `load`
+/// takes (the name itself, or the fetched file's path), and the known
+/// model's name to show instead of the file's.
+fn resolve(
+    name: &str,
+    cache: &ModelCache,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(String, Option<&'static str>), ModelError> {
+    match KnownModel::find(name) {
+        None => Ok((name.to_string(), None)),
+        Some(known) => {
+            let path = cache.fetch(known, progress)?;
+            let target = path.to_str().ok_or_else(|| {
+                ModelError::io(
+                    &path,
+                    std::io::Error::other("the model cache's path is not UTF-8"),
+                )
+            })?;
+            Ok((target.to_string(), Some(known.name)))
+        }
     }
 }
 
@@ -180,12 +202,11 @@ impl LoadedModel {
         cache: &ModelCache,
         progress: &mut dyn FnMut(&str),
     ) -> Result<LoadedModel, ModelError> {
-        let Some(known) = KnownModel::find(name) else {
-            return Self::load(name);
-        };
-        let path = cache.fetch(known, progress)?;
-        let mut loaded = Self::load_gguf(&path)?;
-        loaded.name = known.name.to_string();
+        let (target, known) = resolve(name, cache, progress)?;
+        let mut loaded = Self::load(&target)?;
+        if let Some(known) = known {
+            loaded.name = known.to_string();
+        }
         Ok(loaded)
     }
 
