@@ -106,4 +106,16 @@ pub struct WorkerSnapshot {
 impl WorkerSnapshot {
     /// The name of this process's own worker.
     pub const LOCAL: &'static str = "local";
+
+    /// This process's own worker's snapshot, as the one entry of a list.
+    pub fn local(
+        pools: Vec<(&'static str, kvfence_pool::PoolStats)>,
+        engine: EngineStats,
+    ) -> Vec<WorkerSnapshot> {
+        vec![WorkerSnapshot {
+            worker: Self::LOCAL.into(),
+            pools,
+            engine,
+        }]
+    }
 }

@@ -431,11 +431,7 @@ impl crate::Backend for Engine {
 
     fn snapshot(&self) -> Vec<WorkerSnapshot> {
         let (pools, engine) = Engine::snapshot(self);
-        vec![WorkerSnapshot {
-            worker: WorkerSnapshot::LOCAL.into(),
-            pools,
-            engine,
-        }]
+        WorkerSnapshot::local(pools, engine)
     }
 
     fn is_ready(&self) -> bool {

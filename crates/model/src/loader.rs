@@ -92,36 +92,35 @@ impl TextModel {
         cache: &ModelCache,
         progress: &mut dyn FnMut(&str),
     ) -> Result<TextModel, ModelError> {
-        let (target, known) = resolve(name, cache, progress)?;
-        let mut loaded = Self::load(&target)?;
-        if let Some(known) = known {
-            loaded.name = known.to_string();
-        }
-        Ok(loaded)
+        load_known(name, cache, progress, Self::load, |m, known| {
+            m.name = known.into()
+        })
     }
 }
 
-/// What `name` stands for once a known model is fetched: what `load`
-/// takes (the name itself, or the fetched file's path), and the known
-/// model's name to show instead of the file's.
-fn resolve(
+/// Loads `name` with `load`; a [`KnownModel`]'s name is fetched into
+/// `cache` first, loaded from the fetched file, and `rename`d after the
+/// known model rather than the file.
+fn load_known<T>(
     name: &str,
     cache: &ModelCache,
     progress: &mut dyn FnMut(&str),
-) -> Result<(String, Option<&'static str>), ModelError> {
-    match KnownModel::find(name) {
-        None => Ok((name.to_string(), None)),
-        Some(known) => {
-            let path = cache.fetch(known, progress)?;
-            let target = path.to_str().ok_or_else(|| {
-                ModelError::io(
-                    &path,
-                    std::io::Error::other("the model cache's path is not UTF-8"),
-                )
-            })?;
-            Ok((target.to_string(), Some(known.name)))
-        }
-    }
+    load: fn(&str) -> Result<T, ModelError>,
+    rename: fn(&mut T, &'static str),
+) -> Result<T, ModelError> {
+    let Some(known) = KnownModel::find(name) else {
+        return load(name);
+    };
+    let path = cache.fetch(known, progress)?;
+    let target = path.to_str().ok_or_else(|| {
+        ModelError::io(
+            &path,
+            std::io::Error::other("the model cache's path is not UTF-8"),
+        )
+    })?;
+    let mut loaded = load(target)?;
+    rename(&mut loaded, known.name);
+    Ok(loaded)
 }
 
 fn is_gguf(path: &Path) -> bool {
@@ -202,12 +201,9 @@ impl LoadedModel {
         cache: &ModelCache,
         progress: &mut dyn FnMut(&str),
     ) -> Result<LoadedModel, ModelError> {
-        let (target, known) = resolve(name, cache, progress)?;
-        let mut loaded = Self::load(&target)?;
-        if let Some(known) = known {
-            loaded.name = known.to_string();
-        }
-        Ok(loaded)
+        load_known(name, cache, progress, Self::load, |m, known| {
+            m.name = known.into()
+        })
     }
 
     /// Loads a llama-architecture GGUF file: weights stay quantized, the

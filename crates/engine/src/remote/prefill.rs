@@ -174,11 +174,7 @@ impl crate::Backend for PrefillWorker {
 
     fn snapshot(&self) -> Vec<WorkerSnapshot> {
         let (pools, engine) = PrefillWorker::snapshot(self);
-        vec![WorkerSnapshot {
-            worker: WorkerSnapshot::LOCAL.into(),
-            pools,
-            engine,
-        }]
+        WorkerSnapshot::local(pools, engine)
     }
 
     fn is_ready(&self) -> bool {
