@@ -35,7 +35,7 @@ pub use remote::fleet::Fleet;
 pub use remote::prefill::{MAX_DECODE_LINKS, PrefillWorker};
 pub use remote::wire::{Hello, ModelFingerprint};
 pub use request::{
-    Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
+    CacheScope, Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
 };
 pub use scheduler::Role;
 pub use text::{Pushed, TextStream};

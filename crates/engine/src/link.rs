@@ -24,7 +24,7 @@ use tracing::warn;
 use crate::error::EngineError;
 use crate::net::{self, Link, ListenLimits};
 
-use crate::request::GenerationRequest;
+use crate::request::{CacheScope, GenerationRequest};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, PrefillOrder};
 
 /// How the prefill and decode workers of a pair are connected.
@@ -71,6 +71,20 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
             out.extend_from_slice(&(s.top_k as u32).to_le_bytes());
             out.extend_from_slice(&s.top_p.to_le_bytes());
             out.extend_from_slice(&s.seed.to_le_bytes());
+            match &order.request.cache {
+                None => out.push(0),
+                Some(scope) => {
+                    out.push(1);
+                    put_name(&mut out, &scope.tenant);
+                    match &scope.salt {
+                        None => out.push(0),
+                        Some(salt) => {
+                            out.push(1);
+                            put_name(&mut out, salt);
+                        }
+                    }
+                }
+            }
             Some((ORDER, Cow::Owned(out)))
         }
         // Local-only commands never cross a link.
@@ -107,6 +121,32 @@ impl<'a> Cursor<'a> {
             self.take(4)?.try_into().expect("4 bytes"),
         ))
     }
+
+    /// A length-prefixed UTF-8 string of at most `MAX_NAME` bytes.
+    fn name(&mut self) -> Result<String, HandoffError> {
+        let len = self.u32()? as usize;
+        if len > MAX_NAME {
+            return Err(malformed("a name is longer than a tenant name can be"));
+        }
+        String::from_utf8(self.take(len)?.to_vec()).map_err(|_| malformed("a name is not UTF-8"))
+    }
+
+    /// A `0`/`1` presence byte.
+    fn flag(&mut self) -> Result<bool, HandoffError> {
+        match self.take(1)? {
+            [0] => Ok(false),
+            [1] => Ok(true),
+            _ => Err(malformed("a presence flag is neither 0 nor 1")),
+        }
+    }
+}
+
+/// Longest tenant name or cache salt an order may carry.
+const MAX_NAME: usize = 1024;
+
+fn put_name(out: &mut Vec<u8>, name: &str) {
+    out.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    out.extend_from_slice(name.as_bytes());
 }
 
 /// Decodes one link frame; errors for anything malformed, never panics. A
@@ -133,6 +173,13 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
             let top_k = c.u32()? as usize;
             let top_p = f32::from_le_bytes(c.take(4)?.try_into().expect("4 bytes"));
             let seed = u64::from_le_bytes(c.take(8)?.try_into().expect("8 bytes"));
+            let cache = if c.flag()? {
+                let tenant = c.name()?;
+                let salt = if c.flag()? { Some(c.name()?) } else { None };
+                Some(CacheScope { tenant, salt })
+            } else {
+                None
+            };
             if !c.0.is_empty() {
                 return Err(malformed("trailing bytes"));
             }
@@ -148,6 +195,7 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
                 },
                 stop: StopStrings::default(),
                 ignore_eos: false,
+                cache,
             };
             Ok(Command::Prefill {
                 peer,
@@ -347,6 +395,10 @@ mod tests {
             },
             stop: StopStrings::default(),
             ignore_eos: false,
+            cache: Some(CacheScope {
+                tenant: "tenant-a".into(),
+                salt: Some("salt".into()),
+            }),
         };
         let sent = Command::Prefill {
             peer: PeerId(1),

@@ -21,6 +21,20 @@ pub struct GenerationRequest {
     pub stop: StopStrings,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Whose prefix cache the request reads and adds to; `None` computes
+    /// every token and caches nothing.
+    pub cache: Option<CacheScope>,
+}
+
+/// The wall a request's cached prefixes live behind (I9): the tenant the
+/// gateway authenticated — never a field a client sets — and an optional
+/// salt the client chose, which only subdivides that tenant's cache.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CacheScope {
+    /// The authenticated tenant's name.
+    pub tenant: String,
+    /// The client's `cache_salt`, if it sent one.
+    pub salt: Option<String>,
 }
 
 impl GenerationRequest {
@@ -48,6 +62,10 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Tokens generated.
     pub completion_tokens: usize,
+    /// Prompt tokens read from the tenant's own prefix cache rather than
+    /// computed (never another tenant's: I9).
+    #[serde(default)]
+    pub cached_tokens: usize,
 }
 
 /// What kind of failure ended a request.

@@ -240,6 +240,7 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
         },
         stop: StopStrings::default(),
         ignore_eos: true,
+        cache: None,
     }
 }
 
@@ -865,6 +866,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
             },
             stop: StopStrings::default(),
             ignore_eos: true,
+            cache: None,
         };
         Box::new(PrefillOrder {
             grant: grant.to_frame(),

@@ -63,6 +63,7 @@ fn request(i: usize, temperature: f32) -> GenerationRequest {
         },
         stop: StopStrings::default(),
         ignore_eos: true,
+        cache: None,
     }
 }
 

@@ -35,6 +35,7 @@ fn request(prompt_seed: u32, len: usize, max_tokens: usize) -> GenerationRequest
         sampling: SamplingParams::greedy(),
         stop: StopStrings::default(),
         ignore_eos: true,
+        cache: None,
     }
 }
 
@@ -74,7 +75,8 @@ fn a_request_runs_to_max_tokens_and_reports_usage() {
             reason: FinishReason::Length,
             usage: kvfence_engine::Usage {
                 prompt_tokens: 10,
-                completion_tokens: 7
+                completion_tokens: 7,
+                cached_tokens: 0,
             }
         }
     );

@@ -68,6 +68,25 @@ pub(crate) struct EngineArgs {
     /// before aborting it and failing the request (503).
     #[arg(long, default_value_t = 30_000)]
     pub(crate) handoff_timeout_ms: u64,
+    /// Reuse the KV of prompt prefixes already computed, within a tenant
+    /// (its API key) and `cache_salt` only: full pages of a prompt are
+    /// sealed and shared read-only with that tenant's later requests, and
+    /// output stays bit-identical to computing them. Prefill and colocated
+    /// workers keep a cache; a decode worker computes no prompts.
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub(crate) prefix_cache: Switch,
+    /// Share of a worker's KV pool one tenant's cached pages may fill, in
+    /// percent: a tenant that floods the cache evicts its own entries,
+    /// never another tenant's.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub(crate) prefix_cache_tenant_quota: u8,
+}
+
+/// On or off.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Switch {
+    On,
+    Off,
 }
 
 impl EngineArgs {
@@ -85,12 +104,17 @@ impl EngineArgs {
     }
 
     pub(crate) fn pool(&self, model: &LoadedModel, tokens: usize) -> anyhow::Result<Pool> {
-        let spec = PoolSpec::new(
+        let mut spec = PoolSpec::new(
             model.model.kv_shape(),
             self.page_size,
             ElemType::F32,
             PoolSize::Tokens(tokens),
         );
+        if self.prefix_cache == Switch::On {
+            let pages = spec.geometry().context("sizing a KV pool")?.num_pages;
+            let quota = (pages * usize::from(self.prefix_cache_tenant_quota)).div_ceil(100);
+            spec = spec.with_prefix_cache(quota);
+        }
         let pool = Pool::new(&spec).context("allocating a KV pool")?;
         info!(
             tokens = pool.capacity_tokens(),

@@ -6,6 +6,11 @@
 //! lease and carry the generation it was leased in (I3). Writes need
 //! `&mut Lease`, reads `&Lease`, so the borrow checker keeps a caller from
 //! writing into pages it is still reading through a [`ReadView`].
+//!
+//! A lease made with [`crate::Pool::lease_with_prefix`] starts with pages
+//! of the prefix cache: shared, read through the same coverage-checked
+//! views, never written (a write to one is refused like a foreign page's).
+//! [`Lease::seal`] turns the lease's own full pages into shared ones.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -15,6 +20,7 @@ use crate::error::PoolError;
 use crate::mutation::Mutation;
 use crate::page::{PageRef, RequestId};
 use crate::pool::{Counters, Holder, Shared};
+use crate::prefix::{Namespace, block_hash};
 use crate::view::ReadView;
 use crate::window::Window;
 
@@ -30,25 +36,89 @@ pub struct Lease {
     owner: RequestId,
     tokens: usize,
     pages: Vec<PageRef>,
+    /// Whether each page is a shared (prefix-cache) page this lease reads
+    /// rather than one of its own.
+    is_shared: Vec<bool>,
+    /// The namespace its prompt was looked up in; only such a lease seals.
+    namespace: Option<Namespace>,
+    /// Positions written before the lease was granted (a cached prefix).
+    cached: usize,
     one_sided: bool,
 }
 
 impl Lease {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         shared: Arc<Shared>,
         id: LeaseId,
         owner: RequestId,
         tokens: usize,
         pages: Vec<PageRef>,
+        is_shared: Vec<bool>,
+        namespace: Option<Namespace>,
+        cached: usize,
     ) -> Self {
+        assert_eq!(pages.len(), is_shared.len(), "one flag per page");
         Lease {
             shared,
             id,
             owner,
             tokens,
             pages,
+            is_shared,
+            namespace,
+            cached,
             one_sided: false,
         }
+    }
+
+    /// Prompt positions `0..n` that were already written when the lease was
+    /// granted — a prefix found in the cache — and need no computing.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached
+    }
+
+    /// Pages of this lease that are shared (read, never written by it).
+    pub fn shared_pages(&self) -> usize {
+        self.is_shared.iter().filter(|s| **s).count()
+    }
+
+    /// Seals every full page of `tokens` — the tokens whose KV this lease
+    /// holds at positions `0..tokens.len()` — into the prefix cache of the
+    /// lease's namespace, so later leases of that namespace read them
+    /// instead of computing them. A sealed page is never written again,
+    /// this lease included (I1). Pages already cached elsewhere, not fully
+    /// written, or over the tenant's quota stay the lease's own. Returns how
+    /// many pages were sealed; a lease without a namespace, or one a
+    /// one-sided writer may reach, seals none.
+    pub fn seal(&mut self, tokens: &[u32]) -> usize {
+        let Some(namespace) = self.namespace.clone() else {
+            return 0;
+        };
+        if self.one_sided {
+            return 0;
+        }
+        let page_size = self.shared.geometry.page_size;
+        let weak = match &self.shared.ledger.lock().cache {
+            Some(cache) => cache.weak_hashes(),
+            None => return 0,
+        };
+        let mut parent = namespace.root();
+        let mut sealed = 0;
+        for (index, block) in tokens.chunks_exact(page_size).enumerate() {
+            if index >= self.pages.len() {
+                break;
+            }
+            let hash = block_hash(parent, block, weak);
+            if !self.is_shared[index]
+                && self.shared.seal(self.id, self.pages[index], &namespace, hash, parent, block)
+            {
+                self.is_shared[index] = true;
+                sealed += 1;
+            }
+            parent = hash;
+        }
+        sealed
     }
 
     /// The request that holds this lease.
@@ -76,6 +146,11 @@ impl Lease {
     /// pool's back. When the lease is dropped its pages go to `Quarantined`,
     /// not `Free`, until [`crate::Pool::drain`] is called for this request (I4).
     pub fn expose_to_one_sided_writer(&mut self) {
+        assert_eq!(
+            self.shared_pages(),
+            0,
+            "a one-sided writer is never given shared pages"
+        );
         self.one_sided = true;
     }
 
@@ -144,6 +219,11 @@ impl Lease {
     /// [`Window::release`] finds the window drained (I4). Close it with
     /// [`Lease::close_window`] once the writer is done to release normally.
     pub fn open_window(&mut self) -> Window {
+        assert_eq!(
+            self.shared_pages(),
+            0,
+            "a one-sided writer is never given shared pages"
+        );
         self.one_sided = true;
         Window::open(
             Arc::clone(&self.shared),
@@ -199,6 +279,15 @@ impl Lease {
         }
         match guard.holder {
             Holder::Leased { lease, .. } if lease == self.id => {}
+            // Incident replay (k): a shared page this lease reads is
+            // written like its own.
+            Holder::Shared { .. }
+                if Mutation::WriteShared.active()
+                    && self
+                        .pages
+                        .iter()
+                        .zip(&self.is_shared)
+                        .any(|(p, s)| *s && p.id == page.id) => {}
             _ => return Err(foreign()),
         }
         if guard.generation != page.generation && !Mutation::IgnoreGenerations.active() {
@@ -346,9 +435,14 @@ impl Lease {
                 guards.push(guard);
                 continue;
             }
-            assert!(
+            let held = if self.is_shared[index] {
+                matches!(guard.holder, Holder::Shared { .. })
+            } else {
                 matches!(guard.holder, Holder::Leased { lease, .. } if lease == self.id)
-                    && guard.generation == page_ref.generation,
+            };
+            assert!(
+                held && (guard.generation == page_ref.generation
+                    || Mutation::StaleIndex.active()),
                 "I1: page {page_ref} changed hands while leased to {}",
                 self.owner
             );
@@ -394,10 +488,19 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let pages = std::mem::take(&mut self.pages);
+        let (shared, own): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pages)
+            .into_iter()
+            .zip(std::mem::take(&mut self.is_shared))
+            .partition(|(_, shared)| *shared);
         let quarantine = self.one_sided && !Mutation::FreeBeforeDrain.active();
-        self.shared
-            .give_back(self.id, self.owner, pages, quarantine);
+        self.shared.give_back(
+            self.id,
+            self.owner,
+            own.into_iter().map(|(p, _)| p).collect(),
+            quarantine,
+        );
+        let shared: Vec<PageRef> = shared.into_iter().map(|(p, _)| p).collect();
+        self.shared.stop_reading(&shared);
     }
 }
 
@@ -407,6 +510,8 @@ impl std::fmt::Debug for Lease {
             .field("owner", &self.owner)
             .field("tokens", &self.tokens)
             .field("pages", &self.pages.len())
+            .field("shared_pages", &self.shared_pages())
+            .field("cached", &self.cached)
             .field("one_sided", &self.one_sided)
             .finish()
     }

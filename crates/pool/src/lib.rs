@@ -6,10 +6,13 @@
 //! write carries a [`PageRef`] fencing token; every read goes through a
 //! [`ReadView`] that exists only if the positions read were written in the
 //! page's current generation. Pages a one-sided writer may still reach wait
-//! in quarantine until [`Pool::drain`].
+//! in quarantine until [`Pool::drain`]. Full pages of a prompt can be
+//! sealed into a prefix cache, where later leases of the same [`Namespace`]
+//! read them and nobody writes them again.
 //!
 //! Invariants enforced here (see DESIGN.md §2): I1 single owner, I2 written
-//! before read, I3 fenced writes, I4 drain before reuse, I8 no leak.
+//! before read, I3 fenced writes, I4 drain before reuse, I8 no leak, and I9's
+//! walls around cached prefixes.
 
 mod coverage;
 mod element;
@@ -18,6 +21,7 @@ mod lease;
 pub mod mutation;
 mod page;
 mod pool;
+mod prefix;
 mod spec;
 mod sync;
 mod view;
@@ -28,8 +32,9 @@ pub use error::PoolError;
 pub use lease::Lease;
 pub use page::{Generation, PageId, PageRef, PageState, RequestId};
 pub use pool::{Pool, PoolStats};
+pub use prefix::{Namespace, NamespaceId};
 pub use spec::{
-    Checks, ElemType, Geometry, KvShape, MAX_PAGE_SIZE, PoolSize, PoolSpec, ReusePolicy, Scrub,
+    CacheSpec, Checks, ElemType, Geometry, KvShape, MAX_PAGE_SIZE, PoolSize, PoolSpec, ReusePolicy, Scrub,
 };
 pub use view::ReadView;
 pub use window::{Window, WindowKey};

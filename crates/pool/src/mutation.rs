@@ -1,7 +1,7 @@
 //! Incident replays: deliberate bugs, each a real-world way a serving engine
 //! leaked KV between requests, that the test suite must catch. They exist
 //! only in builds with the `mutations` feature, where `KVFENCE_MUTATION`
-//! (a letter, `a` to `g`) switches one on for the whole process and its
+//! (a letter, `a` to `l`) switches one on for the whole process and its
 //! children; in every other build [`Mutation::active`] is a constant
 //! `false` and the bug cannot be reached. `scripts/mutation-check` runs
 //! each one against the tests that should catch it and reports the result.
@@ -29,11 +29,28 @@ pub enum Mutation {
     /// unique across decode workers: two decode workers' hand-offs with the
     /// same id share a route, and one's KV goes to the other (engine, I1).
     SharedHandoffIds,
+    /// (h) The prefix cache's key leaves out the tenant and salt, as the
+    /// tiers that dropped the salt on the way to storage did: one tenant's
+    /// cached pages serve another's prompts (pool, I9).
+    NamespaceDropped,
+    /// (i) A prefix-cache hit is taken on a hash match without comparing
+    /// the cached tokens with the request's (pool, I9).
+    SkipTokenCompare,
+    /// (j) Eviction leaves the page's index entry behind, and resolving an
+    /// entry does not check that its page still holds it: a later request
+    /// reads whatever the page holds next (pool, I1/I2).
+    StaleIndex,
+    /// (k) A match that ends inside a shared page writes the rest of that
+    /// page in place instead of copying it first (pool, I1).
+    WriteShared,
+    /// (l) `cached_tokens` reports the longest prefix cached in any
+    /// namespace, so a tenant learns what another has sent (pool, I9).
+    ForeignCachedCount,
 }
 
 impl Mutation {
     /// Every mutation with its letter.
-    pub const ALL: [(char, Mutation); 7] = [
+    pub const ALL: [(char, Mutation); 12] = [
         ('a', Mutation::PlaceholderDone),
         ('b', Mutation::SkipCoverage),
         ('c', Mutation::IgnoreGenerations),
@@ -41,6 +58,11 @@ impl Mutation {
         ('e', Mutation::ReleaseOnTimeout),
         ('f', Mutation::DecodeCapacity),
         ('g', Mutation::SharedHandoffIds),
+        ('h', Mutation::NamespaceDropped),
+        ('i', Mutation::SkipTokenCompare),
+        ('j', Mutation::StaleIndex),
+        ('k', Mutation::WriteShared),
+        ('l', Mutation::ForeignCachedCount),
     ];
 
     /// Whether this bug is switched on (never, without the feature).
@@ -62,7 +84,7 @@ impl Mutation {
                 .map(|&(_, m)| m);
             assert!(
                 found.is_some(),
-                "KVFENCE_MUTATION={letter:?} names no mutation (a to f)"
+                "KVFENCE_MUTATION={letter:?} names no mutation (a to l)"
             );
             found
         }) == Some(self)

@@ -72,6 +72,17 @@ pub enum PageState {
         /// The generation it was leased in.
         generation: Generation,
     },
+    /// Sealed into the prefix cache: read by the leases of its namespace,
+    /// written by none (I1). Its generation moves on only when it is
+    /// evicted, so an index entry can never reach its next contents.
+    Shared {
+        /// The namespace whose requests may read it.
+        namespace: crate::NamespaceId,
+        /// The generation it was written in.
+        generation: Generation,
+        /// Leases that include it now; evictable at zero.
+        readers: u32,
+    },
     /// Released by its lease while a one-sided writer may still store into
     /// it; not leasable until [`crate::Pool::drain`] says the writer is done (I4).
     Quarantined {

@@ -19,6 +19,12 @@
 //! A page id sits in the free list only when its holder is `Free`; a page
 //! popped from the list is invisible to everyone else until the new lease has
 //! stamped it. That is what makes I1 hold without one global lock.
+//!
+//! The prefix cache's ledger ([`crate::prefix`]) lives under the same
+//! ledger lock: sealing, attaching, reader counts and eviction are list
+//! operations too. A shared page's holder changes only with both the ledger
+//! and the page's write lock held (sealing, eviction), so either one is
+//! enough to read it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -30,7 +36,9 @@ use crate::coverage::Coverage;
 use crate::element::poison_word;
 use crate::error::PoolError;
 use crate::lease::{Lease, LeaseId};
+use crate::mutation::Mutation;
 use crate::page::{Generation, PageId, PageRef, PageState, RequestId};
+use crate::prefix::{CacheLedger, Found, Namespace, NamespaceId};
 use crate::spec::{Geometry, PoolSpec, ReusePolicy, Scrub};
 
 /// A fenced KV page pool. Cheap to clone: clones share one arena.
@@ -44,6 +52,7 @@ pub struct Pool {
 pub(crate) enum Holder {
     Free,
     Leased { lease: LeaseId, owner: RequestId },
+    Shared { namespace: NamespaceId },
     Quarantined { owner: RequestId },
 }
 
@@ -57,11 +66,13 @@ pub(crate) struct Page {
     pub(crate) data: Box<[u64]>,
 }
 
-struct Ledger {
+pub(crate) struct Ledger {
     free: VecDeque<PageId>,
-    leased: usize,
+    pub(crate) leased: usize,
     quarantined: HashMap<RequestId, Vec<PageRef>>,
     quarantined_pages: usize,
+    /// The prefix cache, when the pool has one.
+    pub(crate) cache: Option<CacheLedger>,
 }
 
 #[derive(Default)]
@@ -72,6 +83,10 @@ pub(crate) struct Counters {
     pub(crate) foreign_writes_rejected: AtomicU64,
     pub(crate) reads_refused: AtomicU64,
     pub(crate) pages_quarantined: AtomicU64,
+    pub(crate) cache_lookups: AtomicU64,
+    pub(crate) cache_hits: AtomicU64,
+    pub(crate) cache_hit_tokens: AtomicU64,
+    pub(crate) cache_evictions: AtomicU64,
 }
 
 impl Counters {
@@ -87,7 +102,7 @@ pub(crate) struct Shared {
     /// False only in measurement builds asked to skip the checks.
     pub(crate) checks: bool,
     pub(crate) pages: Box<[RwLock<Page>]>,
-    ledger: Mutex<Ledger>,
+    pub(crate) ledger: Mutex<Ledger>,
     pub(crate) counters: Counters,
     next_lease: AtomicU64,
 }
@@ -105,6 +120,11 @@ pub struct PoolStats {
     pub leased_pages: usize,
     /// Pages in `Quarantined`.
     pub quarantined_pages: usize,
+    /// Pages in `Shared` (sealed prefix-cache pages, read or idle).
+    pub shared_pages: usize,
+    /// Shared pages no lease reads: evicted, least recently used first,
+    /// when a lease needs the room.
+    pub idle_shared_pages: usize,
     /// Leases granted since the pool was built.
     pub leases_granted: u64,
     /// Leases refused (too large, exhausted, empty).
@@ -117,12 +137,34 @@ pub struct PoolStats {
     pub reads_refused: u64,
     /// Pages ever sent to quarantine.
     pub pages_quarantined_total: u64,
+    /// Leases that looked their prompt up in the prefix cache.
+    pub cache_lookups: u64,
+    /// Lookups that found a cached prefix.
+    pub cache_hits: u64,
+    /// Prompt tokens served from the cache instead of computed.
+    pub cache_hit_tokens: u64,
+    /// Shared pages evicted.
+    pub cache_evictions: u64,
 }
 
 impl PoolStats {
     /// Tokens the whole pool holds.
     pub fn capacity_tokens(&self) -> usize {
         self.num_pages * self.page_size
+    }
+
+    /// Pages a new lease can have now: free ones and idle shared ones
+    /// (which the lease would evict).
+    pub fn available_pages(&self) -> usize {
+        self.free_pages + self.idle_shared_pages
+    }
+
+    /// Whether nothing is held: no page leased, read or quarantined. Idle
+    /// shared pages are the cache, not a holding (I8's baseline).
+    pub fn at_baseline(&self) -> bool {
+        self.leased_pages == 0
+            && self.quarantined_pages == 0
+            && self.shared_pages == self.idle_shared_pages
     }
 }
 
@@ -165,6 +207,9 @@ impl Pool {
                     leased: 0,
                     quarantined: HashMap::new(),
                     quarantined_pages: 0,
+                    cache: spec
+                        .cache
+                        .map(|c| CacheLedger::new(c.tenant_quota_pages, c.colliding_hashes)),
                 }),
                 counters: Counters::default(),
                 next_lease: AtomicU64::new(1),
@@ -187,8 +232,52 @@ impl Pool {
     /// Each page's generation is bumped and its coverage wiped, so nothing
     /// written under an earlier lease is readable through this one (I2).
     pub fn lease(&self, owner: RequestId, tokens: usize) -> Result<Lease, PoolError> {
+        self.lease_pages(owner, tokens, None)
+    }
+
+    /// The namespace of `tenant` (the one the gateway authenticated; `salt`
+    /// only subdivides it) on `model` with this pool's KV layout: what every
+    /// prefix-cache key is built from.
+    pub fn namespace(&self, tenant: &str, salt: Option<&str>, model: &str) -> Namespace {
+        Namespace::new(tenant, salt, model, &self.shared.geometry)
+    }
+
+    /// Whether this pool has a prefix cache.
+    pub fn has_prefix_cache(&self) -> bool {
+        self.shared.ledger.lock().cache.is_some()
+    }
+
+    /// Leases pages for `tokens` tokens to `owner` like [`Pool::lease`], but
+    /// starts the lease with the longest prefix of `prompt` cached in
+    /// `namespace`: whole pages shared read-only, and a match that ends
+    /// inside a page copied into a page of the lease's own (copy on write).
+    /// [`Lease::cached_tokens`] says how many positions are already written;
+    /// at least one token of the prompt is always left to compute. Idle
+    /// shared pages are evicted to make room, the largest tenant's first.
+    pub fn lease_with_prefix(
+        &self,
+        owner: RequestId,
+        tokens: usize,
+        namespace: &Namespace,
+        prompt: &[u32],
+    ) -> Result<Lease, PoolError> {
+        assert!(
+            prompt.len() <= tokens,
+            "a lease holds its whole prompt ({} > {tokens})",
+            prompt.len()
+        );
+        self.lease_pages(owner, tokens, Some((namespace, prompt)))
+    }
+
+    fn lease_pages(
+        &self,
+        owner: RequestId,
+        tokens: usize,
+        prefix: Option<(&Namespace, &[u32])>,
+    ) -> Result<Lease, PoolError> {
         let shared = &self.shared;
         let geometry = &shared.geometry;
+        let page_size = geometry.page_size;
         let refuse = |error: PoolError| {
             Counters::bump(&shared.counters.leases_refused);
             Err(error)
@@ -203,11 +292,25 @@ impl Pool {
                 capacity: geometry.capacity_tokens(),
             });
         }
-        let needed = tokens.div_ceil(geometry.page_size);
-        let ids: Vec<PageId> = {
+        let total = tokens.div_ceil(page_size);
+        let (found, ids) = {
             let mut ledger = shared.ledger.lock();
-            if ledger.free.len() < needed {
-                let free_pages = ledger.free.len();
+            let found = match (prefix, &ledger.cache) {
+                (Some((namespace, prompt)), Some(cache)) => {
+                    Counters::bump(&shared.counters.cache_lookups);
+                    cache.find(Some(namespace), namespace.root(), prompt, page_size)
+                }
+                _ => Found::default(),
+            };
+            let needed = total - found.full.len();
+            let attached = found.full.iter().chain(found.partial.iter().map(|(p, _)| p));
+            let evictable = ledger.cache.as_ref().map_or(0, |c| c.idle_pages())
+                - attached
+                    .clone()
+                    .filter(|p| ledger.cache.as_ref().and_then(|c| c.readers(p.id)) == Some(0))
+                    .count();
+            if ledger.free.len() + evictable < needed {
+                let free_pages = ledger.free.len() + evictable;
                 drop(ledger);
                 return refuse(PoolError::Exhausted {
                     owner,
@@ -215,36 +318,87 @@ impl Pool {
                     free_pages,
                 });
             }
+            if let Some(cache) = &mut ledger.cache {
+                for page in attached {
+                    cache.add_reader(page.id);
+                }
+            }
+            while ledger.free.len() < needed {
+                let victim = ledger
+                    .cache
+                    .as_ref()
+                    .and_then(|c| c.victim(None))
+                    .expect("the evictable pages were counted above");
+                shared.evict(&mut ledger, victim);
+            }
             ledger.leased += needed;
-            match shared.reuse {
+            let ids: Vec<PageId> = match shared.reuse {
                 ReusePolicy::OldestFreedFirst => ledger.free.drain(..needed).collect(),
                 ReusePolicy::NewestFreedFirst => {
                     let at = ledger.free.len() - needed;
                     ledger.free.drain(at..).rev().collect()
                 }
-            }
+            };
+            (found, ids)
         };
         let lease = LeaseId(shared.next_lease.fetch_add(1, Ordering::Relaxed));
-        let pages = ids
-            .into_iter()
-            .map(|id| {
-                let mut page = shared.pages[id.index()].write();
-                assert_eq!(
-                    page.holder,
-                    Holder::Free,
-                    "I1: page {id} came off the free list while held"
-                );
-                page.generation = Generation(page.generation.0 + 1);
-                page.holder = Holder::Leased { lease, owner };
-                page.coverage.clear();
-                PageRef {
-                    id,
-                    generation: page.generation,
-                }
-            })
-            .collect();
+        let namespace = prefix.map(|(namespace, _)| namespace);
+        let mut pages: Vec<PageRef> = Vec::with_capacity(total);
+        for page_ref in &found.full {
+            shared.check_shared(*page_ref, namespace);
+            pages.push(*page_ref);
+        }
+        pages.extend(ids.into_iter().map(|id| {
+            let mut page = shared.pages[id.index()].write();
+            assert_eq!(
+                page.holder,
+                Holder::Free,
+                "I1: page {id} came off the free list while held"
+            );
+            page.generation = Generation(page.generation.0 + 1);
+            page.holder = Holder::Leased { lease, owner };
+            page.coverage.clear();
+            PageRef {
+                id,
+                generation: page.generation,
+            }
+        }));
+        let mut shared_flags = vec![true; found.full.len()];
+        shared_flags.resize(total, false);
+        let mut cached = found.full.len() * page_size;
+        if let Some((source, slots)) = found.partial {
+            shared.check_shared(source, namespace);
+            let at = found.full.len();
+            if Mutation::WriteShared.active() {
+                // Incident replay (k): the shared page itself goes into the
+                // lease where its copy belongs, and the lease writes on.
+                let own = std::mem::replace(&mut pages[at], source);
+                shared_flags[at] = true;
+                shared.give_back(lease, owner, vec![own], false);
+            } else {
+                shared.copy_page_prefix(source, pages[at], slots);
+                shared.ledger.lock().cache.as_mut().expect("a partial match comes from the cache").remove_reader(source.id);
+            }
+            cached += slots;
+        }
+        if cached > 0 {
+            Counters::bump(&shared.counters.cache_hits);
+            shared
+                .counters
+                .cache_hit_tokens
+                .fetch_add(cached as u64, Ordering::Relaxed);
+        }
         Counters::bump(&shared.counters.leases_granted);
-        Ok(Lease::new(Arc::clone(shared), lease, owner, tokens, pages))
+        Ok(Lease::new(
+            Arc::clone(shared),
+            lease,
+            owner,
+            tokens,
+            pages,
+            shared_flags,
+            namespace.cloned(),
+            cached,
+        ))
     }
 
     /// Frees the pages quarantined for `owner` once its one-sided writer has
@@ -269,10 +423,23 @@ impl Pool {
     /// outside the arena.
     pub fn page_state(&self, id: PageId) -> Option<PageState> {
         let page = self.shared.pages.get(id.index())?.read();
-        let generation = page.generation;
-        Some(match page.holder {
+        let (holder, generation) = (page.holder, page.generation);
+        drop(page);
+        Some(match holder {
             Holder::Free => PageState::Free,
             Holder::Leased { owner, .. } => PageState::Leased { owner, generation },
+            Holder::Shared { namespace } => PageState::Shared {
+                namespace,
+                generation,
+                readers: self
+                    .shared
+                    .ledger
+                    .lock()
+                    .cache
+                    .as_ref()
+                    .and_then(|c| c.readers(id))
+                    .unwrap_or(0),
+            },
             Holder::Quarantined { owner } => PageState::Quarantined { owner, generation },
         })
     }
@@ -289,12 +456,18 @@ impl Pool {
             free_pages: ledger.free.len(),
             leased_pages: ledger.leased,
             quarantined_pages: ledger.quarantined_pages,
+            shared_pages: ledger.cache.as_ref().map_or(0, CacheLedger::shared_pages),
+            idle_shared_pages: ledger.cache.as_ref().map_or(0, CacheLedger::idle_pages),
             leases_granted: load(&counters.leases_granted),
             leases_refused: load(&counters.leases_refused),
             stale_writes_rejected: load(&counters.stale_writes_rejected),
             foreign_writes_rejected: load(&counters.foreign_writes_rejected),
             reads_refused: load(&counters.reads_refused),
             pages_quarantined_total: load(&counters.pages_quarantined),
+            cache_lookups: load(&counters.cache_lookups),
+            cache_hits: load(&counters.cache_hits),
+            cache_hit_tokens: load(&counters.cache_hit_tokens),
+            cache_evictions: load(&counters.cache_evictions),
         }
     }
 }
@@ -329,6 +502,126 @@ impl Shared {
         ledger.quarantined_pages -= group.len();
         ledger.free.extend(group.iter().map(|r| r.id));
         Ok(group.len())
+    }
+
+    /// Asserts that `page_ref` is a shared page of `namespace` in the
+    /// generation the index named (I1): the ledger said so, and the page
+    /// itself must agree.
+    fn check_shared(&self, page_ref: PageRef, namespace: Option<&Namespace>) {
+        let page = self.pages[page_ref.id.index()].read();
+        let stale_ok = Mutation::StaleIndex.active();
+        assert!(
+            matches!(page.holder, Holder::Shared { namespace: ns } if Some(ns) == namespace.map(Namespace::id))
+                && (page.generation == page_ref.generation || stale_ok),
+            "I1: the index resolved {page_ref} to a page that is not that namespace's shared page"
+        );
+    }
+
+    /// Copies every layer's K and V of the first `slots` slots of shared
+    /// page `source` into the fresh page `target` of a new lease and marks
+    /// them covered: the copy in copy on write.
+    fn copy_page_prefix(&self, source: PageRef, target: PageRef, slots: usize) {
+        assert_ne!(source.id, target.id, "a page is never copied onto itself");
+        let from = self.pages[source.id.index()].read();
+        let mut to = self.pages[target.id.index()].write();
+        let g = self.geometry;
+        let data: &[u8] = bytemuck::cast_slice(&from.data);
+        for layer in 0..g.shape.layers {
+            assert_eq!(
+                from.coverage.first_gap(layer, slots),
+                None,
+                "I2: a sealed page is written in full"
+            );
+        }
+        self.copy_slots_in(&mut to, 0..slots, g.chunk_runs(0..slots).map(|r| &data[r]))
+            .expect("a page's own slot runs have a chunk's length");
+    }
+
+    /// Evicts idle shared page `id`: out of the index, its generation moved
+    /// on (so no entry that outlived it can resolve to its next contents),
+    /// scrubbed and free.
+    pub(crate) fn evict(&self, ledger: &mut Ledger, id: PageId) {
+        ledger
+            .cache
+            .as_mut()
+            .expect("only a pool with a cache evicts")
+            .evict(id);
+        let mut page = self.pages[id.index()].write();
+        assert!(
+            matches!(page.holder, Holder::Shared { .. }),
+            "I1: evicted page {id} was not shared"
+        );
+        page.generation = Generation(page.generation.0 + 1);
+        self.scrub_and_free(&mut page);
+        drop(page);
+        ledger.free.push_back(id);
+        Counters::bump(&self.counters.cache_evictions);
+    }
+
+    /// Turns leased page `page_ref` of `lease` into a shared page of
+    /// `namespace` holding the block `hash`: never written again, read by
+    /// this lease. Refused (false) when the tenant is at its quota and none
+    /// of its own idle pages can make room, or the page is not fully
+    /// written.
+    pub(crate) fn seal(
+        &self,
+        lease: LeaseId,
+        page_ref: PageRef,
+        namespace: &Namespace,
+        hash: crate::prefix::BlockHash,
+        parent: crate::prefix::BlockHash,
+        tokens: &[u32],
+    ) -> bool {
+        let mut ledger = self.ledger.lock();
+        let Some(cache) = ledger.cache.as_ref() else {
+            return false;
+        };
+        if cache.holds(&hash) {
+            return false;
+        }
+        if !cache.under_quota(namespace.tenant()) {
+            match cache.victim(Some(namespace.tenant())) {
+                Some(victim) => self.evict(&mut ledger, victim),
+                None => return false,
+            }
+        }
+        let mut page = self.pages[page_ref.id.index()].write();
+        assert!(
+            matches!(page.holder, Holder::Leased { lease: l, .. } if l == lease)
+                && page.generation == page_ref.generation,
+            "I1: page {page_ref} is sealed only by the lease that wrote it"
+        );
+        let layers = self.geometry.shape.layers;
+        if (0..layers).any(|layer| page.coverage.first_gap(layer, self.geometry.page_size).is_some()) {
+            return false;
+        }
+        page.holder = Holder::Shared {
+            namespace: namespace.id(),
+        };
+        drop(page);
+        ledger.leased -= 1;
+        ledger
+            .cache
+            .as_mut()
+            .expect("checked above")
+            .insert(namespace, page_ref, hash, parent, tokens);
+        true
+    }
+
+    /// Takes back the shared pages of a dropped lease: one reader fewer
+    /// each; at none they wait, evictable, in least-recently-used order.
+    pub(crate) fn stop_reading(&self, pages: &[PageRef]) {
+        if pages.is_empty() {
+            return;
+        }
+        let mut ledger = self.ledger.lock();
+        let cache = ledger
+            .cache
+            .as_mut()
+            .expect("a lease reads shared pages only from a pool with a cache");
+        for page in pages {
+            cache.remove_reader(page.id);
+        }
     }
 
     /// Takes back the pages of a dropped lease: to `Free`, or to

@@ -101,6 +101,21 @@ pub struct PoolSpec {
     pub reuse: ReusePolicy,
     /// Whether the isolation checks run (always, outside measurement builds).
     pub checks: Checks,
+    /// The prefix cache: sealed pages shared within a namespace. Off
+    /// unless asked for.
+    pub cache: Option<CacheSpec>,
+}
+
+/// How the prefix cache of a pool behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheSpec {
+    /// Shared pages one tenant may hold at most, so no tenant can push
+    /// another's entries out by flooding the cache.
+    pub tenant_quota_pages: usize,
+    /// Test hook: block hashes leave token values out, so every page of a
+    /// length after the same parent collides. It exists to show that a hit
+    /// is taken only after comparing tokens; nothing else sets it.
+    pub colliding_hashes: bool,
 }
 
 /// Whether the pool enforces its isolation checks: the write fence (I3) and
@@ -148,7 +163,28 @@ impl PoolSpec {
                 ReusePolicy::OldestFreedFirst
             },
             checks: Checks::On,
+            cache: None,
         }
+    }
+
+    /// Same spec with a prefix cache whose tenants may each hold
+    /// `tenant_quota_pages` shared pages.
+    pub fn with_prefix_cache(mut self, tenant_quota_pages: usize) -> Self {
+        self.cache = Some(CacheSpec {
+            tenant_quota_pages,
+            colliding_hashes: false,
+        });
+        self
+    }
+
+    /// Test hook: the prefix cache's block hashes collide for every page of
+    /// equal length after the same parent (see [`CacheSpec`]).
+    #[doc(hidden)]
+    pub fn with_colliding_hashes(mut self) -> Self {
+        if let Some(cache) = &mut self.cache {
+            cache.colliding_hashes = true;
+        }
+        self
     }
 
     /// Same spec with another scrub policy.

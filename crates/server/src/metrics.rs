@@ -83,7 +83,7 @@ const WORKER_GAUGES: [GaugeOf; 2] = [
     }),
 ];
 
-const WORKER_COUNTERS: [CounterOf; 11] = [
+const WORKER_COUNTERS: [CounterOf; 15] = [
     (
         "handoff_stale_writes",
         "KV writes and hand-off messages refused for a stale generation or epoch (I3).",
@@ -133,6 +133,26 @@ const WORKER_COUNTERS: [CounterOf; 11] = [
         "KV leases refused (too large or pool full).",
         |w| pools_total(w, |s| s.leases_refused),
     ),
+    (
+        "prefix_cache_lookups",
+        "Leases that looked their prompt up in the prefix cache (totals only: never per prefix or tenant).",
+        |w| pools_total(w, |s| s.cache_lookups),
+    ),
+    (
+        "prefix_cache_hits",
+        "Lookups that found a cached prefix in the request's own namespace.",
+        |w| pools_total(w, |s| s.cache_hits),
+    ),
+    (
+        "prefix_cache_hit_tokens",
+        "Prompt tokens read from the prefix cache instead of computed.",
+        |w| pools_total(w, |s| s.cache_hit_tokens),
+    ),
+    (
+        "prefix_cache_evictions",
+        "Shared pages evicted from the prefix cache.",
+        |w| pools_total(w, |s| s.cache_evictions),
+    ),
 ];
 
 fn pools_total(worker: &WorkerSnapshot, field: fn(&PoolStats) -> u64) -> u64 {
@@ -148,7 +168,7 @@ impl Collector for WorkerMetrics {
         {
             let mut family = encoder.encode_descriptor(
                 "pool_pages",
-                "KV pages by worker, role and state.",
+                "KV pages by worker, role and state (shared: cached pages some request reads; cached: cached pages nobody reads, evictable).",
                 None,
                 MetricType::Gauge,
             )?;
@@ -158,6 +178,8 @@ impl Collector for WorkerMetrics {
                         ("free", stats.free_pages),
                         ("leased", stats.leased_pages),
                         ("quarantined", stats.quarantined_pages),
+                        ("shared", stats.shared_pages - stats.idle_shared_pages),
+                        ("cached", stats.idle_shared_pages),
                     ] {
                         let labels = WorkerPoolLabels {
                             worker: w.worker.clone(),

@@ -63,7 +63,14 @@ pub struct CommonParams {
     pub logprobs: Option<serde_json::Value>,
     /// Not supported unless false (completions).
     pub echo: Option<bool>,
+    /// Subdivides this tenant's prefix cache: requests share cached
+    /// prefixes only with requests of the same tenant and the same salt.
+    /// It can never reach another tenant's cache (vLLM's field).
+    pub cache_salt: Option<String>,
 }
+
+/// Longest `cache_salt` accepted.
+pub const MAX_CACHE_SALT: usize = 256;
 
 /// Message content: a string, or parts of which the text ones are used.
 #[derive(Debug, Deserialize)]
@@ -176,6 +183,18 @@ impl CommonParams {
             return Err(ApiError::invalid("echo", "echo is not supported"));
         }
         Ok(())
+    }
+
+    /// The `cache_salt`, checked to be a non-empty string of modest length.
+    pub fn cache_salt(&self) -> Result<Option<String>, ApiError> {
+        match &self.cache_salt {
+            None => Ok(None),
+            Some(salt) if !salt.is_empty() && salt.len() <= MAX_CACHE_SALT => Ok(Some(salt.clone())),
+            Some(_) => Err(ApiError::invalid(
+                "cache_salt",
+                format!("cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} bytes"),
+            )),
+        }
     }
 
     /// The requested `max_tokens`, if any, checked to be positive.

@@ -16,7 +16,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream};
-use kvfence_engine::{Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage};
+use kvfence_engine::{CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage};
 use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, info};
@@ -102,6 +102,7 @@ fn usage_json(usage: Usage) -> Value {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": usage.cached_tokens },
     })
 }
 
@@ -508,6 +509,12 @@ fn prepare(
         sampling: params.sampling(rand::random())?,
         stop: params.stop_strings()?,
         ignore_eos: params.ignore_eos,
+        // The namespace is the tenant the key named (I9); the body may only
+        // subdivide it.
+        cache: Some(CacheScope {
+            tenant: tenant.name.clone(),
+            salt: params.cache_salt()?,
+        }),
     };
     Ok(Prepared {
         request,

@@ -249,6 +249,7 @@ impl RemoteEngine {
             sampling: request.sampling,
             stop: request.stop.strings().to_vec(),
             ignore_eos: request.ignore_eos,
+            cache: request.cache,
             prefill,
         };
         let forget = || {

@@ -235,6 +235,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                 sampling,
                 stop,
                 ignore_eos,
+                cache,
                 prefill,
             } => {
                 let stop = match StopStrings::new(stop) {
@@ -255,6 +256,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                     sampling,
                     stop,
                     ignore_eos,
+                    cache,
                 };
                 match engine.submit_to(request, prefill) {
                     Ok(handle) => {

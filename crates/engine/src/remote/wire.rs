@@ -16,7 +16,7 @@ use crate::counters::EngineStats;
 use crate::engine::PrefillPeer;
 use crate::link::CONTROL;
 use crate::net::LinkTx;
-use crate::request::{FailureKind, FinishReason, Usage};
+use crate::request::{CacheScope, FailureKind, FinishReason, Usage};
 
 /// The control protocol's version; a peer speaking another is refused.
 pub(crate) const PROTOCOL: u32 = 2;
@@ -137,6 +137,18 @@ pub(crate) struct WirePool {
     pub(crate) foreign_writes_rejected: u64,
     pub(crate) reads_refused: u64,
     pub(crate) pages_quarantined_total: u64,
+    #[serde(default)]
+    pub(crate) shared_pages: usize,
+    #[serde(default)]
+    pub(crate) idle_shared_pages: usize,
+    #[serde(default)]
+    pub(crate) cache_lookups: u64,
+    #[serde(default)]
+    pub(crate) cache_hits: u64,
+    #[serde(default)]
+    pub(crate) cache_hit_tokens: u64,
+    #[serde(default)]
+    pub(crate) cache_evictions: u64,
 }
 
 impl WirePool {
@@ -154,6 +166,12 @@ impl WirePool {
             foreign_writes_rejected: s.foreign_writes_rejected,
             reads_refused: s.reads_refused,
             pages_quarantined_total: s.pages_quarantined_total,
+            shared_pages: s.shared_pages,
+            idle_shared_pages: s.idle_shared_pages,
+            cache_lookups: s.cache_lookups,
+            cache_hits: s.cache_hits,
+            cache_hit_tokens: s.cache_hit_tokens,
+            cache_evictions: s.cache_evictions,
         }
     }
 
@@ -170,6 +188,12 @@ impl WirePool {
             foreign_writes_rejected: self.foreign_writes_rejected,
             reads_refused: self.reads_refused,
             pages_quarantined_total: self.pages_quarantined_total,
+            shared_pages: self.shared_pages,
+            idle_shared_pages: self.idle_shared_pages,
+            cache_lookups: self.cache_lookups,
+            cache_hits: self.cache_hits,
+            cache_hit_tokens: self.cache_hit_tokens,
+            cache_evictions: self.cache_evictions,
         }
     }
 }
@@ -196,6 +220,10 @@ pub(crate) enum Control {
         sampling: SamplingParams,
         stop: Vec<String>,
         ignore_eos: bool,
+        /// Whose prefix cache it may use (the tenant the router
+        /// authenticated).
+        #[serde(default)]
+        cache: Option<CacheScope>,
         /// The prefill worker the router chose (a name from the decode
         /// worker's `prefills`).
         prefill: Option<String>,
@@ -264,6 +292,10 @@ mod tests {
             },
             stop: vec!["x".into()],
             ignore_eos: true,
+            cache: Some(CacheScope {
+                tenant: "acme".into(),
+                salt: None,
+            }),
             prefill: Some("10.0.0.1:7000".into()),
         };
         let json = serde_json::to_value(&submit).unwrap();
@@ -274,6 +306,7 @@ mod tests {
             "max_tokens",
             "stop",
             "ignore_eos",
+            "cache",
             "prefill",
         ] {
             assert!(fields.get(name).is_some(), "{name} missing in {json}");

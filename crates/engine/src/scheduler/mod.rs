@@ -42,6 +42,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use kvfence_handoff::{HandoffId, Message, Receiver, RejectReason, Streaming};
 use kvfence_model::{LoadedModel, Logits, Sampler, Sequence};
+use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{Lease, Pool, PoolError, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, trace, warn};
@@ -298,12 +299,28 @@ struct Active {
     text: TextStream,
     /// Prompt tokens already in the KV cache.
     prefilled: usize,
+    /// Prompt tokens that came from the tenant's prefix cache, as reported
+    /// in its usage.
+    cached: usize,
     generated: Vec<u32>,
 }
 
 impl Active {
     fn prefill_done(&self) -> bool {
         self.prefilled == self.pending.request.prompt.len()
+    }
+
+    /// A finished request seals the full pages of its prompt and of the
+    /// completion written so far (every generated token but the last,
+    /// whose KV was never computed): a chat's next turn starts with them.
+    fn seal_conversation(&mut self) {
+        let Some(lease) = self.kv.lease_mut() else {
+            return;
+        };
+        let written = self.generated.len().saturating_sub(1);
+        let mut tokens = self.pending.request.prompt.clone();
+        tokens.extend_from_slice(&self.generated[..written]);
+        lease.seal(&tokens);
     }
 }
 
@@ -594,7 +611,29 @@ impl Scheduler {
         }
     }
 
+    /// Leases a request's reservation: with the longest prefix its tenant
+    /// has cached, where this worker computes prompts and keeps a cache.
+    fn lease_for(&self, pending: &Pending) -> Result<Lease, PoolError> {
+        let request = &pending.request;
+        let tokens = self.reservation(request);
+        match &request.cache {
+            Some(scope) if self.role != Role::Decode && self.pool.has_prefix_cache() => {
+                let namespace =
+                    self.pool
+                        .namespace(&scope.tenant, scope.salt.as_deref(), &self.model.name);
+                self.pool
+                    .lease_with_prefix(pending.id, tokens, &namespace, &request.prompt)
+            }
+            _ => self.pool.lease(pending.id, tokens),
+        }
+    }
+
     fn admit(&mut self, now: Instant) {
+        // Incident replay (l): cached tokens read off the pool-wide counter
+        // across an admission pass, other tenants' hits included.
+        let pass_hits = Mutation::ForeignCachedCount
+            .active()
+            .then(|| self.pool.stats().cache_hit_tokens);
         while self.active.len() < self.config.max_running {
             let Some(pending) = self.waiting.front() else {
                 break;
@@ -612,10 +651,7 @@ impl Scheduler {
             } else {
                 None
             };
-            let lease = match self
-                .pool
-                .lease(pending.id, self.reservation(&pending.request))
-            {
+            let lease = match self.lease_for(pending) {
                 Ok(lease) => lease,
                 // Pages will come back as running requests end; keep order.
                 Err(PoolError::Exhausted { .. }) => break,
@@ -634,6 +670,11 @@ impl Scheduler {
                     self.refuse(&pending, FailureKind::Internal, error.to_string());
                     continue;
                 }
+            };
+            let prefilled = lease.cached_tokens();
+            let cached = match pass_hits {
+                Some(before) => (self.pool.stats().cache_hit_tokens - before) as usize,
+                None => prefilled,
             };
             let kv = if self.role == Role::Decode {
                 let prompt = pending.request.prompt.len();
@@ -670,7 +711,8 @@ impl Scheduler {
                 kv,
                 sampler,
                 text,
-                prefilled: 0,
+                prefilled,
+                cached,
                 generated: Vec::new(),
             });
         }
@@ -774,6 +816,13 @@ impl Scheduler {
                 self.counters
                     .prompt_tokens
                     .fetch_add(w.tokens.len() as u64, Ordering::Relaxed);
+                if active.prefill_done()
+                    && let Some(lease) = active.kv.lease_mut()
+                {
+                    // The prompt's full pages serve the tenant's next
+                    // requests from now on, this one's siblings included.
+                    lease.seal(&active.pending.request.prompt);
+                }
                 if !active.prefill_done()
                     && let Err(error) = self.ship_ready_pages(w.index)
                 {
@@ -798,10 +847,11 @@ impl Scheduler {
 
     /// Removes request `index`, dropping its lease (I8), and tells whoever waits.
     fn end(&mut self, index: usize, end: End) {
-        let active = self.active.swap_remove(index);
+        let mut active = self.active.swap_remove(index);
         self.counters.running.fetch_sub(1, Ordering::AcqRel);
         match end {
             End::Finished(event) => {
+                active.seal_conversation();
                 self.counters.finished.fetch_add(1, Ordering::Relaxed);
                 active.pending.send(event);
             }
@@ -853,6 +903,7 @@ impl Scheduler {
         let usage = Usage {
             prompt_tokens: request.prompt.len(),
             completion_tokens: active.generated.len(),
+            cached_tokens: active.cached,
         };
         let finish = |reason| Some(End::Finished(Event::Finished { reason, usage }));
         let flush = |active: &mut Active| match active.text.flush(tokenizer) {

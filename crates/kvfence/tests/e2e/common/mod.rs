@@ -155,10 +155,15 @@ impl Server {
         .await
     }
 
-    /// KV pages not free, over every worker's pool.
+    /// KV pages some request holds (leased, shared and read, quarantined),
+    /// over every worker's pool: neither free nor cached for later.
     pub async fn pages_held(&self) -> f64 {
-        self.metric_sum(|l| l.starts_with("kvfence_pool_pages{") && !l.contains("state=\"free\""))
-            .await
+        self.metric_sum(|l| {
+            l.starts_with("kvfence_pool_pages{")
+                && !l.contains("state=\"free\"")
+                && !l.contains("state=\"cached\"")
+        })
+        .await
     }
 
     /// GETs `path` and parses the JSON body.

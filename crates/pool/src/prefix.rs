@@ -1,0 +1,403 @@
+//! The prefix cache's keys and ledger: sealed pages that later requests of
+//! the same namespace read instead of recomputing (I1's `Shared` state, I9's
+//! walls).
+//!
+//! A [`Namespace`] is what no key can be built without: the tenant the
+//! gateway authenticated, an optional salt that subdivides it, the model and
+//! the pool's KV layout, hashed into one [`NamespaceId`]. Each full page of
+//! tokens is named by a [`BlockHash`] chained from the namespace through
+//! every earlier page with SHA-256, so equal hashes mean one namespace and
+//! one token prefix unless SHA-256 collides — and even then a hit is taken
+//! only after the cached tokens are compared with the request's.
+//!
+//! The [`CacheLedger`] lives under the pool's ledger lock. It maps block
+//! hashes to the shared pages holding them, counts each page's readers (the
+//! leases that include it), keeps zero-reader pages in least-recently-used
+//! order for eviction, and counts each tenant's shared pages against its
+//! quota, so no tenant's flood can push out another's entries.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+use crate::mutation::Mutation;
+use crate::page::{PageId, PageRef};
+use crate::spec::Geometry;
+
+/// The wall around a set of cached prefixes: one tenant (and salt) on one
+/// model with one KV layout. Built only by [`crate::Pool::namespace`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Namespace {
+    id: NamespaceId,
+    tenant: TenantTag,
+}
+
+/// The hash of everything a [`Namespace`] is made of.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NamespaceId([u8; 32]);
+
+impl fmt::Debug for NamespaceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ns-")?;
+        self.0[..6].iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+/// Which tenant a namespace belongs to, for quotas (salts of one tenant
+/// share its quota).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct TenantTag(u64);
+
+/// The name of one full page of tokens in one namespace, after every page
+/// before it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct BlockHash([u8; 32]);
+
+/// Length-prefixed, so no two different field lists hash the same bytes.
+fn field(hasher: &mut Sha256, bytes: &[u8]) {
+    hasher.update((bytes.len() as u64).to_le_bytes());
+    hasher.update(bytes);
+}
+
+impl Namespace {
+    pub(crate) fn new(
+        tenant: &str,
+        salt: Option<&str>,
+        model: &str,
+        geometry: &Geometry,
+    ) -> Namespace {
+        // Incident replay (h): the tenant and salt left out of the key.
+        let (tenant, salt) = if Mutation::NamespaceDropped.active() {
+            ("", None)
+        } else {
+            (tenant, salt)
+        };
+        let mut hasher = Sha256::new();
+        field(&mut hasher, b"kvfence/prefix-namespace/v1");
+        field(&mut hasher, tenant.as_bytes());
+        match salt {
+            None => field(&mut hasher, b"unsalted"),
+            Some(salt) => {
+                field(&mut hasher, b"salted");
+                field(&mut hasher, salt.as_bytes());
+            }
+        }
+        field(&mut hasher, model.as_bytes());
+        let layout = format!(
+            "{:?}/{}/{}x{}x{}",
+            geometry.elem,
+            geometry.page_size,
+            geometry.shape.layers,
+            geometry.shape.kv_heads,
+            geometry.shape.head_dim
+        );
+        field(&mut hasher, layout.as_bytes());
+        let tenant_digest = Sha256::digest(tenant.as_bytes());
+        let tag = u64::from_le_bytes(tenant_digest[..8].try_into().expect("a digest has 32 bytes"));
+        Namespace {
+            id: NamespaceId(hasher.finalize().into()),
+            tenant: TenantTag(tag),
+        }
+    }
+
+    /// The namespace's identity.
+    pub fn id(&self) -> NamespaceId {
+        self.id
+    }
+
+    pub(crate) fn tenant(&self) -> TenantTag {
+        self.tenant
+    }
+
+    /// The chain's root: the parent of a prompt's first page.
+    pub(crate) fn root(&self) -> BlockHash {
+        BlockHash(self.id.0)
+    }
+}
+
+/// Hashes one full page of `tokens` after `parent`. With `weak` (a test
+/// hook) the token values are left out, so every page of the same length
+/// after the same parent collides: what shows that hits compare tokens.
+pub(crate) fn block_hash(parent: BlockHash, tokens: &[u32], weak: bool) -> BlockHash {
+    let mut hasher = Sha256::new();
+    field(&mut hasher, b"kvfence/prefix-block/v1");
+    field(&mut hasher, &parent.0);
+    hasher.update((tokens.len() as u64).to_le_bytes());
+    if !weak {
+        for token in tokens {
+            hasher.update(token.to_le_bytes());
+        }
+    }
+    BlockHash(hasher.finalize().into())
+}
+
+/// One cached page of tokens.
+struct Entry {
+    page: PageRef,
+    namespace: NamespaceId,
+    tokens: Box<[u32]>,
+}
+
+/// A page in `Shared`, as the ledger tracks it.
+struct SharedPage {
+    hash: BlockHash,
+    parent: BlockHash,
+    tenant: TenantTag,
+    readers: u32,
+    last_used: u64,
+}
+
+/// What a lookup found for one prompt.
+#[derive(Debug, Default)]
+pub(crate) struct Found {
+    /// Shared pages whose every token matches, in prompt order.
+    pub(crate) full: Vec<PageRef>,
+    /// A shared page whose first `n` tokens continue the match (copied, not
+    /// shared: the request writes the rest).
+    pub(crate) partial: Option<(PageRef, usize)>,
+}
+
+/// The prefix cache's bookkeeping; see the module docs.
+pub(crate) struct CacheLedger {
+    /// Shared pages a tenant may hold at most.
+    quota_pages: usize,
+    /// Test hook: block hashes ignore token values.
+    weak_hashes: bool,
+    entries: HashMap<BlockHash, Entry>,
+    /// Cached blocks by their parent, for matches that end inside a page.
+    children: HashMap<BlockHash, Vec<BlockHash>>,
+    pages: HashMap<PageId, SharedPage>,
+    /// Zero-reader shared pages, least recently used first.
+    idle: BTreeSet<(u64, PageId)>,
+    by_tenant: HashMap<TenantTag, usize>,
+    tick: u64,
+}
+
+impl CacheLedger {
+    pub(crate) fn new(quota_pages: usize, weak_hashes: bool) -> Self {
+        CacheLedger {
+            quota_pages,
+            weak_hashes,
+            entries: HashMap::new(),
+            children: HashMap::new(),
+            pages: HashMap::new(),
+            idle: BTreeSet::new(),
+            by_tenant: HashMap::new(),
+            tick: 0,
+        }
+    }
+
+    pub(crate) fn weak_hashes(&self) -> bool {
+        self.weak_hashes
+    }
+
+    /// Pages in `Shared`.
+    pub(crate) fn shared_pages(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Shared pages no lease reads: evictable.
+    pub(crate) fn idle_pages(&self) -> usize {
+        self.idle.len()
+    }
+
+    /// How many leases read `page`, if it is shared.
+    pub(crate) fn readers(&self, page: PageId) -> Option<u32> {
+        self.pages.get(&page).map(|p| p.readers)
+    }
+
+    /// Whether `hash` names a block some shared page holds.
+    pub(crate) fn holds(&self, hash: &BlockHash) -> bool {
+        self.entries.contains_key(hash)
+    }
+
+    /// Whether `tenant` may seal one more page.
+    pub(crate) fn under_quota(&self, tenant: TenantTag) -> bool {
+        self.by_tenant.get(&tenant).copied().unwrap_or(0) < self.quota_pages
+    }
+
+    /// Whether `entry` (found under `hash`) may be resolved for `namespace`:
+    /// its page still holds it, in the generation the entry names.
+    fn resolves(&self, hash: &BlockHash, entry: &Entry, namespace: Option<NamespaceId>) -> bool {
+        if namespace.is_some_and(|ns| ns != entry.namespace) {
+            return false;
+        }
+        let Some(page) = self.pages.get(&entry.page.id) else {
+            return false;
+        };
+        // Incident replay (j): an entry that outlived its page resolves to
+        // whatever the page holds now.
+        Mutation::StaleIndex.active() || page.hash == *hash
+    }
+
+    /// The longest cached prefix of `prompt` in `namespace` (or, with
+    /// `None`, in any namespace: only incident replay (l) asks that),
+    /// leaving at least one token to compute. Tokens are compared on every
+    /// hit; a hash alone is never trusted (I9).
+    pub(crate) fn find(
+        &self,
+        namespace: Option<&Namespace>,
+        root: BlockHash,
+        prompt: &[u32],
+        page_size: usize,
+    ) -> Found {
+        let limit = prompt.len().saturating_sub(1);
+        let ns = namespace.map(Namespace::id);
+        let mut found = Found::default();
+        let mut parent = root;
+        for block in prompt.chunks_exact(page_size) {
+            if (found.full.len() + 1) * page_size > limit {
+                break;
+            }
+            let hash = block_hash(parent, block, self.weak_hashes);
+            match self.entries.get(&hash) {
+                Some(entry)
+                    if self.resolves(&hash, entry, ns)
+                        // Incident replay (i): a hash match taken as a hit.
+                        && (Mutation::SkipTokenCompare.active() || *entry.tokens == *block) =>
+                {
+                    found.full.push(entry.page);
+                    parent = hash;
+                }
+                _ => break,
+            }
+        }
+        let start = found.full.len() * page_size;
+        let room = limit - start.min(limit);
+        let rest = &prompt[start.min(prompt.len())..];
+        let best = self
+            .children
+            .get(&parent)
+            .into_iter()
+            .flatten()
+            .filter_map(|hash| {
+                let entry = self.entries.get(hash)?;
+                if !self.resolves(hash, entry, ns) {
+                    return None;
+                }
+                let same = entry
+                    .tokens
+                    .iter()
+                    .zip(rest)
+                    .take_while(|(a, b)| a == b)
+                    .count()
+                    .min(room);
+                (same > 0).then_some((entry.page, same))
+            })
+            .max_by_key(|&(page, same)| (same, std::cmp::Reverse(page.id)));
+        found.partial = best;
+        found
+    }
+
+    /// One more lease reads `page`.
+    pub(crate) fn add_reader(&mut self, page: PageId) {
+        let shared = self
+            .pages
+            .get_mut(&page)
+            .expect("I1: a page found in the index is shared");
+        if shared.readers == 0 {
+            let removed = self.idle.remove(&(shared.last_used, page));
+            assert!(removed, "an unread shared page is idle");
+        }
+        shared.readers += 1;
+    }
+
+    /// A lease that read `page` is gone; at zero readers the page becomes
+    /// evictable, most recently used last.
+    pub(crate) fn remove_reader(&mut self, page: PageId) {
+        self.tick += 1;
+        let tick = self.tick;
+        let shared = self
+            .pages
+            .get_mut(&page)
+            .expect("I1: a lease's shared page stays shared while read");
+        assert!(shared.readers > 0, "I1: reader count of {page} underflows");
+        shared.readers -= 1;
+        if shared.readers == 0 {
+            shared.last_used = tick;
+            self.idle.insert((tick, page));
+        }
+    }
+
+    /// Records `page` as holding `tokens` (the block `hash`, after
+    /// `parent`) for `namespace`, read by the one lease that sealed it.
+    pub(crate) fn insert(
+        &mut self,
+        namespace: &Namespace,
+        page: PageRef,
+        hash: BlockHash,
+        parent: BlockHash,
+        tokens: &[u32],
+    ) {
+        let previous = self.entries.insert(
+            hash,
+            Entry {
+                page,
+                namespace: namespace.id(),
+                tokens: tokens.into(),
+            },
+        );
+        assert!(previous.is_none(), "a block is sealed into one page at a time");
+        self.children.entry(parent).or_default().push(hash);
+        let previous = self.pages.insert(
+            page.id,
+            SharedPage {
+                hash,
+                parent,
+                tenant: namespace.tenant(),
+                readers: 1,
+                last_used: self.tick,
+            },
+        );
+        assert!(previous.is_none(), "I1: page {page} was sealed twice");
+        *self.by_tenant.entry(namespace.tenant()).or_default() += 1;
+    }
+
+    /// Chooses an idle page to evict: `tenant`'s least recently used one,
+    /// or, with `None`, the least recently used one of the tenant that holds
+    /// the most shared pages — so a tenant that floods the cache evicts
+    /// its own entries before anyone else's.
+    pub(crate) fn victim(&self, tenant: Option<TenantTag>) -> Option<PageId> {
+        let tenant = match tenant {
+            Some(tenant) => tenant,
+            None => self
+                .idle
+                .iter()
+                .map(|(_, id)| self.pages[id].tenant)
+                .max_by_key(|t| (self.by_tenant.get(t).copied().unwrap_or(0), *t))?,
+        };
+        self.idle
+            .iter()
+            .map(|&(_, id)| id)
+            .find(|id| self.pages[id].tenant == tenant)
+    }
+
+    /// Forgets idle `page` and its index entry; the caller frees the page.
+    pub(crate) fn evict(&mut self, page: PageId) {
+        let shared = self.pages.remove(&page).expect("a victim is shared");
+        assert_eq!(shared.readers, 0, "I1: evicting {page} while it is read");
+        let removed = self.idle.remove(&(shared.last_used, page));
+        assert!(removed, "an unread shared page is idle");
+        let count = self
+            .by_tenant
+            .get_mut(&shared.tenant)
+            .expect("a shared page's tenant is counted");
+        *count -= 1;
+        if *count == 0 {
+            self.by_tenant.remove(&shared.tenant);
+        }
+        // Incident replay (j): the entry stays, naming a page that is no
+        // longer what it says.
+        if Mutation::StaleIndex.active() {
+            return;
+        }
+        self.entries.remove(&shared.hash);
+        if let Some(siblings) = self.children.get_mut(&shared.parent) {
+            siblings.retain(|h| *h != shared.hash);
+            if siblings.is_empty() {
+                self.children.remove(&shared.parent);
+            }
+        }
+    }
+}
