@@ -35,7 +35,8 @@ pub use remote::fleet::Fleet;
 pub use remote::prefill::{MAX_DECODE_LINKS, PrefillWorker};
 pub use remote::wire::{Hello, ModelFingerprint};
 pub use request::{
-    CacheScope, Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
+    CacheScope, Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle,
+    Usage,
 };
 pub use scheduler::Role;
 pub use text::{Pushed, TextStream};

@@ -56,7 +56,7 @@ fn frames(grant: &Grant, source: &Lease) -> Vec<Vec<u8>> {
     let proof = Streaming::new(grant.clone())
         .finish(source, &mut ChunkFrames::new(grant, |f| frames.push(f)))
         .expect("complete source");
-    frames.push(proof.done(0).to_frame());
+    frames.push(proof.done(0, 0).to_frame());
     frames
 }
 
@@ -116,7 +116,7 @@ fn bench(c: &mut Criterion) {
                     }),
                 )
                 .expect("complete source");
-            assert!(receive(&mut receiver, proof.done(0).to_frame().into()));
+            assert!(receive(&mut receiver, proof.done(0, 0).to_frame().into()));
         })
     });
     group.bench_function("one-sided: window writes + commit check", |b| {
@@ -131,7 +131,7 @@ fn bench(c: &mut Criterion) {
             let grant = Grant::from_message(&grant).expect("grant");
             let proof =
                 send_kv_one_sided(&grant, &src, &window, window.key()).expect("live window");
-            receive(&mut receiver, proof.done(0).to_frame().into());
+            receive(&mut receiver, proof.done(0, 0).to_frame().into());
         })
     });
     group.finish();

@@ -30,9 +30,15 @@ pub struct Committed {
     lease: Lease,
     tokens: usize,
     first_token: u32,
+    cached: usize,
 }
 
 impl Committed {
+    /// Prompt tokens the sender read from its prefix cache (for usage).
+    pub fn cached_tokens(&self) -> usize {
+        self.cached
+    }
+
     /// Hand-off.
     pub fn id(&self) -> HandoffId {
         self.id
@@ -342,6 +348,7 @@ impl Receiver {
                 tokens,
                 digest: claimed,
                 first_token,
+                cached,
                 ..
             } => {
                 if epoch != incoming.epoch {
@@ -358,6 +365,7 @@ impl Receiver {
                             lease: incoming.lease,
                             tokens: incoming.tokens,
                             first_token,
+                            cached: (cached as usize).min(incoming.tokens),
                         })
                     }
                     Err(error) => self.fail(id, error),

@@ -68,14 +68,21 @@ pub struct AllSent {
 }
 
 impl AllSent {
-    /// The `Done` message this proof allows.
-    pub fn done(self, first_token: u32) -> Message {
+    /// The `Done` message this proof allows; `cached` prompt tokens came
+    /// from the sender's prefix cache.
+    pub fn done(self, first_token: u32, cached: usize) -> Message {
+        let tokens = u32::try_from(self.tokens).expect("grants fit u32 tokens");
+        assert!(
+            cached < self.tokens.max(1),
+            "a cached prefix leaves a token to compute"
+        );
         Message::Done {
             id: self.id,
             epoch: self.epoch,
-            tokens: u32::try_from(self.tokens).expect("grants fit u32 tokens"),
+            tokens,
             digest: self.digest,
             first_token,
+            cached: cached as u32,
         }
     }
 }

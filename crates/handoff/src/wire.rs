@@ -112,6 +112,9 @@ pub enum Message {
         digest: u64,
         /// The first generated token, sampled by prefill.
         first_token: u32,
+        /// Prompt tokens the sender read from its prefix cache instead of
+        /// computing: reported in usage, no part of the commit test.
+        cached: u32,
     },
     /// either way: this hand-off will never complete.
     Reject {
@@ -212,6 +215,7 @@ impl Message {
                 tokens,
                 digest,
                 first_token,
+                cached,
             } => {
                 out.push(DONE);
                 put_u64(out, id.0);
@@ -219,6 +223,7 @@ impl Message {
                 put_u32(out, *tokens);
                 put_u64(out, *digest);
                 put_u32(out, *first_token);
+                put_u32(out, *cached);
             }
             Message::Reject { id, reason } => {
                 out.push(REJECT);
@@ -336,6 +341,7 @@ impl Message {
                     tokens: r.u32()?,
                     digest: r.u64()?,
                     first_token: r.u32()?,
+                    cached: r.u32()?,
                 }
             }
             REJECT => {

@@ -57,15 +57,19 @@ fn message() -> impl Strategy<Value = Message> {
             epoch.clone(),
             any::<u32>(),
             any::<u64>(),
+            any::<u32>(),
             any::<u32>()
         )
-            .prop_map(|(id, epoch, tokens, digest, first_token)| Message::Done {
-                id,
-                epoch,
-                tokens,
-                digest,
-                first_token
-            }),
+            .prop_map(
+                |(id, epoch, tokens, digest, first_token, cached)| Message::Done {
+                    id,
+                    epoch,
+                    tokens,
+                    digest,
+                    first_token,
+                    cached
+                }
+            ),
         (
             id.clone(),
             prop_oneof![

@@ -79,7 +79,7 @@ fn setup() -> Setup {
 fn a_one_sided_transfer_commits_and_then_releases_normally() {
     let mut s = setup();
     let proof = send_kv_one_sided(&s.grant, &s.source, &s.window, s.key).unwrap();
-    let Outcome::Committed(committed) = s.receiver.handle(proof.done(5)) else {
+    let Outcome::Committed(committed) = s.receiver.handle(proof.done(5, 0)) else {
         panic!("no commit")
     };
     let lease = committed.into_lease();
@@ -157,7 +157,8 @@ fn i4_a_writer_that_never_acks_leaves_its_pages_quarantined() {
                 epoch: s.grant.epoch,
                 tokens: TOKENS as u32,
                 digest: 0,
-                first_token: 0
+                first_token: 0,
+                cached: 0
             }),
             Outcome::Ignored
         ));
@@ -185,6 +186,7 @@ fn i7_a_one_sided_done_over_missing_pages_fails_and_quarantines() {
         tokens: TOKENS as u32,
         digest: 1,
         first_token: 0,
+        cached: 0,
     };
     let Outcome::Failed { error, reply, .. } = s.receiver.handle(done) else {
         panic!("committed over missing pages")
@@ -211,6 +213,7 @@ fn i5_a_placeholder_done_fails_a_one_sided_grant_too() {
         tokens: 1,
         digest: 0,
         first_token: 0,
+        cached: 0,
     };
     assert!(matches!(
         s.receiver.handle(done),

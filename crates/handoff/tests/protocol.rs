@@ -93,7 +93,7 @@ fn a_clean_transfer_commits_with_exactly_the_sent_kv() {
     for m in messages {
         assert!(matches!(s.receiver.handle(m), Outcome::Accepted));
     }
-    let Outcome::Committed(committed) = s.receiver.handle(wire(&proof.done(42))) else {
+    let Outcome::Committed(committed) = s.receiver.handle(wire(&proof.done(42, 0))) else {
         panic!("no commit")
     };
     assert_eq!((committed.tokens(), committed.first_token()), (TOKENS, 42));
@@ -137,8 +137,8 @@ fn chunk_frames_written_from_the_page_are_the_frames_of_the_chunk_messages() {
         .unwrap();
     let expected: Vec<Vec<u8>> = messages.iter().map(Message::to_frame).collect();
     assert_eq!(frames, expected);
-    let done = framed_proof.done(7);
-    assert_eq!(done, proof.done(7), "the same digest");
+    let done = framed_proof.done(7, 0);
+    assert_eq!(done, proof.done(7, 0), "the same digest");
     // And they commit, decoded in place.
     for frame in frames {
         let frame = bytes::Bytes::from(frame);
@@ -253,7 +253,7 @@ fn a_chunk_from_a_revoked_epoch_is_ignored_and_counted() {
         s.receiver.handle(m);
     }
     assert!(matches!(
-        s.receiver.handle(proof.done(1)),
+        s.receiver.handle(proof.done(1, 0)),
         Outcome::Committed(_)
     ));
 }
@@ -269,6 +269,7 @@ fn i5_the_incident_placeholder_done_with_fewer_tokens_fails_the_request() {
         tokens: 1,
         digest: 0,
         first_token: 9,
+        cached: 0,
     };
     fails_with(&mut s, vec![done], |e| {
         matches!(
@@ -287,7 +288,7 @@ fn i7_done_before_every_page_arrived_fails() {
     let mut s = setup();
     let (mut messages, proof) = chunks(&s);
     messages.remove(1);
-    messages.push(proof.done(3));
+    messages.push(proof.done(3, 0));
     fails_with(&mut s, messages, |e| {
         matches!(
             e,
@@ -304,7 +305,7 @@ fn i7_done_before_every_page_arrived_fails() {
 fn i7_a_wrong_digest_fails() {
     let mut s = setup();
     let (mut messages, proof) = chunks(&s);
-    let mut done = proof.done(3);
+    let mut done = proof.done(3, 0);
     if let Message::Done { digest, .. } = &mut done {
         *digest ^= 1;
     }
@@ -344,7 +345,10 @@ fn abort_frees_the_pages_at_once_and_late_chunks_are_ignored() {
     for m in messages {
         assert!(matches!(s.receiver.handle(m), Outcome::Ignored));
     }
-    assert!(matches!(s.receiver.handle(proof.done(1)), Outcome::Ignored));
+    assert!(matches!(
+        s.receiver.handle(proof.done(1, 0)),
+        Outcome::Ignored
+    ));
     assert!(s.receiver.abort(ID).is_none());
 }
 
@@ -411,7 +415,7 @@ fn pages_ship_as_they_fill_and_the_transfer_still_commits_exactly() {
     for m in sent {
         assert!(matches!(receiver.handle(m), Outcome::Accepted));
     }
-    let Outcome::Committed(committed) = receiver.handle(wire(&proof.done(1))) else {
+    let Outcome::Committed(committed) = receiver.handle(wire(&proof.done(1, 0))) else {
         panic!("no commit")
     };
     let lease = committed.into_lease();

@@ -203,7 +203,7 @@ impl Sim {
         };
         if req.window.is_none() {
             let proof = send_kv(&req.grant, &req.source, |m| self.net.push(m)).unwrap();
-            let done = proof.done(id as u32);
+            let done = proof.done(id as u32, 0);
             self.push_done(&mut req, done);
         }
         self.reqs.insert(id, req);
@@ -222,7 +222,7 @@ impl Sim {
                 ..req.grant.clone()
             };
             let proof = send_kv(&placeholder, &req.source, |m| self.net.push(m)).unwrap();
-            self.net.push(proof.done(0));
+            self.net.push(proof.done(0, 0));
         } else {
             self.net.push(done);
         }
@@ -360,7 +360,7 @@ impl Sim {
                 if req.state != State::Granted {
                     self.fail(&format!("a one-sided write for ended request {id} landed"));
                 }
-                let done = proof.done(id as u32);
+                let done = proof.done(id as u32, 0);
                 let mut req = self.reqs.remove(&id).unwrap();
                 self.push_done(&mut req, done);
                 self.reqs.insert(id, req);

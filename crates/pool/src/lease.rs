@@ -111,7 +111,9 @@ impl Lease {
             }
             let hash = block_hash(parent, block, weak);
             if !self.is_shared[index]
-                && self.shared.seal(self.id, self.pages[index], &namespace, hash, parent, block)
+                && self
+                    .shared
+                    .seal(self.id, self.pages[index], &namespace, hash, parent, block)
             {
                 self.is_shared[index] = true;
                 sealed += 1;
@@ -441,8 +443,7 @@ impl Lease {
                 matches!(guard.holder, Holder::Leased { lease, .. } if lease == self.id)
             };
             assert!(
-                held && (guard.generation == page_ref.generation
-                    || Mutation::StaleIndex.active()),
+                held && (guard.generation == page_ref.generation || Mutation::StaleIndex.active()),
                 "I1: page {page_ref} changed hands while leased to {}",
                 self.owner
             );

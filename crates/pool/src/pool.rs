@@ -303,7 +303,10 @@ impl Pool {
                 _ => Found::default(),
             };
             let needed = total - found.full.len();
-            let attached = found.full.iter().chain(found.partial.iter().map(|(p, _)| p));
+            let attached = found
+                .full
+                .iter()
+                .chain(found.partial.iter().map(|(p, _)| p));
             let evictable = ledger.cache.as_ref().map_or(0, |c| c.idle_pages())
                 - attached
                     .clone()
@@ -377,7 +380,13 @@ impl Pool {
                 shared.give_back(lease, owner, vec![own], false);
             } else {
                 shared.copy_page_prefix(source, pages[at], slots);
-                shared.ledger.lock().cache.as_mut().expect("a partial match comes from the cache").remove_reader(source.id);
+                shared
+                    .ledger
+                    .lock()
+                    .cache
+                    .as_mut()
+                    .expect("a partial match comes from the cache")
+                    .remove_reader(source.id);
             }
             cached += slots;
         }
@@ -592,7 +601,11 @@ impl Shared {
             "I1: page {page_ref} is sealed only by the lease that wrote it"
         );
         let layers = self.geometry.shape.layers;
-        if (0..layers).any(|layer| page.coverage.first_gap(layer, self.geometry.page_size).is_some()) {
+        if (0..layers).any(|layer| {
+            page.coverage
+                .first_gap(layer, self.geometry.page_size)
+                .is_some()
+        }) {
             return false;
         }
         page.holder = Holder::Shared {

@@ -94,7 +94,11 @@ impl Namespace {
         );
         field(&mut hasher, layout.as_bytes());
         let tenant_digest = Sha256::digest(tenant.as_bytes());
-        let tag = u64::from_le_bytes(tenant_digest[..8].try_into().expect("a digest has 32 bytes"));
+        let tag = u64::from_le_bytes(
+            tenant_digest[..8]
+                .try_into()
+                .expect("a digest has 32 bytes"),
+        );
         Namespace {
             id: NamespaceId(hasher.finalize().into()),
             tenant: TenantTag(tag),
@@ -338,7 +342,10 @@ impl CacheLedger {
                 tokens: tokens.into(),
             },
         );
-        assert!(previous.is_none(), "a block is sealed into one page at a time");
+        assert!(
+            previous.is_none(),
+            "a block is sealed into one page at a time"
+        );
         self.children.entry(parent).or_default().push(hash);
         let previous = self.pages.insert(
             page.id,

@@ -13,8 +13,8 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 
 use kvfence_pool::{
-    ElemType, KvShape, Lease, Namespace, PageState, Pool, PoolError, PoolSize, PoolSpec,
-    RequestId, ReusePolicy,
+    ElemType, KvShape, Lease, Namespace, PageState, Pool, PoolError, PoolSize, PoolSpec, RequestId,
+    ReusePolicy,
 };
 use proptest::prelude::*;
 
@@ -37,14 +37,23 @@ fn pool(pages: usize, quota: usize) -> Pool {
 
 /// What "the model" writes at `position` of `layer` (K or V, one dim) for
 /// this tenant's prompt: a hash of the tenant and every token up to there.
-fn value(tenant: &str, prompt: &[u32], position: usize, layer: usize, kv: usize, dim: usize) -> f32 {
+fn value(
+    tenant: &str,
+    prompt: &[u32],
+    position: usize,
+    layer: usize,
+    kv: usize,
+    dim: usize,
+) -> f32 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut mix = |x: u64| {
         h ^= x;
         h = h.wrapping_mul(0x0100_0000_01b3);
     };
     tenant.bytes().for_each(|b| mix(u64::from(b)));
-    prompt[..=position].iter().for_each(|&t| mix(u64::from(t) + 7));
+    prompt[..=position]
+        .iter()
+        .for_each(|&t| mix(u64::from(t) + 7));
     [layer, kv, dim].iter().for_each(|&x| mix(x as u64 + 1));
     (h >> 40) as f32
 }
@@ -73,7 +82,8 @@ fn holds_own_prompt(lease: &Lease, tenant: &str, prompt: &[u32]) -> bool {
             (0..view.slots_in_page(page)).all(|slot| {
                 let position = page * PAGE + slot;
                 (0..SHAPE.head_dim).all(|dim| {
-                    keys[slot * SHAPE.head_dim + dim] == value(tenant, prompt, position, layer, 0, dim)
+                    keys[slot * SHAPE.head_dim + dim]
+                        == value(tenant, prompt, position, layer, 0, dim)
                         && values[slot * SHAPE.head_dim + dim]
                             == value(tenant, prompt, position, layer, 1, dim)
                 })
@@ -89,9 +99,15 @@ fn run(pool: &Pool, id: u64, ns: &Namespace, tenant: &str, prompt: &[u32]) -> (L
         .lease_with_prefix(RequestId(id), prompt.len() + 2, ns, prompt)
         .unwrap();
     let cached = lease.cached_tokens();
-    assert!(cached < prompt.len(), "at least one token is left to compute");
+    assert!(
+        cached < prompt.len(),
+        "at least one token is left to compute"
+    );
     compute(&mut lease, tenant, prompt, cached);
-    assert!(holds_own_prompt(&lease, tenant, prompt), "request {id} read KV that is not its prompt's");
+    assert!(
+        holds_own_prompt(&lease, tenant, prompt),
+        "request {id} read KV that is not its prompt's"
+    );
     lease.seal(prompt);
     (lease, cached)
 }
@@ -114,7 +130,11 @@ fn i1_a_sealed_prefix_is_shared_read_only_within_its_namespace() {
     assert_eq!(cached, 0);
     drop(first);
     assert!(pool.stats().at_baseline());
-    assert_eq!(pool.stats().shared_pages, 2, "the prompt's two full pages are sealed");
+    assert_eq!(
+        pool.stats().shared_pages,
+        2,
+        "the prompt's two full pages are sealed"
+    );
 
     let (mut second, cached) = run(&pool, 2, &ns, "a", &prompt);
     assert_eq!(cached, 8, "two whole pages come from the cache");
@@ -126,7 +146,10 @@ fn i1_a_sealed_prefix_is_shared_read_only_within_its_namespace() {
     ));
     // Nobody writes a shared page, not even a lease that reads it.
     let refused = second.write(shared, 0, 0..1, &[0.0; 2], &[0.0; 2]);
-    assert!(matches!(refused, Err(PoolError::PageNotInLease { .. })), "{refused:?}");
+    assert!(
+        matches!(refused, Err(PoolError::PageNotInLease { .. })),
+        "{refused:?}"
+    );
     assert!(holds_own_prompt(&second, "a", &prompt));
     let stats = pool.stats();
     assert_eq!((stats.cache_hits, stats.cache_hit_tokens), (1, 8));
@@ -141,9 +164,13 @@ fn i9_another_tenant_or_salt_never_hits() {
     let prompt: Vec<u32> = (1..=10).collect();
     let a = pool.namespace("a", None, MODEL);
     drop(run(&pool, 1, &a, "a", &prompt));
-    for (id, (tenant, salt, model)) in [("b", None, MODEL), ("a", Some("s"), MODEL), ("a", None, "other")]
-        .into_iter()
-        .enumerate()
+    for (id, (tenant, salt, model)) in [
+        ("b", None, MODEL),
+        ("a", Some("s"), MODEL),
+        ("a", None, "other"),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let ns = pool.namespace(tenant, salt, model);
         assert_ne!(ns.id(), a.id());
@@ -168,7 +195,10 @@ fn i9_a_colliding_hash_is_not_a_hit_unless_the_tokens_match() {
     drop(run(&pool, 1, &ns, "a", &[1, 2, 3, 4, 5, 6, 7, 8, 9]));
     // Same length, same parent, different tokens: the hash collides.
     let (_, cached) = run(&pool, 2, &ns, "a", &[9, 9, 9, 9, 5, 6, 7, 8, 9]);
-    assert_eq!(cached, 0, "a hash match without equal tokens was taken as a hit");
+    assert_eq!(
+        cached, 0,
+        "a hash match without equal tokens was taken as a hit"
+    );
 }
 
 #[test]
@@ -179,9 +209,15 @@ fn i1_a_match_ending_inside_a_page_copies_it_and_the_original_stays_intact() {
     drop(run(&pool, 1, &ns, "a", &first));
     // Shares page 0, then matches two tokens of page 1 and diverges.
     let second = [1, 2, 3, 4, 5, 6, 70, 80, 90];
-    let mut lease = pool.lease_with_prefix(RequestId(2), 10, &ns, &second).unwrap();
+    let mut lease = pool
+        .lease_with_prefix(RequestId(2), 10, &ns, &second)
+        .unwrap();
     assert_eq!(lease.cached_tokens(), 6);
-    assert_eq!(lease.shared_pages(), 1, "the partly matched page is a copy of its own");
+    assert_eq!(
+        lease.shared_pages(),
+        1,
+        "the partly matched page is a copy of its own"
+    );
     compute(&mut lease, "a", &second, 6);
     assert!(holds_own_prompt(&lease, "a", &second));
     drop(lease);
@@ -222,9 +258,16 @@ fn i9_a_tenant_flooding_the_cache_evicts_its_own_entries_not_anothers() {
     for i in 0..20u32 {
         let prompt: Vec<u32> = (0..9).map(|t| 1000 + i * 10 + t).collect();
         drop(run(&pool, 10 + u64::from(i), &a, "a", &prompt));
-        assert!(pool.stats().shared_pages <= 4 + 2, "a tenant exceeded its quota");
+        assert!(
+            pool.stats().shared_pages <= 4 + 2,
+            "a tenant exceeded its quota"
+        );
     }
-    assert_eq!(run(&pool, 99, &b, "b", &b_prompt).1, 8, "b's entries were pushed out");
+    assert_eq!(
+        run(&pool, 99, &b, "b", &b_prompt).1,
+        8,
+        "b's entries were pushed out"
+    );
 }
 
 #[test]
@@ -235,7 +278,10 @@ fn i6_a_lease_evicts_idle_pages_but_never_read_ones() {
     let (reader, _) = run(&pool, 1, &ns, "a", &prompt);
     // Two pages are shared and read, one is the reader's own: one free.
     let refused = pool.lease(RequestId(2), 8);
-    assert!(matches!(refused, Err(PoolError::Exhausted { .. })), "{refused:?}");
+    assert!(
+        matches!(refused, Err(PoolError::Exhausted { .. })),
+        "{refused:?}"
+    );
     assert!(holds_own_prompt(&reader, "a", &prompt));
     drop(reader);
     let lease = pool.lease(RequestId(3), 16).unwrap();
@@ -246,7 +292,11 @@ fn i6_a_lease_evicts_idle_pages_but_never_read_ones() {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Lease { tenant: usize, prompt: Vec<u32>, extra: usize },
+    Lease {
+        tenant: usize,
+        prompt: Vec<u32>,
+        extra: usize,
+    },
     Drop(usize),
 }
 
@@ -317,14 +367,19 @@ fn concurrent_readers_and_evictors_each_read_their_own_prompt() {
                     // Few distinct prompts, so pages are shared and evicted
                     // while other threads read them.
                     let len = 5 + (state % 8) as usize;
-                    let prompt: Vec<u32> = (0..len as u32).map(|i| (i + (state >> 8) as u32 % 3) % 4).collect();
+                    let prompt: Vec<u32> = (0..len as u32)
+                        .map(|i| (i + (state >> 8) as u32 % 3) % 4)
+                        .collect();
                     let id = RequestId((t as u64) << 32 | round);
                     let Ok(mut lease) = pool.lease_with_prefix(id, len + 1, &ns, &prompt) else {
                         continue;
                     };
                     let cached = lease.cached_tokens();
                     compute(&mut lease, tenant, &prompt, cached);
-                    assert!(holds_own_prompt(&lease, tenant, &prompt), "thread {t} read another prompt's KV");
+                    assert!(
+                        holds_own_prompt(&lease, tenant, &prompt),
+                        "thread {t} read another prompt's KV"
+                    );
                     lease.seal(&prompt);
                     assert!(holds_own_prompt(&lease, tenant, &prompt));
                 }
@@ -336,6 +391,9 @@ fn concurrent_readers_and_evictors_each_read_their_own_prompt() {
     }
     let stats = pool.stats();
     assert!(stats.at_baseline(), "{stats:?}");
-    assert!(stats.cache_hits > 0 && stats.cache_evictions > 0, "the test shared and evicted: {stats:?}");
+    assert!(
+        stats.cache_hits > 0 && stats.cache_evictions > 0,
+        "the test shared and evicted: {stats:?}"
+    );
     counts_add_up(&pool);
 }

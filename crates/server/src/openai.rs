@@ -189,7 +189,9 @@ impl CommonParams {
     pub fn cache_salt(&self) -> Result<Option<String>, ApiError> {
         match &self.cache_salt {
             None => Ok(None),
-            Some(salt) if !salt.is_empty() && salt.len() <= MAX_CACHE_SALT => Ok(Some(salt.clone())),
+            Some(salt) if !salt.is_empty() && salt.len() <= MAX_CACHE_SALT => {
+                Ok(Some(salt.clone()))
+            }
             Some(_) => Err(ApiError::invalid(
                 "cache_salt",
                 format!("cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} bytes"),

@@ -16,7 +16,9 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream};
-use kvfence_engine::{CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage};
+use kvfence_engine::{
+    CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
+};
 use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, info};

@@ -54,6 +54,7 @@ impl Scheduler {
                 let first_token = committed.first_token();
                 let active = &mut self.active[index];
                 active.prefilled = committed.tokens();
+                active.cached = committed.cached_tokens();
                 active.kv = Kv::Held(committed.into_lease());
                 active.sampler.resume_after(1);
                 self.counters

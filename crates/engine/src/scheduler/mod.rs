@@ -30,6 +30,8 @@
 //! a decode worker awaits its hand-off (`Kv::Awaited`), in the receiver, so
 //! finishing, failing or cancelling it is what returns its pages (I8).
 
+#[cfg(test)]
+mod cache_tests;
 mod decode;
 mod prefill;
 

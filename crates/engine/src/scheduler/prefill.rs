@@ -53,6 +53,7 @@ impl Scheduler {
                         tokens: 1,
                         digest: 0,
                         first_token: 0,
+                        cached: 0,
                     },
                 );
                 return;
@@ -137,6 +138,7 @@ impl Scheduler {
         // Fault injection: a writer that goes silent instead of shipping.
         fail::fail_point!("prefill-stall", |_| End::Shipped);
         let active = &mut self.active[index];
+        let cached = active.cached;
         let lease = active
             .kv
             .lease()
@@ -165,7 +167,7 @@ impl Scheduler {
         };
         match sent {
             Ok(proof) => {
-                let _ = peer.message(&proof.done(first_token));
+                let _ = peer.message(&proof.done(first_token, cached));
                 End::Shipped
             }
             Err(error) => End::Failed(FailureKind::Internal, error.to_string()),

@@ -14,5 +14,6 @@ mod fleet;
 mod front_door;
 mod links;
 mod multiprocess;
+mod prefix_cache;
 mod serve;
 mod smollm2;

@@ -1,0 +1,285 @@
+//! The prefix cache through the scheduler, driven command by command: with
+//! the cache, every answer is bit-identical to the answer without it (batch
+//! and chunk invariance make that exact), whatever is shared, copied or
+//! evicted; and what a request reports as cached is its own tenant's.
+
+// In a test, a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::mpsc;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
+
+use super::{Command, Pending, Role, Scheduler};
+use crate::config::EngineConfig;
+use crate::counters::Counters;
+use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle, Usage};
+
+const PAGE: usize = 16;
+
+fn model() -> Arc<LoadedModel> {
+    static MODEL: OnceLock<Arc<LoadedModel>> = OnceLock::new();
+    Arc::clone(MODEL.get_or_init(|| Arc::new(LoadedModel::load("builtin:tiny").unwrap())))
+}
+
+/// How the pool under test is built.
+#[derive(Clone, Copy)]
+enum Cache {
+    Off,
+    On,
+    /// Every block hash of a length after the same parent collides.
+    Colliding,
+}
+
+struct Worker {
+    scheduler: Scheduler,
+    pool: Pool,
+    next_id: u64,
+    _inbox: mpsc::Sender<Command>,
+}
+
+fn worker(cache: Cache, tokens: usize, step_tokens: usize) -> Worker {
+    let model = model();
+    let mut spec = PoolSpec::new(
+        model.model.kv_shape(),
+        PAGE,
+        ElemType::F32,
+        PoolSize::Tokens(tokens),
+    )
+    .with_scrub(Scrub::Poison)
+    .with_reuse(ReusePolicy::NewestFreedFirst);
+    let pages = tokens.div_ceil(PAGE);
+    spec = match cache {
+        Cache::Off => spec,
+        Cache::On => spec.with_prefix_cache(pages),
+        Cache::Colliding => spec.with_prefix_cache(pages).with_colliding_hashes(),
+    };
+    let pool = Pool::new(&spec).unwrap();
+    let (inbox_tx, inbox) = mpsc::channel();
+    let config = EngineConfig {
+        step_tokens,
+        ..EngineConfig::default()
+    };
+    let scheduler = Scheduler::new(
+        Role::Colocated,
+        model,
+        pool.clone(),
+        config,
+        Arc::new(Counters::default()),
+        inbox,
+    );
+    Worker {
+        scheduler,
+        pool,
+        next_id: 1,
+        _inbox: inbox_tx,
+    }
+}
+
+fn request(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
+    GenerationRequest {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        },
+        stop: StopStrings::default(),
+        ignore_eos: true,
+        cache: Some(CacheScope {
+            tenant: tenant.into(),
+            salt: None,
+        }),
+    }
+}
+
+impl Worker {
+    /// Submits every request in one go (they meet in one admission pass)
+    /// and steps until all have ended; their texts and usage, in order.
+    fn run(&mut self, requests: &[GenerationRequest]) -> Vec<(String, Usage)> {
+        let mut handles: Vec<RequestHandle> = requests
+            .iter()
+            .map(|request| {
+                let id = RequestId(self.next_id);
+                self.next_id += 1;
+                let (pending, handle) = Pending::for_client(id, request.clone(), None);
+                self.scheduler.handle(Command::Submit(Box::new(pending)));
+                handle
+            })
+            .collect();
+        let mut answers: Vec<Option<(String, Usage)>> = vec![None; requests.len()];
+        let mut texts = vec![String::new(); requests.len()];
+        for _ in 0..10_000 {
+            self.scheduler.poll(Instant::now());
+            for (i, handle) in handles.iter_mut().enumerate() {
+                while let Ok(event) = handle.try_next() {
+                    match event {
+                        Event::Token { text } => texts[i].push_str(&text),
+                        Event::Finished { usage, .. } => {
+                            answers[i] = Some((std::mem::take(&mut texts[i]), usage));
+                        }
+                        Event::Failed { message, .. } => panic!("request {i} failed: {message}"),
+                    }
+                }
+            }
+            if answers.iter().all(Option::is_some) {
+                let stats = self.pool.stats();
+                assert!(stats.at_baseline(), "I8: {stats:?}");
+                return answers.into_iter().map(Option::unwrap).collect();
+            }
+        }
+        panic!("requests never finished");
+    }
+}
+
+/// Prompts that share prefixes in every way the cache distinguishes: a
+/// long common system prompt, matches ending on and inside page
+/// boundaries, exact repeats, a prompt that is all cached pages, and a
+/// conversation's next turn (the last answer's tokens followed by more).
+fn family() -> Vec<Vec<u32>> {
+    let system: Vec<u32> = (0..40).map(|i| (i * 11 + 3) % 250).collect();
+    let with = |tail: &[u32]| [system.as_slice(), tail].concat();
+    vec![
+        with(&[1, 2, 3]),
+        with(&[1, 2, 3]),
+        with(&[1, 2, 9, 9, 9, 9, 9, 9, 9, 9]),
+        system[..32].to_vec(),
+        system[..32].to_vec(),
+        with(&(0..30).collect::<Vec<_>>()),
+        with(
+            &(0..30)
+                .map(|t| if t == 20 { 99 } else { t })
+                .collect::<Vec<_>>(),
+        ),
+        system[..5].to_vec(),
+        with(&(0..30).collect::<Vec<_>>()),
+    ]
+}
+
+fn answers(
+    cache: Cache,
+    pool_tokens: usize,
+    step_tokens: usize,
+    tenant_of: impl Fn(usize) -> &'static str,
+) -> Vec<(String, Usage)> {
+    let mut worker = worker(cache, pool_tokens, step_tokens);
+    let prompts = family();
+    let mut out = Vec::new();
+    // One at a time (each sees everything sealed before), then all at once.
+    for (i, prompt) in prompts.iter().enumerate() {
+        out.extend(worker.run(&[request(tenant_of(i), prompt.clone(), 12)]));
+    }
+    let all: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| request(tenant_of(i), p.clone(), 12))
+        .collect();
+    out.extend(worker.run(&all));
+    out
+}
+
+fn texts(answers: &[(String, Usage)]) -> Vec<&str> {
+    answers.iter().map(|(t, _)| t.as_str()).collect()
+}
+
+#[test]
+fn i2_answers_with_the_prefix_cache_are_bit_identical_to_answers_without_it() {
+    let reference = answers(Cache::Off, 4096, 256, |_| "a");
+    assert!(reference.iter().all(|(_, u)| u.cached_tokens == 0));
+    // A roomy pool, prompts prefilled in small chunks.
+    let cached = answers(Cache::On, 4096, 7, |_| "a");
+    assert_eq!(texts(&cached), texts(&reference));
+    let hits: usize = cached.iter().map(|(_, u)| u.cached_tokens).sum();
+    assert!(hits > 200, "the cache was hardly used: {hits} tokens");
+    // A pool so small that cached pages are evicted and reused all along.
+    let tight = answers(Cache::On, 16 * 16, 256, |_| "a");
+    assert_eq!(texts(&tight), texts(&reference));
+}
+
+#[test]
+fn i1_evicted_pages_are_never_read_through_a_stale_entry() {
+    // Distinct prompts cycling through a pool of 12 pages: every page is
+    // cached, evicted, re-leased and sealed with other tokens over and over,
+    // and each prompt comes back after its pages have moved on.
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|k| (0..40).map(|i| (i * 13 + k * 29 + 1) % 250).collect())
+        .collect();
+    let run = |cache| {
+        let mut worker = worker(cache, 12 * PAGE, 256);
+        let mut out = Vec::new();
+        for round in 0..3 {
+            for k in 0..prompts.len() {
+                // Forwards, backwards, forwards: every reuse order.
+                let k = if round == 1 { prompts.len() - 1 - k } else { k };
+                out.extend(worker.run(&[request("a", prompts[k].clone(), 12)]));
+            }
+        }
+        (out, worker.pool.stats())
+    };
+    let (reference, _) = run(Cache::Off);
+    let (cached, stats) = run(Cache::On);
+    assert!(
+        stats.cache_evictions > 10 && stats.cache_hits > 0,
+        "{stats:?}"
+    );
+    assert_eq!(texts(&cached), texts(&reference));
+}
+
+#[test]
+fn i9_a_hit_is_taken_only_after_comparing_tokens() {
+    let reference = answers(Cache::Off, 4096, 256, |_| "a");
+    let colliding = answers(Cache::Colliding, 4096, 256, |_| "a");
+    assert_eq!(texts(&colliding), texts(&reference));
+}
+
+#[test]
+fn i9_tenants_never_read_each_others_prefixes() {
+    let mut worker = worker(Cache::On, 4096, 256);
+    let prompt = family()[5].clone();
+    let a = worker.run(&[request("a", prompt.clone(), 4)]);
+    assert_eq!(a[0].1.cached_tokens, 0);
+    let b = worker.run(&[request("b", prompt.clone(), 4)]);
+    assert_eq!(b[0].1.cached_tokens, 0, "tenant b hit tenant a's prefix");
+    let again = worker.run(&[request("a", prompt.clone(), 4)]);
+    assert_eq!(again[0].1.cached_tokens, 64, "the tenant's own repeat hits");
+    let mut salted = request("a", prompt, 4);
+    salted.cache.as_mut().unwrap().salt = Some("s".into());
+    assert_eq!(
+        worker.run(&[salted])[0].1.cached_tokens,
+        0,
+        "a salt subdivides the tenant"
+    );
+}
+
+#[test]
+fn i9_cached_tokens_count_only_the_requests_own_hits() {
+    let mut worker = worker(Cache::On, 4096, 256);
+    let prompt = family()[5].clone();
+    worker.run(&[request("a", prompt.clone(), 4)]);
+    // Tenant a's repeat and tenant b's fresh prompt meet in one admission
+    // pass: b must see none of a's hit.
+    let fresh: Vec<u32> = (0..70).map(|i| (i * 5 + 1) % 250).collect();
+    let both = worker.run(&[request("a", prompt, 4), request("b", fresh, 4)]);
+    assert_eq!(both[0].1.cached_tokens, 64);
+    assert_eq!(both[1].1.cached_tokens, 0, "b's usage counted a's hit");
+}
+
+#[test]
+fn a_finished_request_seals_its_completion_for_the_next_turn() {
+    let mut worker = worker(Cache::On, 4096, 256);
+    let prompt: Vec<u32> = (0..20).map(|i| (i * 3 + 2) % 250).collect();
+    worker.run(&[request("a", prompt.clone(), 1)]);
+    // 20 prompt tokens: one full page.
+    assert_eq!(worker.pool.stats().shared_pages, 1);
+    let other: Vec<u32> = (0..20).map(|i| (i * 7 + 1) % 250).collect();
+    worker.run(&[request("a", other, 30)]);
+    // 20 prompt tokens and 29 written completion tokens (the last one's KV
+    // is never computed): three more full pages, ready for a next turn
+    // that repeats the conversation so far.
+    assert_eq!(worker.pool.stats().shared_pages, 1 + 3);
+}
