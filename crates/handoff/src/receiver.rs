@@ -111,6 +111,9 @@ struct Incoming {
     lease: Lease,
     tokens: usize,
     page_size: usize,
+    /// Leading granted pages the lease already holds (shared prefix-cache
+    /// pages): no chunk may name them, and the digest leaves them out.
+    present: usize,
     /// Per granted page: the checksum of the chunk received (two-sided).
     checksums: Vec<Option<u64>>,
     /// The writer's window (one-sided).
@@ -181,11 +184,15 @@ impl Receiver {
         let epoch = Epoch(self.next_epoch);
         let page_size = lease.page_size();
         let pages = lease.pages()[..(tokens as usize).div_ceil(page_size)].to_vec();
+        let present = lease
+            .leading_shared_pages()
+            .min(pages.len().saturating_sub(1));
         let message = Message::Grant {
             id,
             epoch,
             page_size: page_size as u32,
             tokens,
+            present: present as u32,
             pages: pages.clone(),
         };
         let checksums = vec![None; pages.len()];
@@ -196,6 +203,7 @@ impl Receiver {
                 lease,
                 tokens: tokens as usize,
                 page_size,
+                present,
                 checksums,
                 window,
             },
@@ -318,6 +326,15 @@ impl Receiver {
                         },
                     );
                 };
+                if index < incoming.present {
+                    return self.fail(
+                        id,
+                        HandoffError::ChunkOutsideGrant {
+                            id,
+                            reason: "page is already present",
+                        },
+                    );
+                }
                 let slots = slot_start as usize..slot_end as usize;
                 let expected = 0..incoming
                     .page_size
@@ -406,13 +423,16 @@ impl Receiver {
                 incoming.checksums[index] = Some(chunk_checksum(runs));
             }
         }
-        let pages = incoming.checksums.len();
-        let missing = incoming.checksums.iter().filter(|c| c.is_none()).count();
+        let shipped = &incoming.checksums[incoming.present..];
+        let pages = shipped.len();
+        let missing = shipped.iter().filter(|c| c.is_none()).count();
         if missing > 0 {
             return Err(HandoffError::Incomplete { id, missing, pages });
         }
+        // Present pages are covered too: the lease proves every granted
+        // slot, whichever way it was written (I2).
         incoming.lease.check_covered(incoming.tokens)?;
-        if digest(incoming.checksums.iter().flatten().copied()) != claimed {
+        if digest(shipped.iter().flatten().copied()) != claimed {
             return Err(HandoffError::DigestMismatch { id });
         }
         Ok(written_in_place)

@@ -25,6 +25,8 @@ pub struct Grant {
     pub page_size: usize,
     /// Prompt tokens granted.
     pub tokens: usize,
+    /// Leading pages the receiver already holds; they are not shipped.
+    pub present: usize,
     /// Target pages, in token order.
     pub pages: Vec<PageRef>,
 }
@@ -38,12 +40,14 @@ impl Grant {
                 epoch,
                 page_size,
                 tokens,
+                present,
                 pages,
             } => Some(Grant {
                 id: *id,
                 epoch: *epoch,
                 page_size: *page_size as usize,
                 tokens: *tokens as usize,
+                present: *present as usize,
                 pages: pages.clone(),
             }),
             _ => None,
@@ -257,7 +261,7 @@ impl Streaming {
     ) -> Result<(), HandoffError> {
         self.check_shape(source)?;
         let written = written.min(self.grant.tokens);
-        let ready = (0..self.checksums.len())
+        let ready = (self.grant.present..self.checksums.len())
             .filter(|&i| {
                 self.checksums[i].is_none()
                     && self.grant.slots(i).end + i * self.grant.page_size <= written
@@ -268,7 +272,7 @@ impl Streaming {
         }
         source.check_covered(written)?;
         let view = source.read_view_raw(written)?;
-        for index in 0..self.checksums.len() {
+        for index in self.grant.present..self.checksums.len() {
             let slots = self.grant.slots(index);
             if self.checksums[index].is_some() || index * self.grant.page_size + slots.end > written
             {
@@ -298,8 +302,7 @@ impl Streaming {
                     .unwrap_or(0),
             })?;
         self.send_ready(source, need, out)?;
-        let checksums: Vec<u64> = self
-            .checksums
+        let checksums: Vec<u64> = self.checksums[self.grant.present..]
             .iter()
             .map(|c| c.expect("every page shipped once the source is complete"))
             .collect();
@@ -324,6 +327,14 @@ impl Streaming {
             return Err(HandoffError::ChunkOutsideGrant {
                 id: grant.id,
                 reason: "grant pages do not match its token count",
+            });
+        }
+        // The receiver keeps at least the last page to be written: a
+        // hand-off that ships nothing proves nothing.
+        if grant.present >= grant.pages.len() {
+            return Err(HandoffError::ChunkOutsideGrant {
+                id: grant.id,
+                reason: "a grant leaves no page to ship",
             });
         }
         Ok(())

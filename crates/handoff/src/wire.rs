@@ -80,6 +80,9 @@ pub enum Message {
         page_size: u32,
         /// Prompt tokens granted.
         tokens: u32,
+        /// Leading pages the receiver already holds (its prefix cache):
+        /// the sender ships none of them.
+        present: u32,
         /// The pages, in token order.
         pages: Vec<PageRef>,
     },
@@ -174,6 +177,7 @@ impl Message {
                 epoch,
                 page_size,
                 tokens,
+                present,
                 pages,
             } => {
                 out.push(GRANT);
@@ -181,6 +185,7 @@ impl Message {
                 put_u32(out, epoch.0);
                 put_u32(out, *page_size);
                 put_u32(out, *tokens);
+                put_u32(out, *present);
                 put_u32(
                     out,
                     u32::try_from(pages.len()).expect("grants hold far fewer than 2^32 pages"),
@@ -288,8 +293,13 @@ impl Message {
         let message = match r.u8()? {
             GRANT => {
                 r.kind = "Grant";
-                let (id, epoch, page_size, tokens) =
-                    (HandoffId(r.u64()?), Epoch(r.u32()?), r.u32()?, r.u32()?);
+                let (id, epoch, page_size, tokens, present) = (
+                    HandoffId(r.u64()?),
+                    Epoch(r.u32()?),
+                    r.u32()?,
+                    r.u32()?,
+                    r.u32()?,
+                );
                 let count = r.u32()? as usize;
                 if count.checked_mul(PAGE_REF_BYTES) != Some(r.buf.len()) {
                     return Err(r.malformed("page count does not match the frame length"));
@@ -301,11 +311,15 @@ impl Message {
                         generation: Generation(r.u64()?),
                     });
                 }
+                if present as usize > count {
+                    return Err(r.malformed("more pages present than granted"));
+                }
                 Message::Grant {
                     id,
                     epoch,
                     page_size,
                     tokens,
+                    present,
                     pages,
                 }
             }

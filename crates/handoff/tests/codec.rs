@@ -23,15 +23,19 @@ fn message() -> impl Strategy<Value = Message> {
             epoch.clone(),
             any::<u32>(),
             any::<u32>(),
-            proptest::collection::vec(page_ref(), 0..20)
+            proptest::collection::vec(page_ref(), 0..20),
+            any::<prop::sample::Index>()
         )
-            .prop_map(|(id, epoch, page_size, tokens, pages)| Message::Grant {
-                id,
-                epoch,
-                page_size,
-                tokens,
-                pages
-            }),
+            .prop_map(
+                |(id, epoch, page_size, tokens, pages, present)| Message::Grant {
+                    id,
+                    epoch,
+                    page_size,
+                    tokens,
+                    present: present.index(pages.len() + 1) as u32,
+                    pages
+                }
+            ),
         (
             id.clone(),
             epoch.clone(),
@@ -130,10 +134,15 @@ fn malformed_frames_are_errors() {
         epoch: Epoch(1),
         page_size: 16,
         tokens: 3,
+        present: 0,
         pages: vec![],
     }
     .to_frame();
-    grant[4 + 1 + 8 + 4 + 4 + 4] = 5; // claims 5 pages, carries none
+    let at = 4 + 1 + 8 + 4 + 4 + 4;
+    grant[at + 4] = 5; // claims 5 pages, carries none
+    assert!(Message::decode(&grant).is_err());
+    grant[at + 4] = 0;
+    grant[at] = 1; // one page present of none granted
     assert!(Message::decode(&grant).is_err());
     let mut trailing = Message::Abort {
         id: HandoffId(1),

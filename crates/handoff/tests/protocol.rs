@@ -424,3 +424,89 @@ fn pages_ship_as_they_fill_and_the_transfer_still_commits_exactly() {
         source.read_view::<f32>(TOKENS).unwrap().keys(2, 2, 1)
     );
 }
+
+/// A decode pool with a prefix cache that already holds the first page of
+/// the prompt, sealed from an earlier transfer, and a grant into a lease
+/// that starts with it.
+fn setup_with_present_page() -> Setup {
+    let prefill = pool(8);
+    let decode = Pool::new(
+        &PoolSpec::new(SHAPE, PAGE, ElemType::F32, PoolSize::Pages(8)).with_prefix_cache(8),
+    )
+    .unwrap();
+    let namespace = decode.namespace("tenant", None, "model");
+    let prompt: Vec<u32> = (0..TOKENS as u32).collect();
+    let source = written_source(&prefill, TOKENS);
+    // An earlier request of the tenant: its KV arrives and is sealed.
+    let mut earlier = decode
+        .lease_with_prefix(RequestId(99), TOKENS, &namespace, &prompt)
+        .unwrap();
+    let view = source.read_view_raw(TOKENS).unwrap();
+    for page in 0..3 {
+        let slots = 0..view.slots_in_page(page);
+        let bytes = view.export_slots(page, slots.clone());
+        earlier
+            .write_slots_raw(earlier.pages()[page], slots, &bytes)
+            .unwrap();
+    }
+    drop(view);
+    assert_eq!(earlier.seal(&prompt), 2);
+    drop(earlier);
+    let mut receiver = Receiver::new();
+    let reservation = decode
+        .lease_with_prefix(RequestId(100), TOKENS + 6, &namespace, &prompt)
+        .unwrap();
+    assert_eq!(reservation.leading_shared_pages(), 2);
+    let grant =
+        Grant::from_message(&wire(&receiver.grant(ID, reservation, TOKENS).unwrap())).unwrap();
+    Setup {
+        prefill,
+        decode,
+        receiver,
+        grant,
+        source,
+    }
+}
+
+#[test]
+fn i2_pages_the_receiver_holds_are_not_shipped_and_the_commit_still_proves_every_slot() {
+    let mut s = setup_with_present_page();
+    assert_eq!(s.grant.present, 2, "two full pages are present");
+    let (messages, proof) = chunks(&s);
+    assert_eq!(messages.len(), 1, "only the last page crosses the link");
+    for m in messages {
+        assert!(matches!(s.receiver.handle(m), Outcome::Accepted));
+    }
+    let Outcome::Committed(committed) = s.receiver.handle(wire(&proof.done(5, 0))) else {
+        panic!("no commit")
+    };
+    let lease = committed.into_lease();
+    let (got, want) = (
+        lease.read_view::<f32>(TOKENS).unwrap(),
+        s.source.read_view::<f32>(TOKENS).unwrap(),
+    );
+    for page in 0..3 {
+        for layer in 0..SHAPE.layers {
+            assert_eq!(got.keys(page, layer, 1), want.keys(page, layer, 1));
+            assert_eq!(got.values(page, layer, 0), want.values(page, layer, 0));
+        }
+    }
+    drop((got, want));
+    drop(lease);
+    assert!(s.decode.stats().at_baseline());
+}
+
+#[test]
+fn i1_a_chunk_for_a_present_page_fails_the_hand_off() {
+    let mut s = setup_with_present_page();
+    // A sender that ignores `present` and ships page 0 anyway.
+    let mut everything = s.grant.clone();
+    everything.present = 0;
+    let mut out = Vec::new();
+    let _ = send_kv(&everything, &s.source, |m| out.push(wire(&m))).unwrap();
+    fails_with(
+        &mut s,
+        vec![out.remove(0)],
+        |e| matches!(e, HandoffError::ChunkOutsideGrant { reason, .. } if reason.contains("present")),
+    );
+}

@@ -83,6 +83,13 @@ impl Lease {
         self.is_shared.iter().filter(|s| **s).count()
     }
 
+    /// Leading pages that are shared: positions
+    /// `0..leading_shared_pages() * page_size` are written and sealed, so a
+    /// hand-off into this lease need not carry them.
+    pub fn leading_shared_pages(&self) -> usize {
+        self.is_shared.iter().take_while(|s| **s).count()
+    }
+
     /// Seals every full page of `tokens` — the tokens whose KV this lease
     /// holds at positions `0..tokens.len()` — into the prefix cache of the
     /// lease's namespace, so later leases of that namespace read them

@@ -55,7 +55,11 @@ impl Scheduler {
                 let active = &mut self.active[index];
                 active.prefilled = committed.tokens();
                 active.cached = committed.cached_tokens();
-                active.kv = Kv::Held(committed.into_lease());
+                let mut lease = committed.into_lease();
+                // Verified KV of the tenant's prompt: its full pages serve
+                // the tenant's next hand-offs here without crossing the link.
+                lease.seal(&active.pending.request.prompt);
+                active.kv = Kv::Held(lease);
                 active.sampler.resume_after(1);
                 self.counters
                     .prompt_tokens

@@ -613,13 +613,17 @@ impl Scheduler {
         }
     }
 
-    /// Leases a request's reservation: with the longest prefix its tenant
-    /// has cached, where this worker computes prompts and keeps a cache.
+    /// Leases a request's reservation, starting with the longest prefix its
+    /// tenant has cached here: a colocated or prefill worker then computes
+    /// only the rest, a decode worker is sent only the pages it lacks. (A
+    /// one-sided writer is never given shared pages: shared-memory grants
+    /// lease plainly.)
     fn lease_for(&self, pending: &Pending) -> Result<Lease, PoolError> {
         let request = &pending.request;
         let tokens = self.reservation(request);
+        let one_sided_grant = self.role == Role::Decode && self.one_sided;
         match &request.cache {
-            Some(scope) if self.role != Role::Decode && self.pool.has_prefix_cache() => {
+            Some(scope) if !one_sided_grant && self.pool.has_prefix_cache() => {
                 let namespace =
                     self.pool
                         .namespace(&scope.tenant, scope.salt.as_deref(), &self.model.name);
@@ -673,7 +677,12 @@ impl Scheduler {
                     continue;
                 }
             };
-            let prefilled = lease.cached_tokens();
+            // A decode worker's cached pages only spare the link; its
+            // request counts as prefilled when the hand-off commits.
+            let prefilled = match self.role {
+                Role::Decode => 0,
+                Role::Colocated | Role::Prefill => lease.cached_tokens(),
+            };
             let cached = match pass_hits {
                 Some(before) => (self.pool.stats().cache_hit_tokens - before) as usize,
                 None => prefilled,

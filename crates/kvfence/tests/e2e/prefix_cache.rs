@@ -111,6 +111,21 @@ async fn i9_a_tenants_repeat_hits_its_own_cache_only_and_answers_the_same() {
             "{mode:?}: the salt's own repeat missed: {cached:?}"
         );
 
+        if mode.contains(&"disaggregated") {
+            // The decode worker keeps what it was sent: a repeat crosses the
+            // link as its last pages only.
+            let bytes = || server.metric("kvfence_handoff_bytes_total");
+            let question = "How long may a drain take?";
+            let before = bytes().await;
+            ask(&server, &a, chat(question, None)).await;
+            let first = bytes().await - before;
+            ask(&server, &a, chat(question, None)).await;
+            let repeat = bytes().await - before - first;
+            assert!(
+                first > 0.0 && repeat > 0.0 && repeat * 2.0 < first,
+                "{mode:?}: a repeat moved {repeat} bytes, the first {first}"
+            );
+        }
         server.wait_for_baseline().await;
         let metrics = server.metrics_text().await;
         assert!(server.metric("kvfence_prefix_cache_hits_total").await >= 3.0);
