@@ -14,8 +14,15 @@
 //! workers number their requests the same way (1, 2, 3…), as real ones do,
 //! so hand-off ids collide on a shared prefill worker.
 //!
+//! Every worker keeps a prefix cache and requests come from two tenants
+//! whose prompts share prefixes, so shared pages are sealed, read, copied,
+//! evicted and skipped by hand-offs through all of the above.
+//!
 //! After every event it checks:
-//! - I1/I8: every live pool's pages add up (free + leased + quarantined);
+//! - I1/I8: every live pool's pages add up (free + leased + shared +
+//!   quarantined);
+//! - I9: a request reports no more cached tokens than its own tenant's
+//!   earlier prompts share with it;
 //! - I2/I5/I7: a request that finishes produced exactly the text and token
 //!   count it produces alone on a colocated engine — a foreign, stale or
 //!   missing page would change it;
@@ -43,7 +50,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::Engine;
 use crate::config::EngineConfig;
 use crate::counters::Counters;
-use crate::request::{Event, FailureKind, GenerationRequest, RequestHandle};
+use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler};
 
 const PAGE: usize = 16;
@@ -79,7 +86,7 @@ fn reference(request: &GenerationRequest) -> (String, usize) {
     }
     let engine = ENGINE.get_or_init(|| {
         let model = model();
-        let pool = pool(&model, 1024, Scrub::Zero);
+        let pool = pool(&model, 1024, Scrub::Zero, false);
         Engine::start(model, pool, EngineConfig::default())
     });
     let mut handle = engine.submit(request.clone()).unwrap();
@@ -95,8 +102,8 @@ fn reference(request: &GenerationRequest) -> (String, usize) {
     answer
 }
 
-fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub) -> Pool {
-    let spec = PoolSpec::new(
+fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, cache: bool) -> Pool {
+    let mut spec = PoolSpec::new(
         model.model.kv_shape(),
         PAGE,
         ElemType::F32,
@@ -104,6 +111,10 @@ fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub) -> Pool {
     )
     .with_scrub(scrub)
     .with_reuse(ReusePolicy::NewestFreedFirst);
+    if cache {
+        // Half the pool per tenant: two tenants can fill it together.
+        spec = spec.with_prefix_cache(tokens.div_ceil(PAGE) / 2);
+    }
     Pool::new(&spec).unwrap()
 }
 
@@ -131,7 +142,7 @@ struct Live {
 impl Node {
     fn start(&mut self) {
         let model = model();
-        let pool = pool(&model, self.tokens, Scrub::Poison);
+        let pool = pool(&model, self.tokens, Scrub::Poison, true);
         let counters = Arc::new(Counters::default());
         let (inbox_tx, inbox) = mpsc::channel();
         let scheduler = Scheduler::new(
@@ -187,6 +198,9 @@ struct Client {
     text: String,
     tokens: usize,
     ended: Option<Ending>,
+    /// The most prompt tokens it may find cached: the longest prefix it
+    /// shares with a prompt its tenant sent before it (I9).
+    cacheable: usize,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -240,8 +254,16 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
         },
         stop: StopStrings::default(),
         ignore_eos: true,
-        cache: None,
+        cache: Some(CacheScope {
+            tenant: ["a", "b"][rng.random_range(0..2)].into(),
+            salt: None,
+        }),
     }
+}
+
+/// Tokens `a` and `b` share from the start.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl World {
@@ -301,6 +323,7 @@ impl World {
                 text: String::new(),
                 tokens: 0,
                 ended: None,
+                cacheable: 0,
             })
             .collect();
         let faulty = rng.random_bool(0.7);
@@ -460,6 +483,16 @@ impl World {
                 .count()
         };
         let request = self.clients[index].request.clone();
+        let tenant = request.cache.as_ref().map(|c| c.tenant.clone());
+        self.clients[index].cacheable = self
+            .clients
+            .iter()
+            .filter(|c| {
+                c.on.is_some() && c.request.cache.as_ref().map(|s| &s.tenant) == tenant.as_ref()
+            })
+            .map(|c| common_prefix(&c.request.prompt, &request.prompt))
+            .max()
+            .unwrap_or(0);
         let target = (0..self.decodes.len())
             .filter(|&d| {
                 self.decodes[d].live.is_some() && self.decodes[d].tokens >= request.kv_tokens()
@@ -571,6 +604,12 @@ impl World {
                                 client.text, usage.completion_tokens
                             ));
                         }
+                        if usage.cached_tokens > client.cacheable {
+                            return Err(format!(
+                                "client {index}: {} cached tokens, but its tenant sent at most {} of its prompt before",
+                                usage.cached_tokens, client.cacheable
+                            ));
+                        }
                         client.ended = Some(Ending::Finished);
                         break;
                     }
@@ -631,7 +670,9 @@ impl World {
         {
             if let Some(live) = &node.live {
                 let s = live.pool.stats();
-                if s.free_pages + s.leased_pages + s.quarantined_pages != s.num_pages {
+                if s.free_pages + s.leased_pages + s.shared_pages + s.quarantined_pages
+                    != s.num_pages
+                {
                     return Err(format!("{role} pool does not add up: {s:?}"));
                 }
             }
@@ -745,7 +786,7 @@ impl World {
             let live = node.live.as_ref().expect("every worker restarted");
             let s = live.pool.stats();
             let c = live.counters.snapshot();
-            if s.leased_pages != 0 || s.quarantined_pages != 0 || c.queued != 0 || c.running != 0 {
+            if !s.at_baseline() || c.queued != 0 || c.running != 0 {
                 return Err(format!(
                     "{} not at baseline: {s:?}, {} queued, {} running",
                     node.role.label(),
@@ -832,12 +873,12 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
     let mut prefill = Scheduler::new(
         Role::Prefill,
         Arc::clone(&model),
-        pool(&model, 1024, Scrub::Poison),
+        pool(&model, 1024, Scrub::Poison, false),
         config,
         Arc::new(Counters::default()),
         inbox,
     );
-    let decode_pool = pool(&model, 1024, Scrub::Poison);
+    let decode_pool = pool(&model, 1024, Scrub::Poison, false);
     let mut receiver = Receiver::new();
     let mut links = Vec::new();
     for link in [PeerId(1), PeerId(2)] {
