@@ -11,9 +11,15 @@
 //! then the decode pool's free pages, most first. A refusal that says
 //! "elsewhere might work" (unavailable, draining, queue full) moves on to
 //! the next candidate; nothing was started, so trying again is safe.
+//!
+//! A request whose tenant sent a prefix of it before goes first to the pair
+//! that took that prefix ([`Affinity`]), whose caches hold its pages,
+//! unless that pair carries more than [`AFFINITY_SLACK`] requests above
+//! the least loaded one: a cache is worth a little queueing, not a hot spot.
 
 use std::cmp::Reverse;
 
+use super::affinity::{Affinity, Pair};
 use super::client::RemoteEngine;
 use crate::counters::WorkerSnapshot;
 use crate::error::EngineError;
@@ -26,10 +32,16 @@ use crate::scheduler::Role;
 #[derive(Debug)]
 pub struct Fleet {
     workers: Vec<RemoteEngine>,
+    affinity: Affinity,
 }
+
+/// Requests in flight a pair holding a request's prefix may carry above
+/// the least loaded pair and still be chosen first.
+const AFFINITY_SLACK: usize = 4;
 
 /// One pair the router could send a request to.
 struct Candidate<'a> {
+    index: usize,
     worker: &'a RemoteEngine,
     prefill: String,
     load: usize,
@@ -44,7 +56,10 @@ impl Fleet {
                 reason: "a router needs at least one decode worker".into(),
             });
         }
-        Ok(Fleet { workers })
+        Ok(Fleet {
+            workers,
+            affinity: Affinity::default(),
+        })
     }
 
     /// Requests in flight on each worker, in the order given.
@@ -66,7 +81,7 @@ impl Fleet {
     /// The pairs that could take `request`, best first.
     fn candidates(&self, request: &GenerationRequest) -> Vec<Candidate<'_>> {
         let mut candidates = Vec::new();
-        for worker in &self.workers {
+        for (index, worker) in self.workers.iter().enumerate() {
             let Some(view) = worker.fresh_view() else {
                 continue;
             };
@@ -87,6 +102,7 @@ impl Fleet {
                     .map(|w| w.in_flight_on(&prefill.name))
                     .sum();
                 candidates.push(Candidate {
+                    index,
                     worker,
                     prefill: prefill.name.clone(),
                     load: worker.in_flight() + on_prefill,
@@ -95,6 +111,15 @@ impl Fleet {
             }
         }
         candidates.sort_by_key(|c| (c.load, Reverse(c.free_pages)));
+        if let Some((pair, _)) = self.affinity.find(request)
+            && let Some(at) = candidates
+                .iter()
+                .position(|c| c.index == pair.decode && c.prefill == pair.prefill)
+            && candidates[at].load <= candidates[0].load + AFFINITY_SLACK
+        {
+            let preferred = candidates.remove(at);
+            candidates.insert(0, preferred);
+        }
         candidates
     }
 }
@@ -109,12 +134,19 @@ impl crate::Backend for Fleet {
                 ),
             };
             for candidate in self.candidates(&request) {
+                let pair = Pair {
+                    decode: candidate.index,
+                    prefill: candidate.prefill.clone(),
+                };
                 match candidate
                     .worker
                     .submit_to(request.clone(), Some(candidate.prefill))
                     .await
                 {
-                    Ok(handle) => return Ok(handle),
+                    Ok(handle) => {
+                        self.affinity.record(&request, &pair);
+                        return Ok(handle);
+                    }
                     Err(
                         error @ (EngineError::Unavailable { .. }
                         | EngineError::ShuttingDown

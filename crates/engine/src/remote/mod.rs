@@ -11,7 +11,8 @@
 //! - [`client`]: [`RemoteEngine`], a router's client of one decode
 //!   worker, reconnecting and keeping a fresh view of the worker's load.
 //! - [`fleet`]: [`Fleet`], the router's choice of a decode and a prefill
-//!   worker per request.
+//!   worker per request, preferring the pair that holds the request's
+//!   prefix within its tenant ([`affinity`]).
 //! - [`wire`]: the control plane's messages.
 //!
 //! Every link is TLS 1.3 with mutual, role-bound certificates
@@ -22,6 +23,7 @@
 //! requests in flight on that worker — and is dialled again, so a restarted
 //! process rejoins without restarting the others.
 
+pub(crate) mod affinity;
 pub(crate) mod client;
 pub(crate) mod decode;
 pub(crate) mod fleet;

@@ -466,3 +466,32 @@ async fn i1_hand_off_ids_of_two_decode_workers_on_one_prefill_worker_never_meet(
     }
     fleet.router.wait_for_baseline().await;
 }
+
+/// A tenant's repeats go to the pair that took their prefix, so both its
+/// prefill and its decode worker find the prompt cached: every repeat
+/// hits on both sides (with free pages as the only tie-break, repeats
+/// would go to the other, emptier, decode worker and miss).
+#[tokio::test(flavor = "multi_thread")]
+async fn repeats_follow_their_prefix_to_the_pair_that_caches_it() {
+    let fleet = fleet(2, 2, &["--metrics-listen", "127.0.0.1:0"]);
+    let url = fleet.router.url("/v1/completions");
+    let prompt = |p: usize| format!("{p} {}", "runbook step ".repeat(12 + p));
+    for round in 0..4 {
+        for p in 0..3 {
+            let body = json!({"prompt": prompt(p), "max_tokens": 4, "temperature": 0});
+            let (status, answer) = post(&url, None, body).await;
+            assert_eq!(status, 200, "round {round}, prompt {p}: {answer}");
+            // Let the router's view of the workers' free pages catch up
+            // (it polls every 250 ms), so free pages really tie-break.
+            tokio::time::sleep(Duration::from_millis(400)).await;
+        }
+    }
+    let mut hits = [0.0, 0.0];
+    for (side, workers) in [&fleet.prefills, &fleet.decodes].into_iter().enumerate() {
+        for worker in workers {
+            hits[side] += worker.metric("kvfence_prefix_cache_hits_total").await;
+        }
+    }
+    assert_eq!(hits, [9.0, 9.0], "prefill and decode hits of 9 repeats");
+    fleet.router.wait_for_baseline().await;
+}
