@@ -172,7 +172,7 @@ async fn load(url: &str, n: usize, offset: usize, max_tokens: usize) -> usize {
         let url = url.to_string();
         async move {
             let request = json!({
-                "prompt": format!("{i} under load {}", "w".repeat(600 + i * 7)),
+                "prompt": format!("{} under load {}", offset + i, "w".repeat(600 + i * 7)),
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
                 "ignore_eos": true,
@@ -285,9 +285,11 @@ async fn a_killed_worker_fails_only_what_it_held_and_rejoins_when_restarted() {
             "prefill" => "kvfence_prompt_tokens_total",
             _ => "kvfence_handoffs_total{reason=\"committed\"}",
         };
-        loop {
+        // Fresh prompts each round: repeats would rightly stay with the
+        // pair that caches them.
+        for round in 0.. {
             assert_eq!(
-                load(&url, 4, 200, 16).await,
+                load(&url, 4, 200 + 4 * round, 16).await,
                 0,
                 "requests succeed while it rejoins"
             );
