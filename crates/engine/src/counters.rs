@@ -11,6 +11,7 @@ pub(crate) struct Counters {
     pub(crate) finished: AtomicU64,
     pub(crate) failed: AtomicU64,
     pub(crate) cancelled: AtomicU64,
+    pub(crate) preempted: AtomicU64,
     pub(crate) prompt_tokens: AtomicU64,
     pub(crate) generated_tokens: AtomicU64,
     pub(crate) steps: AtomicU64,
@@ -32,6 +33,7 @@ impl Counters {
             finished: self.finished.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
             cancelled: self.cancelled.load(Ordering::Relaxed),
+            preempted: self.preempted.load(Ordering::Relaxed),
             prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
             generated_tokens: self.generated_tokens.load(Ordering::Relaxed),
             steps: self.steps.load(Ordering::Relaxed),
@@ -73,6 +75,9 @@ pub struct EngineStats {
     pub failed: u64,
     /// Requests cancelled by their client.
     pub cancelled: u64,
+    /// Running requests preempted for pages (recomputed later, never failed).
+    #[serde(default)]
+    pub preempted: u64,
     /// Prompt tokens prefilled.
     pub prompt_tokens: u64,
     /// Tokens generated.

@@ -90,6 +90,23 @@ impl Lease {
         self.is_shared.iter().take_while(|s| **s).count()
     }
 
+    /// Adds `pages` pages at the end of the lease, all or nothing: a
+    /// request grows as it decodes instead of holding its whole
+    /// completion's room from the start. Idle shared pages are evicted to
+    /// make room; `Exhausted` when even that is not enough (the caller
+    /// preempts someone). Never for a lease a one-sided writer may reach.
+    pub fn grow(&mut self, pages: usize) -> Result<(), PoolError> {
+        assert!(
+            !self.one_sided,
+            "a lease exposed to a one-sided writer keeps its pages"
+        );
+        let added = self.shared.grow(self.id, self.owner, pages)?;
+        self.is_shared
+            .extend(std::iter::repeat_n(false, added.len()));
+        self.pages.extend(added);
+        Ok(())
+    }
+
     /// Seals every full page of `tokens` — the tokens whose KV this lease
     /// holds at positions `0..tokens.len()` — into the prefix cache of the
     /// lease's namespace, so later leases of that namespace read them

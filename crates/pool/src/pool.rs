@@ -295,7 +295,7 @@ impl Pool {
         let total = tokens.div_ceil(page_size);
         let (found, ids) = {
             let mut ledger = shared.ledger.lock();
-            let found = match (prefix, &ledger.cache) {
+            let mut found = match (prefix, &ledger.cache) {
                 (Some((namespace, prompt)), Some(cache)) => {
                     Counters::bump(&shared.counters.cache_lookups);
                     cache.find(Some(namespace), namespace.root(), prompt, page_size)
@@ -303,46 +303,40 @@ impl Pool {
                 _ => Found::default(),
             };
             let needed = total - found.full.len();
-            let attached = found
-                .full
-                .iter()
-                .chain(found.partial.iter().map(|(p, _)| p));
-            let evictable = ledger.cache.as_ref().map_or(0, |c| c.idle_pages())
-                - attached
-                    .clone()
-                    .filter(|p| ledger.cache.as_ref().and_then(|c| c.readers(p.id)) == Some(0))
-                    .count();
-            if ledger.free.len() + evictable < needed {
-                let free_pages = ledger.free.len() + evictable;
+            let idle =
+                |page: &PageRef| ledger.cache.as_ref().and_then(|c| c.readers(page.id)) == Some(0);
+            let idle_pages = ledger.cache.as_ref().map_or(0, |c| c.idle_pages());
+            // Attaching an idle page takes it out of what may be evicted:
+            // a whole page also takes one off what is needed, a page only
+            // copied from does not. When the pool is that tight, copy nothing.
+            let mut available =
+                ledger.free.len() + idle_pages - found.full.iter().filter(|p| idle(p)).count();
+            if let Some((source, _)) = found.partial
+                && idle(&source)
+                && available < needed + 1
+            {
+                found.partial = None;
+            } else if found.partial.is_some_and(|(source, _)| idle(&source)) {
+                available -= 1;
+            }
+            if available < needed {
                 drop(ledger);
                 return refuse(PoolError::Exhausted {
                     owner,
                     needed_pages: needed,
-                    free_pages,
+                    free_pages: available,
                 });
             }
+            let attached = found
+                .full
+                .iter()
+                .chain(found.partial.iter().map(|(p, _)| p));
             if let Some(cache) = &mut ledger.cache {
                 for page in attached {
                     cache.add_reader(page.id);
                 }
             }
-            while ledger.free.len() < needed {
-                let victim = ledger
-                    .cache
-                    .as_ref()
-                    .and_then(|c| c.victim(None))
-                    .expect("the evictable pages were counted above");
-                shared.evict(&mut ledger, victim);
-            }
-            ledger.leased += needed;
-            let ids: Vec<PageId> = match shared.reuse {
-                ReusePolicy::OldestFreedFirst => ledger.free.drain(..needed).collect(),
-                ReusePolicy::NewestFreedFirst => {
-                    let at = ledger.free.len() - needed;
-                    ledger.free.drain(at..).rev().collect()
-                }
-            };
-            (found, ids)
+            (found, shared.take_free(&mut ledger, needed))
         };
         let lease = LeaseId(shared.next_lease.fetch_add(1, Ordering::Relaxed));
         let namespace = prefix.map(|(namespace, _)| namespace);
@@ -351,21 +345,7 @@ impl Pool {
             shared.check_shared(*page_ref, namespace);
             pages.push(*page_ref);
         }
-        pages.extend(ids.into_iter().map(|id| {
-            let mut page = shared.pages[id.index()].write();
-            assert_eq!(
-                page.holder,
-                Holder::Free,
-                "I1: page {id} came off the free list while held"
-            );
-            page.generation = Generation(page.generation.0 + 1);
-            page.holder = Holder::Leased { lease, owner };
-            page.coverage.clear();
-            PageRef {
-                id,
-                generation: page.generation,
-            }
-        }));
+        pages.extend(shared.stamp(ids, lease, owner));
         let mut shared_flags = vec![true; found.full.len()];
         shared_flags.resize(total, false);
         let mut cached = found.full.len() * page_size;
@@ -511,6 +491,76 @@ impl Shared {
         ledger.quarantined_pages -= group.len();
         ledger.free.extend(group.iter().map(|r| r.id));
         Ok(group.len())
+    }
+
+    /// Takes `needed` pages off the free list, evicting idle shared pages
+    /// (the largest tenant's first) when it runs short; the caller has
+    /// checked that free and idle pages together suffice. The pages stay
+    /// invisible to everyone until [`Shared::stamp`] gives them an owner.
+    fn take_free(&self, ledger: &mut Ledger, needed: usize) -> Vec<PageId> {
+        while ledger.free.len() < needed {
+            let victim = ledger
+                .cache
+                .as_ref()
+                .and_then(|c| c.victim(None))
+                .expect("the evictable pages were counted by the caller");
+            self.evict(ledger, victim);
+        }
+        ledger.leased += needed;
+        match self.reuse {
+            ReusePolicy::OldestFreedFirst => ledger.free.drain(..needed).collect(),
+            ReusePolicy::NewestFreedFirst => {
+                let at = ledger.free.len() - needed;
+                ledger.free.drain(at..).rev().collect()
+            }
+        }
+    }
+
+    /// Gives pages just taken off the free list to `lease`: a new
+    /// generation each, coverage wiped (I2).
+    fn stamp(&self, ids: Vec<PageId>, lease: LeaseId, owner: RequestId) -> Vec<PageRef> {
+        ids.into_iter()
+            .map(|id| {
+                let mut page = self.pages[id.index()].write();
+                assert_eq!(
+                    page.holder,
+                    Holder::Free,
+                    "I1: page {id} came off the free list while held"
+                );
+                page.generation = Generation(page.generation.0 + 1);
+                page.holder = Holder::Leased { lease, owner };
+                page.coverage.clear();
+                PageRef {
+                    id,
+                    generation: page.generation,
+                }
+            })
+            .collect()
+    }
+
+    /// `pages` more pages for `lease`, all or nothing, from free and idle
+    /// shared pages; `Exhausted` when there are not enough.
+    pub(crate) fn grow(
+        &self,
+        lease: LeaseId,
+        owner: RequestId,
+        pages: usize,
+    ) -> Result<Vec<PageRef>, PoolError> {
+        let ids = {
+            let mut ledger = self.ledger.lock();
+            let available = ledger.free.len() + ledger.cache.as_ref().map_or(0, |c| c.idle_pages());
+            if available < pages {
+                drop(ledger);
+                Counters::bump(&self.counters.leases_refused);
+                return Err(PoolError::Exhausted {
+                    owner,
+                    needed_pages: pages,
+                    free_pages: available,
+                });
+            }
+            self.take_free(&mut ledger, pages)
+        };
+        Ok(self.stamp(ids, lease, owner))
     }
 
     /// Asserts that `page_ref` is a shared page of `namespace` in the

@@ -364,12 +364,13 @@ fn concurrent_readers_and_evictors_each_read_their_own_prompt() {
                     state ^= state << 13;
                     state ^= state >> 7;
                     state ^= state << 17;
-                    // Few distinct prompts, so pages are shared and evicted
-                    // while other threads read them.
+                    // Twelve families of prompts: they repeat, so pages are
+                    // shared, and they outgrow the pool, so pages are
+                    // evicted while other threads read others.
                     let len = 5 + (state % 8) as usize;
-                    let prompt: Vec<u32> = (0..len as u32)
-                        .map(|i| (i + (state >> 8) as u32 % 3) % 4)
-                        .collect();
+                    let family = (state >> 8) as u32 % 12;
+                    let prompt: Vec<u32> =
+                        (0..len as u32).map(|i| (i * 5 + family * 3) % 7).collect();
                     let id = RequestId((t as u64) << 32 | round);
                     let Ok(mut lease) = pool.lease_with_prefix(id, len + 1, &ns, &prompt) else {
                         continue;
@@ -396,4 +397,45 @@ fn concurrent_readers_and_evictors_each_read_their_own_prompt() {
         "the test shared and evicted: {stats:?}"
     );
     counts_add_up(&pool);
+}
+
+#[test]
+fn i1_a_lease_grows_page_by_page_evicting_idle_pages_and_never_read_ones() {
+    let pool = pool(4, 4);
+    let ns = pool.namespace("a", None, MODEL);
+    let prompt: Vec<u32> = (1..=9).collect();
+    drop(run(&pool, 1, &ns, "a", &prompt));
+    // Two idle shared pages, two free ones.
+    let mut lease = pool.lease(RequestId(2), 4).unwrap();
+    lease.grow(1).unwrap();
+    assert_eq!(lease.capacity_tokens(), 8);
+    lease.write_positions(0, 4, &[1.0; 8], &[2.0; 8]).unwrap();
+    // The rest comes from the cache, evicted.
+    lease.grow(2).unwrap();
+    assert_eq!(pool.stats().shared_pages, 0);
+    assert!(matches!(lease.grow(1), Err(PoolError::Exhausted { .. })));
+    counts_add_up(&pool);
+    drop(lease);
+    assert!(pool.stats().at_baseline());
+}
+
+#[test]
+fn i6_a_copy_source_never_keeps_a_lease_out_of_a_tight_pool() {
+    let first: Vec<u32> = (1..=13).collect();
+    // Matches the first cached page whole and two tokens of the second.
+    let second: Vec<u32> = [&first[..6], &[50; 10][..]].concat();
+    for (pages, cached) in [(8, 6), (4, 4)] {
+        let pool = pool(pages, pages);
+        let ns = pool.namespace("a", None, MODEL);
+        drop(run(&pool, 1, &ns, "a", &first));
+        // With room, the second page is copied from; with every page but
+        // one idle in the cache, copying would leave the lease a page
+        // short, so it copies nothing and still gets its pages.
+        let lease = pool
+            .lease_with_prefix(RequestId(2), 16, &ns, &second)
+            .unwrap();
+        assert_eq!(lease.cached_tokens(), cached, "{pages} pages");
+        drop(lease);
+        counts_add_up(&pool);
+    }
 }

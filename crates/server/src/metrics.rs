@@ -83,7 +83,7 @@ const WORKER_GAUGES: [GaugeOf; 2] = [
     }),
 ];
 
-const WORKER_COUNTERS: [CounterOf; 15] = [
+const WORKER_COUNTERS: [CounterOf; 16] = [
     (
         "handoff_stale_writes",
         "KV writes and hand-off messages refused for a stale generation or epoch (I3).",
@@ -119,6 +119,11 @@ const WORKER_COUNTERS: [CounterOf; 15] = [
         "handoff_bytes",
         "KV bytes accepted through hand-offs.",
         |w| w.engine.handoff_bytes,
+    ),
+    (
+        "requests_preempted",
+        "Running requests that gave their pages back when the pool ran out and were recomputed from their cached prefix later (never failed).",
+        |w| w.engine.preempted,
     ),
     (
         "requests_cancelled",

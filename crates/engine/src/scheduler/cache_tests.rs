@@ -102,6 +102,15 @@ impl Worker {
     /// Submits every request in one go (they meet in one admission pass)
     /// and steps until all have ended; their texts and usage, in order.
     fn run(&mut self, requests: &[GenerationRequest]) -> Vec<(String, Usage)> {
+        self.run_counting_peak(requests).0
+    }
+
+    /// [`Worker::run`], also saying how many requests ran at once at most.
+    fn run_counting_peak(
+        &mut self,
+        requests: &[GenerationRequest],
+    ) -> (Vec<(String, Usage)>, usize) {
+        let mut peak = 0;
         let mut handles: Vec<RequestHandle> = requests
             .iter()
             .map(|request| {
@@ -116,6 +125,7 @@ impl Worker {
         let mut texts = vec![String::new(); requests.len()];
         for _ in 0..10_000 {
             self.scheduler.poll(Instant::now());
+            peak = peak.max(self.scheduler.active.len());
             for (i, handle) in handles.iter_mut().enumerate() {
                 while let Ok(event) = handle.try_next() {
                     match event {
@@ -130,7 +140,7 @@ impl Worker {
             if answers.iter().all(Option::is_some) {
                 let stats = self.pool.stats();
                 assert!(stats.at_baseline(), "I8: {stats:?}");
-                return answers.into_iter().map(Option::unwrap).collect();
+                return (answers.into_iter().map(Option::unwrap).collect(), peak);
             }
         }
         panic!("requests never finished");
@@ -282,4 +292,50 @@ fn a_finished_request_seals_its_completion_for_the_next_turn() {
     // is never computed): three more full pages, ready for a next turn
     // that repeats the conversation so far.
     assert_eq!(worker.pool.stats().shared_pages, 1 + 3);
+}
+
+/// Eight requests of a 20-token prompt and 60 completion tokens each (five
+/// pages, all reserved up front, so twelve pages would hold two at once),
+/// greedy and sampled, over twelve pages.
+fn crowd() -> Vec<GenerationRequest> {
+    (0..8u32)
+        .map(|i| {
+            let prompt = (0..20).map(|t| (t * 7 + i * 31) % 250).collect();
+            let mut request = request("a", prompt, 60);
+            if i % 2 == 1 {
+                request.sampling.temperature = 0.8;
+                request.sampling.seed = u64::from(i);
+            }
+            request
+        })
+        .collect()
+}
+
+#[test]
+fn i8_a_pool_too_small_for_everyone_grows_lazily_preempts_and_answers_exactly() {
+    let mut reference = worker(Cache::Off, 4096, 256);
+    let expected = reference.run(&crowd());
+    for cache in [Cache::Off, Cache::On] {
+        let mut small = worker(cache, 12 * PAGE, 256);
+        let (got, peak) = small.run_counting_peak(&crowd());
+        assert_eq!(
+            texts(&got),
+            texts(&expected),
+            "a preempted request answered differently"
+        );
+        assert!(
+            got.iter().all(|(_, u)| u.completion_tokens == 60),
+            "every request ran to its end"
+        );
+        let preempted = small
+            .scheduler
+            .counters
+            .preempted
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert!(preempted > 0, "the pool was meant to run out");
+        assert!(
+            peak > 2,
+            "lazy growth ran {peak} at once, what up-front reservation allows"
+        );
+    }
 }

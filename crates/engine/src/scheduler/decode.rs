@@ -53,7 +53,7 @@ impl Scheduler {
                 };
                 let first_token = committed.first_token();
                 let active = &mut self.active[index];
-                active.prefilled = committed.tokens();
+                active.written = committed.tokens();
                 active.cached = committed.cached_tokens();
                 let mut lease = committed.into_lease();
                 // Verified KV of the tenant's prompt: its full pages serve
@@ -63,7 +63,7 @@ impl Scheduler {
                 active.sampler.resume_after(1);
                 self.counters
                     .prompt_tokens
-                    .fetch_add(active.prefilled as u64, Ordering::Relaxed);
+                    .fetch_add(active.written as u64, Ordering::Relaxed);
                 if let Some(end) = self.accept(index, first_token) {
                     self.end(index, end);
                 }

@@ -12,13 +12,25 @@
 //!
 //! Each step it (1) takes commands — new requests, prefill orders, hand-off
 //! frames — and drops cancelled requests, (2) admits waiting requests whose
-//! whole reservation can be leased now (all or nothing, arrival order), (3)
-//! builds one batch of every decoding request's next token plus prefill
-//! chunks up to the step's token budget, (4) runs it and acts on the results.
+//! first reservation can be leased now (all or nothing, arrival order), (3)
+//! grows every decoding request by the page its next token needs,
+//! preempting the most recently admitted request when the pool is out of
+//! pages, (4) builds one batch of every decoding request's next token plus
+//! prefill chunks up to the step's token budget, (5) runs it and acts on
+//! the results.
 //!
-//! - **Colocated**: does both phases; a request's reservation is prompt plus
-//!   `max_tokens`.
-//! - **Decode**: reserves prompt plus `max_tokens`, grants the prompt's pages
+//! Pages grow lazily: a request first leases its prompt and one page of
+//! room, then a page at a time as it decodes, so shared prefixes and
+//! short answers leave the rest of the pool to others. A request that can
+//! never fit (prompt plus `max_tokens` beyond the pool) is still refused at
+//! admission (I6). A preempted request seals what it wrote into the cache,
+//! gives back its pages and waits at the front of the queue with its
+//! sampler and text intact; when it comes back it recomputes from its
+//! cached prefix and goes on exactly where it stopped. Running requests
+//! are preempted, never failed, for lack of pages.
+//!
+//! - **Colocated**: does both phases.
+//! - **Decode**: reserves the prompt and room to grow, grants the prompt's pages
 //!   to the prefill worker through the hand-off [`Receiver`], and decodes only
 //!   after the receiver commits (I2, I7). Until then the lease is the
 //!   receiver's, not the batch's.
@@ -213,6 +225,17 @@ pub(crate) struct Pending {
     /// worker after losing one. A second loss fails it: a prompt that
     /// kills every prefill worker it reaches must not take down the fleet.
     pub(crate) moved: bool,
+    /// A preempted request's progress, to go on from when it is admitted
+    /// again.
+    pub(crate) resume: Option<Box<Resume>>,
+}
+
+/// Where a preempted request stopped: everything but its pages.
+pub(crate) struct Resume {
+    sampler: Sampler,
+    text: TextStream,
+    generated: Vec<u32>,
+    cached: usize,
 }
 
 impl Pending {
@@ -231,6 +254,7 @@ impl Pending {
             origin: Origin::Client { events, cancelled },
             prefill,
             moved: false,
+            resume: None,
         };
         (pending, handle)
     }
@@ -244,8 +268,13 @@ impl Pending {
         }
     }
 
+    /// Tells the client `event` — unless it cancelled: from then on it
+    /// hears nothing, even what a hand-off message handled before the next
+    /// poll releases the request would say.
     fn send(&self, event: Event) {
-        if let Origin::Client { events, .. } = &self.origin {
+        if let Origin::Client { events, cancelled } = &self.origin
+            && !cancelled.load(Ordering::Acquire)
+        {
             let _ = events.send(event);
         }
     }
@@ -299,30 +328,52 @@ struct Active {
     kv: Kv,
     sampler: Sampler,
     text: TextStream,
-    /// Prompt tokens already in the KV cache.
-    prefilled: usize,
+    /// Positions of its context (the prompt, then the completion) whose KV
+    /// is written.
+    written: usize,
     /// Prompt tokens that came from the tenant's prefix cache, as reported
     /// in its usage.
     cached: usize,
     generated: Vec<u32>,
+    /// When it was admitted, in admission order: the latest is preempted
+    /// first.
+    admitted: u64,
 }
 
 impl Active {
+    /// Positions whose KV the next token needs: the prompt and every
+    /// generated token but the last (which is the next input).
+    fn kv_target(&self) -> usize {
+        self.pending.request.prompt.len() + self.generated.len().saturating_sub(1)
+    }
+
+    /// Whether no prompt (or, after a preemption, recomputation) is left to
+    /// prefill.
     fn prefill_done(&self) -> bool {
-        self.prefilled == self.pending.request.prompt.len()
+        self.written >= self.kv_target()
+    }
+
+    /// The tokens at `range` of the request's context: its prompt followed
+    /// by what it generated.
+    fn context(&self, range: std::ops::Range<usize>) -> Vec<u32> {
+        let prompt = &self.pending.request.prompt;
+        prompt
+            .iter()
+            .chain(&self.generated)
+            .skip(range.start)
+            .take(range.len())
+            .copied()
+            .collect()
     }
 
     /// A finished request seals the full pages of its prompt and of the
     /// completion written so far (every generated token but the last,
     /// whose KV was never computed): a chat's next turn starts with them.
     fn seal_conversation(&mut self) {
-        let Some(lease) = self.kv.lease_mut() else {
-            return;
-        };
-        let written = self.generated.len().saturating_sub(1);
-        let mut tokens = self.pending.request.prompt.clone();
-        tokens.extend_from_slice(&self.generated[..written]);
-        lease.seal(&tokens);
+        let tokens = self.context(0..self.written);
+        if let Some(lease) = self.kv.lease_mut() {
+            lease.seal(&tokens);
+        }
     }
 }
 
@@ -373,6 +424,8 @@ pub(crate) struct Scheduler {
     /// Decode role: grant one-sided windows (shared memory) instead of
     /// taking chunks.
     one_sided: bool,
+    /// Requests admitted so far (each admission's order).
+    admissions: u64,
 }
 
 impl Scheduler {
@@ -398,6 +451,7 @@ impl Scheduler {
             stopping: false,
             next_local_id: 1,
             one_sided: false,
+            admissions: 0,
         }
     }
 
@@ -591,12 +645,26 @@ impl Scheduler {
         }
     }
 
-    /// Tokens of KV a request reserves on this worker.
-    fn reservation(&self, request: &GenerationRequest) -> usize {
-        match self.role {
-            Role::Prefill => request.prompt.len(),
-            Role::Colocated | Role::Decode => request.kv_tokens(),
+    /// What a request leases when it is admitted: its context so far (the
+    /// prompt, or after a preemption the prompt and what it generated but
+    /// its last token) and, where it decodes, one page of room to grow. A
+    /// prefill worker leases the prompt alone.
+    fn first_lease(&self, pending: &Pending) -> (usize, Vec<u32>) {
+        let request = &pending.request;
+        let mut context = request.prompt.clone();
+        if let Some(resume) = &pending.resume {
+            let written = resume.generated.len().saturating_sub(1);
+            context.extend_from_slice(&resume.generated[..written]);
         }
+        let room = match self.role {
+            Role::Prefill => 0,
+            Role::Colocated | Role::Decode => {
+                let page_size = self.pool.geometry().page_size;
+                let left = request.kv_tokens().saturating_sub(context.len());
+                left.min(page_size)
+            }
+        };
+        (context.len() + room, context)
     }
 
     /// The link `peer` is gone. A decode worker fails every hand-off that
@@ -613,25 +681,56 @@ impl Scheduler {
         }
     }
 
-    /// Leases a request's reservation, starting with the longest prefix its
-    /// tenant has cached here: a colocated or prefill worker then computes
-    /// only the rest, a decode worker is sent only the pages it lacks. (A
-    /// one-sided writer is never given shared pages: shared-memory grants
-    /// lease plainly.)
+    /// Leases a request's first pages (see [`Scheduler::first_lease`]),
+    /// starting with the longest prefix of its context its tenant has
+    /// cached here: a colocated or prefill worker then computes only the
+    /// rest, a decode worker is sent only the pages it lacks. (A one-sided
+    /// writer is never given shared pages: shared-memory grants lease
+    /// plainly.)
     fn lease_for(&self, pending: &Pending) -> Result<Lease, PoolError> {
-        let request = &pending.request;
-        let tokens = self.reservation(request);
-        let one_sided_grant = self.role == Role::Decode && self.one_sided;
-        match &request.cache {
+        let (tokens, context) = self.first_lease(pending);
+        let one_sided_grant =
+            self.role == Role::Decode && self.one_sided && pending.resume.is_none();
+        match &pending.request.cache {
             Some(scope) if !one_sided_grant && self.pool.has_prefix_cache() => {
                 let namespace =
                     self.pool
                         .namespace(&scope.tenant, scope.salt.as_deref(), &self.model.name);
                 self.pool
-                    .lease_with_prefix(pending.id, tokens, &namespace, &request.prompt)
+                    .lease_with_prefix(pending.id, tokens, &namespace, &context)
             }
             _ => self.pool.lease(pending.id, tokens),
         }
+    }
+
+    /// Whether a request must be refused because it can never fit this
+    /// worker's pool, however long it waits (I6): for a prefill worker its
+    /// prompt, for the others prompt plus `max_tokens`, since pages grow as
+    /// it decodes.
+    fn can_never_fit(&self, pending: &Pending) -> Option<String> {
+        let needed = match self.role {
+            Role::Prefill => pending.request.prompt.len(),
+            Role::Colocated | Role::Decode => pending.request.kv_tokens(),
+        };
+        let capacity = self.pool.capacity_tokens();
+        (needed > capacity).then(|| {
+            PoolError::LargerThanPool {
+                owner: pending.id,
+                needed,
+                capacity,
+            }
+            .to_string()
+        })
+    }
+
+    /// Whether admitting a request that needs `pages` new pages leaves
+    /// every running request a page to grow by: admission stops short of
+    /// the point where the next step would have to preempt.
+    fn leaves_room_to_grow(&self, pages: usize) -> bool {
+        if self.role == Role::Prefill || self.active.is_empty() {
+            return true;
+        }
+        self.pool.stats().available_pages() >= pages + self.active.len()
     }
 
     fn admit(&mut self, now: Instant) {
@@ -644,7 +743,20 @@ impl Scheduler {
             let Some(pending) = self.waiting.front() else {
                 break;
             };
-            let prefill = if self.role == Role::Decode {
+            if let Some(message) = self.can_never_fit(pending) {
+                let pending = self.waiting.pop_front().expect("front exists");
+                self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+                self.refuse(&pending, FailureKind::TooLong, message);
+                continue;
+            }
+            let page_size = self.pool.geometry().page_size;
+            if !self.leaves_room_to_grow(self.first_lease(pending).0.div_ceil(page_size)) {
+                break;
+            }
+            // A preempted request comes back to this worker's own pages and
+            // recomputes here; only a new one is granted to prefill.
+            let granting = self.role == Role::Decode && pending.resume.is_none();
+            let prefill = if granting {
                 match self.choose_prefill(pending) {
                     Ok(peer) => Some(peer),
                     Err((kind, message)) => {
@@ -668,8 +780,31 @@ impl Scheduler {
                     continue;
                 }
             };
-            let pending = self.waiting.pop_front().expect("front exists");
+            let mut pending = self.waiting.pop_front().expect("front exists");
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+            self.admissions += 1;
+            let admitted = self.admissions;
+            if let Some(resume) = pending.resume.take() {
+                let Resume {
+                    sampler,
+                    text,
+                    generated,
+                    cached,
+                } = *resume;
+                debug!(request = %pending.id, written = lease.cached_tokens(), "preempted request resumes");
+                self.counters.running.fetch_add(1, Ordering::AcqRel);
+                self.active.push(Active {
+                    written: lease.cached_tokens(),
+                    pending,
+                    kv: Kv::Held(lease),
+                    sampler,
+                    text,
+                    cached,
+                    generated,
+                    admitted,
+                });
+                continue;
+            }
             let sampler = match Sampler::new(pending.request.sampling) {
                 Ok(sampler) => sampler,
                 Err(error) => {
@@ -678,16 +813,16 @@ impl Scheduler {
                 }
             };
             // A decode worker's cached pages only spare the link; its
-            // request counts as prefilled when the hand-off commits.
-            let prefilled = match self.role {
+            // request counts as written when the hand-off commits.
+            let written = match self.role {
                 Role::Decode => 0,
                 Role::Colocated | Role::Prefill => lease.cached_tokens(),
             };
             let cached = match pass_hits {
                 Some(before) => (self.pool.stats().cache_hit_tokens - before) as usize,
-                None => prefilled,
+                None => written,
             };
-            let kv = if self.role == Role::Decode {
+            let kv = if granting {
                 let prompt = pending.request.prompt.len();
                 let granted = if self.one_sided {
                     self.receiver
@@ -722,11 +857,79 @@ impl Scheduler {
                 kv,
                 sampler,
                 text,
-                prefilled,
+                written,
                 cached,
                 generated: Vec::new(),
+                admitted,
             });
         }
+    }
+
+    /// Gives every decoding request room for the position its next token
+    /// writes. One that cannot grow takes the pages of the most recently
+    /// admitted request holding pages — or, if that is itself, steps back
+    /// itself: a running request is preempted, never failed, for lack of
+    /// pages, and the oldest requests keep going.
+    fn make_room(&mut self) {
+        let mut order: Vec<(u64, RequestId)> = self
+            .active
+            .iter()
+            .filter(|a| a.kv.lease().is_some() && a.prefill_done())
+            .map(|a| (a.admitted, a.pending.id))
+            .collect();
+        order.sort_unstable();
+        for (_, id) in order {
+            while let Some(index) = self.position(id) {
+                let active = &mut self.active[index];
+                let need = active.written + 1;
+                let lease = active.kv.lease_mut().expect("chosen for holding a lease");
+                if lease.capacity_tokens() >= need || lease.grow(1).is_ok() {
+                    break;
+                }
+                let victim = self
+                    .active
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, a)| a.kv.lease().is_some())
+                    .max_by_key(|(_, a)| a.admitted)
+                    .map(|(i, _)| i)
+                    .expect("the request itself holds a lease");
+                self.preempt(victim);
+            }
+        }
+    }
+
+    /// Takes request `index`'s pages back and puts it at the front of the
+    /// queue with its progress. What it wrote is sealed into the cache
+    /// first, so coming back costs little more than its last page.
+    fn preempt(&mut self, index: usize) {
+        let mut active = self.active.swap_remove(index);
+        assert!(
+            matches!(active.pending.origin, Origin::Client { .. }),
+            "only a decoding request grows, so only one is preempted"
+        );
+        active.seal_conversation();
+        let Active {
+            mut pending,
+            kv,
+            sampler,
+            text,
+            generated,
+            cached,
+            ..
+        } = active;
+        drop(kv);
+        debug!(request = %pending.id, generated = generated.len(), "preempted for pages");
+        pending.resume = Some(Box::new(Resume {
+            sampler,
+            text,
+            generated,
+            cached,
+        }));
+        self.counters.running.fetch_sub(1, Ordering::AcqRel);
+        self.counters.queued.fetch_add(1, Ordering::AcqRel);
+        self.counters.preempted.fetch_add(1, Ordering::Relaxed);
+        self.waiting.push_front(pending);
     }
 
     /// Decode tokens first (one per decoding request), then prefill chunks in
@@ -740,10 +943,14 @@ impl Scheduler {
                     .generated
                     .last()
                     .expect("a decoding request has sampled a token");
-                let past = a.prefilled + a.generated.len() - 1;
+                debug_assert_eq!(
+                    a.written,
+                    a.kv_target(),
+                    "a decoding request's KV is complete"
+                );
                 work.push(Work {
                     index,
-                    past,
+                    past: a.written,
                     tokens: vec![last],
                     logits: Logits::Last,
                 });
@@ -754,19 +961,22 @@ impl Scheduler {
             if a.kv.lease().is_none() || a.prefill_done() || budget == 0 {
                 continue;
             }
-            let prompt = &a.pending.request.prompt;
-            let take = (prompt.len() - a.prefilled).min(budget);
+            let target = a.kv_target();
+            let take = (target - a.written).min(budget);
             budget -= take;
-            let end = a.prefilled + take;
-            let logits = if end == prompt.len() {
+            let end = a.written + take;
+            // A fresh prompt's last chunk samples the first token; a
+            // preempted request's recomputation samples nothing (its next
+            // input is the token it had already generated).
+            let logits = if end == target && a.generated.is_empty() {
                 Logits::Last
             } else {
                 Logits::None
             };
             work.push(Work {
                 index,
-                past: a.prefilled,
-                tokens: prompt[a.prefilled..end].to_vec(),
+                past: a.written,
+                tokens: a.context(a.written..end),
                 logits,
             });
         }
@@ -774,6 +984,7 @@ impl Scheduler {
     }
 
     fn step(&mut self) {
+        self.make_room();
         let work = self.plan();
         if work.is_empty() {
             return;
@@ -822,12 +1033,14 @@ impl Scheduler {
                 }
             };
             let active = &mut self.active[w.index];
-            if !active.prefill_done() {
-                active.prefilled += w.tokens.len();
+            let prefilling = !active.prefill_done();
+            active.written += w.tokens.len();
+            if prefilling {
                 self.counters
                     .prompt_tokens
                     .fetch_add(w.tokens.len() as u64, Ordering::Relaxed);
                 if active.prefill_done()
+                    && active.generated.is_empty()
                     && let Some(lease) = active.kv.lease_mut()
                 {
                     // The prompt's full pages serve the tenant's next
@@ -975,5 +1188,46 @@ impl Scheduler {
 fn crash_or_stall(arg: Option<String>) {
     if arg.as_deref() == Some("crash") {
         std::process::exit(86);
+    }
+}
+
+#[cfg(test)]
+impl Scheduler {
+    /// What is queued and running, for a failing simulation's report.
+    pub(crate) fn describe(&self) -> String {
+        let waiting: Vec<String> = self
+            .waiting
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} (prompt {}, max {}, resumed {})",
+                    p.id,
+                    p.request.prompt.len(),
+                    p.request.max_tokens,
+                    p.resume.is_some()
+                )
+            })
+            .collect();
+        let active: Vec<String> = self
+            .active
+            .iter()
+            .map(|a| {
+                let kv = match &a.kv {
+                    Kv::Awaited { .. } => "awaited".to_string(),
+                    Kv::Held(lease) => format!("held {} tokens", lease.capacity_tokens()),
+                };
+                format!(
+                    "{} (written {}, target {}, generated {}, {kv})",
+                    a.pending.id,
+                    a.written,
+                    a.kv_target(),
+                    a.generated.len()
+                )
+            })
+            .collect();
+        format!(
+            "waiting {waiting:?}, active {active:?}, pool {:?}",
+            self.pool.stats()
+        )
     }
 }

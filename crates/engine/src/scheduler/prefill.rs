@@ -97,6 +97,7 @@ impl Scheduler {
             },
             prefill: None,
             moved: false,
+            resume: None,
         });
     }
 
@@ -197,16 +198,14 @@ impl Scheduler {
             return Ok(());
         };
         match window {
-            Some((window, key)) => streaming.send_ready(
-                lease,
-                active.prefilled,
-                &mut WindowWrites::new(window, *key),
-            ),
+            Some((window, key)) => {
+                streaming.send_ready(lease, active.written, &mut WindowWrites::new(window, *key))
+            }
             None => {
                 let grant = streaming.grant().clone();
                 streaming.send_ready(
                     lease,
-                    active.prefilled,
+                    active.written,
                     &mut ChunkFrames::new(&grant, |chunk| send_chunk(&peer, chunk)),
                 )
             }
