@@ -14,6 +14,12 @@
 //!    run; afterwards the probes still answer as they did alone.
 //! 6. **Fail-closed** — over the whole run, every failure came with an
 //!    error status, and every `200` carried a normal finish.
+//! 7. **Prefix-cache walls** — with two tenants: tenant B's latency on a
+//!    long prefix tenant A has just sent is indistinguishable from B's
+//!    latency on a fresh prefix of the same length (ratio of medians and a
+//!    one-sided Mann–Whitney test), B is never told of cached tokens there,
+//!    and A's own repeat is clearly faster (so the cache is on and the test
+//!    means something).
 //!
 //! Prompts for capacity and determinism are token ids (exact lengths on
 //! any server); answers are compared, never logged or stored in reports.
@@ -130,6 +136,8 @@ struct Client {
 struct Answer {
     status: u16,
     text: Option<String>,
+    /// `usage.prompt_tokens_details.cached_tokens`, where the server says.
+    cached: Option<u64>,
 }
 
 fn error_shaped(body: &Value) -> bool {
@@ -199,7 +207,12 @@ impl Client {
         let text = (status == 200)
             .then(|| value["choices"][0]["text"].as_str().map(str::to_string))
             .flatten();
-        Ok(Answer { status, text })
+        let cached = value["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+        Ok(Answer {
+            status,
+            text,
+            cached,
+        })
     }
 
     /// A streamed completion cancelled after `keep` chunks (dropping the
@@ -291,7 +304,7 @@ pub async fn run(
     // A check that cannot finish (a request that fails or outlives the
     // budget) is reported as inconclusive and the audit goes on: the table
     // and the report always come out.
-    progress("[1/6] capacity honesty: searching for the longest accepted prompt");
+    progress("[1/7] capacity honesty: searching for the longest accepted prompt");
     let advertised = match client.advertised_context().await {
         Some(n) => Some(n),
         None => config.context,
@@ -307,14 +320,14 @@ pub async fn run(
         }
     };
 
-    progress("[2/6] boundaries: at the limit, and one token over");
+    progress("[2/7] boundaries: at the limit, and one token over");
     checks.push(
         boundary_check(&client, limit, deadline)
             .await
             .unwrap_or_else(|e| inconclusive("boundaries", &e)),
     );
 
-    progress("[3/6] determinism under load");
+    progress("[3/7] determinism under load");
     let probes: Vec<Value> = (0..4)
         .map(|i| token_prompt(12 + 9 * i, 100 + i as u64))
         .collect();
@@ -326,14 +339,14 @@ pub async fn run(
         Err(error) => inconclusive("determinism under load", error),
     });
 
-    progress("[4/6] canary isolation across tenants");
+    progress("[4/7] canary isolation across tenants");
     checks.push(
         canary_check(&client, deadline)
             .await
             .unwrap_or_else(|e| inconclusive("canary isolation", &e)),
     );
 
-    progress("[5/6] abort storm");
+    progress("[5/7] abort storm");
     checks.push(match &solo {
         Ok(solo) => abort_storm_check(&client, &probes, solo, deadline)
             .await
@@ -341,7 +354,14 @@ pub async fn run(
         Err(error) => inconclusive("abort storm", error),
     });
 
-    progress("[6/6] fail-closed over the whole run");
+    progress("[6/7] prefix-cache walls between tenants");
+    checks.push(
+        prefix_wall_check(&client, limit, deadline)
+            .await
+            .unwrap_or_else(|e| inconclusive("prefix-cache walls", &e)),
+    );
+
+    progress("[7/7] fail-closed over the whole run");
     checks.push(fail_closed_check(&client));
 
     Ok(AuditReport {
@@ -349,6 +369,129 @@ pub async fn run(
         checks,
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Check 7. Each trial sends, as one-token completions: A a fresh long
+/// prefix (warming A's cache), A the same prefix again, and — in random
+/// order — B the same prefix and B a fresh prefix of the same length.
+async fn prefix_wall_check(
+    client: &Client,
+    limit: Option<usize>,
+    deadline: Instant,
+) -> Result<CheckResult, AuditError> {
+    const CHECK: &str = "prefix-cache walls";
+    const TRIALS: u64 = 8;
+    if client.tenants() < 2 {
+        return Ok(skipped(CHECK, "needs two tenants' keys"));
+    }
+    if Instant::now() > deadline {
+        return Ok(skipped(CHECK, "out of budget"));
+    }
+    // Long enough that a cached prefix is plainly faster on any engine.
+    let len = limit.map_or(1024, |l| l.saturating_sub(8)).min(1024);
+    if len < 64 {
+        return Ok(skipped(CHECK, "the context is too short to time a prefix"));
+    }
+    let timed = |tenant: usize, prompt: Value| async move {
+        let body = client.body(prompt, 1, 0);
+        let start = Instant::now();
+        let answer = client.complete(tenant, &body).await?;
+        if answer.status != 200 {
+            return Err(AuditError::Status {
+                status: answer.status,
+                code: format!("a {len}-token prompt was refused"),
+            });
+        }
+        Ok::<_, AuditError>((start.elapsed().as_secs_f64(), answer.cached))
+    };
+    let (mut own, mut across, mut fresh) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut told, mut own_told) = (0u64, 0u64);
+    for trial in 0..TRIALS {
+        let seed = rand::rng().random::<u32>() as u64;
+        let prefix = token_prompt(len, seed);
+        timed(0, prefix.clone()).await?;
+        let repeat = timed(0, prefix.clone()).await?;
+        own.push(repeat.0);
+        own_told += repeat.1.unwrap_or(0);
+        let other = token_prompt(len, seed + 1 + trial);
+        let b_first = rand::rng().random::<bool>();
+        let (on_a, new) = if b_first {
+            let on_a = timed(1, prefix).await?;
+            (on_a, timed(1, other).await?)
+        } else {
+            let new = timed(1, other).await?;
+            (timed(1, prefix).await?, new)
+        };
+        told += on_a.1.unwrap_or(0);
+        across.push(on_a.0);
+        fresh.push(new.0);
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (across_ratio, own_ratio) = (
+        median(&across) / median(&fresh),
+        median(&own) / median(&fresh),
+    );
+    let p = mann_whitney_less(&across, &fresh);
+    let p_own = mann_whitney_less(&own, &fresh);
+    let figures = format!(
+        "{len}-token prefixes, {TRIALS} trials: another tenant on a cached prefix ÷ fresh {across_ratio:.2} (p = {p:.4} that it is faster), own repeat ÷ fresh {own_ratio:.2} (p = {p_own:.4}), cached tokens told to the other tenant {told}, to the owner {own_told}"
+    );
+    // Timing alone fails a server only on near-complete separation (and a
+    // clear gap), so noise on a busy machine does not; a server that
+    // reports cached tokens is held to them exactly.
+    let cache_visible = own_told > 0 || p_own < 0.05;
+    let verdict = if told > 0 || (p < 0.001 && across_ratio < 0.8) {
+        Verdict::Fail
+    } else if !cache_visible {
+        // No visible cache: the walls cannot be told from no cache at all.
+        Verdict::Inconclusive
+    } else {
+        Verdict::Pass
+    };
+    Ok(CheckResult {
+        check: CHECK,
+        verdict,
+        figures,
+    })
+}
+
+/// One-sided Mann–Whitney U test, normal approximation: the probability of
+/// seeing `x` this much smaller than `y` (or more) if both came from one
+/// distribution.
+fn mann_whitney_less(x: &[f64], y: &[f64]) -> f64 {
+    let (n1, n2) = (x.len() as f64, y.len() as f64);
+    let u: f64 = x
+        .iter()
+        .map(|a| {
+            y.iter()
+                .map(|b| match a.total_cmp(b) {
+                    std::cmp::Ordering::Less => 1.0,
+                    std::cmp::Ordering::Equal => 0.5,
+                    std::cmp::Ordering::Greater => 0.0,
+                })
+                .sum::<f64>()
+        })
+        .sum();
+    let mean = n1 * n2 / 2.0;
+    let sd = (n1 * n2 * (n1 + n2 + 1.0) / 12.0).sqrt();
+    let z = (u - mean) / sd;
+    0.5 * erfc(z / std::f64::consts::SQRT_2)
+}
+
+/// The complementary error function (Abramowitz and Stegun 7.1.26, error
+/// below 1.5e-7: plenty for a p-value).
+fn erfc(x: f64) -> f64 {
+    let t = 1.0 / (1.0 + 0.327_591_1 * x.abs());
+    let poly = t
+        * (0.254_829_592
+            + t * (-0.284_496_736
+                + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let e = poly * (-x * x).exp();
+    if x >= 0.0 { e } else { 2.0 - e }
 }
 
 fn skipped(check: &'static str, why: &str) -> CheckResult {
@@ -742,6 +885,20 @@ fn fail_closed_check(client: &Client) -> CheckResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_mann_whitney_test_tells_a_faster_sample_from_an_equal_one() {
+        let slow = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0];
+        let fast = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+        let interleaved = [10.5, 11.5, 12.5, 13.5, 14.5, 15.5, 16.5, 9.5];
+        assert!(mann_whitney_less(&fast, &slow) < 0.001);
+        assert!(mann_whitney_less(&slow, &fast) > 0.999);
+        let p = mann_whitney_less(&interleaved, &slow);
+        assert!(p > 0.1 && p < 0.9, "{p}");
+        assert!((erfc(0.0) - 1.0).abs() < 1e-6);
+        assert!((erfc(1.0) - 0.157_299_2).abs() < 1e-6);
+        assert!((erfc(-1.0) - 1.842_700_8).abs() < 1e-6);
+    }
 
     #[test]
     fn the_advertised_context_is_read_under_the_common_servers_names() {
