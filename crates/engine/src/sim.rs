@@ -917,12 +917,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
         let request = GenerationRequest {
             prompt: vec![1, 2, 3, 4],
             max_tokens: 1,
-            sampling: SamplingParams {
-                temperature: 0.0,
-                top_k: 0,
-                top_p: 1.0,
-                seed: 0,
-            },
+            sampling: SamplingParams::greedy(),
             stop: StopStrings::default(),
             ignore_eos: true,
             cache: None,

@@ -133,12 +133,7 @@ mod tests {
         GenerationRequest {
             prompt,
             max_tokens: 1,
-            sampling: SamplingParams {
-                temperature: 0.0,
-                top_k: 0,
-                top_p: 1.0,
-                seed: 0,
-            },
+            sampling: SamplingParams::greedy(),
             stop: StopStrings::default(),
             ignore_eos: false,
             cache: Some(CacheScope {

@@ -83,12 +83,7 @@ fn request(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerationReque
     GenerationRequest {
         prompt,
         max_tokens,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
-        },
+        sampling: SamplingParams::greedy(),
         stop: StopStrings::default(),
         ignore_eos: true,
         cache: Some(CacheScope {
