@@ -77,6 +77,26 @@ fn chunks(s: &Setup) -> (Vec<Message>, kvfence_handoff::AllSent) {
     (out, proof)
 }
 
+/// The committed lease holds exactly the source's KV for every granted
+/// token: every page, layer and head, keys and values.
+fn assert_same_kv(got: &Lease, want: &Lease) {
+    let (got, want) = (
+        got.read_view::<f32>(TOKENS).unwrap(),
+        want.read_view::<f32>(TOKENS).unwrap(),
+    );
+    for page in 0..got.num_pages() {
+        for layer in 0..SHAPE.layers {
+            for head in 0..SHAPE.kv_heads {
+                assert_eq!(got.keys(page, layer, head), want.keys(page, layer, head));
+                assert_eq!(
+                    got.values(page, layer, head),
+                    want.values(page, layer, head)
+                );
+            }
+        }
+    }
+}
+
 fn assert_baseline(pool: &Pool) {
     let stats = pool.stats();
     assert_eq!(
@@ -98,27 +118,12 @@ fn a_clean_transfer_commits_with_exactly_the_sent_kv() {
     };
     assert_eq!((committed.tokens(), committed.first_token()), (TOKENS, 42));
     let lease = committed.into_lease();
-    let (got, want) = (
-        lease.read_view::<f32>(TOKENS).unwrap(),
-        s.source.read_view::<f32>(TOKENS).unwrap(),
-    );
-    for page in 0..3 {
-        for layer in 0..SHAPE.layers {
-            for head in 0..SHAPE.kv_heads {
-                assert_eq!(got.keys(page, layer, head), want.keys(page, layer, head));
-                assert_eq!(
-                    got.values(page, layer, head),
-                    want.values(page, layer, head)
-                );
-            }
-        }
-    }
+    assert_same_kv(&lease, &s.source);
     assert!(
         lease.read_view::<f32>(TOKENS + 1).is_err(),
         "nothing beyond the grant is readable"
     );
     assert_eq!(s.receiver.stats().committed, 1);
-    drop((got, want));
     drop((lease, s.source));
     assert_baseline(&s.decode);
     assert_baseline(&s.prefill);
@@ -481,17 +486,7 @@ fn i2_pages_the_receiver_holds_are_not_shipped_and_the_commit_still_proves_every
         panic!("no commit")
     };
     let lease = committed.into_lease();
-    let (got, want) = (
-        lease.read_view::<f32>(TOKENS).unwrap(),
-        s.source.read_view::<f32>(TOKENS).unwrap(),
-    );
-    for page in 0..3 {
-        for layer in 0..SHAPE.layers {
-            assert_eq!(got.keys(page, layer, 1), want.keys(page, layer, 1));
-            assert_eq!(got.values(page, layer, 0), want.values(page, layer, 0));
-        }
-    }
-    drop((got, want));
+    assert_same_kv(&lease, &s.source);
     drop(lease);
     assert!(s.decode.stats().at_baseline());
 }
