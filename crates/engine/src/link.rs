@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{ClusterCa, Role as LinkRole};
-use kvfence_model::{SamplingParams, StopStrings};
+use kvfence_model::{Grammar, SamplingParams, StopStrings};
 use tracing::warn;
 
 use crate::error::EngineError;
@@ -66,11 +66,15 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
             for token in &order.request.prompt {
                 out.extend_from_slice(&token.to_le_bytes());
             }
-            let s = order.request.sampling;
-            out.extend_from_slice(&s.temperature.to_le_bytes());
-            out.extend_from_slice(&(s.top_k as u32).to_le_bytes());
-            out.extend_from_slice(&s.top_p.to_le_bytes());
-            out.extend_from_slice(&s.seed.to_le_bytes());
+            // How the first token is drawn: the sampling parameters and
+            // the grammar, as JSON (both ends are the same build).
+            let shaping = serde_json::to_vec(&Shaping {
+                sampling: order.request.sampling.clone(),
+                constraint: order.request.constraint.clone(),
+            })
+            .expect("sampling parameters and grammars always serialise");
+            out.extend_from_slice(&(shaping.len() as u32).to_le_bytes());
+            out.extend_from_slice(&shaping);
             match &order.request.cache {
                 None => out.push(0),
                 Some(scope) => {
@@ -141,6 +145,17 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// How an order's first token is drawn.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Shaping {
+    sampling: SamplingParams,
+    constraint: Option<Grammar>,
+}
+
+/// Largest sampling section an order may carry: a grammar is at most a
+/// request body (the front door's limit is 2 MiB by default).
+const MAX_SHAPING: usize = 16 << 20;
+
 /// Longest tenant name or cache salt an order may carry.
 const MAX_NAME: usize = 1024;
 
@@ -169,10 +184,17 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
                 return Err(malformed("prompt length overruns the frame"));
             }
             let prompt = (0..count).map(|_| c.u32()).collect::<Result<Vec<_>, _>>()?;
-            let temperature = f32::from_le_bytes(c.take(4)?.try_into().expect("4 bytes"));
-            let top_k = c.u32()? as usize;
-            let top_p = f32::from_le_bytes(c.take(4)?.try_into().expect("4 bytes"));
-            let seed = u64::from_le_bytes(c.take(8)?.try_into().expect("8 bytes"));
+            let shaping_len = c.u32()? as usize;
+            if shaping_len > MAX_SHAPING {
+                return Err(malformed(
+                    "the sampling section is larger than a request can be",
+                ));
+            }
+            let Shaping {
+                sampling,
+                constraint,
+            } = serde_json::from_slice(c.take(shaping_len)?)
+                .map_err(|_| malformed("the sampling section is not valid"))?;
             let cache = if c.flag()? {
                 let tenant = c.name()?;
                 let salt = if c.flag()? { Some(c.name()?) } else { None };
@@ -187,15 +209,11 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
                 prompt,
                 // Prefill samples only the first token; the rest is decode's.
                 max_tokens: 1,
-                sampling: SamplingParams {
-                    temperature,
-                    top_k,
-                    top_p,
-                    seed,
-                },
+                sampling,
                 stop: StopStrings::default(),
                 ignore_eos: false,
                 cache,
+                constraint,
             };
             Ok(Command::Prefill {
                 peer,
@@ -387,18 +405,14 @@ mod tests {
         let request = GenerationRequest {
             prompt: vec![1, 2, 300],
             max_tokens: 1,
-            sampling: SamplingParams {
-                temperature: 0.5,
-                top_k: 7,
-                top_p: 0.9,
-                seed: 42,
-            },
+            sampling: shaped(),
             stop: StopStrings::default(),
             ignore_eos: false,
             cache: Some(CacheScope {
                 tenant: "tenant-a".into(),
                 salt: Some("salt".into()),
             }),
+            constraint: Some(Grammar::Regex("[a-z]+".into())),
         };
         let sent = Command::Prefill {
             peer: PeerId(1),
@@ -413,15 +427,26 @@ mod tests {
         };
         assert_eq!(order.grant, vec![9, 9]);
         assert_eq!(order.request.prompt, vec![1, 2, 300]);
+        assert_eq!(order.request.sampling, shaped());
         assert_eq!(
-            order.request.sampling,
-            SamplingParams {
-                temperature: 0.5,
-                top_k: 7,
-                top_p: 0.9,
-                seed: 42
-            }
+            order.request.constraint,
+            Some(Grammar::Regex("[a-z]+".into()))
         );
+    }
+
+    /// Sampling parameters with every field away from its default.
+    fn shaped() -> SamplingParams {
+        SamplingParams {
+            temperature: 0.5,
+            top_k: 7,
+            top_p: 0.9,
+            seed: 42,
+            presence_penalty: 0.25,
+            frequency_penalty: -0.5,
+            repetition_penalty: 1.1,
+            logit_bias: vec![(3, -100.0), (17, 2.5)],
+            logprobs: Some(4),
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvfence_model::{SamplingParams, StopStrings};
+use kvfence_model::{Grammar, SamplingParams, StopStrings, TokenLogprobs};
 use kvfence_pool::RequestId;
 use tokio::sync::mpsc;
 
@@ -24,6 +24,9 @@ pub struct GenerationRequest {
     /// Whose prefix cache the request reads and adds to; `None` computes
     /// every token and caches nothing.
     pub cache: Option<CacheScope>,
+    /// What the completion must match (structured outputs); every token is
+    /// drawn from what the grammar allows next.
+    pub constraint: Option<Grammar>,
 }
 
 /// The wall a request's cached prefixes live behind (I9): the tenant the
@@ -49,7 +52,8 @@ impl GenerationRequest {
 /// Why a completion ended normally.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FinishReason {
-    /// End-of-sequence token or stop string.
+    /// End-of-sequence token, stop string, or a constraint's grammar
+    /// complete.
     Stop,
     /// `max_tokens` reached.
     Length,
@@ -90,6 +94,9 @@ pub enum Event {
     Token {
         /// Text to append.
         text: String,
+        /// The token's log-probabilities, if the request asked (none for
+        /// the end-of-sequence token, which is not part of the text).
+        logprobs: Option<TokenLogprobs>,
     },
     /// The completion ended normally.
     Finished {

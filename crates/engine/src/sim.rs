@@ -93,7 +93,7 @@ fn reference(request: &GenerationRequest) -> (String, usize) {
     let mut text = String::new();
     let answer = loop {
         match handle.blocking_next().unwrap() {
-            Event::Token { text: t } => text.push_str(&t),
+            Event::Token { text: t, .. } => text.push_str(&t),
             Event::Finished { usage, .. } => break (text, usage.completion_tokens),
             failed => panic!("the reference run failed: {failed:?}"),
         }
@@ -251,6 +251,7 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
             top_k: 0,
             top_p: 0.95,
             seed: family as u64,
+            ..SamplingParams::greedy()
         },
         stop: StopStrings::default(),
         ignore_eos: true,
@@ -258,6 +259,7 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
             tenant: ["a", "b"][rng.random_range(0..2)].into(),
             salt: None,
         }),
+        constraint: None,
     }
 }
 
@@ -595,7 +597,7 @@ impl World {
             };
             loop {
                 match handle.try_next() {
-                    Ok(Event::Token { text }) => {
+                    Ok(Event::Token { text, .. }) => {
                         client.text.push_str(&text);
                         client.tokens += 1;
                     }
@@ -921,6 +923,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
             stop: StopStrings::default(),
             ignore_eos: true,
             cache: None,
+            constraint: None,
         };
         Box::new(PrefillOrder {
             grant: grant.to_frame(),

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use kvfence_engine::{
     Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Role, Transport,
 };
-use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_model::{Grammar, LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, ReusePolicy, Scrub};
 
 fn model() -> Arc<LoadedModel> {
@@ -60,10 +60,12 @@ fn request(i: usize, temperature: f32) -> GenerationRequest {
             top_k: 0,
             top_p: 0.95,
             seed: i as u64,
+            ..SamplingParams::greedy()
         },
         stop: StopStrings::default(),
         ignore_eos: true,
         cache: None,
+        constraint: None,
     }
 }
 
@@ -71,7 +73,7 @@ fn collect(mut handle: RequestHandle) -> (String, Event) {
     let mut text = String::new();
     loop {
         match handle.blocking_next().unwrap() {
-            Event::Token { text: t } => text.push_str(&t),
+            Event::Token { text: t, .. } => text.push_str(&t),
             closing => return (text, closing),
         }
     }
@@ -146,6 +148,105 @@ fn sixty_four_concurrent_requests_equal_colocated_bit_for_bit_over(transport: &T
     assert!(stats.handoff_bytes > 0);
     assert_eq!(stats.handoff_checksum_failures + stats.handoffs_failed, 0);
     wait_for_baseline(&disaggregated);
+}
+
+/// Every event of a request, logprobs included.
+fn events(mut handle: RequestHandle) -> Vec<Event> {
+    let mut events = Vec::new();
+    loop {
+        let event = handle.blocking_next().unwrap();
+        let last = !matches!(event, Event::Token { .. });
+        events.push(event);
+        if last {
+            return events;
+        }
+    }
+}
+
+#[test]
+fn constraints_penalties_and_logprobs_equal_colocated_bit_for_bit() {
+    let model = model();
+    let colocated = Engine::start(
+        Arc::clone(&model),
+        pool(&model, 8192, Scrub::Poison, ReusePolicy::OldestFreedFirst),
+        config(),
+    );
+    let requests: Vec<GenerationRequest> = (0..12)
+        .map(|i| {
+            let mut r = request(i, if i % 2 == 0 { 0.0 } else { 0.9 });
+            r.max_tokens = 16;
+            r.sampling.presence_penalty = 0.5;
+            r.sampling.frequency_penalty = 0.3;
+            r.sampling.repetition_penalty = 1.2;
+            r.sampling.logit_bias = vec![(u32::from(b'b'), 3.0)];
+            r.sampling.logprobs = Some(3);
+            if i % 3 != 2 {
+                r.constraint = Some(Grammar::Regex("[a-d]{3,9}-[0-9]{2}".into()));
+            }
+            r
+        })
+        .collect();
+    let run = |engine: &Engine| -> Vec<Vec<Event>> {
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|r| engine.submit(r.clone()).unwrap())
+            .collect();
+        handles.into_iter().map(events).collect()
+    };
+    let expected = run(&colocated);
+    for (request, events) in requests.iter().zip(&expected) {
+        let text: String = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Token { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        let tokens = events
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    Event::Token {
+                        logprobs: Some(_),
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert!(tokens > 0, "every token carries its logprobs");
+        if request.constraint.is_some() {
+            let (letters, digits) = text.split_once('-').unwrap_or_else(|| panic!("{text:?}"));
+            assert!((3..=9).contains(&letters.len()), "{text:?}");
+            assert!(
+                letters.bytes().all(|b| (b'a'..=b'd').contains(&b)),
+                "{text:?}"
+            );
+            assert!(
+                digits.len() == 2 && digits.bytes().all(|b| b.is_ascii_digit()),
+                "{text:?}"
+            );
+            assert!(matches!(
+                events.last(),
+                Some(Event::Finished {
+                    reason: kvfence_engine::FinishReason::Stop,
+                    ..
+                })
+            ));
+        }
+    }
+    for transport in transports() {
+        let disaggregated = Engine::start_disaggregated(
+            Arc::clone(&model),
+            pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+            pool(&model, 8192, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+            config(),
+            &transport,
+        )
+        .unwrap();
+        assert_eq!(run(&disaggregated), expected, "{transport:?}");
+        wait_for_baseline(&disaggregated);
+    }
 }
 
 #[test]

@@ -36,6 +36,7 @@ fn request(prompt_seed: u32, len: usize, max_tokens: usize) -> GenerationRequest
         stop: StopStrings::default(),
         ignore_eos: true,
         cache: None,
+        constraint: None,
     }
 }
 
@@ -47,7 +48,7 @@ fn collect(mut handle: kvfence_engine::RequestHandle) -> (String, Event) {
             .blocking_next()
             .expect("the engine always closes a request with an event")
         {
-            Event::Token { text: t } => text.push_str(&t),
+            Event::Token { text: t, .. } => text.push_str(&t),
             closing => return (text, closing),
         }
     }

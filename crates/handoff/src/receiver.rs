@@ -31,6 +31,7 @@ pub struct Committed {
     tokens: usize,
     first_token: u32,
     cached: usize,
+    first_logprobs: Vec<(u32, f32)>,
 }
 
 impl Committed {
@@ -52,6 +53,12 @@ impl Committed {
     /// The first generated token.
     pub fn first_token(&self) -> u32 {
         self.first_token
+    }
+
+    /// The first token's log-probability and its alternatives', if the
+    /// request asked (its entry first); empty otherwise.
+    pub fn first_logprobs(&self) -> &[(u32, f32)] {
+        &self.first_logprobs
     }
 
     /// The lease, for decoding.
@@ -366,6 +373,7 @@ impl Receiver {
                 digest: claimed,
                 first_token,
                 cached,
+                first_logprobs,
                 ..
             } => {
                 if epoch != incoming.epoch {
@@ -383,6 +391,7 @@ impl Receiver {
                             tokens: incoming.tokens,
                             first_token,
                             cached: (cached as usize).min(incoming.tokens),
+                            first_logprobs,
                         })
                     }
                     Err(error) => self.fail(id, error),

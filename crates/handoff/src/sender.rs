@@ -75,6 +75,24 @@ impl AllSent {
     /// The `Done` message this proof allows; `cached` prompt tokens came
     /// from the sender's prefix cache.
     pub fn done(self, first_token: u32, cached: usize) -> Message {
+        self.done_with_logprobs(first_token, cached, Vec::new())
+    }
+
+    /// [`AllSent::done`], carrying the first token's log-probability and
+    /// its alternatives' (`first_token`'s entry first).
+    pub fn done_with_logprobs(
+        self,
+        first_token: u32,
+        cached: usize,
+        first_logprobs: Vec<(u32, f32)>,
+    ) -> Message {
+        assert!(
+            first_logprobs.len() <= crate::wire::MAX_FIRST_LOGPROBS
+                && first_logprobs
+                    .first()
+                    .is_none_or(|&(t, _)| t == first_token),
+            "the first token's log-probability leads, and at most twenty alternatives follow"
+        );
         let tokens = u32::try_from(self.tokens).expect("grants fit u32 tokens");
         assert!(
             cached < self.tokens.max(1),
@@ -87,6 +105,7 @@ impl AllSent {
             digest: self.digest,
             first_token,
             cached: cached as u32,
+            first_logprobs,
         }
     }
 }

@@ -67,8 +67,12 @@ impl RejectReason {
     }
 }
 
+/// Most log-probabilities a `Done` carries: the first token's and twenty
+/// alternatives' (OpenAI's largest `top_logprobs`).
+pub const MAX_FIRST_LOGPROBS: usize = 21;
+
 /// One protocol message (DESIGN.md §5).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Message {
     /// decode → prefill: pages reserved for exactly `tokens` prompt tokens.
     Grant {
@@ -118,6 +122,11 @@ pub enum Message {
         /// Prompt tokens the sender read from its prefix cache instead of
         /// computing: reported in usage, no part of the commit test.
         cached: u32,
+        /// If the request asked for log-probabilities: the first token's
+        /// (`first_token`, its log-probability), then the most likely
+        /// alternatives with theirs; at most [`MAX_FIRST_LOGPROBS`]
+        /// entries. Empty when it did not ask.
+        first_logprobs: Vec<(u32, f32)>,
     },
     /// either way: this hand-off will never complete.
     Reject {
@@ -221,6 +230,7 @@ impl Message {
                 digest,
                 first_token,
                 cached,
+                first_logprobs,
             } => {
                 out.push(DONE);
                 put_u64(out, id.0);
@@ -229,6 +239,15 @@ impl Message {
                 put_u64(out, *digest);
                 put_u32(out, *first_token);
                 put_u32(out, *cached);
+                let count = u8::try_from(first_logprobs.len())
+                    .ok()
+                    .filter(|&n| usize::from(n) <= MAX_FIRST_LOGPROBS)
+                    .expect("a Done carries at most MAX_FIRST_LOGPROBS log-probabilities");
+                out.push(count);
+                for &(token, logprob) in first_logprobs {
+                    put_u32(out, token);
+                    put_u32(out, logprob.to_bits());
+                }
             }
             Message::Reject { id, reason } => {
                 out.push(REJECT);
@@ -356,6 +375,17 @@ impl Message {
                     digest: r.u64()?,
                     first_token: r.u32()?,
                     cached: r.u32()?,
+                    first_logprobs: {
+                        let count = usize::from(r.u8()?);
+                        if count > MAX_FIRST_LOGPROBS {
+                            return Err(
+                                r.malformed("more log-probabilities than a request may ask for")
+                            );
+                        }
+                        (0..count)
+                            .map(|_| Ok((r.u32()?, f32::from_bits(r.u32()?))))
+                            .collect::<Result<Vec<_>, HandoffError>>()?
+                    },
                 }
             }
             REJECT => {

@@ -62,16 +62,18 @@ fn message() -> impl Strategy<Value = Message> {
             any::<u32>(),
             any::<u64>(),
             any::<u32>(),
-            any::<u32>()
+            any::<u32>(),
+            proptest::collection::vec((any::<u32>(), -30.0f32..=0.0), 0..=21)
         )
             .prop_map(
-                |(id, epoch, tokens, digest, first_token, cached)| Message::Done {
+                |(id, epoch, tokens, digest, first_token, cached, first_logprobs)| Message::Done {
                     id,
                     epoch,
                     tokens,
                     digest,
                     first_token,
-                    cached
+                    cached,
+                    first_logprobs
                 }
             ),
         (

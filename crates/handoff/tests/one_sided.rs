@@ -158,7 +158,8 @@ fn i4_a_writer_that_never_acks_leaves_its_pages_quarantined() {
                 tokens: TOKENS as u32,
                 digest: 0,
                 first_token: 0,
-                cached: 0
+                cached: 0,
+                first_logprobs: Vec::new()
             }),
             Outcome::Ignored
         ));
@@ -187,6 +188,7 @@ fn i7_a_one_sided_done_over_missing_pages_fails_and_quarantines() {
         digest: 1,
         first_token: 0,
         cached: 0,
+        first_logprobs: Vec::new(),
     };
     let Outcome::Failed { error, reply, .. } = s.receiver.handle(done) else {
         panic!("committed over missing pages")
@@ -214,6 +216,7 @@ fn i5_a_placeholder_done_fails_a_one_sided_grant_too() {
         digest: 0,
         first_token: 0,
         cached: 0,
+        first_logprobs: Vec::new(),
     };
     assert!(matches!(
         s.receiver.handle(done),

@@ -275,6 +275,7 @@ fn i5_the_incident_placeholder_done_with_fewer_tokens_fails_the_request() {
         digest: 0,
         first_token: 9,
         cached: 0,
+        first_logprobs: Vec::new(),
     };
     fails_with(&mut s, vec![done], |e| {
         matches!(

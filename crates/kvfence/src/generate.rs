@@ -62,6 +62,7 @@ pub(crate) fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         top_k: 0,
         top_p: 1.0,
         seed: args.seed,
+        ..SamplingParams::greedy()
     })?;
     let eos = &loaded.model.config().eos_token_ids;
 

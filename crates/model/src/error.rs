@@ -133,6 +133,17 @@ pub enum ModelError {
     /// Logits held NaN or infinity: the computation cannot be trusted (I7).
     #[error("the model produced non-finite logits; the request is stopped")]
     NonFiniteLogits,
+    /// A constraint left no token to draw: the grammar and the penalties
+    /// or biases together exclude every token.
+    #[error("the request's constraints allow no token to come next")]
+    NoAllowedToken,
+    /// A grammar could not be compiled, or its constraint could not go on.
+    #[error("the output constraint failed: {reason}")]
+    Constraint {
+        /// llguidance's reason; it quotes no part of the grammar (built
+        /// without verbose errors).
+        reason: String,
+    },
     /// The KV pool refused a read or write.
     #[error(transparent)]
     Pool(#[from] PoolError),

@@ -9,13 +9,15 @@
 //! - [`kernels`]: batch-invariant CPU kernels; the seam for other backends;
 //!   `qtile`: the register-tiled quantized dot products.
 //! - [`forward`]: the batched, paged forward pass.
-//! - [`sampling`]: token choice and stop strings.
+//! - [`sampling`]: token choice and stop strings; [`constraint`]: grammars
+//!   that restrict it (structured outputs).
 //! - [`builtin`]: deterministic built-in models; [`fetch`]: pretrained
 //!   models by name, cached; [`loader`]: load by name.
 
 pub mod builtin;
 pub mod chat;
 pub mod config;
+pub mod constraint;
 mod error;
 pub mod fetch;
 pub mod forward;
@@ -31,10 +33,14 @@ pub mod tokenizer;
 pub use builtin::Builtin;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig};
+pub use constraint::{Constraint, Grammar, Grammars, TokenMask};
 pub use error::ModelError;
 pub use fetch::{KnownModel, ModelCache};
 pub use forward::{Logits, Model, Sequence};
 pub use loader::{LoadedModel, TextModel};
-pub use sampling::{MAX_STOP_BYTES, Sampler, SamplingParams, StopMatcher, StopStrings};
+pub use sampling::{
+    Draw, DrawContext, MAX_STOP_BYTES, MAX_TOP_LOGPROBS, Sampler, SamplingParams, StopMatcher,
+    StopStrings, TokenLogprobs,
+};
 pub use tensors::{DiskDtype, Tensor, TensorMap};
 pub use tokenizer::Tokenizer;

@@ -1,15 +1,29 @@
 //! Choosing the next token ([`Sampler`]) and deciding when to stop
 //! ([`StopStrings`]): greedy, temperature, top-k, top-p, a per-request seed,
-//! stop strings. Sampling refuses non-finite logits: NaN is what poisoned KV
-//! pages turn into, and it must end the request, not pick a token (I7).
+//! logit bias, presence, frequency and repetition penalties, a constraint's
+//! token mask, log-probabilities, stop strings. Sampling refuses non-finite
+//! logits: NaN is what poisoned KV pages turn into, and it must end the
+//! request, not pick a token (I7).
+//!
+//! Everything a draw depends on is the request's parameters, its prompt,
+//! the tokens it generated and the constraint's mask for the next one —
+//! never the batch around it or the worker it runs on. So rows stay
+//! batch-invariant, and a decode worker that takes a request over after its
+//! first token draws exactly what the prefill worker would have.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::ModelError;
 
+/// Most alternatives a request may ask to see per token (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// How to pick tokens for one request.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy.
     pub temperature: f32,
@@ -19,6 +33,31 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Seed of this request's random stream.
     pub seed: u64,
+    /// Subtracted once from the logit of every token already generated
+    /// (OpenAI's `presence_penalty`, −2 to 2).
+    #[serde(default)]
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated
+    /// (OpenAI's `frequency_penalty`, −2 to 2).
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// Divides the positive logits, and multiplies the negative ones, of
+    /// every token in the prompt or the completion; 1 is off (the
+    /// `repetition_penalty` of vLLM and Hugging Face).
+    #[serde(default = "no_repetition_penalty")]
+    pub repetition_penalty: f32,
+    /// Added to the logits of these tokens (OpenAI's `logit_bias`, −100 to
+    /// 100), in increasing token order, each token once.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Report each chosen token's log-probability and this many of the
+    /// most likely alternatives; `None` reports nothing.
+    #[serde(default)]
+    pub logprobs: Option<usize>,
+}
+
+fn no_repetition_penalty() -> f32 {
+    1.0
 }
 
 impl SamplingParams {
@@ -29,6 +68,20 @@ impl SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            logprobs: None,
+        }
+    }
+
+    /// Random sampling at `temperature` from the seed's stream.
+    pub fn seeded(temperature: f32, seed: u64) -> Self {
+        SamplingParams {
+            temperature,
+            seed,
+            ..SamplingParams::greedy()
         }
     }
 
@@ -45,8 +98,83 @@ impl SamplingParams {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return invalid("top_p must be in (0, 1]");
         }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return invalid("presence_penalty must be between -2 and 2");
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return invalid("frequency_penalty must be between -2 and 2");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+            return invalid("repetition_penalty must be greater than 0 and at most 10");
+        }
+        if self
+            .logit_bias
+            .iter()
+            .any(|&(_, bias)| !(-100.0..=100.0).contains(&bias))
+        {
+            return invalid("logit_bias values must be between -100 and 100");
+        }
+        if self.logit_bias.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return invalid("logit_bias names each token once");
+        }
+        if self.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+            return invalid("top_logprobs must be at most 20");
+        }
         Ok(())
     }
+
+    /// Whether the logits need reshaping before the draw.
+    fn shapes_logits(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+    }
+}
+
+/// What a draw may depend on besides the logits: the request's own tokens
+/// so far, and which tokens its constraint allows next.
+#[derive(Clone, Copy, Default)]
+pub struct DrawContext<'a> {
+    /// The prompt (read by the repetition penalty only).
+    pub prompt: &'a [u32],
+    /// Tokens generated so far, in order.
+    pub generated: &'a [u32],
+    /// The tokens allowed next, if a constraint restricts them.
+    pub allowed: Option<&'a dyn Fn(u32) -> bool>,
+}
+
+impl std::fmt::Debug for DrawContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrawContext")
+            .field("prompt", &self.prompt.len())
+            .field("generated", &self.generated.len())
+            .field("constrained", &self.allowed.is_some())
+            .finish()
+    }
+}
+
+/// One chosen token and, if the request asked, its log-probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Draw {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability and the top alternatives'.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// A chosen token's log-probability and the most likely alternatives', in
+/// nats, from the distribution the draw was made from: the logits after
+/// bias, penalties and constraint, divided by the temperature (1 when
+/// greedy), before top-k and top-p cut them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TokenLogprobs {
+    /// The chosen token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens, most likely first (ties by id), with theirs.
+    pub top: Vec<(u32, f32)>,
 }
 
 /// A request's token picker. The draw for the request's `n`-th token comes
@@ -71,17 +199,97 @@ impl Sampler {
         self.index = n;
     }
 
-    /// Picks the next token from one row of logits.
+    /// Picks the next token from one row of logits, with no history and no
+    /// constraint.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, ModelError> {
+        Ok(self.draw(logits, DrawContext::default())?.token)
+    }
+
+    /// Picks the next token from one row of logits for a request whose
+    /// tokens so far and constraint `context` gives.
+    pub fn draw(&mut self, logits: &[f32], context: DrawContext<'_>) -> Result<Draw, ModelError> {
         if logits.is_empty() || logits.iter().any(|l| !l.is_finite()) {
             return Err(ModelError::NonFiniteLogits);
         }
         let index = self.index;
         self.index += 1;
-        if self.params.temperature == 0.0 || self.params.top_k == 1 {
-            return Ok(argmax(logits));
+        let logits = self.shape(logits, &context);
+        if logits.iter().all(|&l| l == f32::NEG_INFINITY) {
+            return Err(ModelError::NoAllowedToken);
         }
-        let mut ranked: Vec<(u32, f32)> = (0u32..).zip(logits.iter().copied()).collect();
+        let temperature = if self.params.temperature == 0.0 {
+            1.0
+        } else {
+            self.params.temperature
+        };
+        let token = if self.params.temperature == 0.0 || self.params.top_k == 1 {
+            argmax(&logits)
+        } else {
+            self.pick(&logits, index)
+        };
+        let logprobs = self
+            .params
+            .logprobs
+            .map(|top| token_logprobs(&logits, temperature, token, top));
+        Ok(Draw { token, logprobs })
+    }
+
+    /// The logits after bias, penalties and the constraint's mask; the
+    /// row itself when none applies.
+    fn shape<'l>(&self, logits: &'l [f32], context: &DrawContext<'_>) -> Cow<'l, [f32]> {
+        let p = &self.params;
+        if !p.shapes_logits() && context.allowed.is_none() {
+            return Cow::Borrowed(logits);
+        }
+        let mut shaped = logits.to_vec();
+        let vocab = shaped.len();
+        for &(token, bias) in &p.logit_bias {
+            if let Some(l) = shaped.get_mut(token as usize) {
+                *l += bias;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            let mut seen = vec![false; vocab];
+            for &token in context.prompt.iter().chain(context.generated) {
+                if let Some(seen) = seen.get_mut(token as usize) {
+                    *seen = true;
+                }
+            }
+            for (l, _) in shaped.iter_mut().zip(&seen).filter(|(_, seen)| **seen) {
+                *l = if *l > 0.0 {
+                    *l / p.repetition_penalty
+                } else {
+                    *l * p.repetition_penalty
+                };
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut counts: HashMap<u32, u32> = HashMap::new();
+            for &token in context.generated {
+                *counts.entry(token).or_default() += 1;
+            }
+            for (token, count) in counts {
+                if let Some(l) = shaped.get_mut(token as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * count as f32;
+                }
+            }
+        }
+        if let Some(allowed) = context.allowed {
+            for (token, l) in (0u32..).zip(shaped.iter_mut()) {
+                if !allowed(token) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        Cow::Owned(shaped)
+    }
+
+    /// A random draw with temperature, top-k and top-p from stream `index`.
+    fn pick(&self, logits: &[f32], index: u64) -> u32 {
+        let mut ranked: Vec<(u32, f32)> = (0u32..)
+            .zip(logits.iter().copied())
+            .filter(|&(_, l)| l > f32::NEG_INFINITY)
+            .collect();
         // Ties broken by id so the order, and so the draw, is reproducible.
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.params.top_k > 0 {
@@ -109,11 +317,43 @@ impl Sampler {
         let mut draw = rng.random::<f32>() * kept;
         for (i, p) in probs[..keep].iter().enumerate() {
             if draw < *p {
-                return Ok(ranked[i].0);
+                return ranked[i].0;
             }
             draw -= p;
         }
-        Ok(ranked[keep - 1].0)
+        ranked[keep - 1].0
+    }
+}
+
+/// `token`'s log-probability and the `top` most likely tokens' under
+/// softmax(`logits` / `temperature`).
+fn token_logprobs(logits: &[f32], temperature: f32, token: u32, top: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // In f64: a 50,000-token sum in f32 loses the small terms.
+    let total: f64 = logits
+        .iter()
+        .map(|&l| f64::from((l - max) / temperature).exp())
+        .sum();
+    let log_total = total.ln() as f32;
+    let logprob = |l: f32| (l - max) / temperature - log_total;
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (id, &l) in (0u32..).zip(logits) {
+            if l == f32::NEG_INFINITY {
+                continue;
+            }
+            let better = |&(b_id, b_l): &(u32, f32)| l > b_l || (l == b_l && id < b_id);
+            if best.len() < top || best.last().is_some_and(better) {
+                let at = best.iter().position(better).unwrap_or(best.len());
+                best.insert(at, (id, l));
+                best.truncate(top);
+            }
+        }
+    }
+    TokenLogprobs {
+        token,
+        logprob: logprob(logits[token as usize]),
+        top: best.into_iter().map(|(id, l)| (id, logprob(l))).collect(),
     }
 }
 
@@ -342,6 +582,7 @@ mod tests {
             top_k,
             top_p,
             seed,
+            ..SamplingParams::greedy()
         }
     }
 
@@ -385,6 +626,156 @@ mod tests {
             (0..200).all(|_| p.sample(&logits).unwrap() == 0),
             "top 1 already holds 30 %"
         );
+    }
+
+    fn draw(params: SamplingParams, logits: &[f32], context: DrawContext<'_>) -> Draw {
+        Sampler::new(params).unwrap().draw(logits, context).unwrap()
+    }
+
+    #[test]
+    fn logit_bias_moves_the_choice() {
+        let logits = [1.0, 2.0, 0.5];
+        assert_eq!(
+            draw(SamplingParams::greedy(), &logits, DrawContext::default()).token,
+            1
+        );
+        let biased = SamplingParams {
+            logit_bias: vec![(2, 5.0)],
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(draw(biased, &logits, DrawContext::default()).token, 2);
+        let banned = SamplingParams {
+            logit_bias: vec![(1, -100.0)],
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(draw(banned, &logits, DrawContext::default()).token, 0);
+    }
+
+    #[test]
+    fn penalties_read_only_what_the_request_generated_or_saw() {
+        let logits = [1.0, 1.5, 0.0];
+        let generated = [1, 1];
+        let context = DrawContext {
+            generated: &generated,
+            ..DrawContext::default()
+        };
+        // Two repeats of token 1 at 0.3 each: 1.5 − 0.6 < 1.0.
+        let frequency = SamplingParams {
+            frequency_penalty: 0.3,
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(draw(frequency.clone(), &logits, context).token, 0);
+        assert_eq!(draw(frequency, &logits, DrawContext::default()).token, 1);
+        // Presence counts once: 1.5 − 0.4 > 1.0.
+        let presence = SamplingParams {
+            presence_penalty: 0.4,
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(draw(presence, &logits, context).token, 1);
+        // The repetition penalty divides a positive logit and reads the prompt too.
+        let prompt = [1];
+        let repetition = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy()
+        };
+        let seen = DrawContext {
+            prompt: &prompt,
+            ..DrawContext::default()
+        };
+        assert_eq!(draw(repetition, &logits, seen).token, 0);
+    }
+
+    #[test]
+    fn a_mask_confines_every_draw_and_an_empty_one_is_an_error() {
+        let logits: Vec<f32> = (0..40).map(|i| (i as f32 * 0.7).cos()).collect();
+        let even = |t: u32| t.is_multiple_of(2);
+        let context = DrawContext {
+            allowed: Some(&even),
+            ..DrawContext::default()
+        };
+        let mut sampler = Sampler::new(params(1.5, 0, 1.0, 9)).unwrap();
+        for _ in 0..200 {
+            assert!(even(sampler.draw(&logits, context).unwrap().token));
+        }
+        let none = |_: u32| false;
+        let empty = DrawContext {
+            allowed: Some(&none),
+            ..DrawContext::default()
+        };
+        assert!(matches!(
+            sampler.draw(&logits, empty),
+            Err(ModelError::NoAllowedToken)
+        ));
+    }
+
+    #[test]
+    fn logprobs_are_the_draws_distribution_most_likely_first() {
+        let logits = [0.0, 2.0, 1.0, 2.0];
+        let with = |temperature: f32| SamplingParams {
+            temperature,
+            logprobs: Some(3),
+            ..SamplingParams::greedy()
+        };
+        let got = draw(with(0.0), &logits, DrawContext::default())
+            .logprobs
+            .unwrap();
+        assert_eq!(got.token, 1);
+        let ids: Vec<u32> = got.top.iter().map(|&(id, _)| id).collect();
+        assert_eq!(ids, [1, 3, 2], "ties by id");
+        let total: f32 = logits.iter().map(|l| l.exp()).sum();
+        assert!((got.logprob - (2.0 - total.ln())).abs() < 1e-5);
+        let mass: f32 = got.top.iter().map(|&(_, lp)| lp.exp()).sum();
+        assert!(mass <= 1.0 + 1e-6);
+        // At temperature 0.5 the draw's distribution is sharper.
+        let sharp = draw(with(0.5), &logits, DrawContext::default())
+            .logprobs
+            .unwrap();
+        let chosen = sharp
+            .top
+            .iter()
+            .find(|&&(id, _)| id == sharp.token)
+            .unwrap();
+        assert!(chosen.1 > got.logprob);
+        // A masked-out token is never listed.
+        let odd = |t: u32| t % 2 == 1;
+        let masked = DrawContext {
+            allowed: Some(&odd),
+            ..DrawContext::default()
+        };
+        let got = draw(with(0.0), &logits, masked).logprobs.unwrap();
+        assert!(got.top.iter().all(|&(id, _)| id % 2 == 1));
+    }
+
+    #[test]
+    fn shaping_parameters_out_of_range_are_refused() {
+        for bad in [
+            SamplingParams {
+                presence_penalty: 2.5,
+                ..SamplingParams::greedy()
+            },
+            SamplingParams {
+                frequency_penalty: -3.0,
+                ..SamplingParams::greedy()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..SamplingParams::greedy()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 101.0)],
+                ..SamplingParams::greedy()
+            },
+            SamplingParams {
+                logit_bias: vec![(2, 1.0), (1, 1.0)],
+                ..SamplingParams::greedy()
+            },
+            SamplingParams {
+                logprobs: Some(21),
+                ..SamplingParams::greedy()
+            },
+        ] {
+            assert!(Sampler::new(bad).is_err());
+        }
     }
 
     #[test]

@@ -242,6 +242,39 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// Every token's bytes, by id, as constrained decoding needs them.
+    /// Special tokens are marked with a leading `0xFF` (a byte no UTF-8
+    /// text holds), so no grammar over text can produce one; byte-level
+    /// BPE tokens are mapped back through GPT-2's byte table; anything
+    /// else is decoded on its own.
+    pub fn token_bytes(&self) -> Vec<Vec<u8>> {
+        let unmap: std::collections::HashMap<char, u8> =
+            (0..=255u8).map(|b| (byte_char(b), b)).collect();
+        let specials: std::collections::HashMap<u32, String> = self
+            .special_tokens()
+            .into_iter()
+            .map(|(t, id)| (id, t))
+            .collect();
+        (0..self.vocab_size() as u32)
+            .map(|id| {
+                if let Some(special) = specials.get(&id) {
+                    return [&[0xFF], special.as_bytes()].concat();
+                }
+                let Some(token) = self.inner.id_to_token(id) else {
+                    return Vec::new();
+                };
+                let bytes: Option<Vec<u8>> =
+                    token.chars().map(|c| unmap.get(&c).copied()).collect();
+                bytes.unwrap_or_else(|| {
+                    self.inner
+                        .decode(&[id], false)
+                        .map(String::into_bytes)
+                        .unwrap_or_default()
+                })
+            })
+            .collect()
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

@@ -243,6 +243,7 @@ impl CommonParams {
             top_k,
             top_p,
             seed,
+            ..SamplingParams::greedy()
         })
     }
 

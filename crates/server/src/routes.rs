@@ -517,6 +517,7 @@ fn prepare(
             tenant: tenant.name.clone(),
             salt: params.cache_salt()?,
         }),
+        constraint: None,
     };
     Ok(Prepared {
         request,
@@ -606,7 +607,7 @@ impl Reply {
         let mut seen = false;
         loop {
             match self.handle.next().await {
-                Some(Event::Token { text: piece }) => {
+                Some(Event::Token { text: piece, .. }) => {
                     self.first_token(&mut seen);
                     text.push_str(&piece);
                 }
@@ -685,7 +686,7 @@ fn stream_events(
                 }
                 Phase::Start | Phase::Running => loop {
                     match reply.handle.next().await {
-                        Some(Event::Token { text }) => {
+                        Some(Event::Token { text, .. }) => {
                             reply.first_token(&mut seen);
                             if !text.is_empty() {
                                 break (

@@ -140,6 +140,7 @@ mod tests {
                 tenant: tenant.into(),
                 salt: salt.map(Into::into),
             }),
+            constraint: None,
         }
     }
 

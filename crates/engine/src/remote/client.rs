@@ -250,6 +250,7 @@ impl RemoteEngine {
             stop: request.stop.strings().to_vec(),
             ignore_eos: request.ignore_eos,
             cache: request.cache,
+            constraint: request.constraint,
             prefill,
         };
         let forget = || {
@@ -445,7 +446,7 @@ fn read_decode_worker(stream: &mpsc::Receiver<Bytes>, connection: &Connection) {
             Ok(Control::Event { id, event }) => {
                 let terminal = !matches!(event, WireEvent::Token { .. });
                 let event = match event {
-                    WireEvent::Token { text } => Event::Token { text },
+                    WireEvent::Token { text, logprobs } => Event::Token { text, logprobs },
                     WireEvent::Finished { reason, usage } => Event::Finished { reason, usage },
                     WireEvent::Failed { kind, message } => Event::Failed { kind, message },
                 };

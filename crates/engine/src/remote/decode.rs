@@ -236,6 +236,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                 stop,
                 ignore_eos,
                 cache,
+                constraint,
                 prefill,
             } => {
                 let stop = match StopStrings::new(stop) {
@@ -257,6 +258,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                     stop,
                     ignore_eos,
                     cache,
+                    constraint,
                 };
                 match engine.submit_to(request, prefill) {
                     Ok(handle) => {
@@ -306,7 +308,7 @@ async fn forward(
     while let Some(event) = handle.next().await {
         let terminal = !matches!(event, Event::Token { .. });
         let event = match event {
-            Event::Token { text } => WireEvent::Token { text },
+            Event::Token { text, logprobs } => WireEvent::Token { text, logprobs },
             Event::Finished { reason, usage } => WireEvent::Finished { reason, usage },
             Event::Failed { kind, message } => WireEvent::Failed { kind, message },
         };

@@ -8,7 +8,7 @@
 
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
-use kvfence_model::{LoadedModel, ModelConfig, SamplingParams};
+use kvfence_model::{Grammar, LoadedModel, ModelConfig, SamplingParams, TokenLogprobs};
 use kvfence_pool::PoolStats;
 use serde::{Deserialize, Serialize};
 
@@ -116,9 +116,19 @@ pub(crate) enum Refusal {
 /// One event of a request's life on the wire.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) enum WireEvent {
-    Token { text: String },
-    Finished { reason: FinishReason, usage: Usage },
-    Failed { kind: FailureKind, message: String },
+    Token {
+        text: String,
+        #[serde(default)]
+        logprobs: Option<TokenLogprobs>,
+    },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
+    Failed {
+        kind: FailureKind,
+        message: String,
+    },
 }
 
 /// One pool's counters on the wire: every field of [`PoolStats`], by name,
@@ -224,6 +234,9 @@ pub(crate) enum Control {
         /// authenticated).
         #[serde(default)]
         cache: Option<CacheScope>,
+        /// What the completion must match.
+        #[serde(default)]
+        constraint: Option<Grammar>,
         /// The prefill worker the router chose (a name from the decode
         /// worker's `prefills`).
         prefill: Option<String>,
@@ -289,6 +302,7 @@ mod tests {
                 top_k: 4,
                 top_p: 0.9,
                 seed: 11,
+                ..SamplingParams::greedy()
             },
             stop: vec!["x".into()],
             ignore_eos: true,
@@ -296,6 +310,7 @@ mod tests {
                 tenant: "acme".into(),
                 salt: None,
             }),
+            constraint: None,
             prefill: Some("10.0.0.1:7000".into()),
         };
         let json = serde_json::to_value(&submit).unwrap();

@@ -90,6 +90,7 @@ fn request(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerationReque
             tenant: tenant.into(),
             salt: None,
         }),
+        constraint: None,
     }
 }
 
@@ -124,7 +125,7 @@ impl Worker {
             for (i, handle) in handles.iter_mut().enumerate() {
                 while let Ok(event) = handle.try_next() {
                     match event {
-                        Event::Token { text } => texts[i].push_str(&text),
+                        Event::Token { text, .. } => texts[i].push_str(&text),
                         Event::Finished { usage, .. } => {
                             answers[i] = Some((std::mem::take(&mut texts[i]), usage));
                         }

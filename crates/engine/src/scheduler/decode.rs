@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use kvfence_handoff::{Message, Outcome, RejectReason};
+use kvfence_model::TokenLogprobs;
 use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{RequestId, Window, WindowKey};
 use tracing::{debug, warn};
@@ -52,6 +53,15 @@ impl Scheduler {
                     return;
                 };
                 let first_token = committed.first_token();
+                let logprobs =
+                    committed
+                        .first_logprobs()
+                        .split_first()
+                        .map(|(&(token, logprob), top)| TokenLogprobs {
+                            token,
+                            logprob,
+                            top: top.to_vec(),
+                        });
                 let active = &mut self.active[index];
                 active.written = committed.tokens();
                 active.cached = committed.cached_tokens();
@@ -64,7 +74,7 @@ impl Scheduler {
                 self.counters
                     .prompt_tokens
                     .fetch_add(active.written as u64, Ordering::Relaxed);
-                if let Some(end) = self.accept(index, first_token) {
+                if let Some(end) = self.accept(index, first_token, logprobs) {
                     self.end(index, end);
                 }
             }

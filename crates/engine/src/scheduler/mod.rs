@@ -55,7 +55,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kvfence_handoff::{HandoffId, Message, Receiver, RejectReason, Streaming};
-use kvfence_model::{LoadedModel, Logits, Sampler, Sequence};
+use kvfence_model::{
+    Constraint, DrawContext, Grammars, LoadedModel, Logits, Sampler, Sequence, TokenLogprobs,
+};
 use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{Lease, Pool, PoolError, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
@@ -233,6 +235,7 @@ pub(crate) struct Pending {
 /// Where a preempted request stopped: everything but its pages.
 pub(crate) struct Resume {
     sampler: Sampler,
+    constraint: Option<Constraint>,
     text: TextStream,
     generated: Vec<u32>,
     cached: usize,
@@ -327,6 +330,9 @@ struct Active {
     pending: Pending,
     kv: Kv,
     sampler: Sampler,
+    /// The grammar's state, if the request has one: it has accepted every
+    /// generated token.
+    constraint: Option<Constraint>,
     text: TextStream,
     /// Positions of its context (the prompt, then the completion) whose KV
     /// is written.
@@ -426,6 +432,8 @@ pub(crate) struct Scheduler {
     one_sided: bool,
     /// Requests admitted so far (each admission's order).
     admissions: u64,
+    /// Compiles requests' grammars; built at the first one.
+    grammars: Option<Grammars>,
 }
 
 impl Scheduler {
@@ -452,6 +460,7 @@ impl Scheduler {
             next_local_id: 1,
             one_sided: false,
             admissions: 0,
+            grammars: None,
         }
     }
 
@@ -787,6 +796,7 @@ impl Scheduler {
             if let Some(resume) = pending.resume.take() {
                 let Resume {
                     sampler,
+                    constraint,
                     text,
                     generated,
                     cached,
@@ -798,6 +808,7 @@ impl Scheduler {
                     pending,
                     kv: Kv::Held(lease),
                     sampler,
+                    constraint,
                     text,
                     cached,
                     generated,
@@ -805,9 +816,19 @@ impl Scheduler {
                 });
                 continue;
             }
-            let sampler = match Sampler::new(pending.request.sampling) {
+            let sampler = match Sampler::new(pending.request.sampling.clone()) {
                 Ok(sampler) => sampler,
                 Err(error) => {
+                    self.refuse(&pending, FailureKind::Internal, error.to_string());
+                    continue;
+                }
+            };
+            let constraint = match self.constraint_for(&pending.request) {
+                Ok(constraint) => constraint,
+                Err(error) => {
+                    // The front door compiled this grammar before; failing
+                    // here is the grammar's limits, never its text (I10).
+                    warn!(request = %pending.id, "the request's grammar did not compile");
                     self.refuse(&pending, FailureKind::Internal, error.to_string());
                     continue;
                 }
@@ -856,6 +877,7 @@ impl Scheduler {
                 pending,
                 kv,
                 sampler,
+                constraint,
                 text,
                 written,
                 cached,
@@ -913,6 +935,7 @@ impl Scheduler {
             mut pending,
             kv,
             sampler,
+            constraint,
             text,
             generated,
             cached,
@@ -922,6 +945,7 @@ impl Scheduler {
         debug!(request = %pending.id, generated = generated.len(), "preempted for pages");
         pending.resume = Some(Box::new(Resume {
             sampler,
+            constraint,
             text,
             generated,
             cached,
@@ -1101,25 +1125,64 @@ impl Scheduler {
         }
     }
 
+    /// A fresh constraint for `request`'s grammar, if it has one.
+    fn constraint_for(
+        &mut self,
+        request: &GenerationRequest,
+    ) -> Result<Option<Constraint>, kvfence_model::ModelError> {
+        let Some(grammar) = &request.constraint else {
+            return Ok(None);
+        };
+        let grammars = match &self.grammars {
+            Some(grammars) => grammars,
+            None => {
+                let config = self.model.model.config();
+                let grammars = Grammars::new(
+                    &self.model.tokenizer,
+                    config.vocab_size,
+                    &config.eos_token_ids,
+                )?;
+                self.grammars.insert(grammars)
+            }
+        };
+        grammars.compile(grammar).map(Some)
+    }
+
     /// Samples the next token of one request and acts on it.
     fn advance(&mut self, index: usize, logits: &[f32]) -> Option<End> {
-        let token = match self.active[index].sampler.sample(logits) {
-            Ok(token) => token,
+        let active = &mut self.active[index];
+        let mask = match active.constraint.as_mut().map(Constraint::mask).transpose() {
+            Ok(mask) => mask,
+            Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
+        };
+        let allows = mask.map(|mask| move |token: u32| mask.allows(token));
+        let context = DrawContext {
+            prompt: &active.pending.request.prompt,
+            generated: &active.generated,
+            allowed: allows.as_ref().map(|f| f as &dyn Fn(u32) -> bool),
+        };
+        let draw = match active.sampler.draw(logits, context) {
+            Ok(draw) => draw,
             Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
         };
         if matches!(self.active[index].pending.origin, Origin::Handoff { .. }) {
-            return Some(self.ship(index, token));
+            return Some(self.ship(index, draw.token, draw.logprobs));
         }
-        self.accept(index, token)
+        self.accept(index, draw.token, draw.logprobs)
     }
 
     /// Records a generated token, streams its text, and says whether the
     /// request is done.
-    fn accept(&mut self, index: usize, token: u32) -> Option<End> {
+    fn accept(&mut self, index: usize, token: u32, logprobs: Option<TokenLogprobs>) -> Option<End> {
         let eos = &self.model.model.config().eos_token_ids;
         let tokenizer = &self.model.tokenizer;
         let active = &mut self.active[index];
         active.generated.push(token);
+        if let Some(constraint) = &mut active.constraint
+            && let Err(error) = constraint.accept(token)
+        {
+            return Some(End::Failed(FailureKind::Internal, error.to_string()));
+        }
         self.counters
             .generated_tokens
             .fetch_add(1, Ordering::Relaxed);
@@ -1133,7 +1196,10 @@ impl Scheduler {
         let flush = |active: &mut Active| match active.text.flush(tokenizer) {
             Ok(rest) => {
                 if !rest.is_empty() {
-                    active.pending.send(Event::Token { text: rest });
+                    active.pending.send(Event::Token {
+                        text: rest,
+                        logprobs: None,
+                    });
                 }
                 None
             }
@@ -1142,6 +1208,7 @@ impl Scheduler {
         if !request.ignore_eos && eos.contains(&token) {
             active.pending.send(Event::Token {
                 text: String::new(),
+                logprobs: None,
             });
             return flush(active).or_else(|| finish(FinishReason::Stop));
         }
@@ -1149,9 +1216,20 @@ impl Scheduler {
             Ok(pushed) => pushed,
             Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
         };
-        active.pending.send(Event::Token { text: pushed.delta });
+        active.pending.send(Event::Token {
+            text: pushed.delta,
+            logprobs,
+        });
         if pushed.stopped {
             return finish(FinishReason::Stop);
+        }
+        if active
+            .constraint
+            .as_ref()
+            .is_some_and(Constraint::is_finished)
+        {
+            // The grammar is complete: nothing but the end may follow.
+            return flush(active).or_else(|| finish(FinishReason::Stop));
         }
         if active.generated.len() == active.pending.request.max_tokens {
             return flush(active).or_else(|| finish(FinishReason::Length));

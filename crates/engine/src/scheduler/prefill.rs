@@ -54,6 +54,7 @@ impl Scheduler {
                         digest: 0,
                         first_token: 0,
                         cached: 0,
+                        first_logprobs: Vec::new(),
                     },
                 );
                 return;
@@ -135,7 +136,12 @@ impl Scheduler {
     }
 
     /// Prefill role: send the prompt's KV and the first token to decode.
-    pub(super) fn ship(&mut self, index: usize, first_token: u32) -> End {
+    pub(super) fn ship(
+        &mut self,
+        index: usize,
+        first_token: u32,
+        logprobs: Option<kvfence_model::TokenLogprobs>,
+    ) -> End {
         // Fault injection: a writer that goes silent instead of shipping.
         fail::fail_point!("prefill-stall", |_| End::Shipped);
         let active = &mut self.active[index];
@@ -168,7 +174,11 @@ impl Scheduler {
         };
         match sent {
             Ok(proof) => {
-                let _ = peer.message(&proof.done(first_token, cached));
+                let first_logprobs = logprobs
+                    .map(|l| std::iter::once((l.token, l.logprob)).chain(l.top).collect())
+                    .unwrap_or_default();
+                let _ =
+                    peer.message(&proof.done_with_logprobs(first_token, cached, first_logprobs));
                 End::Shipped
             }
             Err(error) => End::Failed(FailureKind::Internal, error.to_string()),

@@ -1,0 +1,322 @@
+//! Constrained decoding: a request's [`Grammar`] (a JSON schema, any JSON
+//! object, a regular expression or a Lark grammar) compiled by llguidance
+//! into a [`Constraint`] that says, before every draw, which tokens may come
+//! next, and follows the tokens drawn.
+//!
+//! A constraint's state is a function of its grammar and the tokens it
+//! accepted, nothing else: a decode worker that takes a request over after
+//! the prefill worker drew its first token compiles the same grammar,
+//! accepts that token, and allows exactly what the prefill worker's would.
+//!
+//! Grammars are client content (I10): their `Debug` shows only their kind
+//! and size, llguidance is built quiet (no log lines, and errors that do not
+//! quote the grammar or the tokens), and errors name no part of them.
+
+use std::sync::Arc;
+
+use llguidance::api::{ParserLimits, TopLevelGrammar};
+use llguidance::toktrie::{self, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+
+use crate::error::ModelError;
+use crate::tokenizer::Tokenizer;
+
+/// What a request's output must match.
+#[derive(Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Grammar {
+    /// Any JSON object (`response_format: json_object`).
+    JsonObject,
+    /// JSON valid against this schema (`response_format: json_schema`).
+    JsonSchema(serde_json::Value),
+    /// Text matching this regular expression (extension).
+    Regex(String),
+    /// Text in this Lark grammar's language (extension).
+    Lark(String),
+}
+
+impl std::fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The kind and a size, never the content (I10).
+        match self {
+            Grammar::JsonObject => f.write_str("JsonObject"),
+            Grammar::JsonSchema(schema) => {
+                write!(f, "JsonSchema({} bytes)", schema.to_string().len())
+            }
+            Grammar::Regex(regex) => write!(f, "Regex({} bytes)", regex.len()),
+            Grammar::Lark(lark) => write!(f, "Lark({} bytes)", lark.len()),
+        }
+    }
+}
+
+impl Grammar {
+    fn top_level(&self) -> TopLevelGrammar {
+        match self {
+            Grammar::JsonObject => TopLevelGrammar::from_json_schema(compact_json(
+                serde_json::json!({ "type": "object" }),
+            )),
+            Grammar::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(compact_json(schema.clone()))
+            }
+            Grammar::Regex(regex) => TopLevelGrammar::from_regex(regex),
+            Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        }
+    }
+}
+
+/// JSON on one line, `", "` between items and `": "` after keys, unless
+/// the schema sets its own layout (llguidance's `x-guidance`). Free
+/// whitespace lets a small model pad forever and never close the object;
+/// fixed separators make every token count.
+fn compact_json(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(object) = schema.as_object_mut()
+        && !object.contains_key("x-guidance")
+    {
+        object.insert(
+            "x-guidance".into(),
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            }),
+        );
+    }
+    schema
+}
+
+/// Compiles grammars for one tokenizer: its token trie is built once and
+/// shared by every request's constraint.
+#[derive(Clone)]
+pub struct Grammars {
+    factory: Arc<ParserFactory>,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammars").finish_non_exhaustive()
+    }
+}
+
+/// The model's tokenizer as llguidance sees it: every token's bytes.
+struct TokenBytes {
+    trie: TokTrie,
+    tokenizer: Tokenizer,
+}
+
+impl TokenizerEnv for TokenBytes {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<toktrie::TokenId> {
+        // Lexemes the grammar forces are text, never control tokens (I9).
+        match std::str::from_utf8(s) {
+            Ok(text) => self
+                .tokenizer
+                .encode_as_text(text)
+                .unwrap_or_else(|_| self.trie.greedy_tokenize(s)),
+            Err(_) => self.trie.greedy_tokenize(s),
+        }
+    }
+}
+
+impl Grammars {
+    /// Grammars over `tokenizer`'s vocabulary of `vocab_size` ids (the
+    /// model's, which may exceed the tokenizer's); `eos` ends a completion.
+    pub fn new(tokenizer: &Tokenizer, vocab_size: usize, eos: &[u32]) -> Result<Self, ModelError> {
+        let fail = |reason: String| ModelError::Constraint { reason };
+        let mut words = tokenizer.token_bytes();
+        words.resize(vocab_size.max(words.len()), Vec::new());
+        let first_eos = *eos
+            .first()
+            .ok_or_else(|| fail("the model names no end-of-sequence token".into()))?;
+        let info = TokRxInfo::new(words.len() as u32, first_eos);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
+        let env: TokEnv = Arc::new(TokenBytes {
+            trie,
+            tokenizer: tokenizer.clone(),
+        });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| fail(e.to_string()))?;
+        factory.quiet();
+        *factory.limits_mut() = ParserLimits {
+            verbose_errors: false,
+            ..ParserLimits::default()
+        };
+        Ok(Grammars {
+            factory: Arc::new(factory),
+        })
+    }
+
+    /// A fresh constraint for `grammar`; an error says why the grammar is
+    /// not one llguidance accepts (an unsupported schema keyword, a regex
+    /// that does not parse, ...).
+    pub fn compile(&self, grammar: &Grammar) -> Result<Constraint, ModelError> {
+        let parser = self
+            .factory
+            .create_parser(grammar.top_level())
+            .map_err(|e| ModelError::Constraint {
+                reason: e.to_string(),
+            })?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(reason) = matcher.get_error() {
+            return Err(ModelError::Constraint { reason });
+        }
+        Ok(Constraint {
+            matcher,
+            mask: None,
+        })
+    }
+}
+
+/// The tokens a constraint allows next.
+#[derive(Debug, Clone)]
+pub struct TokenMask(SimpleVob);
+
+impl TokenMask {
+    /// Whether `token` may come next.
+    pub fn allows(&self, token: u32) -> bool {
+        self.0.is_allowed(token)
+    }
+}
+
+/// One request's constraint: which tokens may come next, given the tokens
+/// it accepted.
+pub struct Constraint {
+    matcher: Matcher,
+    /// The mask for the next token, computed once per step.
+    mask: Option<TokenMask>,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("finished", &self.is_finished())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Clone for Constraint {
+    fn clone(&self) -> Self {
+        Constraint {
+            matcher: self.matcher.deep_clone(),
+            mask: self.mask.clone(),
+        }
+    }
+}
+
+impl Constraint {
+    /// The tokens that may come next. Computed once per step, on first
+    /// use; an error means the constraint cannot go on (its grammar's
+    /// limits were reached).
+    pub fn mask(&mut self) -> Result<&TokenMask, ModelError> {
+        if self.mask.is_none() {
+            let mask = self
+                .matcher
+                .compute_mask_or_eos()
+                .map_err(|e| ModelError::Constraint {
+                    reason: e.to_string(),
+                })?;
+            self.mask = Some(TokenMask(mask));
+        }
+        Ok(self.mask.as_ref().expect("computed just above"))
+    }
+
+    /// Follows a drawn token. A token the mask did not allow is an error:
+    /// the sampler drew outside the grammar.
+    pub fn accept(&mut self, token: u32) -> Result<(), ModelError> {
+        self.mask = None;
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| ModelError::Constraint {
+                reason: e.to_string(),
+            })
+    }
+
+    /// Whether the grammar is complete and allows nothing more but the end.
+    pub fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grammars() -> (Tokenizer, Grammars) {
+        let tokenizer = Tokenizer::byte_level(260).unwrap();
+        let grammars = Grammars::new(&tokenizer, 260, &[256]).unwrap();
+        (tokenizer, grammars)
+    }
+
+    /// Greedy-free walk: always the lowest allowed token that is not the end.
+    fn walk(constraint: &mut Constraint, steps: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            if constraint.is_finished() {
+                break;
+            }
+            let mask = constraint.mask().unwrap();
+            let token = (0..256u32).find(|&t| mask.allows(t)).unwrap_or(256);
+            constraint.accept(token).unwrap();
+            if token == 256 {
+                break;
+            }
+            out.push(token);
+        }
+        out
+    }
+
+    #[test]
+    fn a_regex_allows_only_what_it_matches() {
+        let (tokenizer, grammars) = grammars();
+        let mut constraint = grammars
+            .compile(&Grammar::Regex("ab[0-9]{3}".into()))
+            .unwrap();
+        let mask = constraint.mask().unwrap();
+        assert!(mask.allows(u32::from(b'a')));
+        assert!(!mask.allows(u32::from(b'b')));
+        let text = tokenizer.decode(&walk(&mut constraint, 20)).unwrap();
+        assert_eq!(text, "ab000");
+        assert!(constraint.is_finished());
+    }
+
+    #[test]
+    fn a_schema_gives_json_that_validates() {
+        let (tokenizer, grammars) = grammars();
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": { "n": { "type": "integer" } },
+            "required": ["n"],
+            "additionalProperties": false,
+        });
+        let mut constraint = grammars.compile(&Grammar::JsonSchema(schema)).unwrap();
+        let text = tokenizer.decode(&walk(&mut constraint, 40)).unwrap();
+        let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+        // The walk takes the lowest byte: `-` before any digit, so `-0`.
+        assert!(
+            value["n"].as_f64().is_some_and(|n| n.fract() == 0.0),
+            "{text}"
+        );
+        assert_eq!(value.as_object().map(|o| o.len()), Some(1), "{text}");
+    }
+
+    #[test]
+    fn a_token_outside_the_grammar_is_refused() {
+        let (_, grammars) = grammars();
+        let mut constraint = grammars.compile(&Grammar::Regex("[0-9]+".into())).unwrap();
+        assert!(constraint.accept(u32::from(b'x')).is_err());
+    }
+
+    #[test]
+    fn a_bad_grammar_is_an_error_that_quotes_none_of_it() {
+        let (_, grammars) = grammars();
+        let secret = "secret_keyword_zq";
+        let error = grammars
+            .compile(&Grammar::JsonSchema(
+                serde_json::json!({ "type": secret, "title": secret }),
+            ))
+            .unwrap_err();
+        assert!(matches!(error, ModelError::Constraint { .. }));
+        let debug = format!("{:?}", Grammar::Regex(secret.into()));
+        assert!(!debug.contains(secret), "{debug}");
+    }
+}
