@@ -178,12 +178,48 @@ pub(crate) struct HttpArgs {
     /// not list the tenants).
     #[arg(long)]
     metrics_tenant_labels: bool,
+    /// Let web pages on this origin call the API from a browser (CORS), as
+    /// `https://app.example.com`; repeat for more, or `*` for any. Off by
+    /// default. The API key is still required on every request.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
 }
 
 /// Where tenant-mode metrics go when --metrics-listen is not given.
 const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 
 impl HttpArgs {
+    /// `--cors-origin`, checked: `*` alone, or origins a browser sends
+    /// (`scheme://host[:port]`, nothing after).
+    fn cors(&self) -> anyhow::Result<kvfence_server::Cors> {
+        use kvfence_server::Cors;
+        if self.cors_origins.is_empty() {
+            return Ok(Cors::Off);
+        }
+        if self.cors_origins.iter().any(|o| o == "*") {
+            anyhow::ensure!(
+                self.cors_origins.len() == 1,
+                "--cors-origin '*' allows every origin; give it alone"
+            );
+            return Ok(Cors::AnyOrigin);
+        }
+        for origin in &self.cors_origins {
+            let rest = origin
+                .strip_prefix("https://")
+                .or_else(|| origin.strip_prefix("http://"));
+            anyhow::ensure!(
+                rest.is_some_and(|host| {
+                    !host.is_empty()
+                        && host
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
+                }),
+                "--cors-origin {origin:?} is not an origin: give scheme://host[:port], as https://app.example.com, with no path"
+            );
+        }
+        Ok(Cors::Origins(self.cors_origins.clone()))
+    }
+
     fn limits(&self) -> anyhow::Result<kvfence_server::ConnectionLimits> {
         anyhow::ensure!(
             self.max_connections > 0 && self.header_timeout_ms > 0 && self.body_timeout_ms > 0,
@@ -418,6 +454,7 @@ pub(crate) fn serve_http(
         limits: http.limits()?,
         metrics_on_api: metrics_listen.is_none(),
         tenant_labels: http.metrics_tenant_labels,
+        cors: http.cors()?,
     };
     let state = AppState::new(backend, model, options);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -480,6 +517,7 @@ pub(crate) fn status_state(
         limits: ConnectionLimits::default(),
         metrics_on_api: false,
         tenant_labels: false,
+        cors: kvfence_server::Cors::Off,
     };
     Ok(AppState::new(backend, model, options))
 }

@@ -72,6 +72,9 @@ pub enum ErrorType {
     /// 408: the body did not arrive in time.
     #[serde(rename = "invalid_request_error")]
     Timeout,
+    /// 405: the path exists, the method does not.
+    #[serde(rename = "invalid_request_error")]
+    MethodNotAllowed,
 }
 
 impl ErrorType {
@@ -85,6 +88,7 @@ impl ErrorType {
             ErrorType::ServiceUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorType::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorType::Timeout => StatusCode::REQUEST_TIMEOUT,
+            ErrorType::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         }
     }
 }

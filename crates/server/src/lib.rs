@@ -18,12 +18,13 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::{get, post};
 use kvfence_engine::Backend;
-use kvfence_model::TextModel;
+use kvfence_model::{Grammars, TextModel};
 use tokio::net::TcpListener;
 
 pub use admission::Capacity;
 pub use error::{ApiError, ErrorType, ServerError};
 pub use metrics::Metrics;
+pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse};
 pub use redact::Redacted;
 pub use tenants::{Tenant, Tenants, new_tenant};
 
@@ -43,6 +44,28 @@ pub struct AppState {
     /// so big prompts queue here instead of filling the blocking pool.
     text_work: Arc<tokio::sync::Semaphore>,
     created: u64,
+    /// Identifies this build and model in every answer (OpenAI's
+    /// `system_fingerprint`): the same value means the same weights and code.
+    system_fingerprint: String,
+    /// Each token's bytes, for log-probabilities; built at first use.
+    token_bytes: std::sync::OnceLock<Vec<Vec<u8>>>,
+    /// Compiles `response_format` grammars; built at first use.
+    grammars: std::sync::OnceLock<Result<Grammars, String>>,
+    /// Origins a browser may call the API from (`--cors-origin`).
+    cors: Cors,
+}
+
+/// Which browser origins may call the API (CORS). Off by default: a page
+/// on another origin cannot read the answers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Cors {
+    /// No cross-origin access.
+    #[default]
+    Off,
+    /// Any origin (`*`).
+    AnyOrigin,
+    /// Exactly these origins (`https://app.example.com`).
+    Origins(Vec<String>),
 }
 
 /// How the API behaves, beyond the engine.
@@ -65,6 +88,8 @@ pub struct ApiOptions {
     /// Label request counters with tenant names (off: the label is empty, so
     /// a scrape does not list who the tenants are).
     pub tenant_labels: bool,
+    /// Which browser origins may call the API.
+    pub cors: Cors,
 }
 
 impl AppState {
@@ -75,6 +100,19 @@ impl AppState {
         options: ApiOptions,
     ) -> Arc<AppState> {
         let roles = engine.capacities();
+        let system_fingerprint = {
+            use sha2::Digest;
+            let digest = sha2::Sha256::digest(format!(
+                "kvfence {} {} {:?}",
+                env!("CARGO_PKG_VERSION"),
+                options.model_id,
+                model.config
+            ));
+            format!(
+                "fp_{:x}",
+                u64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
+            )
+        };
         Arc::new(AppState {
             metrics: Metrics::new(&options.capacity, &roles, options.tenant_labels),
             engine,
@@ -91,7 +129,47 @@ impl AppState {
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            system_fingerprint,
+            token_bytes: std::sync::OnceLock::new(),
+            grammars: std::sync::OnceLock::new(),
+            cors: options.cors,
         })
+    }
+
+    /// Token `id`'s bytes (a special token's name; nothing for an id past
+    /// the tokenizer's vocabulary).
+    fn token_bytes(&self, id: u32) -> &[u8] {
+        let table = self
+            .token_bytes
+            .get_or_init(|| self.model.tokenizer.token_bytes());
+        match table.get(id as usize).map(Vec::as_slice) {
+            // Special tokens are marked for the grammar compiler; their
+            // name is what a client sees.
+            Some([0xFF, name @ ..]) => name,
+            Some(bytes) => bytes,
+            None => &[],
+        }
+    }
+
+    /// The grammar compiler over this model's tokenizer.
+    fn grammars(&self) -> Result<&Grammars, ApiError> {
+        self.grammars
+            .get_or_init(|| {
+                Grammars::new(
+                    &self.model.tokenizer,
+                    self.model.config.vocab_size,
+                    &self.model.config.eos_token_ids,
+                )
+                .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|reason| {
+                ApiError::new(
+                    ErrorType::ServerError,
+                    "grammar_unavailable",
+                    format!("structured outputs are unavailable for this model: {reason}"),
+                )
+            })
     }
 
     /// The engine behind the API.
@@ -107,12 +185,47 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(routes::health))
         .route("/ready", get(routes::ready))
         .route("/v1/models", get(routes::models))
+        .route("/v1/models/{id}", get(routes::model))
         .route("/v1/chat/completions", post(routes::chat))
         .route("/v1/completions", post(routes::completions));
     if state.metrics_on_api {
         routes = routes.route("/metrics", get(routes::metrics));
     }
-    routes.fallback(routes::not_found).with_state(state)
+    let cors = cors_layer(&state.cors);
+    let routes = routes
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .with_state(state);
+    match cors {
+        Some(layer) => routes.layer(layer),
+        None => routes,
+    }
+}
+
+/// The CORS layer for `cors`, if any origin may call: preflights are
+/// answered before authentication (a browser sends them without the key),
+/// and the answers name only the origin that asked.
+fn cors_layer(cors: &Cors) -> Option<tower_http::cors::CorsLayer> {
+    use axum::http::{HeaderValue, Method};
+    use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
+    let origin = match cors {
+        Cors::Off => return None,
+        Cors::AnyOrigin => AllowOrigin::any(),
+        Cors::Origins(list) => AllowOrigin::list(
+            list.iter()
+                .filter_map(|o| HeaderValue::from_str(o).ok())
+                .collect::<Vec<_>>(),
+        ),
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(origin)
+            .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+            // The OpenAI SDKs send a dozen headers of their own; the key
+            // is still checked on the request itself.
+            .allow_headers(AllowHeaders::mirror_request())
+            .max_age(std::time::Duration::from_secs(600)),
+    )
 }
 
 /// The routes of the metrics listener: `/metrics` (and `/health`,

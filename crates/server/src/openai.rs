@@ -1,12 +1,129 @@
 //! OpenAI wire types: request bodies (`/v1/chat/completions`,
 //! `/v1/completions`) and the checks that turn them into engine requests.
-//! Client text is held as [`Redacted`] from the moment it is parsed (I10).
+//!
+//! No field is dropped in silence: a body is first read as a JSON object
+//! and every key is checked against what its endpoint knows
+//! ([`CHAT_FIELDS`], [`COMPLETION_FIELDS`]). A field is either honoured,
+//! accepted as metadata that changes nothing generated (`user`,
+//! `metadata`, ...), or refused with a 400 that names it; an unknown field
+//! is refused too. Type errors name the field (`param`), never the body.
+//!
+//! Client text is held as [`Redacted`] from the moment it is parsed (I10),
+//! and so are grammars and schemas ([`RedactedJson`]).
 
-use kvfence_model::{SamplingParams, StopStrings};
+use std::collections::BTreeMap;
+
+use kvfence_model::{Grammar, MAX_TOP_LOGPROBS, SamplingParams, StopStrings};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 use crate::redact::Redacted;
+
+/// How a field of a request body is treated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FieldUse {
+    /// It changes what is generated, and kvfence does what it says.
+    Honoured,
+    /// Metadata: accepted, and changes nothing generated.
+    Metadata,
+    /// Accepted only when absent, null or its neutral value; anything else
+    /// is a 400 naming it (kvfence does not do it).
+    RefusedUnlessNeutral,
+}
+
+/// Every field `/v1/chat/completions` knows. The table in
+/// `docs/api.md` lists the same, with what each does.
+pub const CHAT_FIELDS: &[(&str, FieldUse)] = &[
+    ("messages", FieldUse::Honoured),
+    ("model", FieldUse::Honoured),
+    ("max_tokens", FieldUse::Honoured),
+    ("max_completion_tokens", FieldUse::Honoured),
+    ("temperature", FieldUse::Honoured),
+    ("top_p", FieldUse::Honoured),
+    ("top_k", FieldUse::Honoured),
+    ("seed", FieldUse::Honoured),
+    ("stop", FieldUse::Honoured),
+    ("stream", FieldUse::Honoured),
+    ("stream_options", FieldUse::Honoured),
+    ("n", FieldUse::Honoured),
+    ("presence_penalty", FieldUse::Honoured),
+    ("frequency_penalty", FieldUse::Honoured),
+    ("repetition_penalty", FieldUse::Honoured),
+    ("logit_bias", FieldUse::Honoured),
+    ("logprobs", FieldUse::Honoured),
+    ("top_logprobs", FieldUse::Honoured),
+    ("response_format", FieldUse::Honoured),
+    ("ignore_eos", FieldUse::Honoured),
+    ("cache_salt", FieldUse::Honoured),
+    ("user", FieldUse::Metadata),
+    ("metadata", FieldUse::Metadata),
+    ("store", FieldUse::Metadata),
+    ("service_tier", FieldUse::Metadata),
+    ("safety_identifier", FieldUse::Metadata),
+    ("prompt_cache_key", FieldUse::Metadata),
+    ("parallel_tool_calls", FieldUse::Metadata),
+    ("tools", FieldUse::RefusedUnlessNeutral),
+    ("tool_choice", FieldUse::RefusedUnlessNeutral),
+    ("functions", FieldUse::RefusedUnlessNeutral),
+    ("function_call", FieldUse::RefusedUnlessNeutral),
+    ("modalities", FieldUse::RefusedUnlessNeutral),
+    ("audio", FieldUse::RefusedUnlessNeutral),
+    ("prediction", FieldUse::RefusedUnlessNeutral),
+    ("reasoning_effort", FieldUse::RefusedUnlessNeutral),
+    ("verbosity", FieldUse::RefusedUnlessNeutral),
+    ("web_search_options", FieldUse::RefusedUnlessNeutral),
+];
+
+/// Every field `/v1/completions` knows.
+pub const COMPLETION_FIELDS: &[(&str, FieldUse)] = &[
+    ("prompt", FieldUse::Honoured),
+    ("model", FieldUse::Honoured),
+    ("max_tokens", FieldUse::Honoured),
+    ("temperature", FieldUse::Honoured),
+    ("top_p", FieldUse::Honoured),
+    ("top_k", FieldUse::Honoured),
+    ("seed", FieldUse::Honoured),
+    ("stop", FieldUse::Honoured),
+    ("stream", FieldUse::Honoured),
+    ("stream_options", FieldUse::Honoured),
+    ("n", FieldUse::Honoured),
+    ("best_of", FieldUse::Honoured),
+    ("echo", FieldUse::Honoured),
+    ("presence_penalty", FieldUse::Honoured),
+    ("frequency_penalty", FieldUse::Honoured),
+    ("repetition_penalty", FieldUse::Honoured),
+    ("logit_bias", FieldUse::Honoured),
+    ("logprobs", FieldUse::Honoured),
+    ("response_format", FieldUse::Honoured),
+    ("ignore_eos", FieldUse::Honoured),
+    ("cache_salt", FieldUse::Honoured),
+    ("user", FieldUse::Metadata),
+    ("metadata", FieldUse::Metadata),
+    ("store", FieldUse::Metadata),
+    ("suffix", FieldUse::RefusedUnlessNeutral),
+];
+
+/// Most choices one request may ask for (`n` times the prompts of a
+/// batch): each is a request in the engine, and one tenant slot pays for
+/// all of them.
+pub const MAX_CHOICES: usize = 16;
+
+/// Most log-probability alternatives `/v1/completions` returns (OpenAI's).
+pub const MAX_COMPLETION_LOGPROBS: i64 = 5;
+
+/// JSON the client sent as content — a schema — shown by `Debug` only as
+/// its size (I10).
+#[derive(Clone, PartialEq, Deserialize)]
+#[serde(transparent)]
+pub struct RedactedJson(pub Value);
+
+impl std::fmt::Debug for RedactedJson {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "<redacted JSON {} bytes>", self.0.to_string().len())
+    }
+}
 
 /// `stop`: one string or a list.
 #[derive(Debug, Deserialize)]
@@ -23,7 +140,40 @@ pub enum StopField {
 pub struct StreamOptions {
     /// Send a last chunk with token usage.
     #[serde(default)]
-    pub include_usage: bool,
+    pub include_usage: Option<bool>,
+}
+
+/// `response_format.json_schema`. Its `name` and `description` are
+/// metadata, and `strict` changes nothing: the schema is always enforced.
+#[derive(Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    /// The schema; absent means any JSON object.
+    pub schema: Option<RedactedJson>,
+}
+
+/// `response_format`.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    /// Free text (the default).
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid against a schema.
+    JsonSchema {
+        /// The schema and its metadata.
+        json_schema: JsonSchemaFormat,
+    },
+    /// Text matching a regular expression (extension).
+    Regex {
+        /// The expression, matched against the whole completion.
+        regex: Redacted,
+    },
+    /// Text in a Lark grammar's language (extension; llguidance's dialect).
+    Grammar {
+        /// The grammar.
+        grammar: Redacted,
+    },
 }
 
 /// Sampling and length fields both endpoints share.
@@ -39,30 +189,30 @@ pub struct CommonParams {
     pub temperature: Option<f32>,
     /// Nucleus mass in (0, 1].
     pub top_p: Option<f32>,
-    /// Keep only the k most likely tokens (extension; 0 or absent keeps all).
+    /// Keep only the k most likely tokens (extension; 0, −1 or absent keeps all).
     pub top_k: Option<i64>,
-    /// Seed of this request's sampler.
+    /// Seed of this request's sampler; choice `i` of `n` uses `seed + i`.
     pub seed: Option<i64>,
     /// Stop strings.
     pub stop: Option<StopField>,
     /// Stream with server-sent events.
-    #[serde(default)]
-    pub stream: bool,
+    pub stream: Option<bool>,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
-    /// Number of choices; only 1 is served.
+    /// Number of choices.
     pub n: Option<i64>,
     /// Keep going past end-of-sequence tokens (extension, for benchmarks).
-    #[serde(default)]
-    pub ignore_eos: bool,
-    /// Not supported unless 0.
+    pub ignore_eos: Option<bool>,
+    /// −2 to 2, once per token already generated.
     pub presence_penalty: Option<f32>,
-    /// Not supported unless 0.
+    /// −2 to 2, per time a token was generated.
     pub frequency_penalty: Option<f32>,
-    /// Not supported.
-    pub logprobs: Option<serde_json::Value>,
-    /// Not supported unless false (completions).
-    pub echo: Option<bool>,
+    /// Above 1 discourages any token of the prompt or completion (extension).
+    pub repetition_penalty: Option<f32>,
+    /// Token id (as a string) → bias from −100 to 100.
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    /// What the output must match.
+    pub response_format: Option<ResponseFormat>,
     /// Subdivides this tenant's prefix cache: requests share cached
     /// prefixes only with requests of the same tenant and the same salt.
     /// It can never reach another tenant's cache (vLLM's field).
@@ -95,20 +245,22 @@ pub struct ContentPart {
 /// One chat message.
 #[derive(Debug, Deserialize)]
 pub struct MessageIn {
-    /// `system`, `user`, `assistant`, `tool`, ...
+    /// `system`, `developer`, `user`, `assistant`, `tool`.
     pub role: String,
-    /// The content (absent or null is empty).
+    /// The content (absent or null is empty). A participant's `name` is
+    /// metadata.
     pub content: Option<Content>,
 }
 
-/// `POST /v1/chat/completions`.
+/// The fields only `/v1/chat/completions` has.
 #[derive(Debug, Deserialize)]
-pub struct ChatRequest {
+pub struct ChatFields {
     /// The conversation.
     pub messages: Vec<MessageIn>,
-    /// Shared fields.
-    #[serde(flatten)]
-    pub params: CommonParams,
+    /// Return each token's log-probability.
+    pub logprobs: Option<bool>,
+    /// And this many alternatives (0–20; needs `logprobs`).
+    pub top_logprobs: Option<i64>,
 }
 
 /// `prompt` of `/v1/completions`.
@@ -117,26 +269,37 @@ pub struct ChatRequest {
 pub enum PromptField {
     /// One prompt.
     Text(Redacted),
-    /// A batch of prompts (only one is served).
+    /// A batch of prompts.
     Texts(Vec<Redacted>),
     /// Token ids.
     Tokens(Vec<u32>),
+    /// A batch of token-id prompts.
+    TokenBatches(Vec<Vec<u32>>),
 }
 
-/// `POST /v1/completions`.
+/// The fields only `/v1/completions` has.
 #[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    /// The prompt.
+pub struct CompletionFields {
+    /// The prompt or prompts.
     pub prompt: PromptField,
-    /// Shared fields.
-    #[serde(flatten)]
-    pub params: CommonParams,
+    /// Return each token's log-probability and this many alternatives (0–5).
+    pub logprobs: Option<i64>,
+    /// Put the prompt before the completion in each choice's text.
+    pub echo: Option<bool>,
+    /// Candidates per prompt; only `n` (every candidate is returned).
+    pub best_of: Option<i64>,
+    /// Text after the completion (insertion); not supported.
+    pub suffix: Option<Redacted>,
 }
 
-/// Parses a JSON body into `T`. The error names the position and kind of
-/// the problem but never quotes the body (I10).
-pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(bytes).map_err(|e| {
+/// Reads a request body as a JSON object and checks every key against
+/// `fields`. The error names the position and kind of a syntax problem, or
+/// the field at fault, but never quotes the body (I10).
+pub fn parse_object(
+    bytes: &[u8],
+    fields: &[(&str, FieldUse)],
+) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
         let what = match e.classify() {
             serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
                 "is not valid JSON"
@@ -152,39 +315,88 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Api
                 e.column()
             ),
         )
+    })?;
+    let Value::Object(object) = value else {
+        return Err(ApiError::invalid(
+            "body",
+            "the request body must be a JSON object",
+        ));
+    };
+    for (key, value) in &object {
+        match fields.iter().find(|(name, _)| name == key) {
+            None => {
+                return Err(ApiError::invalid(
+                    key_param(key),
+                    "unrecognized request argument; see docs/api.md for the fields this endpoint takes",
+                ));
+            }
+            Some((_, FieldUse::RefusedUnlessNeutral)) if !is_neutral(key, value) => {
+                return Err(ApiError::invalid(
+                    key,
+                    format!("{key} is not supported by this server"),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(object)
+}
+
+/// A key as a `param`: names are short in every real client; a long one
+/// is cut rather than echoed whole.
+fn key_param(key: &str) -> &str {
+    let mut end = key.len().min(64);
+    while !key.is_char_boundary(end) {
+        end -= 1;
+    }
+    &key[..end]
+}
+
+/// Whether a refused field's value asks for nothing.
+fn is_neutral(key: &str, value: &Value) -> bool {
+    match value {
+        Value::Null => true,
+        Value::Array(items) if items.is_empty() => true,
+        Value::String(s) if s.is_empty() => true,
+        Value::String(s) => {
+            s == "none" && matches!(key, "tool_choice" | "function_call" | "reasoning_effort")
+        }
+        Value::Array(items) => {
+            key == "modalities" && items.iter().all(|m| m.as_str() == Some("text"))
+        }
+        _ => false,
+    }
+}
+
+/// Deserializes `T` from a checked body; a type error names the field.
+pub fn typed<T: DeserializeOwned>(object: &Map<String, Value>) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(Value::Object(object.clone())).map_err(|error| {
+        let path = error.path().to_string();
+        let param = if path == "." {
+            "body".to_string()
+        } else {
+            path
+        };
+        let inner = error.into_inner();
+        let message = if inner.to_string().starts_with("missing field") {
+            "a required field is missing".to_string()
+        } else {
+            format!("{param} has the wrong type or value")
+        };
+        // serde's own message may quote the value sent: never passed on (I10).
+        let missing = inner
+            .to_string()
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split('`').next())
+            .map(str::to_string);
+        match missing {
+            Some(field) => ApiError::invalid(&field, format!("{field} is required")),
+            None => ApiError::invalid(&param, message),
+        }
     })
 }
 
 impl CommonParams {
-    /// Rejects what kvfence does not serve rather than silently ignoring it.
-    pub fn check_supported(&self) -> Result<(), ApiError> {
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Err(ApiError::invalid(
-                "n",
-                format!("n = {n} is not supported; only 1 choice per request"),
-            ));
-        }
-        for (name, value) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if value.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::invalid(name, format!("{name} is not supported")));
-            }
-        }
-        if self
-            .logprobs
-            .as_ref()
-            .is_some_and(|v| !v.is_null() && v != &serde_json::Value::Bool(false))
-        {
-            return Err(ApiError::invalid("logprobs", "logprobs are not supported"));
-        }
-        if self.echo == Some(true) {
-            return Err(ApiError::invalid("echo", "echo is not supported"));
-        }
-        Ok(())
-    }
-
     /// The `cache_salt`, checked to be a non-empty string of modest length.
     pub fn cache_salt(&self) -> Result<Option<String>, ApiError> {
         match &self.cache_salt {
@@ -201,18 +413,48 @@ impl CommonParams {
 
     /// The requested `max_tokens`, if any, checked to be positive.
     pub fn max_tokens(&self) -> Result<Option<usize>, ApiError> {
-        match self.max_completion_tokens.or(self.max_tokens) {
-            None => Ok(None),
-            Some(n) if n >= 1 => Ok(Some(n as usize)),
+        let (param, value) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(n), _) => ("max_completion_tokens", n),
+            (None, Some(n)) => ("max_tokens", n),
+            (None, None) => return Ok(None),
+        };
+        if value >= 1 {
+            Ok(Some(value as usize))
+        } else {
+            Err(ApiError::invalid(
+                param,
+                format!("{param} must be at least 1, got {value}"),
+            ))
+        }
+    }
+
+    /// Choices per prompt, 1 to [`MAX_CHOICES`].
+    pub fn n(&self) -> Result<usize, ApiError> {
+        match self.n {
+            None => Ok(1),
+            Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => Ok(n as usize),
             Some(n) => Err(ApiError::invalid(
-                "max_tokens",
-                format!("max_tokens must be at least 1, got {n}"),
+                "n",
+                format!("n must be between 1 and {MAX_CHOICES}, got {n}"),
             )),
         }
     }
 
-    /// Sampling parameters; `default_seed` is used when none is given.
-    pub fn sampling(&self, default_seed: u64) -> Result<SamplingParams, ApiError> {
+    /// Whether to stream.
+    pub fn stream(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+
+    /// Sampling parameters drawing from `seed` (the request's, or the
+    /// server's choice, plus the choice's index). `logprobs` is how many
+    /// alternatives to report per token, if any; `vocab` bounds
+    /// `logit_bias`'s token ids.
+    pub fn sampling(
+        &self,
+        seed: u64,
+        logprobs: Option<usize>,
+        vocab: usize,
+    ) -> Result<SamplingParams, ApiError> {
         let temperature = self.temperature.unwrap_or(1.0);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(ApiError::invalid(
@@ -237,13 +479,89 @@ impl CommonParams {
                 ));
             }
         };
-        let seed = self.seed.map_or(default_seed, |s| s as u64);
+        let penalty = |name: &str, value: Option<f32>| match value {
+            None => Ok(0.0),
+            Some(v) if (-2.0..=2.0).contains(&v) => Ok(v),
+            Some(_) => Err(ApiError::invalid(
+                name,
+                format!("{name} must be between -2 and 2"),
+            )),
+        };
+        let presence_penalty = penalty("presence_penalty", self.presence_penalty)?;
+        let frequency_penalty = penalty("frequency_penalty", self.frequency_penalty)?;
+        let repetition_penalty = match self.repetition_penalty {
+            None => 1.0,
+            Some(r) if r > 0.0 && r <= 10.0 => r,
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "repetition_penalty",
+                    "repetition_penalty must be greater than 0 and at most 10",
+                ));
+            }
+        };
+        let mut logit_bias = Vec::new();
+        for (key, &bias) in self.logit_bias.iter().flatten() {
+            let token = key
+                .parse::<u32>()
+                .ok()
+                .filter(|&t| (t as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "logit_bias",
+                        format!(
+                            "logit_bias keys must be token ids below the vocabulary size {vocab}"
+                        ),
+                    )
+                })?;
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    "logit_bias values must be between -100 and 100",
+                ));
+            }
+            logit_bias.push((token, bias));
+        }
+        logit_bias.sort_unstable_by_key(|&(token, _)| token);
+        if logit_bias.windows(2).any(|w| w[0].0 == w[1].0) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                "logit_bias names a token more than once",
+            ));
+        }
         Ok(SamplingParams {
             temperature,
             top_k,
             top_p,
             seed,
-            ..SamplingParams::greedy()
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            logit_bias,
+            logprobs,
+        })
+    }
+
+    /// The grammar `response_format` asks for, if any.
+    pub fn grammar(&self) -> Result<Option<Grammar>, ApiError> {
+        Ok(match &self.response_format {
+            None | Some(ResponseFormat::Text) => None,
+            Some(ResponseFormat::JsonObject) => Some(Grammar::JsonObject),
+            Some(ResponseFormat::JsonSchema { json_schema }) => match &json_schema.schema {
+                None => Some(Grammar::JsonObject),
+                Some(RedactedJson(schema)) if schema.is_object() || schema.is_boolean() => {
+                    Some(Grammar::JsonSchema(schema.clone()))
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.schema",
+                        "the schema must be a JSON object",
+                    ));
+                }
+            },
+            Some(ResponseFormat::Regex { regex }) => Some(Grammar::Regex(regex.expose().into())),
+            Some(ResponseFormat::Grammar { grammar }) => {
+                Some(Grammar::Lark(grammar.expose().into()))
+            }
         })
     }
 
@@ -268,11 +586,34 @@ impl CommonParams {
     pub fn include_usage(&self) -> bool {
         self.stream_options
             .as_ref()
-            .is_some_and(|o| o.include_usage)
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
     }
 }
 
-impl ChatRequest {
+impl ChatFields {
+    /// How many alternatives each token's log-probabilities list, if any.
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let top = match self.top_logprobs {
+            None => None,
+            Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+            Some(n) => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    format!("top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+                ));
+            }
+        };
+        match (self.logprobs.unwrap_or(false), top) {
+            (true, top) => Ok(Some(top.unwrap_or(0))),
+            (false, None) => Ok(None),
+            (false, Some(_)) => Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs needs logprobs set to true",
+            )),
+        }
+    }
+
     /// The messages as plain chat messages for the template.
     pub fn messages(&self) -> Result<Vec<kvfence_model::ChatMessage>, ApiError> {
         if self.messages.is_empty() {
@@ -316,5 +657,110 @@ impl ChatRequest {
                 Ok(kvfence_model::ChatMessage { role, content })
             })
             .collect()
+    }
+}
+
+impl CompletionFields {
+    /// How many alternatives each token's log-probabilities list, if any.
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match self.logprobs {
+            None => Ok(None),
+            Some(n) if (0..=MAX_COMPLETION_LOGPROBS).contains(&n) => Ok(Some(n as usize)),
+            Some(n) => Err(ApiError::invalid(
+                "logprobs",
+                format!("logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {n}"),
+            )),
+        }
+    }
+
+    /// Refuses what this endpoint's fields ask for but kvfence does not do.
+    pub fn check(&self, n: usize) -> Result<(), ApiError> {
+        if let Some(best_of) = self.best_of
+            && best_of != n as i64
+        {
+            return Err(ApiError::invalid(
+                "best_of",
+                "best_of must equal n: every candidate is returned as a choice",
+            ));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid("suffix", "suffix is not supported"));
+        }
+        if self.echo == Some(true) && self.logprobs.is_some() {
+            return Err(ApiError::invalid(
+                "echo",
+                "echo with logprobs (the prompt's log-probabilities) is not supported",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<Map<String, Value>, ApiError> {
+        parse_object(body.as_bytes(), CHAT_FIELDS)
+    }
+
+    #[test]
+    fn unknown_and_unsupported_fields_are_refused_by_name() {
+        let error = chat(r#"{"messages": [], "frobnicate": 1}"#).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("frobnicate"));
+        let error = chat(r#"{"messages": [], "tools": [{"type": "function"}]}"#).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("tools"));
+        // Neutral values and metadata pass.
+        chat(r#"{"messages": [], "tools": [], "tool_choice": "none", "user": "u", "metadata": {"a": "b"}, "modalities": ["text"], "stream": null}"#)
+            .unwrap();
+    }
+
+    #[test]
+    fn type_errors_name_the_field_and_quote_nothing() {
+        let object = chat(r#"{"messages": [], "temperature": "secret-value"}"#).unwrap();
+        let error = typed::<CommonParams>(&object).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("temperature"));
+        assert!(!error.message.contains("secret-value"), "{}", error.message);
+        let object = chat(r#"{"model": "m"}"#).unwrap();
+        let error = typed::<ChatFields>(&object).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("messages"));
+        let object = chat(r#"{"messages": [], "response_format": {"type": "bogus"}}"#).unwrap();
+        let error = typed::<CommonParams>(&object).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("response_format.type"));
+    }
+
+    #[test]
+    fn logit_bias_keys_must_be_tokens_of_the_vocabulary() {
+        let params = |bias: &str| -> CommonParams {
+            let object = chat(&format!(r#"{{"messages": [], "logit_bias": {bias}}}"#)).unwrap();
+            typed(&object).unwrap()
+        };
+        let ok = params(r#"{"7": 5, "3": -100}"#)
+            .sampling(0, None, 10)
+            .unwrap();
+        assert_eq!(ok.logit_bias, vec![(3, -100.0), (7, 5.0)]);
+        for bad in [r#"{"10": 1}"#, r#"{"x": 1}"#, r#"{"1": 101}"#] {
+            let error = params(bad).sampling(0, None, 10).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some("logit_bias"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn top_logprobs_needs_logprobs() {
+        let fields = |body: &str| -> ChatFields { typed(&chat(body).unwrap()).unwrap() };
+        assert_eq!(
+            fields(r#"{"messages": [], "logprobs": true, "top_logprobs": 3}"#)
+                .logprobs()
+                .unwrap(),
+            Some(3)
+        );
+        let error = fields(r#"{"messages": [], "top_logprobs": 3}"#)
+            .logprobs()
+            .unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("top_logprobs"));
+        let error = fields(r#"{"messages": [], "logprobs": true, "top_logprobs": 21}"#)
+            .logprobs()
+            .unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("top_logprobs"));
     }
 }

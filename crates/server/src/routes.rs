@@ -11,21 +11,26 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::body::{Body, Bytes};
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::stream::{self, Stream};
+use futures_util::stream::{self, Stream, StreamExt};
 use kvfence_engine::{
     CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
 };
+use kvfence_model::TokenLogprobs;
 use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, info};
 
 use crate::AppState;
 use crate::error::{ApiError, ErrorType};
-use crate::openai::{ChatRequest, CommonParams, CompletionRequest, PromptField, parse_body};
+use crate::openai::{
+    CHAT_FIELDS, COMPLETION_FIELDS, ChatFields, CommonParams, CompletionFields, MAX_CHOICES,
+    PromptField, parse_object, typed,
+};
+use crate::redact::Redacted;
 use crate::tenants::Tenant;
 
 /// Which OpenAI endpoint a request came through; decides the body shapes.
@@ -59,21 +64,37 @@ impl Endpoint {
         }
     }
 
-    fn choice(self, text: &str, finish: Option<FinishReason>) -> Value {
+    fn choice(
+        self,
+        index: usize,
+        text: &str,
+        logprobs: Option<Value>,
+        finish: Option<FinishReason>,
+    ) -> Value {
         match self {
             Endpoint::Chat => json!({
-                "index": 0,
-                "message": { "role": "assistant", "content": text },
-                "logprobs": null,
+                "index": index,
+                "message": { "role": "assistant", "content": text, "refusal": null },
+                "logprobs": logprobs,
                 "finish_reason": finish.map(finish_name),
             }),
-            Endpoint::Completions => {
-                json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish.map(finish_name) })
-            }
+            Endpoint::Completions => json!({
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish.map(finish_name),
+            }),
         }
     }
 
-    fn delta(self, text: Option<&str>, role: bool, finish: Option<FinishReason>) -> Value {
+    fn delta(
+        self,
+        index: usize,
+        text: Option<&str>,
+        role: bool,
+        logprobs: Option<Value>,
+        finish: Option<FinishReason>,
+    ) -> Value {
         match self {
             Endpoint::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -83,10 +104,55 @@ impl Endpoint {
                 if let Some(text) = text {
                     delta.insert("content".into(), text.into());
                 }
-                json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish.map(finish_name) })
+                json!({ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish.map(finish_name) })
             }
             Endpoint::Completions => {
-                json!({ "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish.map(finish_name) })
+                json!({ "index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish.map(finish_name) })
+            }
+        }
+    }
+
+    /// Log-probabilities of `tokens` in this endpoint's shape; `offset` is
+    /// where the first token's text begins in the choice's text.
+    fn logprobs(self, state: &AppState, tokens: &[TokenLogprobs], offset: usize) -> Value {
+        match self {
+            Endpoint::Chat => {
+                let entry = |token: u32, logprob: f32| {
+                    let bytes = state.token_bytes(token);
+                    json!({
+                        "token": String::from_utf8_lossy(bytes),
+                        "logprob": logprob,
+                        "bytes": bytes,
+                    })
+                };
+                let content: Vec<Value> = tokens
+                    .iter()
+                    .map(|t| {
+                        let mut item = entry(t.token, t.logprob);
+                        item["top_logprobs"] =
+                            t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+                        item
+                    })
+                    .collect();
+                json!({ "content": content, "refusal": null })
+            }
+            Endpoint::Completions => {
+                let text = |id: u32| String::from_utf8_lossy(state.token_bytes(id)).into_owned();
+                let mut offsets = Vec::with_capacity(tokens.len());
+                let mut at = offset;
+                for t in tokens {
+                    offsets.push(at);
+                    at += text(t.token).chars().count();
+                }
+                json!({
+                    "tokens": tokens.iter().map(|t| text(t.token)).collect::<Vec<_>>(),
+                    "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": tokens
+                        .iter()
+                        .map(|t| t.top.iter().map(|&(id, lp)| (text(id), json!(lp))).collect::<serde_json::Map<_, _>>())
+                        .collect::<Vec<_>>(),
+                    "text_offset": offsets,
+                })
             }
         }
     }
@@ -114,11 +180,24 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// A validated request, ready for the engine.
-struct Prepared {
+/// A prompt's tokens, and its text if `echo` puts it before the completion.
+type Prompt = (Vec<u32>, Option<String>);
+
+/// One choice of a request, ready for the engine.
+struct ChoiceRequest {
     request: GenerationRequest,
+    /// The prompt's text, put before the completion (`echo`).
+    echo: Option<String>,
+}
+
+/// A validated request, ready for the engine: `n` choices per prompt, in
+/// choice order (prompt by prompt).
+struct Prepared {
+    choices: Vec<ChoiceRequest>,
+    n: usize,
     stream: bool,
     include_usage: bool,
+    logprobs: bool,
 }
 
 /// `GET /health`.
@@ -193,23 +272,65 @@ fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<Arc<Tenant>, Ap
     state.tenants.authenticate(authorization(headers)?)
 }
 
+/// The served model as `/v1/models` lists it: its honest context (I6).
+fn model_object(state: &AppState) -> Value {
+    json!({
+        "id": state.model_id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "kvfence",
+        "max_model_len": state.capacity.max_context,
+        "context_length": state.capacity.max_context,
+    })
+}
+
 /// `GET /v1/models`: the served model and its honest context (I6).
 pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if let Err(error) = authenticate(&state, &headers) {
         state.metrics.rejection(error.reason());
         return error.into_response();
     }
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.model_id,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "kvfence",
-            "max_model_len": state.capacity.max_context,
-            "context_length": state.capacity.max_context,
-        }],
-    }))
+    Json(json!({ "object": "list", "data": [model_object(&state)] })).into_response()
+}
+
+/// `GET /v1/models/{id}`: the served model, or 404 for any other id.
+pub async fn model(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(error) = authenticate(&state, &headers) {
+        state.metrics.rejection(error.reason());
+        return error.into_response();
+    }
+    if id != state.model_id {
+        return ApiError::new(
+            ErrorType::NotFoundError,
+            "model_not_found",
+            format!("the model {:?} is not served here", key_text(&id)),
+        )
+        .into_response();
+    }
+    Json(model_object(&state)).into_response()
+}
+
+/// A path's text in an error, cut short: never more than a name's worth
+/// of what a stranger sent.
+fn key_text(text: &str) -> &str {
+    let mut end = text.len().min(64);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// A known path with the wrong method: 405 in OpenAI's error envelope.
+pub async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Response {
+    ApiError::new(
+        ErrorType::MethodNotAllowed,
+        "method_not_allowed",
+        format!("{method} is not allowed on {}", key_text(uri.path())),
+    )
     .into_response()
 }
 
@@ -323,37 +444,75 @@ async fn handle(
         Ok(prepared) => prepared,
         Err(error) => return refuse(&state, &tenant.name, endpoint, error),
     };
+    let prompt_tokens: usize = prepared
+        .choices
+        .iter()
+        .step_by(prepared.n)
+        .map(|c| c.request.prompt.len())
+        .sum();
+    let max_tokens = prepared.choices[0].request.max_tokens;
     debug!(
         tenant = %tenant.name,
         endpoint = endpoint.label(),
-        prompt_tokens = prepared.request.prompt.len(),
+        prompt_tokens,
+        choices = prepared.choices.len(),
         "request prepared"
     );
-    let prompt_tokens = prepared.request.prompt.len();
-    let max_tokens = prepared.request.max_tokens;
-    // Awaited, not blocked on: a remote engine's answer comes over the
-    // network, and no thread waits for it.
-    let handle = match state.engine.submit(prepared.request).await {
-        Ok(handle) => handle,
-        Err(error) => return refuse(&state, &tenant.name, endpoint, ApiError::from(error)),
+    let choices = match submit_choices(&state, prepared.choices, prepared.n).await {
+        Ok(choices) => choices,
+        Err(error) => return refuse(&state, &tenant.name, endpoint, error),
     };
-    info!(request = %handle.id(), tenant = %tenant.name, endpoint = endpoint.label(), prompt_tokens, max_tokens, stream = prepared.stream, "request admitted");
+    info!(request = %choices[0].handle.id(), tenant = %tenant.name, endpoint = endpoint.label(), prompt_tokens, max_tokens, choices = choices.len(), stream = prepared.stream, "request admitted");
     let reply = Reply {
         state,
         tenant,
         endpoint,
-        handle,
+        choices,
+        n: prepared.n,
+        logprobs: prepared.logprobs,
         _permit: permit,
         started,
         id: endpoint.id(),
         created: unix_now(),
         ended: std::cell::Cell::new(false),
+        first_token_seen: false,
     };
     if prepared.stream {
         reply.stream(prepared.include_usage)
     } else {
         reply.collect().await
     }
+}
+
+/// Submits every choice. With `n` > 1 the first choice of each prompt goes
+/// first, and the others once it has its first event: by then its prompt
+/// is sealed in the tenant's prefix cache, so the other choices read it
+/// instead of computing it again. If any submission is refused, the ones
+/// made are cancelled (their handles dropped) and the refusal answers.
+async fn submit_choices(
+    state: &AppState,
+    requests: Vec<ChoiceRequest>,
+    n: usize,
+) -> Result<Vec<Choice>, ApiError> {
+    let mut choices: Vec<Option<Choice>> = (0..requests.len()).map(|_| None).collect();
+    let mut later = Vec::new();
+    for (index, ChoiceRequest { request, echo }) in requests.into_iter().enumerate() {
+        if index % n != 0 {
+            later.push((index, request, echo));
+            continue;
+        }
+        let mut handle = state.engine.submit(request).await.map_err(ApiError::from)?;
+        let first = if n > 1 { handle.next().await } else { None };
+        choices[index] = Some(Choice::new(index, handle, echo, first));
+    }
+    for (index, request, echo) in later {
+        let handle = state.engine.submit(request).await.map_err(ApiError::from)?;
+        choices[index] = Some(Choice::new(index, handle, echo, None));
+    }
+    Ok(choices
+        .into_iter()
+        .map(|c| c.expect("every choice was submitted"))
+        .collect())
 }
 
 /// A refusal sent before the request's body was read. The body is read and
@@ -408,10 +567,17 @@ fn prepare(
     body: &[u8],
     endpoint: Endpoint,
 ) -> Result<Prepared, ApiError> {
-    let (prompt, params): (Vec<u32>, CommonParams) = match endpoint {
+    let fields = match endpoint {
+        Endpoint::Chat => CHAT_FIELDS,
+        Endpoint::Completions => COMPLETION_FIELDS,
+    };
+    let object = parse_object(body, fields)?;
+    let params: CommonParams = typed(&object)?;
+    let n = params.n()?;
+    // Prompts, with the text `echo` puts before each completion.
+    let (prompts, logprobs): (Vec<Prompt>, Option<usize>) = match endpoint {
         Endpoint::Chat => {
-            let request: ChatRequest = parse_body(body)?;
-            request.params.check_supported()?;
+            let chat: ChatFields = typed(&object)?;
             let template = state.model.chat_template.as_ref().ok_or_else(|| {
                 ApiError::invalid(
                     "messages",
@@ -421,34 +587,66 @@ fn prepare(
             // The template's markers become control tokens; what the
             // messages say never does (I9).
             let ids = template
-                .encode(&state.model.tokenizer, &request.messages()?, true)
+                .encode(&state.model.tokenizer, &chat.messages()?, true)
                 .map_err(|e| match e {
                     kvfence_model::ModelError::Tokenizer { .. } => {
                         ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string())
                     }
                     _ => ApiError::invalid("messages", e.to_string()),
                 })?;
-            (ids, request.params)
+            (vec![(ids, None)], chat.logprobs()?)
         }
         Endpoint::Completions => {
-            let request: CompletionRequest = parse_body(body)?;
-            request.params.check_supported()?;
-            let ids = match &request.prompt {
-                PromptField::Tokens(ids) => ids.clone(),
-                PromptField::Text(text) => encode_prompt(state, text.expose())?,
-                PromptField::Texts(list) if list.len() == 1 => {
-                    encode_prompt(state, list[0].expose())?
+            let completion: CompletionFields = typed(&object)?;
+            completion.check(n)?;
+            let echo = completion.echo.unwrap_or(false);
+            let texts: Vec<&str>;
+            let prompts: Vec<Prompt> = match &completion.prompt {
+                PromptField::Text(text) => vec![(encode_prompt(state, text.expose())?, None)],
+                PromptField::Texts(list) => {
+                    texts = list.iter().map(Redacted::expose).collect();
+                    texts
+                        .iter()
+                        .map(|t| Ok((encode_prompt(state, t)?, None)))
+                        .collect::<Result<_, ApiError>>()?
                 }
-                PromptField::Texts(_) => {
-                    return Err(ApiError::invalid(
-                        "prompt",
-                        "only one prompt per request is supported",
-                    ));
+                PromptField::Tokens(ids) => vec![(ids.clone(), None)],
+                PromptField::TokenBatches(batch) => {
+                    batch.iter().map(|ids| (ids.clone(), None)).collect()
                 }
             };
-            (ids, request.params)
+            if prompts.is_empty() {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "prompt must not be an empty list",
+                ));
+            }
+            let prompts = if echo {
+                prompts
+                    .into_iter()
+                    .map(|(ids, _)| {
+                        let text = state.model.tokenizer.decode(&ids).map_err(|e| {
+                            ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string())
+                        })?;
+                        Ok((ids, Some(text)))
+                    })
+                    .collect::<Result<_, ApiError>>()?
+            } else {
+                prompts
+            };
+            (prompts, completion.logprobs()?)
         }
     };
+    if prompts.len() * n > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "{} prompts with n = {n} ask for {} choices; at most {MAX_CHOICES} are served per request",
+                prompts.len(),
+                prompts.len() * n
+            ),
+        ));
+    }
     if let Some(model) = &params.model
         && model != &state.model_id
     {
@@ -456,73 +654,97 @@ fn prepare(
             ErrorType::NotFoundError,
             "model_not_found",
             format!(
-                "model {model:?} is not served here; this server serves {:?}",
+                "model {:?} is not served here; this server serves {:?}",
+                key_text(model),
                 state.model_id
             ),
         ));
     }
-    if prompt.is_empty() {
-        return Err(ApiError::invalid(
-            "prompt",
-            "the prompt encodes to no tokens",
-        ));
+    let constraint = params.grammar()?;
+    if let Some(grammar) = &constraint {
+        // Compiled here once so a bad grammar is a 400 before any work,
+        // not a failure on a worker.
+        state.grammars()?.compile(grammar).map_err(|e| {
+            ApiError::invalid(
+                "response_format",
+                format!("the grammar cannot be used: {e}"),
+            )
+        })?;
     }
+    let stop = params.stop_strings()?;
+    let cache = Some(CacheScope {
+        // The namespace is the tenant the key named (I9); the body may
+        // only subdivide it.
+        tenant: tenant.name.clone(),
+        salt: params.cache_salt()?,
+    });
     let vocab = state.model.config.vocab_size;
-    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::invalid(
-            "prompt",
-            format!("token id {bad} is outside the vocabulary of {vocab}"),
-        ));
-    }
     let max_context = state.capacity.max_context;
-    let max_tokens = match params.max_tokens()? {
-        Some(n) => n,
-        // No max_tokens (what most chat UIs send): the default, lowered to
-        // what this tenant and the context allow, never a refusal.
-        None => state
-            .default_max_tokens
-            .min(tenant.max_tokens.unwrap_or(usize::MAX))
-            .min(max_context.saturating_sub(prompt.len()).max(1)),
-    };
-    if let Some(limit) = tenant.max_tokens
-        && max_tokens > limit
-    {
-        return Err(ApiError::invalid(
-            "max_tokens",
-            format!("max_tokens {max_tokens} exceeds this tenant's limit of {limit}"),
-        ));
-    }
-    if prompt.len() + max_tokens > max_context {
+    let first_seed = params.seed.map_or_else(rand::random, |s| s as u64);
+    let mut choices = Vec::with_capacity(prompts.len() * n);
+    for (prompt, echo) in prompts {
         let param = if endpoint == Endpoint::Chat {
             "messages"
         } else {
             "prompt"
         };
-        return Err(ApiError::context_length(
-            param,
-            max_context,
-            prompt.len(),
-            max_tokens,
-        ));
+        if prompt.is_empty() {
+            return Err(ApiError::invalid(param, "the prompt encodes to no tokens"));
+        }
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        let max_tokens = match params.max_tokens()? {
+            Some(n) => n,
+            // No max_tokens (what most chat UIs send): the default, lowered
+            // to what this tenant and the context allow, never a refusal.
+            None => state
+                .default_max_tokens
+                .min(tenant.max_tokens.unwrap_or(usize::MAX))
+                .min(max_context.saturating_sub(prompt.len()).max(1)),
+        };
+        if let Some(limit) = tenant.max_tokens
+            && max_tokens > limit
+        {
+            return Err(ApiError::invalid(
+                "max_tokens",
+                format!("max_tokens {max_tokens} exceeds this tenant's limit of {limit}"),
+            ));
+        }
+        if prompt.len() + max_tokens > max_context {
+            return Err(ApiError::context_length(
+                param,
+                max_context,
+                prompt.len(),
+                max_tokens,
+            ));
+        }
+        for j in 0..n {
+            // Choice j draws from its own seed: n choices are n samples.
+            let seed = first_seed.wrapping_add(j as u64);
+            choices.push(ChoiceRequest {
+                request: GenerationRequest {
+                    prompt: prompt.clone(),
+                    max_tokens,
+                    sampling: params.sampling(seed, logprobs, vocab)?,
+                    stop: stop.clone(),
+                    ignore_eos: params.ignore_eos.unwrap_or(false),
+                    cache: cache.clone(),
+                    constraint: constraint.clone(),
+                },
+                echo: echo.clone(),
+            });
+        }
     }
-    let request = GenerationRequest {
-        prompt,
-        max_tokens,
-        sampling: params.sampling(rand::random())?,
-        stop: params.stop_strings()?,
-        ignore_eos: params.ignore_eos,
-        // The namespace is the tenant the key named (I9); the body may only
-        // subdivide it.
-        cache: Some(CacheScope {
-            tenant: tenant.name.clone(),
-            salt: params.cache_salt()?,
-        }),
-        constraint: None,
-    };
     Ok(Prepared {
-        request,
-        stream: params.stream,
+        choices,
+        n,
+        stream: params.stream(),
         include_usage: params.include_usage(),
+        logprobs: logprobs.is_some(),
     })
 }
 
@@ -540,13 +762,53 @@ fn encode_prompt(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
     Ok(ids)
 }
 
+/// One choice of an admitted request: its engine handle and what it has
+/// produced so far.
+struct Choice {
+    index: usize,
+    handle: RequestHandle,
+    /// An event read ahead (the first, while the other choices waited).
+    first: Option<Event>,
+    echo: Option<String>,
+    text: String,
+    /// Log-probabilities not yet sent (streaming) or all of them.
+    logprobs: Vec<TokenLogprobs>,
+    /// Characters of text already sent, where the next logprobs' text
+    /// begins (completions' `text_offset`).
+    sent_chars: usize,
+    finish: Option<(FinishReason, Usage)>,
+}
+
+impl Choice {
+    fn new(
+        index: usize,
+        handle: RequestHandle,
+        echo: Option<String>,
+        first: Option<Event>,
+    ) -> Self {
+        Choice {
+            index,
+            handle,
+            first,
+            echo,
+            text: String::new(),
+            logprobs: Vec::new(),
+            sent_chars: 0,
+            finish: None,
+        }
+    }
+}
+
 /// An admitted request on its way back to the client. Dropping it — the
-/// client went away — drops the engine handle, which cancels the request.
+/// client went away — drops the engine handles, which cancels them.
 struct Reply {
     state: Arc<AppState>,
     tenant: Arc<Tenant>,
     endpoint: Endpoint,
-    handle: RequestHandle,
+    choices: Vec<Choice>,
+    /// Choices per prompt.
+    n: usize,
+    logprobs: bool,
     _permit: OwnedSemaphorePermit,
     started: Instant,
     id: String,
@@ -554,6 +816,7 @@ struct Reply {
     /// Set when the request's end was counted; a reply dropped before that
     /// is a client that left.
     ended: std::cell::Cell<bool>,
+    first_token_seen: bool,
 }
 
 impl Drop for Reply {
@@ -563,7 +826,7 @@ impl Drop for Reply {
                 .metrics
                 .request(&self.tenant.name, self.endpoint.label(), "cancelled");
             info!(
-                request = %self.handle.id(),
+                request = %self.choices[0].handle.id(),
                 tenant = %self.tenant.name,
                 elapsed_ms = self.started.elapsed().as_millis() as u64,
                 "request cancelled by the client"
@@ -572,14 +835,82 @@ impl Drop for Reply {
     }
 }
 
+/// What the next event of a reply's choices says.
+enum Step {
+    /// Choice `.0` has new text and log-probabilities.
+    Token(usize),
+    /// Choice `.0` finished.
+    Finished(usize),
+    /// A choice failed: the whole request fails (I5, I7).
+    Failed(ApiError),
+    /// Every choice has finished.
+    AllDone,
+}
+
 impl Reply {
-    fn first_token(&self, seen: &mut bool) {
-        if !*seen {
-            *seen = true;
-            self.state
-                .metrics
-                .first_token(self.started.elapsed().as_secs_f64());
+    /// Waits for the next event of any unfinished choice and records it.
+    async fn step(&mut self) -> Step {
+        let event = match self.choices.iter().position(|c| c.first.is_some()) {
+            Some(i) => (i, self.choices[i].first.take()),
+            None => {
+                let live: Vec<_> = self
+                    .choices
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(_, c)| c.finish.is_none())
+                    .map(|(i, c)| Box::pin(async move { (i, c.handle.next().await) }))
+                    .collect();
+                if live.is_empty() {
+                    return Step::AllDone;
+                }
+                // Receiving is cancel-safe: the other choices' events wait.
+                futures_util::future::select_all(live).await.0
+            }
+        };
+        match event {
+            (i, Some(Event::Token { text, logprobs })) => {
+                if !self.first_token_seen {
+                    self.first_token_seen = true;
+                    self.state
+                        .metrics
+                        .first_token(self.started.elapsed().as_secs_f64());
+                }
+                let choice = &mut self.choices[i];
+                choice.text.push_str(&text);
+                choice.logprobs.extend(logprobs);
+                Step::Token(i)
+            }
+            (i, Some(Event::Finished { reason, usage })) => {
+                self.choices[i].finish = Some((reason, usage));
+                Step::Finished(i)
+            }
+            (_, Some(Event::Failed { kind, message })) => {
+                let error = ApiError::from_failure(kind, message);
+                self.state.metrics.rejection(error.reason());
+                Step::Failed(error)
+            }
+            (_, None) => Step::Failed(ApiError::from_failure(
+                FailureKind::Internal,
+                "the engine dropped the request".into(),
+            )),
         }
+    }
+
+    /// Usage of the whole request: each prompt counted once (its first
+    /// choice's), every choice's completion.
+    fn usage(&self) -> Usage {
+        let mut total = Usage::default();
+        for (i, choice) in self.choices.iter().enumerate() {
+            let Some((_, usage)) = choice.finish else {
+                continue;
+            };
+            if i % self.n == 0 {
+                total.prompt_tokens += usage.prompt_tokens;
+                total.cached_tokens += usage.cached_tokens;
+            }
+            total.completion_tokens += usage.completion_tokens;
+        }
+        total
     }
 
     fn log_end(&self, status: u16, usage: Option<Usage>) {
@@ -593,7 +924,7 @@ impl Reply {
             .metrics
             .finished(self.started.elapsed().as_secs_f64());
         info!(
-            request = %self.handle.id(),
+            request = %self.choices[0].handle.id(),
             tenant = %self.tenant.name,
             status,
             completion_tokens = usage.map(|u| u.completion_tokens),
@@ -602,43 +933,56 @@ impl Reply {
         );
     }
 
+    /// The log-probabilities choice `i` has not sent, rendered, if the
+    /// request asked for them.
+    fn take_logprobs(&mut self, i: usize) -> Option<Value> {
+        if !self.logprobs {
+            return None;
+        }
+        let choice = &mut self.choices[i];
+        let tokens = std::mem::take(&mut choice.logprobs);
+        let offset = choice.sent_chars;
+        Some(self.endpoint.logprobs(&self.state, &tokens, offset))
+    }
+
     async fn collect(mut self) -> Response {
-        let mut text = String::new();
-        let mut seen = false;
         loop {
-            match self.handle.next().await {
-                Some(Event::Token { text: piece, .. }) => {
-                    self.first_token(&mut seen);
-                    text.push_str(&piece);
-                }
-                Some(Event::Finished { reason, usage }) => {
-                    self.log_end(200, Some(usage));
-                    let body = json!({
-                        "id": self.id,
-                        "object": self.endpoint.object(false),
-                        "created": self.created,
-                        "model": self.state.model_id,
-                        "choices": [self.endpoint.choice(&text, Some(reason))],
-                        "usage": usage_json(usage),
-                    });
-                    return (StatusCode::OK, Json(body)).into_response();
-                }
-                Some(Event::Failed { kind, message }) => {
-                    let error = ApiError::from_failure(kind, message);
-                    self.state.metrics.rejection(error.reason());
+            match self.step().await {
+                Step::Token(_) | Step::Finished(_) => {}
+                Step::Failed(error) => {
                     self.log_end(error.status().as_u16(), None);
                     return error.into_response();
                 }
-                None => {
-                    let error = ApiError::from_failure(
-                        FailureKind::Internal,
-                        "the engine dropped the request".into(),
-                    );
-                    self.log_end(error.status().as_u16(), None);
-                    return error.into_response();
-                }
+                Step::AllDone => break,
             }
         }
+        let usage = self.usage();
+        self.log_end(200, Some(usage));
+        let choices: Vec<Value> = (0..self.choices.len())
+            .map(|i| {
+                let prefix = self.choices[i].echo.clone().unwrap_or_default();
+                self.choices[i].sent_chars = prefix.chars().count();
+                let logprobs = self.take_logprobs(i);
+                let choice = &self.choices[i];
+                let text = format!("{prefix}{}", choice.text);
+                self.endpoint.choice(
+                    choice.index,
+                    &text,
+                    logprobs,
+                    choice.finish.map(|(reason, _)| reason),
+                )
+            })
+            .collect();
+        let body = json!({
+            "id": self.id,
+            "object": self.endpoint.object(false),
+            "created": self.created,
+            "model": self.state.model_id,
+            "system_fingerprint": self.state.system_fingerprint,
+            "choices": choices,
+            "usage": usage_json(usage),
+        });
+        (StatusCode::OK, Json(body)).into_response()
     }
 
     fn stream(self, include_usage: bool) -> Response {
@@ -654,6 +998,7 @@ impl Reply {
             "object": self.endpoint.object(true),
             "created": self.created,
             "model": self.state.model_id,
+            "system_fingerprint": self.state.system_fingerprint,
             "choices": choices,
         });
         if let Some(usage) = usage {
@@ -661,10 +1006,46 @@ impl Reply {
         }
         SseEvent::default().data(body.to_string())
     }
+
+    /// The chunk that streams choice `i`'s new text (and log-probabilities),
+    /// or `None` while it has nothing to show yet.
+    fn text_chunk(&mut self, i: usize) -> Option<SseEvent> {
+        let choice = &mut self.choices[i];
+        if choice.text.is_empty() {
+            // Held back (an incomplete character, a possible stop string):
+            // its log-probabilities go with the text when it comes.
+            return None;
+        }
+        let text = std::mem::take(&mut choice.text);
+        let logprobs = self.take_logprobs(i);
+        let choice = &mut self.choices[i];
+        choice.sent_chars += text.chars().count();
+        let delta = self
+            .endpoint
+            .delta(choice.index, Some(&text), false, logprobs, None);
+        Some(self.chunk(json!([delta]), None))
+    }
+
+    /// The chunk that ends choice `i`: any text and log-probabilities
+    /// left, and its finish reason.
+    fn finish_chunk(&mut self, i: usize) -> SseEvent {
+        let text = std::mem::take(&mut self.choices[i].text);
+        let logprobs = self
+            .take_logprobs(i)
+            .filter(|_| text.is_empty() || self.logprobs);
+        let choice = &self.choices[i];
+        let reason = choice.finish.map(|(reason, _)| reason);
+        let text = (!text.is_empty()).then_some(text);
+        let delta = self
+            .endpoint
+            .delta(choice.index, text.as_deref(), false, logprobs, reason);
+        self.chunk(json!([delta]), None)
+    }
 }
 
 enum Phase {
-    Start,
+    /// The role chunk (chat) or the echoed prompt (completions) of choice `.0`.
+    Start(usize),
     Running,
     Usage(Usage),
     Done,
@@ -676,71 +1057,56 @@ fn stream_events(
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     stream::unfold(
-        (reply, Phase::Start, false),
-        move |(mut reply, phase, mut seen)| async move {
+        (reply, Phase::Start(0)),
+        move |(mut reply, phase)| async move {
             let next = match phase {
-                Phase::Start if reply.endpoint == Endpoint::Chat => {
-                    let event =
-                        reply.chunk(json!([reply.endpoint.delta(Some(""), true, None)]), None);
-                    (event, Phase::Running)
+                Phase::Start(i) if i < reply.choices.len() => {
+                    let index = reply.choices[i].index;
+                    let delta = match (reply.endpoint, reply.choices[i].echo.take()) {
+                        (Endpoint::Chat, _) => {
+                            Some(reply.endpoint.delta(index, Some(""), true, None, None))
+                        }
+                        (Endpoint::Completions, Some(echo)) => {
+                            reply.choices[i].sent_chars = echo.chars().count();
+                            Some(reply.endpoint.delta(index, Some(&echo), false, None, None))
+                        }
+                        (Endpoint::Completions, None) => None,
+                    };
+                    match delta {
+                        Some(delta) => {
+                            (Some(reply.chunk(json!([delta]), None)), Phase::Start(i + 1))
+                        }
+                        None => (None, Phase::Start(i + 1)),
+                    }
                 }
-                Phase::Start | Phase::Running => loop {
-                    match reply.handle.next().await {
-                        Some(Event::Token { text, .. }) => {
-                            reply.first_token(&mut seen);
-                            if !text.is_empty() {
-                                break (
-                                    reply.chunk(
-                                        json!([reply.endpoint.delta(Some(&text), false, None)]),
-                                        None,
-                                    ),
-                                    Phase::Running,
-                                );
-                            }
-                        }
-                        Some(Event::Finished { reason, usage }) => {
-                            reply.log_end(200, Some(usage));
-                            let event = reply.chunk(
-                                json!([reply.endpoint.delta(None, false, Some(reason))]),
-                                None,
-                            );
-                            break (
-                                event,
-                                if include_usage {
-                                    Phase::Usage(usage)
-                                } else {
-                                    Phase::Done
-                                },
-                            );
-                        }
-                        Some(Event::Failed { kind, message }) => {
-                            let error = ApiError::from_failure(kind, message);
-                            reply.state.metrics.rejection(error.reason());
-                            reply.log_end(200, None);
-                            // An error event, and no normal finish (I5, I7).
-                            break (
-                                SseEvent::default().data(error.body().to_string()),
-                                Phase::End,
-                            );
-                        }
-                        None => {
-                            let error = ApiError::from_failure(
-                                FailureKind::Internal,
-                                "the engine dropped the request".into(),
-                            );
-                            reply.log_end(200, None);
-                            break (
-                                SseEvent::default().data(error.body().to_string()),
-                                Phase::End,
-                            );
-                        }
+                Phase::Start(_) | Phase::Running => match reply.step().await {
+                    Step::Token(i) => (reply.text_chunk(i), Phase::Running),
+                    Step::Finished(i) => (Some(reply.finish_chunk(i)), Phase::Running),
+                    Step::AllDone => {
+                        let usage = reply.usage();
+                        reply.log_end(200, Some(usage));
+                        let next = if include_usage {
+                            Phase::Usage(usage)
+                        } else {
+                            Phase::Done
+                        };
+                        (None, next)
+                    }
+                    Step::Failed(error) => {
+                        reply.log_end(200, None);
+                        // An error event, and no normal finish (I5, I7).
+                        (
+                            Some(SseEvent::default().data(error.body().to_string())),
+                            Phase::End,
+                        )
                     }
                 },
-                Phase::Usage(usage) => (reply.chunk(json!([]), Some(usage)), Phase::Done),
-                Phase::Done => (SseEvent::default().data("[DONE]"), Phase::End),
+                Phase::Usage(usage) => (Some(reply.chunk(json!([]), Some(usage))), Phase::Done),
+                Phase::Done => (Some(SseEvent::default().data("[DONE]")), Phase::End),
                 Phase::End => return None,
             };
-            Some((Ok(next.0), (reply, next.1, seen)))
+            Some((next.0.map(Ok), (reply, next.1)))
         },
     )
+    .filter_map(|event| async move { event })
 }

@@ -257,7 +257,7 @@ async fn malformed_json_and_bad_parameters_get_400_in_the_openai_envelope() {
         (json!({"temperature": 3.5}), "temperature"),
         (json!({"top_p": 0}), "top_p"),
         (json!({"max_tokens": 0}), "max_tokens"),
-        (json!({"n": 2}), "n"),
+        (json!({"n": 17}), "n"),
         (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
         (json!({"messages": []}), "messages"),
     ] {
@@ -499,6 +499,17 @@ async fn i10_no_role_logs_prompt_text_even_at_trace_level() {
             json!({"prompt": format!("{marker} again"), "max_tokens": 4, "stop": [marker]}),
         )
         .await;
+        // Grammars and schemas are client content too, and so is the
+        // output they force (here, the marker itself).
+        let mut constrained = chat_body("hi", 6, false);
+        constrained["response_format"] = json!({"type": "regex", "regex": format!("({marker})+")});
+        constrained["logprobs"] = json!(true);
+        let (status, answer) = post(&chat, None, constrained).await;
+        assert_eq!(status, 200, "{answer}");
+        let mut schema = chat_body("hi", 12, true);
+        schema["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "x",
+            "schema": {"type": "object", "properties": {marker: {"enum": [marker]}}, "required": [marker]}}});
+        sse(&chat, None, schema).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     for (role, server) in [

@@ -1,0 +1,432 @@
+//! The OpenAI API surface as clients use it: no field dropped in silence,
+//! structured outputs, log-probabilities, `n` choices, penalties, batches
+//! and `echo`, the error envelope on every error, CORS, `models/{id}`.
+//! Colocated and disaggregated alike where the engine is involved.
+
+#![allow(clippy::unwrap_used)]
+
+use serde_json::{Value, json};
+
+use crate::common::{Server, post, sse};
+
+fn chat(content: &str, max_tokens: usize) -> Value {
+    json!({
+        "model": "builtin:tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    })
+}
+
+fn with(mut body: Value, patch: Value) -> Value {
+    for (k, v) in patch.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// The `data:` payloads of a stream, parsed, without `[DONE]`.
+fn chunks(data: &[String]) -> Vec<Value> {
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
+    data[..data.len() - 1]
+        .iter()
+        .map(|c| serde_json::from_str(c).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_field_is_dropped_in_silence() {
+    let server = Server::start(&[]);
+    let url = server.url("/v1/chat/completions");
+    for (patch, param) in [
+        (json!({"frobnicate": true}), "frobnicate"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"response_format": {"type": "bogus"}}),
+            "response_format.type",
+        ),
+        (
+            json!({"response_format": {"type": "regex", "regex": "(unclosed"}}),
+            "response_format",
+        ),
+        (json!({"logit_bias": {"999999": 5}}), "logit_bias"),
+        (json!({"logit_bias": {"3": 150}}), "logit_bias"),
+        (json!({"top_logprobs": 2}), "top_logprobs"),
+        (json!({"presence_penalty": 2.5}), "presence_penalty"),
+        (json!({"max_tokens": "many"}), "max_tokens"),
+        (json!({"n": 17}), "n"),
+        (
+            json!({"messages": [{"role": "user", "content": 5}]}),
+            "messages[0].content",
+        ),
+    ] {
+        let (status, answer) = post(&url, None, with(chat("hi", 2), patch.clone())).await;
+        assert_eq!(status, 400, "{patch}: {answer}");
+        assert_eq!(answer["error"]["type"], "invalid_request_error", "{answer}");
+        assert_eq!(answer["error"]["param"], param, "{patch}: {answer}");
+    }
+    // Metadata and nulls are accepted wherever OpenAI accepts them.
+    let accepted = with(
+        chat("hi", 2),
+        json!({"user": "u-1", "metadata": {"k": "v"}, "store": false, "stream": null,
+               "stream_options": null, "tools": [], "tool_choice": "none",
+               "parallel_tool_calls": true, "seed": null, "stop": null, "n": null}),
+    );
+    let (status, body) = post(&url, None, accepted).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body["system_fingerprint"]
+            .as_str()
+            .unwrap()
+            .starts_with("fp_")
+    );
+    let completions = server.url("/v1/completions");
+    for (patch, param) in [
+        (json!({"suffix": "tail"}), "suffix"),
+        (json!({"best_of": 3}), "best_of"),
+        (json!({"logprobs": 6}), "logprobs"),
+        (json!({"echo": true, "logprobs": 1}), "echo"),
+    ] {
+        let body = with(json!({"prompt": "go", "max_tokens": 2}), patch.clone());
+        let (status, answer) = post(&completions, None, body).await;
+        assert_eq!(
+            (status, &answer["error"]["param"]),
+            (400, &json!(param)),
+            "{patch}: {answer}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_error_comes_in_the_openai_envelope_and_models_can_be_retrieved() {
+    let server = Server::start(&["--max-body-bytes", "1000"]);
+    let client = reqwest::Client::new();
+    let envelope = |status: u16, body: &Value| {
+        assert!(body["error"]["message"].is_string(), "{status}: {body}");
+        assert!(body["error"]["type"].is_string(), "{status}: {body}");
+    };
+    let cases = [
+        (client.get(server.url("/v1/nothing-here")), 404),
+        (client.get(server.url("/v1/chat/completions")), 405),
+        (client.delete(server.url("/v1/models")), 405),
+        (
+            client
+                .post(server.url("/v1/completions"))
+                .body(format!("{{\"prompt\": \"{}\"}}", "x".repeat(2000))),
+            413,
+        ),
+        (client.get(server.url("/v1/models/other-model")), 404),
+    ];
+    for (request, status) in cases {
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status().as_u16(), status);
+        let body: Value = response.json().await.unwrap();
+        envelope(status, &body);
+    }
+    let model: Value = client
+        .get(server.url("/v1/models/builtin:tiny"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(model["id"], "builtin:tiny");
+    assert_eq!(model["object"], "model");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cors_is_off_unless_an_origin_is_named() {
+    let preflight = |server: &Server| {
+        reqwest::Client::new()
+            .request(reqwest::Method::OPTIONS, server.url("/v1/chat/completions"))
+            .header("origin", "https://app.example.com")
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization,content-type",
+            )
+            .send()
+    };
+    let closed = Server::start(&[]);
+    let answer = preflight(&closed).await.unwrap();
+    assert!(
+        answer
+            .headers()
+            .get("access-control-allow-origin")
+            .is_none()
+    );
+    let open = Server::start(&["--cors-origin", "https://app.example.com"]);
+    let answer = preflight(&open).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    assert_eq!(
+        answer.headers()["access-control-allow-origin"],
+        "https://app.example.com"
+    );
+    let other = reqwest::Client::new()
+        .request(reqwest::Method::OPTIONS, open.url("/v1/chat/completions"))
+        .header("origin", "https://evil.example.net")
+        .header("access-control-request-method", "POST")
+        .send()
+        .await
+        .unwrap();
+    assert!(other.headers().get("access-control-allow-origin").is_none());
+    // A real request from the named origin carries the header too.
+    let response = reqwest::Client::new()
+        .post(open.url("/v1/chat/completions"))
+        .header("origin", "https://app.example.com")
+        .json(&chat("hi", 2))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response.headers()["access-control-allow-origin"],
+        "https://app.example.com"
+    );
+}
+
+/// The modes the engine-facing cases run in.
+fn modes() -> [&'static [&'static str]; 2] {
+    [&[], &["--mode", "disaggregated", "--handoff", "tcp"]]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn structured_outputs_match_their_schema_or_regex_in_every_mode() {
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "size": {"enum": ["small", "large"]},
+        },
+        "required": ["ok", "size"],
+        "additionalProperties": false,
+    });
+    for mode in modes() {
+        let server = Server::start(mode);
+        let url = server.url("/v1/chat/completions");
+        for temperature in [0.0, 1.0] {
+            let body = with(
+                chat("describe it", 40),
+                json!({"temperature": temperature, "seed": 5, "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "thing", "schema": schema, "strict": true},
+                }}),
+            );
+            let (status, answer) = post(&url, None, body).await;
+            assert_eq!(status, 200, "{mode:?}: {answer}");
+            let text = answer["choices"][0]["message"]["content"].as_str().unwrap();
+            let value: Value =
+                serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            assert!(value["ok"].is_boolean(), "{text}");
+            assert!(
+                ["small", "large"].contains(&value["size"].as_str().unwrap()),
+                "{text}"
+            );
+            assert_eq!(value.as_object().unwrap().len(), 2, "{text}");
+            assert_eq!(answer["choices"][0]["finish_reason"], "stop");
+        }
+        let body = with(
+            chat("a code", 20),
+            json!({"response_format": {"type": "regex", "regex": "[a-c]{4}-[0-9]{3}"}, "stream": true}),
+        );
+        let (status, data) = sse(&url, None, body).await;
+        assert_eq!(status, 200);
+        let text: String = chunks(&data)
+            .iter()
+            .filter_map(|c| {
+                c["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .collect();
+        let (letters, digits) = text.split_once('-').unwrap_or_else(|| panic!("{text:?}"));
+        assert!(
+            letters.len() == 4 && letters.bytes().all(|b| (b'a'..=b'c').contains(&b)),
+            "{text:?}"
+        );
+        assert!(
+            digits.len() == 3 && digits.bytes().all(|b| b.is_ascii_digit()),
+            "{text:?}"
+        );
+        // Without a format the same request is free text.
+        let (_, free) = post(&url, None, chat("a code", 20)).await;
+        let free = free["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_ne!(free, text, "the format changed nothing");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn logprobs_come_from_the_draws_distribution_streamed_or_not_in_every_mode() {
+    for mode in modes() {
+        let server = Server::start(mode);
+        let url = server.url("/v1/chat/completions");
+        let body = with(
+            chat("count", 6),
+            json!({"logprobs": true, "top_logprobs": 3, "ignore_eos": true}),
+        );
+        let (status, answer) = post(&url, None, body.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+        let content = answer["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap();
+        assert_eq!(content.len(), 6, "one entry per token");
+        let mut text = String::new();
+        for entry in content {
+            let top = entry["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), 3);
+            let mass: f64 = top
+                .iter()
+                .map(|t| t["logprob"].as_f64().unwrap().exp())
+                .sum();
+            assert!(mass <= 1.0 + 1e-6, "{entry}");
+            // Greedy: the chosen token is the most likely one.
+            assert_eq!(entry["token"], top[0]["token"], "{entry}");
+            assert!(entry["logprob"].as_f64().unwrap() <= 0.0);
+            let bytes: Vec<u8> = entry["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+                .collect();
+            text.push_str(&String::from_utf8_lossy(&bytes));
+        }
+        assert_eq!(
+            text,
+            answer["choices"][0]["message"]["content"].as_str().unwrap()
+        );
+        // Streamed: the same entries, spread over the chunks.
+        let (_, data) = sse(&url, None, with(body, json!({"stream": true}))).await;
+        let streamed: Vec<Value> = chunks(&data)
+            .iter()
+            .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+            .flatten()
+            .collect();
+        assert_eq!(&streamed, content, "{mode:?}");
+        // Completions: the legacy shape.
+        let (_, legacy) = post(
+            &server.url("/v1/completions"),
+            None,
+            json!({"prompt": "go", "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": true}),
+        )
+        .await;
+        let logprobs = &legacy["choices"][0]["logprobs"];
+        assert_eq!(logprobs["tokens"].as_array().unwrap().len(), 4, "{legacy}");
+        assert_eq!(logprobs["token_logprobs"].as_array().unwrap().len(), 4);
+        assert_eq!(logprobs["top_logprobs"][0].as_object().unwrap().len(), 2);
+        assert_eq!(logprobs["text_offset"][0], 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn n_choices_draw_from_distinct_seeds_and_compute_the_prompt_once() {
+    let server = Server::start(&[]);
+    let url = server.url("/v1/chat/completions");
+    let long = "a shared prompt long enough to fill pages ".repeat(4);
+    let hits_before = server.metric("kvfence_prefix_cache_hit_tokens_total").await;
+    let body = with(
+        chat(&long, 8),
+        json!({"n": 3, "temperature": 1.0, "seed": 11, "ignore_eos": true}),
+    );
+    let (status, answer) = post(&url, None, body.clone()).await;
+    assert_eq!(status, 200, "{answer}");
+    let choices = answer["choices"].as_array().unwrap();
+    let texts: Vec<&str> = choices
+        .iter()
+        .map(|c| c["message"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        choices
+            .iter()
+            .map(|c| c["index"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [0, 1, 2]
+    );
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    assert_eq!(answer["usage"]["completion_tokens"], 24);
+    let prompt = answer["usage"]["prompt_tokens"].as_u64().unwrap();
+    // Choices 1 and 2 read the prompt the first computed.
+    let hits = server.metric("kvfence_prefix_cache_hit_tokens_total").await - hits_before;
+    assert!(hits >= 2.0 * (prompt as f64 - 16.0), "{hits} of {prompt}");
+    // The same seed gives the same three again; streamed, each under its index.
+    let (_, data) = sse(&url, None, with(body, json!({"stream": true}))).await;
+    let mut streamed = [String::new(), String::new(), String::new()];
+    for chunk in chunks(&data) {
+        for choice in chunk["choices"].as_array().unwrap() {
+            let index = choice["index"].as_u64().unwrap() as usize;
+            streamed[index].push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(
+        streamed.iter().map(String::as_str).collect::<Vec<_>>(),
+        texts
+    );
+    // A batch of prompts in /v1/completions, n each, echo on.
+    let (status, batch) = post(
+        &server.url("/v1/completions"),
+        None,
+        json!({"prompt": ["first", "second"], "n": 2, "max_tokens": 3, "echo": true, "seed": 3}),
+    )
+    .await;
+    assert_eq!(status, 200, "{batch}");
+    let choices = batch["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        let prompt = if i < 2 { "first" } else { "second" };
+        assert!(
+            choice["text"].as_str().unwrap().starts_with(prompt),
+            "{choice}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn penalties_and_logit_bias_change_the_output() {
+    let server = Server::start(&[]);
+    let url = server.url("/v1/completions");
+    let base =
+        json!({"prompt": "the the the", "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let run = |patch: Value| {
+        let url = url.clone();
+        let body = with(base.clone(), patch);
+        async move {
+            let (status, answer) = post(&url, None, body).await;
+            assert_eq!(status, 200, "{answer}");
+            answer["choices"][0]["text"].as_str().unwrap().to_string()
+        }
+    };
+    let plain = run(json!({})).await;
+    assert_eq!(run(json!({})).await, plain, "greedy is repeatable");
+    for patch in [
+        json!({"frequency_penalty": 2.0}),
+        json!({"presence_penalty": 2.0}),
+        json!({"repetition_penalty": 3.0}),
+    ] {
+        assert_ne!(run(patch.clone()).await, plain, "{patch} changed nothing");
+    }
+    // Banning the first greedy token moves the first token.
+    let chat_url = server.url("/v1/chat/completions");
+    let first = |patch: Value| {
+        let url = chat_url.clone();
+        let body = with(
+            chat("the the the", 1),
+            with(json!({"logprobs": true}), patch),
+        );
+        async move {
+            let (status, answer) = post(&url, None, body).await;
+            assert_eq!(status, 200, "{answer}");
+            answer["choices"][0]["logprobs"]["content"][0]["bytes"].clone()
+        }
+    };
+    let greedy = first(json!({})).await;
+    // builtin:tiny's tokens are single bytes: the byte is the id.
+    let token = greedy[0].as_u64().unwrap();
+    assert_eq!(greedy.as_array().unwrap().len(), 1, "{greedy}");
+    let moved = first(json!({"logit_bias": {token.to_string(): -100}})).await;
+    assert_ne!(moved, greedy);
+}
