@@ -10,6 +10,7 @@ mod openai;
 mod redact;
 mod routes;
 mod tenants;
+mod tools;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -20,6 +20,7 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 use crate::redact::Redacted;
+use crate::tools::{ToolCallIn, ToolChoiceIn, ToolIn, Tools, render_calls};
 
 /// How a field of a request body is treated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,8 +65,8 @@ pub const CHAT_FIELDS: &[(&str, FieldUse)] = &[
     ("safety_identifier", FieldUse::Metadata),
     ("prompt_cache_key", FieldUse::Metadata),
     ("parallel_tool_calls", FieldUse::Metadata),
-    ("tools", FieldUse::RefusedUnlessNeutral),
-    ("tool_choice", FieldUse::RefusedUnlessNeutral),
+    ("tools", FieldUse::Honoured),
+    ("tool_choice", FieldUse::Honoured),
     ("functions", FieldUse::RefusedUnlessNeutral),
     ("function_call", FieldUse::RefusedUnlessNeutral),
     ("modalities", FieldUse::RefusedUnlessNeutral),
@@ -247,9 +248,11 @@ pub struct ContentPart {
 pub struct MessageIn {
     /// `system`, `developer`, `user`, `assistant`, `tool`.
     pub role: String,
-    /// The content (absent or null is empty). A participant's `name` is
-    /// metadata.
+    /// The content (absent or null is empty). A participant's `name` and
+    /// a tool result's `tool_call_id` are metadata.
     pub content: Option<Content>,
+    /// The calls an earlier assistant turn made.
+    pub tool_calls: Option<Vec<ToolCallIn>>,
 }
 
 /// The fields only `/v1/chat/completions` has.
@@ -261,6 +264,10 @@ pub struct ChatFields {
     pub logprobs: Option<bool>,
     /// And this many alternatives (0–20; needs `logprobs`).
     pub top_logprobs: Option<i64>,
+    /// Functions the model may call.
+    pub tools: Option<Vec<ToolIn>>,
+    /// Whether and which it must call.
+    pub tool_choice: Option<ToolChoiceIn>,
 }
 
 /// `prompt` of `/v1/completions`.
@@ -614,8 +621,37 @@ impl ChatFields {
         }
     }
 
-    /// The messages as plain chat messages for the template.
-    pub fn messages(&self) -> Result<Vec<kvfence_model::ChatMessage>, ApiError> {
+    /// The request's tools, if it has any to use.
+    pub fn tools(&self) -> Result<Option<Tools>, ApiError> {
+        Tools::from_request(self.tools.as_deref(), self.tool_choice.as_ref())
+    }
+
+    /// The messages as plain chat messages for the template: earlier tool
+    /// calls rendered into their turns, and `tools` described in the
+    /// system message.
+    pub fn messages(
+        &self,
+        tools: Option<&Tools>,
+    ) -> Result<Vec<kvfence_model::ChatMessage>, ApiError> {
+        let mut messages = self.plain_messages()?;
+        if let Some(tools) = tools {
+            match messages.first_mut() {
+                Some(first) if first.role == "system" => {
+                    first.content = format!("{}\n\n{}", first.content, tools.instruction());
+                }
+                _ => messages.insert(
+                    0,
+                    kvfence_model::ChatMessage {
+                        role: "system".into(),
+                        content: tools.instruction(),
+                    },
+                ),
+            }
+        }
+        Ok(messages)
+    }
+
+    fn plain_messages(&self) -> Result<Vec<kvfence_model::ChatMessage>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages must not be empty"));
         }
@@ -653,6 +689,17 @@ impl ChatFields {
                             "role must be one of system, developer, user, assistant, tool",
                         ));
                     }
+                };
+                let content = match &m.tool_calls {
+                    Some(calls) if role == "assistant" && !calls.is_empty() => {
+                        let calls = render_calls(calls);
+                        if content.is_empty() {
+                            calls
+                        } else {
+                            format!("{content}\n{calls}")
+                        }
+                    }
+                    _ => content,
                 };
                 Ok(kvfence_model::ChatMessage { role, content })
             })
@@ -708,8 +755,8 @@ mod tests {
     fn unknown_and_unsupported_fields_are_refused_by_name() {
         let error = chat(r#"{"messages": [], "frobnicate": 1}"#).unwrap_err();
         assert_eq!(error.param.as_deref(), Some("frobnicate"));
-        let error = chat(r#"{"messages": [], "tools": [{"type": "function"}]}"#).unwrap_err();
-        assert_eq!(error.param.as_deref(), Some("tools"));
+        let error = chat(r#"{"messages": [], "functions": [{"name": "f"}]}"#).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("functions"));
         // Neutral values and metadata pass.
         chat(r#"{"messages": [], "tools": [], "tool_choice": "none", "user": "u", "metadata": {"a": "b"}, "modalities": ["text"], "stream": null}"#)
             .unwrap();

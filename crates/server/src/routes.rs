@@ -32,6 +32,7 @@ use crate::openai::{
 };
 use crate::redact::Redacted;
 use crate::tenants::Tenant;
+use crate::tools::{Call, StreamSplit, Tools};
 
 /// Which OpenAI endpoint a request came through; decides the body shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,6 +195,8 @@ struct ChoiceRequest {
 /// choice order (prompt by prompt).
 struct Prepared {
     choices: Vec<ChoiceRequest>,
+    /// The functions the model may call (chat).
+    tools: Option<Arc<Tools>>,
     n: usize,
     stream: bool,
     include_usage: bool,
@@ -468,6 +471,7 @@ async fn handle(
         tenant,
         endpoint,
         choices,
+        tools: prepared.tools,
         n: prepared.n,
         logprobs: prepared.logprobs,
         _permit: permit,
@@ -575,9 +579,11 @@ fn prepare(
     let params: CommonParams = typed(&object)?;
     let n = params.n()?;
     // Prompts, with the text `echo` puts before each completion.
+    let mut tools = None;
     let (prompts, logprobs): (Vec<Prompt>, Option<usize>) = match endpoint {
         Endpoint::Chat => {
             let chat: ChatFields = typed(&object)?;
+            tools = chat.tools()?;
             let template = state.model.chat_template.as_ref().ok_or_else(|| {
                 ApiError::invalid(
                     "messages",
@@ -587,7 +593,11 @@ fn prepare(
             // The template's markers become control tokens; what the
             // messages say never does (I9).
             let ids = template
-                .encode(&state.model.tokenizer, &chat.messages()?, true)
+                .encode(
+                    &state.model.tokenizer,
+                    &chat.messages(tools.as_ref())?,
+                    true,
+                )
                 .map_err(|e| match e {
                     kvfence_model::ModelError::Tokenizer { .. } => {
                         ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string())
@@ -660,7 +670,16 @@ fn prepare(
             ),
         ));
     }
-    let constraint = params.grammar()?;
+    let constraint = match (&tools, params.grammar()?) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "response_format",
+                "response_format cannot be combined with tools; a required or named tool_choice constrains the arguments to the function's schema",
+            ));
+        }
+        (Some(tools), None) => tools.grammar(),
+        (None, grammar) => grammar,
+    };
     if let Some(grammar) = &constraint {
         // Compiled here once so a bad grammar is a 400 before any work,
         // not a failure on a worker.
@@ -741,6 +760,7 @@ fn prepare(
     }
     Ok(Prepared {
         choices,
+        tools: tools.map(Arc::new),
         n,
         stream: params.stream(),
         include_usage: params.include_usage(),
@@ -777,6 +797,8 @@ struct Choice {
     /// begins (completions' `text_offset`).
     sent_chars: usize,
     finish: Option<(FinishReason, Usage)>,
+    /// With tools: text streams until a call begins.
+    split: StreamSplit,
 }
 
 impl Choice {
@@ -795,6 +817,7 @@ impl Choice {
             logprobs: Vec::new(),
             sent_chars: 0,
             finish: None,
+            split: StreamSplit::default(),
         }
     }
 }
@@ -806,6 +829,8 @@ struct Reply {
     tenant: Arc<Tenant>,
     endpoint: Endpoint,
     choices: Vec<Choice>,
+    /// The functions the model may call: answers are parsed for calls.
+    tools: Option<Arc<Tools>>,
     /// Choices per prompt.
     n: usize,
     logprobs: bool,
@@ -965,12 +990,14 @@ impl Reply {
                 let logprobs = self.take_logprobs(i);
                 let choice = &self.choices[i];
                 let text = format!("{prefix}{}", choice.text);
-                self.endpoint.choice(
-                    choice.index,
-                    &text,
-                    logprobs,
-                    choice.finish.map(|(reason, _)| reason),
-                )
+                let finish = choice.finish.map(|(reason, _)| reason);
+                match &self.tools {
+                    Some(tools) => {
+                        let (content, calls) = tools.parse(&text);
+                        tool_choice_json(choice.index, &content, &calls, logprobs, finish)
+                    }
+                    None => self.endpoint.choice(choice.index, &text, logprobs, finish),
+                }
             })
             .collect();
         let body = json!({
@@ -1008,39 +1035,104 @@ impl Reply {
     }
 
     /// The chunk that streams choice `i`'s new text (and log-probabilities),
-    /// or `None` while it has nothing to show yet.
-    fn text_chunk(&mut self, i: usize) -> Option<SseEvent> {
+    /// if it has any to show yet.
+    fn text_chunk(&mut self, i: usize) -> Vec<SseEvent> {
         let choice = &mut self.choices[i];
-        if choice.text.is_empty() {
-            // Held back (an incomplete character, a possible stop string):
-            // its log-probabilities go with the text when it comes.
-            return None;
+        let mut text = std::mem::take(&mut choice.text);
+        if self.tools.is_some() {
+            text = choice.split.push(&text);
         }
-        let text = std::mem::take(&mut choice.text);
+        if text.is_empty() {
+            // Held back (an incomplete character, a possible stop string or
+            // tool call): its log-probabilities go with the text when it comes.
+            return Vec::new();
+        }
         let logprobs = self.take_logprobs(i);
         let choice = &mut self.choices[i];
         choice.sent_chars += text.chars().count();
         let delta = self
             .endpoint
             .delta(choice.index, Some(&text), false, logprobs, None);
-        Some(self.chunk(json!([delta]), None))
+        vec![self.chunk(json!([delta]), None)]
     }
 
-    /// The chunk that ends choice `i`: any text and log-probabilities
-    /// left, and its finish reason.
-    fn finish_chunk(&mut self, i: usize) -> SseEvent {
-        let text = std::mem::take(&mut self.choices[i].text);
-        let logprobs = self
-            .take_logprobs(i)
-            .filter(|_| text.is_empty() || self.logprobs);
+    /// The chunks that end choice `i`: any text and log-probabilities left,
+    /// the calls it made (a header with each call's id and name, then its
+    /// arguments), and its finish reason.
+    fn finish_chunk(&mut self, i: usize) -> Vec<SseEvent> {
+        let mut text = std::mem::take(&mut self.choices[i].text);
+        let mut calls = Vec::new();
+        if let Some(tools) = &self.tools {
+            let choice = &mut self.choices[i];
+            let mut held = choice.split.push(&text);
+            held.push_str(&choice.split.finish());
+            (text, calls) = tools.parse(&held);
+        }
+        let logprobs = self.take_logprobs(i);
         let choice = &self.choices[i];
+        let index = choice.index;
         let reason = choice.finish.map(|(reason, _)| reason);
-        let text = (!text.is_empty()).then_some(text);
-        let delta = self
-            .endpoint
-            .delta(choice.index, text.as_deref(), false, logprobs, reason);
-        self.chunk(json!([delta]), None)
+        let mut events = Vec::new();
+        if calls.is_empty() {
+            let text = (!text.is_empty()).then_some(text);
+            let delta = self
+                .endpoint
+                .delta(index, text.as_deref(), false, logprobs, reason);
+            events.push(self.chunk(json!([delta]), None));
+            return events;
+        }
+        if !text.is_empty() {
+            let delta = self.endpoint.delta(index, Some(&text), false, None, None);
+            events.push(self.chunk(json!([delta]), None));
+        }
+        let header: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(k, call)| {
+                json!({"index": k, "id": call.id, "type": "function",
+                       "function": {"name": call.name, "arguments": ""}})
+            })
+            .collect();
+        let arguments: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(k, call)| json!({"index": k, "function": {"arguments": call.arguments}}))
+            .collect();
+        for (tool_calls, logprobs) in [(header, None), (arguments, logprobs)] {
+            let delta = json!({"index": index, "delta": {"tool_calls": tool_calls},
+                               "logprobs": logprobs, "finish_reason": null});
+            events.push(self.chunk(json!([delta]), None));
+        }
+        let end =
+            json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": "tool_calls"});
+        events.push(self.chunk(json!([end]), None));
+        events
     }
+}
+
+/// A chat choice whose answer may hold tool calls: `content` is the text
+/// before them (null if none), and a call makes the finish `tool_calls`.
+fn tool_choice_json(
+    index: usize,
+    content: &str,
+    calls: &[Call],
+    logprobs: Option<Value>,
+    finish: Option<FinishReason>,
+) -> Value {
+    if calls.is_empty() {
+        return Endpoint::Chat.choice(index, content, logprobs, finish);
+    }
+    json!({
+        "index": index,
+        "message": {
+            "role": "assistant",
+            "content": (!content.is_empty()).then_some(content),
+            "refusal": null,
+            "tool_calls": calls.iter().map(Call::json).collect::<Vec<_>>(),
+        },
+        "logprobs": logprobs,
+        "finish_reason": "tool_calls",
+    })
 }
 
 enum Phase {
@@ -1074,14 +1166,14 @@ fn stream_events(
                     };
                     match delta {
                         Some(delta) => {
-                            (Some(reply.chunk(json!([delta]), None)), Phase::Start(i + 1))
+                            (vec![reply.chunk(json!([delta]), None)], Phase::Start(i + 1))
                         }
-                        None => (None, Phase::Start(i + 1)),
+                        None => (Vec::new(), Phase::Start(i + 1)),
                     }
                 }
                 Phase::Start(_) | Phase::Running => match reply.step().await {
                     Step::Token(i) => (reply.text_chunk(i), Phase::Running),
-                    Step::Finished(i) => (Some(reply.finish_chunk(i)), Phase::Running),
+                    Step::Finished(i) => (reply.finish_chunk(i), Phase::Running),
                     Step::AllDone => {
                         let usage = reply.usage();
                         reply.log_end(200, Some(usage));
@@ -1090,23 +1182,23 @@ fn stream_events(
                         } else {
                             Phase::Done
                         };
-                        (None, next)
+                        (Vec::new(), next)
                     }
                     Step::Failed(error) => {
                         reply.log_end(200, None);
                         // An error event, and no normal finish (I5, I7).
                         (
-                            Some(SseEvent::default().data(error.body().to_string())),
+                            vec![SseEvent::default().data(error.body().to_string())],
                             Phase::End,
                         )
                     }
                 },
-                Phase::Usage(usage) => (Some(reply.chunk(json!([]), Some(usage))), Phase::Done),
-                Phase::Done => (Some(SseEvent::default().data("[DONE]")), Phase::End),
+                Phase::Usage(usage) => (vec![reply.chunk(json!([]), Some(usage))], Phase::Done),
+                Phase::Done => (vec![SseEvent::default().data("[DONE]")], Phase::End),
                 Phase::End => return None,
             };
-            Some((next.0.map(Ok), (reply, next.1)))
+            Some((next.0, (reply, next.1)))
         },
     )
-    .filter_map(|event| async move { event })
+    .flat_map(|events| stream::iter(events.into_iter().map(Ok)))
 }

@@ -40,11 +40,12 @@ async fn no_field_is_dropped_in_silence() {
     let url = server.url("/v1/chat/completions");
     for (patch, param) in [
         (json!({"frobnicate": true}), "frobnicate"),
-        (
-            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
-            "tools",
-        ),
+        (json!({"functions": [{"name": "f"}]}), "functions"),
         (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "has space"}}]}),
+            "tools[0].function.name",
+        ),
         (
             json!({"response_format": {"type": "bogus"}}),
             "response_format.type",
@@ -429,4 +430,138 @@ async fn penalties_and_logit_bias_change_the_output() {
     assert_eq!(greedy.as_array().unwrap().len(), 1, "{greedy}");
     let moved = first(json!({"logit_bias": {token.to_string(): -100}})).await;
     assert_ne!(moved, greedy);
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "additionalProperties": false,
+                "properties": {"city": {"type": "string", "maxLength": 12},
+                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"]}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+    ])
+}
+
+/// The arguments of a weather call, checked against its schema.
+fn check_weather(arguments: &str) {
+    let arguments: Value =
+        serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{arguments:?}: {e}"));
+    assert!(
+        arguments["city"]
+            .as_str()
+            .is_some_and(|c| c.chars().count() <= 12),
+        "{arguments}"
+    );
+    assert!(
+        ["celsius", "fahrenheit"].contains(&arguments["unit"].as_str().unwrap()),
+        "{arguments}"
+    );
+    assert_eq!(arguments.as_object().unwrap().len(), 2, "{arguments}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tools_are_called_as_required_named_and_streamed_in_every_mode() {
+    for mode in modes() {
+        let server = Server::start(mode);
+        let url = server.url("/v1/chat/completions");
+        let ask = |choice: Value| {
+            with(
+                chat("weather in Paris?", 300),
+                json!({"tools": weather_tools(), "tool_choice": choice, "temperature": 0.8, "seed": 2}),
+            )
+        };
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        for choice in [json!("required"), named.clone()] {
+            let (status, answer) = post(&url, None, ask(choice.clone())).await;
+            assert_eq!(status, 200, "{answer}");
+            let reply = &answer["choices"][0];
+            assert_eq!(reply["finish_reason"], "tool_calls", "{choice}: {answer}");
+            let call = &reply["message"]["tool_calls"][0];
+            assert!(call["id"].as_str().unwrap().starts_with("call_"));
+            assert_eq!(call["type"], "function");
+            let name = call["function"]["name"].as_str().unwrap();
+            if choice == named || name == "get_weather" {
+                assert_eq!(name, "get_weather");
+                check_weather(call["function"]["arguments"].as_str().unwrap());
+            } else {
+                assert_eq!(name, "get_time");
+            }
+        }
+        // Streamed: a header with the id and name, then the arguments, then
+        // the finish.
+        let (status, data) = sse(&url, None, with(ask(named), json!({"stream": true}))).await;
+        assert_eq!(status, 200);
+        let chunks = chunks(&data);
+        let calls: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0))
+            .collect();
+        assert_eq!(calls.len(), 2, "{data:?}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        assert!(calls[0]["id"].is_string());
+        let arguments: String = calls
+            .iter()
+            .map(|c| c["function"]["arguments"].as_str().unwrap())
+            .collect();
+        check_weather(&arguments);
+        assert_eq!(
+            chunks.last().unwrap()["choices"][0]["finish_reason"],
+            "tool_calls"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tools_and_earlier_calls_reach_the_prompt() {
+    let server = Server::start(&[]);
+    let url = server.url("/v1/chat/completions");
+    let prompt_tokens = |body: Value| {
+        let url = url.clone();
+        async move {
+            let (status, answer) = post(&url, None, body).await;
+            assert_eq!(status, 200, "{answer}");
+            answer["usage"]["prompt_tokens"].as_u64().unwrap()
+        }
+    };
+    let plain = prompt_tokens(chat("weather in Paris?", 2)).await;
+    let described = prompt_tokens(with(
+        chat("weather in Paris?", 2),
+        json!({"tools": weather_tools()}),
+    ))
+    .await;
+    assert!(
+        described > plain + 50,
+        "the tools are described: {described} vs {plain}"
+    );
+    let none = prompt_tokens(with(
+        chat("weather in Paris?", 2),
+        json!({"tools": weather_tools(), "tool_choice": "none"}),
+    ))
+    .await;
+    assert_eq!(none, plain, "tool_choice none describes nothing");
+    // A round trip: the call, its result, and the question again.
+    let round_trip = |with_call: bool| {
+        let mut messages = vec![json!({"role": "user", "content": "weather in Paris?"})];
+        if with_call {
+            messages.push(json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]}));
+            messages.push(
+                json!({"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}),
+            );
+        }
+        json!({"model": "builtin:tiny", "messages": messages, "max_tokens": 2, "tools": weather_tools()})
+    };
+    let before = prompt_tokens(round_trip(false)).await;
+    let after = prompt_tokens(round_trip(true)).await;
+    // The rendered call and the result are both in the prompt.
+    let call_and_result = r#"<tool_call>
+{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}
+</tool_call>21 degrees, sunny"#;
+    assert!(
+        after >= before + call_and_result.len() as u64,
+        "{after} vs {before}"
+    );
 }

@@ -46,10 +46,93 @@ async fn smollm2_answers_and_disaggregated_equals_colocated() {
     assert!(expected[0].contains("Paris"), "answer: {:?}", expected[0]);
     let models = colocated.get_json("/v1/models").await;
     assert_eq!(models["data"][0]["id"], "smollm2");
+    structured_outputs_validate(&colocated).await;
     drop(colocated);
     let disaggregated = Server::start(&[&args[..], &["--handoff", "tcp"]].concat());
     assert_eq!(answers(&disaggregated).await, expected);
     disaggregated.wait_for_baseline().await;
+}
+
+/// The real model under JSON schemas (one in Pydantic's shape, with
+/// `$defs` and `$ref`), greedy and sampled: every answer parses, fits its
+/// schema and ends because the JSON is complete.
+async fn structured_outputs_validate(server: &Server) {
+    let url = server.url("/v1/chat/completions");
+    let city = json!({
+        "$defs": {"City": {"type": "object", "title": "City",
+            "properties": {"name": {"type": "string", "maxLength": 24},
+                           "population": {"type": "integer", "minimum": 0, "maximum": 100000000}},
+            "required": ["name", "population"]}},
+        "type": "object", "title": "Answer",
+        "properties": {"country": {"type": "string", "maxLength": 24}, "capital": {"$ref": "#/$defs/City"}},
+        "required": ["country", "capital"],
+    });
+    let verdict = json!({
+        "type": "object", "additionalProperties": false,
+        "properties": {"answer": {"enum": ["yes", "no"]},
+                       "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["answer", "confidence"],
+    });
+    let colours = json!({"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 3, "maxItems": 3});
+    let cases = [
+        ("What is the capital of France? Answer in JSON.", city),
+        ("Is the sea salty? Answer in JSON.", verdict),
+        ("Name three colours as a JSON list.", colours),
+    ];
+    let jobs = cases.iter().flat_map(|(question, schema)| {
+        [0.0, 0.9].map(|temperature| {
+            let url = url.clone();
+            let body = json!({
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": 96,
+                "temperature": temperature,
+                "seed": 7,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            });
+            async move {
+                let (status, answer) = post(&url, None, body).await;
+                assert_eq!(status, 200, "{answer}");
+                assert_eq!(answer["choices"][0]["finish_reason"], "stop", "{answer}");
+                let text = answer["choices"][0]["message"]["content"].as_str().unwrap();
+                serde_json::from_str::<serde_json::Value>(text)
+                    .unwrap_or_else(|e| panic!("{text:?}: {e}"))
+            }
+        })
+    });
+    let values = futures_util::future::join_all(jobs).await;
+    for capital in &values[0..2] {
+        assert!(capital["country"].is_string(), "{capital}");
+        assert!(capital["capital"]["name"].is_string(), "{capital}");
+        assert!(
+            capital["capital"]["population"]
+                .as_u64()
+                .is_some_and(|p| p <= 100_000_000),
+            "{capital}"
+        );
+    }
+    for verdict in &values[2..4] {
+        assert!(
+            ["yes", "no"].contains(&verdict["answer"].as_str().unwrap()),
+            "{verdict}"
+        );
+        assert!(
+            verdict["confidence"]
+                .as_f64()
+                .is_some_and(|c| (0.0..=1.0).contains(&c)),
+            "{verdict}"
+        );
+        assert_eq!(verdict.as_object().unwrap().len(), 2, "{verdict}");
+    }
+    for colours in &values[4..6] {
+        let list = colours.as_array().unwrap();
+        assert_eq!(list.len(), 3, "{colours}");
+        assert!(
+            list.iter()
+                .all(|c| c.as_str().is_some_and(|c| c.chars().count() <= 12)),
+            "{colours}"
+        );
+    }
 }
 
 /// No pip on the PATH and an empty model cache: the machine is offline.

@@ -1,0 +1,490 @@
+//! Tool calling: a request's `tools` and `tool_choice`, how they reach the
+//! model, and how its answer becomes `message.tool_calls`.
+//!
+//! The tools are described to the model in a system message (so their
+//! text, like every message's, can never become a control token, I9), in
+//! one fixed format: a call is `<tool_call>`, a line of JSON
+//! `{"name": ..., "arguments": {...}}`, and `</tool_call>`. Earlier calls
+//! in the conversation are rendered back in that format, so the model sees
+//! its own past calls the way it is asked to make new ones.
+//!
+//! With `tool_choice` `required` or a named function the answer is
+//! constrained by a grammar to exactly one such call whose arguments match
+//! the function's `parameters` schema; with `auto` the model may answer in
+//! text, and a call it writes is taken only if it names a known function
+//! and its arguments are a JSON object.
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::openai::RedactedJson;
+use crate::redact::Redacted;
+
+const OPEN: &str = "<tool_call>";
+const CLOSE: &str = "</tool_call>";
+
+/// Most tools one request may describe.
+pub const MAX_TOOLS: usize = 128;
+
+/// One entry of `tools`.
+#[derive(Debug, Deserialize)]
+pub struct ToolIn {
+    /// Only `function`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The function.
+    pub function: FunctionIn,
+}
+
+/// A function the model may call.
+#[derive(Debug, Deserialize)]
+pub struct FunctionIn {
+    /// `[A-Za-z0-9_-]{1,64}`.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: Option<Redacted>,
+    /// A JSON schema of its arguments (an object); absent means none.
+    pub parameters: Option<RedactedJson>,
+}
+
+/// `tool_choice`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ToolChoiceIn {
+    /// `none`, `auto` or `required`.
+    Mode(String),
+    /// `{"type": "function", "function": {"name": ...}}`.
+    Named {
+        /// Only `function`.
+        #[serde(rename = "type")]
+        kind: String,
+        /// Which.
+        function: NamedFunction,
+    },
+}
+
+/// The function `tool_choice` names.
+#[derive(Debug, Deserialize)]
+pub struct NamedFunction {
+    /// Its name.
+    pub name: String,
+}
+
+/// A call in an earlier assistant message. Its `id` and `type` are
+/// metadata: the model sees calls, and their results, in order.
+#[derive(Debug, Deserialize)]
+pub struct ToolCallIn {
+    /// What was called.
+    pub function: CalledFunction,
+}
+
+/// The function and arguments of an earlier call.
+#[derive(Debug, Deserialize)]
+pub struct CalledFunction {
+    /// Its name.
+    pub name: String,
+    /// Its arguments, a JSON string.
+    pub arguments: Redacted,
+}
+
+/// How the model must use the tools.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// It may call one or answer in text.
+    Auto,
+    /// It must call one.
+    Required,
+    /// It must call this one.
+    Named(String),
+}
+
+/// A function as kvfence holds it.
+#[derive(Debug, Clone)]
+struct Tool {
+    name: String,
+    description: String,
+    parameters: Value,
+}
+
+/// A request's tools and how they must be used.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    tools: Vec<Tool>,
+    choice: ToolChoice,
+}
+
+/// A call the model made.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Call {
+    /// `call_` and 24 hex digits.
+    pub id: String,
+    /// The function.
+    pub name: String,
+    /// Its arguments, a JSON object as a string.
+    pub arguments: String,
+}
+
+impl Call {
+    /// The call as `message.tool_calls[i]`.
+    pub fn json(&self) -> Value {
+        json!({
+            "id": self.id,
+            "type": "function",
+            "function": { "name": self.name, "arguments": self.arguments },
+        })
+    }
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+impl Tools {
+    /// The tools of a request, or `None` when it has none or
+    /// `tool_choice` is `none`.
+    pub fn from_request(
+        tools: Option<&[ToolIn]>,
+        choice: Option<&ToolChoiceIn>,
+    ) -> Result<Option<Tools>, ApiError> {
+        let tools = tools.unwrap_or_default();
+        let choice = match choice {
+            None => ToolChoice::Auto,
+            Some(ToolChoiceIn::Mode(mode)) => match mode.as_str() {
+                "none" => return Ok(None),
+                "auto" => ToolChoice::Auto,
+                "required" => ToolChoice::Required,
+                _ => {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        "tool_choice must be none, auto, required or a named function",
+                    ));
+                }
+            },
+            Some(ToolChoiceIn::Named { kind, function }) => {
+                if kind != "function" {
+                    return Err(ApiError::invalid(
+                        "tool_choice.type",
+                        "tool_choice.type must be function",
+                    ));
+                }
+                ToolChoice::Named(function.name.clone())
+            }
+        };
+        if tools.is_empty() {
+            return match choice {
+                ToolChoice::Auto => Ok(None),
+                _ => Err(ApiError::invalid(
+                    "tool_choice",
+                    "tool_choice asks for a call, but no tools are given",
+                )),
+            };
+        }
+        if tools.len() > MAX_TOOLS {
+            return Err(ApiError::invalid(
+                "tools",
+                format!("at most {MAX_TOOLS} tools per request"),
+            ));
+        }
+        let mut held = Vec::with_capacity(tools.len());
+        for (i, tool) in tools.iter().enumerate() {
+            if tool.kind != "function" {
+                return Err(ApiError::invalid(
+                    &format!("tools[{i}].type"),
+                    "only function tools are supported",
+                ));
+            }
+            let function = &tool.function;
+            if !valid_name(&function.name) {
+                return Err(ApiError::invalid(
+                    &format!("tools[{i}].function.name"),
+                    "a function name is 1 to 64 letters, digits, underscores or dashes",
+                ));
+            }
+            if held.iter().any(|t: &Tool| t.name == function.name) {
+                return Err(ApiError::invalid(
+                    &format!("tools[{i}].function.name"),
+                    "two tools have the same name",
+                ));
+            }
+            let parameters = match &function.parameters {
+                None => json!({ "type": "object", "properties": {} }),
+                Some(RedactedJson(schema)) if schema.is_object() => schema.clone(),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        &format!("tools[{i}].function.parameters"),
+                        "parameters must be a JSON schema object",
+                    ));
+                }
+            };
+            held.push(Tool {
+                name: function.name.clone(),
+                description: function
+                    .description
+                    .as_ref()
+                    .map(|d| d.expose().to_string())
+                    .unwrap_or_default(),
+                parameters,
+            });
+        }
+        if let ToolChoice::Named(name) = &choice
+            && !held.iter().any(|t| &t.name == name)
+        {
+            return Err(ApiError::invalid(
+                "tool_choice.function.name",
+                "tool_choice names a function that is not in tools",
+            ));
+        }
+        Ok(Some(Tools {
+            tools: held,
+            choice,
+        }))
+    }
+
+    /// The system-message text that describes the tools to the model.
+    pub fn instruction(&self) -> String {
+        let mut text = String::from(
+            "You can call functions. To call one, answer with exactly\n<tool_call>\n{\"name\": \"<function name>\", \"arguments\": <the arguments as a JSON object>}\n</tool_call>\nand nothing else. The functions:\n",
+        );
+        for tool in &self.tools {
+            let line = json!({
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": tool.parameters,
+            });
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
+        match &self.choice {
+            ToolChoice::Auto => {
+                text.push_str("If no function helps, answer in plain text.");
+            }
+            ToolChoice::Required => text.push_str("You must call one of them."),
+            ToolChoice::Named(name) => {
+                text.push_str(&format!("You must call {name}."));
+            }
+        }
+        text
+    }
+
+    /// The grammar a `required` or named choice constrains the answer to:
+    /// one call of an allowed function, with arguments valid against its
+    /// schema. `None` for `auto`.
+    pub fn grammar(&self) -> Option<kvfence_model::Grammar> {
+        let allowed: Vec<&Tool> = match &self.choice {
+            ToolChoice::Auto => return None,
+            ToolChoice::Required => self.tools.iter().collect(),
+            ToolChoice::Named(name) => self.tools.iter().filter(|t| &t.name == name).collect(),
+        };
+        let calls: Vec<Value> = allowed
+            .iter()
+            .map(|t| {
+                json!({
+                    "type": "object",
+                    "properties": { "name": { "const": t.name }, "arguments": t.parameters },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": false,
+                })
+            })
+            .collect();
+        let schema = json!({
+            "anyOf": calls,
+            "x-guidance": {
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            },
+        });
+        Some(kvfence_model::Grammar::Lark(format!(
+            "start: \"{OPEN}\\n\" call \"\\n{CLOSE}\"\ncall: %json {schema}\n"
+        )))
+    }
+
+    /// The calls in a finished answer, and the text before the first; no
+    /// calls if it holds none this request's tools allow.
+    pub fn parse(&self, text: &str) -> (String, Vec<Call>) {
+        let Some(first) = text.find(OPEN) else {
+            return (text.to_string(), Vec::new());
+        };
+        let mut calls = Vec::new();
+        let mut rest = &text[first..];
+        while let Some(start) = rest.find(OPEN) {
+            let body = &rest[start + OPEN.len()..];
+            let (json_text, after) = match body.find(CLOSE) {
+                Some(end) => (&body[..end], &body[end + CLOSE.len()..]),
+                None => (body, ""),
+            };
+            let Ok(value) = serde_json::from_str::<Value>(json_text.trim()) else {
+                return (text.to_string(), Vec::new());
+            };
+            let (Some(name), Some(arguments)) = (
+                value["name"].as_str(),
+                value.get("arguments").filter(|a| a.is_object()),
+            ) else {
+                return (text.to_string(), Vec::new());
+            };
+            if !self.tools.iter().any(|t| t.name == name) {
+                return (text.to_string(), Vec::new());
+            }
+            calls.push(Call {
+                id: format!("call_{:024x}", rand::random::<u128>() >> 32),
+                name: name.to_string(),
+                arguments: arguments.to_string(),
+            });
+            rest = after;
+        }
+        (text[..first].trim_end().to_string(), calls)
+    }
+}
+
+/// An earlier assistant turn's calls, rendered as the model is asked to
+/// write them.
+pub fn render_calls(calls: &[ToolCallIn]) -> String {
+    calls
+        .iter()
+        .map(|call| {
+            let arguments: Value = serde_json::from_str(call.function.arguments.expose())
+                .unwrap_or_else(|_| Value::String(call.function.arguments.expose().to_string()));
+            let line = json!({ "name": call.function.name, "arguments": arguments });
+            format!("{OPEN}\n{line}\n{CLOSE}")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Splits a streamed answer into text that can go out now and a call that
+/// is being written: text is held back only while it could still be the
+/// start of `<tool_call>`.
+#[derive(Debug, Default)]
+pub struct StreamSplit {
+    held: String,
+    /// A call has begun: everything from it on waits for the end.
+    in_call: bool,
+}
+
+impl StreamSplit {
+    /// Takes new text; returns the text that is surely not part of a call.
+    pub fn push(&mut self, text: &str) -> String {
+        self.held.push_str(text);
+        if self.in_call {
+            return String::new();
+        }
+        if let Some(at) = self.held.find(OPEN) {
+            self.in_call = true;
+            let before = self.held[..at].to_string();
+            self.held.drain(..at);
+            return before;
+        }
+        // Keep the longest end of the text that begins `<tool_call>`.
+        let keep = (1..OPEN.len().min(self.held.len() + 1))
+            .rev()
+            .find(|&n| {
+                self.held.is_char_boundary(self.held.len() - n)
+                    && OPEN.starts_with(&self.held[self.held.len() - n..])
+            })
+            .unwrap_or(0);
+        let out = self.held[..self.held.len() - keep].to_string();
+        self.held.drain(..self.held.len() - keep);
+        out
+    }
+
+    /// At the end: what was held back.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tools(choice: Option<ToolChoiceIn>) -> Option<Tools> {
+        let list: Vec<ToolIn> = serde_json::from_value(json!([
+            {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+            {"type": "function", "function": {"name": "now"}},
+        ]))
+        .unwrap();
+        Tools::from_request(Some(&list), choice.as_ref()).unwrap()
+    }
+
+    #[test]
+    fn calls_are_parsed_only_for_known_functions_with_object_arguments() {
+        let t = tools(None).unwrap();
+        let (content, calls) = t.parse(
+            "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+        );
+        assert_eq!(content, "Let me check.");
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].name, "get_weather");
+        assert_eq!(calls[0].arguments, r#"{"city":"Paris"}"#);
+        assert!(calls[0].id.starts_with("call_"));
+        for text in [
+            "<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tool_call>",
+            "<tool_call>\n{\"name\": \"now\", \"arguments\": \"x\"}\n</tool_call>",
+            "<tool_call> not json",
+            "plain answer",
+        ] {
+            assert!(t.parse(text).1.is_empty(), "{text}");
+            assert_eq!(t.parse(text).0, text);
+        }
+    }
+
+    #[test]
+    fn a_choice_of_none_or_no_tools_means_no_tools_and_a_bad_name_is_refused() {
+        assert!(tools(Some(ToolChoiceIn::Mode("none".into()))).is_none());
+        assert!(Tools::from_request(None, None).unwrap().is_none());
+        let named = ToolChoiceIn::Named {
+            kind: "function".into(),
+            function: NamedFunction {
+                name: "missing".into(),
+            },
+        };
+        let list: Vec<ToolIn> =
+            serde_json::from_value(json!([{"type": "function", "function": {"name": "now"}}]))
+                .unwrap();
+        let error = Tools::from_request(Some(&list), Some(&named)).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("tool_choice.function.name"));
+        let bad: Vec<ToolIn> = serde_json::from_value(
+            json!([{"type": "function", "function": {"name": "has space"}}]),
+        )
+        .unwrap();
+        assert!(Tools::from_request(Some(&bad), None).is_err());
+    }
+
+    #[test]
+    fn required_and_named_choices_compile_to_a_grammar_auto_does_not() {
+        assert!(tools(None).unwrap().grammar().is_none());
+        let tokenizer = kvfence_model::Tokenizer::byte_level(260).unwrap();
+        let grammars = kvfence_model::Grammars::new(&tokenizer, 260, &[256]).unwrap();
+        for choice in [
+            ToolChoiceIn::Mode("required".into()),
+            ToolChoiceIn::Named {
+                kind: "function".into(),
+                function: NamedFunction {
+                    name: "get_weather".into(),
+                },
+            },
+        ] {
+            let grammar = tools(Some(choice)).unwrap().grammar().unwrap();
+            let mut constraint = grammars.compile(&grammar).unwrap();
+            let mask = constraint.mask().unwrap();
+            assert!(mask.allows(u32::from(b'<')));
+            assert!(!mask.allows(u32::from(b'x')));
+        }
+    }
+
+    #[test]
+    fn streamed_text_is_held_only_while_it_could_begin_a_call() {
+        let mut split = StreamSplit::default();
+        assert_eq!(split.push("Hello <"), "Hello ");
+        assert_eq!(split.push("b>"), "<b>");
+        assert_eq!(split.push(" <tool"), " ");
+        assert_eq!(split.push("_call>\n{"), "");
+        assert_eq!(split.push("}"), "");
+        assert_eq!(split.finish(), "<tool_call>\n{}");
+    }
+}
