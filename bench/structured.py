@@ -50,12 +50,15 @@ def post(base_url, body):
     return answer, time.perf_counter() - started
 
 
+TEMPERATURE = 0.7
+
+
 def body(model, schema, max_tokens, seed):
     payload = {
         "model": model,
         "messages": [{"role": "user", "content": QUESTION}],
         "max_tokens": max_tokens,
-        "temperature": 0.7,
+        "temperature": TEMPERATURE,
         "seed": seed,
     }
     if schema:
@@ -100,7 +103,10 @@ def main():
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--temperature", type=float, default=0.7)
     args = parser.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     results = {}
     for concurrency in args.concurrency:
         on, off, counts = [], [], []

@@ -15,6 +15,7 @@ mod fleet;
 mod front_door;
 mod links;
 mod multiprocess;
+mod openai_client;
 mod prefix_cache;
 mod serve;
 mod smollm2;

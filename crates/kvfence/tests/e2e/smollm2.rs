@@ -59,11 +59,11 @@ async fn smollm2_answers_and_disaggregated_equals_colocated() {
 async fn structured_outputs_validate(server: &Server) {
     let url = server.url("/v1/chat/completions");
     let city = json!({
-        "$defs": {"City": {"type": "object", "title": "City",
+        "$defs": {"City": {"type": "object", "title": "City", "additionalProperties": false,
             "properties": {"name": {"type": "string", "maxLength": 24},
                            "population": {"type": "integer", "minimum": 0, "maximum": 100000000}},
             "required": ["name", "population"]}},
-        "type": "object", "title": "Answer",
+        "type": "object", "title": "Answer", "additionalProperties": false,
         "properties": {"country": {"type": "string", "maxLength": 24}, "capital": {"$ref": "#/$defs/City"}},
         "required": ["country", "capital"],
     });

@@ -1,0 +1,77 @@
+//! The official `openai` Python package, as agent frameworks and chat UIs
+//! use it, against real servers: tools (`auto`, `required`, named,
+//! streamed, a round trip), `chat.completions.parse` with a Pydantic model,
+//! `json_object`, logprobs, `n`, penalties, `models.retrieve` and the error
+//! envelope, colocated and disaggregated. The client is installed into a
+//! virtual environment of its own, at the versions
+//! `tests/openai/requirements.txt` pins, the first time this runs.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::common::Server;
+
+/// The virtual environment's Python, made (or remade, when the pinned
+/// versions change) with `python3 -m venv` and `pip install`.
+fn python() -> PathBuf {
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let requirements = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/requirements.txt");
+    let stamp = venv.join("installed-requirements.txt");
+    let python = venv.join("bin").join("python");
+    let wanted =
+        std::fs::read(&requirements).expect("the pinned requirements are in the repository");
+    if std::fs::read(&stamp).ok().as_ref() != Some(&wanted) {
+        let made = Command::new("python3")
+            .args(["-m", "venv", "--clear"])
+            .arg(&venv)
+            .status()
+            .expect("python3 runs");
+        assert!(made.success(), "python3 -m venv failed");
+        let installed = Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "-r",
+            ])
+            .arg(&requirements)
+            .status()
+            .expect("pip runs");
+        assert!(
+            installed.success(),
+            "pip could not install the pinned openai client"
+        );
+        std::fs::write(&stamp, &wanted).unwrap();
+    }
+    python
+}
+
+#[test]
+fn the_official_python_client_works() {
+    let python = python();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/client_suite.py");
+    for mode in [
+        &[][..],
+        &["--mode", "disaggregated", "--handoff", "tcp"][..],
+    ] {
+        let server = Server::start(mode);
+        let out = Command::new(&python)
+            .arg(&script)
+            .env("KVFENCE_BASE_URL", &server.base)
+            .env("KVFENCE_MODEL", "builtin:tiny")
+            .output()
+            .expect("the suite runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{mode:?}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let passed: Vec<String> = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(passed.len(), 11, "{passed:?}");
+    }
+}
