@@ -111,6 +111,19 @@ fn wait_for_baseline(engine: &Engine) {
     }
 }
 
+/// A disaggregated engine with pools roomy enough for every scenario,
+/// newest-freed pages reused first and freed pages poisoned.
+fn roomy_disaggregated(model: &Arc<LoadedModel>, transport: &Transport) -> Engine {
+    Engine::start_disaggregated(
+        Arc::clone(model),
+        pool(model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        pool(model, 8192, Scrub::Poison, ReusePolicy::NewestFreedFirst),
+        config(),
+        transport,
+    )
+    .unwrap()
+}
+
 #[test]
 fn sixty_four_concurrent_requests_equal_colocated_bit_for_bit() {
     for transport in transports() {
@@ -126,14 +139,7 @@ fn sixty_four_concurrent_requests_equal_colocated_bit_for_bit_over(transport: &T
         pool(&model, 8192, Scrub::Poison, ReusePolicy::OldestFreedFirst),
         config(),
     );
-    let disaggregated = Engine::start_disaggregated(
-        Arc::clone(&model),
-        pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
-        pool(&model, 8192, Scrub::Poison, ReusePolicy::NewestFreedFirst),
-        config(),
-        &transport,
-    )
-    .unwrap();
+    let disaggregated = roomy_disaggregated(&model, &transport);
     assert_eq!(disaggregated.role(), Role::Decode);
     // Greedy and sampled: the sampler's draws do not depend on which worker makes them.
     let requests: Vec<GenerationRequest> = (0..64)
@@ -236,14 +242,7 @@ fn constraints_penalties_and_logprobs_equal_colocated_bit_for_bit() {
         }
     }
     for transport in transports() {
-        let disaggregated = Engine::start_disaggregated(
-            Arc::clone(&model),
-            pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),
-            pool(&model, 8192, Scrub::Poison, ReusePolicy::NewestFreedFirst),
-            config(),
-            &transport,
-        )
-        .unwrap();
+        let disaggregated = roomy_disaggregated(&model, &transport);
         assert_eq!(run(&disaggregated), expected, "{transport:?}");
         wait_for_baseline(&disaggregated);
     }

@@ -8,6 +8,7 @@ mod error;
 mod metrics;
 mod openai;
 mod redact;
+mod responses;
 mod routes;
 mod tenants;
 mod tools;
@@ -25,7 +26,7 @@ use tokio::net::TcpListener;
 pub use admission::Capacity;
 pub use error::{ApiError, ErrorType, ServerError};
 pub use metrics::Metrics;
-pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse};
+pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse, SHARED_FIELDS};
 pub use redact::Redacted;
 pub use tenants::{Tenant, Tenants, new_tenant};
 
@@ -188,7 +189,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(routes::models))
         .route("/v1/models/{id}", get(routes::model))
         .route("/v1/chat/completions", post(routes::chat))
-        .route("/v1/completions", post(routes::completions));
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/responses", post(routes::responses));
     if state.metrics_on_api {
         routes = routes.route("/metrics", get(routes::metrics));
     }

@@ -34,39 +34,44 @@ pub enum FieldUse {
     RefusedUnlessNeutral,
 }
 
-/// Every field `/v1/chat/completions` knows. The table in
-/// `docs/api.md` lists the same, with what each does.
-pub const CHAT_FIELDS: &[(&str, FieldUse)] = &[
-    ("messages", FieldUse::Honoured),
+/// The fields every generating endpoint knows (`/v1/chat/completions`,
+/// `/v1/completions`, `/v1/responses`), besides its own.
+pub const SHARED_FIELDS: &[(&str, FieldUse)] = &[
     ("model", FieldUse::Honoured),
-    ("max_tokens", FieldUse::Honoured),
-    ("max_completion_tokens", FieldUse::Honoured),
     ("temperature", FieldUse::Honoured),
     ("top_p", FieldUse::Honoured),
     ("top_k", FieldUse::Honoured),
     ("seed", FieldUse::Honoured),
-    ("stop", FieldUse::Honoured),
     ("stream", FieldUse::Honoured),
-    ("stream_options", FieldUse::Honoured),
-    ("n", FieldUse::Honoured),
     ("presence_penalty", FieldUse::Honoured),
     ("frequency_penalty", FieldUse::Honoured),
     ("repetition_penalty", FieldUse::Honoured),
     ("logit_bias", FieldUse::Honoured),
-    ("logprobs", FieldUse::Honoured),
-    ("top_logprobs", FieldUse::Honoured),
-    ("response_format", FieldUse::Honoured),
     ("ignore_eos", FieldUse::Honoured),
     ("cache_salt", FieldUse::Honoured),
     ("user", FieldUse::Metadata),
     ("metadata", FieldUse::Metadata),
     ("store", FieldUse::Metadata),
+];
+
+/// The fields only `/v1/chat/completions` knows. The tables in
+/// `docs/api.md` list the same, with what each does.
+pub const CHAT_FIELDS: &[(&str, FieldUse)] = &[
+    ("messages", FieldUse::Honoured),
+    ("max_tokens", FieldUse::Honoured),
+    ("max_completion_tokens", FieldUse::Honoured),
+    ("stop", FieldUse::Honoured),
+    ("stream_options", FieldUse::Honoured),
+    ("n", FieldUse::Honoured),
+    ("logprobs", FieldUse::Honoured),
+    ("top_logprobs", FieldUse::Honoured),
+    ("response_format", FieldUse::Honoured),
+    ("tools", FieldUse::Honoured),
+    ("tool_choice", FieldUse::Honoured),
     ("service_tier", FieldUse::Metadata),
     ("safety_identifier", FieldUse::Metadata),
     ("prompt_cache_key", FieldUse::Metadata),
     ("parallel_tool_calls", FieldUse::Metadata),
-    ("tools", FieldUse::Honoured),
-    ("tool_choice", FieldUse::Honoured),
     ("functions", FieldUse::RefusedUnlessNeutral),
     ("function_call", FieldUse::RefusedUnlessNeutral),
     ("modalities", FieldUse::RefusedUnlessNeutral),
@@ -77,32 +82,17 @@ pub const CHAT_FIELDS: &[(&str, FieldUse)] = &[
     ("web_search_options", FieldUse::RefusedUnlessNeutral),
 ];
 
-/// Every field `/v1/completions` knows.
+/// The fields only `/v1/completions` knows.
 pub const COMPLETION_FIELDS: &[(&str, FieldUse)] = &[
     ("prompt", FieldUse::Honoured),
-    ("model", FieldUse::Honoured),
     ("max_tokens", FieldUse::Honoured),
-    ("temperature", FieldUse::Honoured),
-    ("top_p", FieldUse::Honoured),
-    ("top_k", FieldUse::Honoured),
-    ("seed", FieldUse::Honoured),
     ("stop", FieldUse::Honoured),
-    ("stream", FieldUse::Honoured),
     ("stream_options", FieldUse::Honoured),
     ("n", FieldUse::Honoured),
     ("best_of", FieldUse::Honoured),
     ("echo", FieldUse::Honoured),
-    ("presence_penalty", FieldUse::Honoured),
-    ("frequency_penalty", FieldUse::Honoured),
-    ("repetition_penalty", FieldUse::Honoured),
-    ("logit_bias", FieldUse::Honoured),
     ("logprobs", FieldUse::Honoured),
     ("response_format", FieldUse::Honoured),
-    ("ignore_eos", FieldUse::Honoured),
-    ("cache_salt", FieldUse::Honoured),
-    ("user", FieldUse::Metadata),
-    ("metadata", FieldUse::Metadata),
-    ("store", FieldUse::Metadata),
     ("suffix", FieldUse::RefusedUnlessNeutral),
 ];
 
@@ -330,7 +320,11 @@ pub fn parse_object(
         ));
     };
     for (key, value) in &object {
-        match fields.iter().find(|(name, _)| name == key) {
+        let known = SHARED_FIELDS
+            .iter()
+            .chain(fields)
+            .find(|(name, _)| name == key);
+        match known {
             None => {
                 return Err(ApiError::invalid(
                     key_param(key),
@@ -362,11 +356,13 @@ fn key_param(key: &str) -> &str {
 /// Whether a refused field's value asks for nothing.
 fn is_neutral(key: &str, value: &Value) -> bool {
     match value {
-        Value::Null => true,
+        Value::Null | Value::Bool(false) => true,
         Value::Array(items) if items.is_empty() => true,
+        Value::Number(n) => key == "top_logprobs" && n.as_u64() == Some(0),
         Value::String(s) if s.is_empty() => true,
         Value::String(s) => {
             s == "none" && matches!(key, "tool_choice" | "function_call" | "reasoning_effort")
+                || s == "disabled" && key == "truncation"
         }
         Value::Array(items) => {
             key == "modalities" && items.iter().all(|m| m.as_str() == Some("text"))

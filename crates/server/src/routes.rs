@@ -31,6 +31,7 @@ use crate::openai::{
     PromptField, parse_object, typed,
 };
 use crate::redact::Redacted;
+use crate::responses::{self, RESPONSES_FIELDS};
 use crate::tenants::Tenant;
 use crate::tools::{Call, StreamSplit, Tools};
 
@@ -39,6 +40,8 @@ use crate::tools::{Call, StreamSplit, Tools};
 enum Endpoint {
     Chat,
     Completions,
+    /// The Responses API: a chat request underneath, its own shapes out.
+    Responses,
 }
 
 impl Endpoint {
@@ -46,6 +49,7 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "chat_completions",
             Endpoint::Completions => "completions",
+            Endpoint::Responses => "responses",
         }
     }
 
@@ -53,6 +57,7 @@ impl Endpoint {
         let prefix = match self {
             Endpoint::Chat => "chatcmpl",
             Endpoint::Completions => "cmpl",
+            Endpoint::Responses => return responses::item_id("resp"),
         };
         format!("{prefix}-{:024x}", rand::random::<u128>() >> 32)
     }
@@ -62,6 +67,7 @@ impl Endpoint {
             (Endpoint::Chat, false) => "chat.completion",
             (Endpoint::Chat, true) => "chat.completion.chunk",
             (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Responses, _) => "response",
         }
     }
 
@@ -73,7 +79,7 @@ impl Endpoint {
         finish: Option<FinishReason>,
     ) -> Value {
         match self {
-            Endpoint::Chat => json!({
+            Endpoint::Chat | Endpoint::Responses => json!({
                 "index": index,
                 "message": { "role": "assistant", "content": text, "refusal": null },
                 "logprobs": logprobs,
@@ -97,7 +103,7 @@ impl Endpoint {
         finish: Option<FinishReason>,
     ) -> Value {
         match self {
-            Endpoint::Chat => {
+            Endpoint::Chat | Endpoint::Responses => {
                 let mut delta = serde_json::Map::new();
                 if role {
                     delta.insert("role".into(), "assistant".into());
@@ -117,7 +123,7 @@ impl Endpoint {
     /// where the first token's text begins in the choice's text.
     fn logprobs(self, state: &AppState, tokens: &[TokenLogprobs], offset: usize) -> Value {
         match self {
-            Endpoint::Chat => {
+            Endpoint::Chat | Endpoint::Responses => {
                 let entry = |token: u32, logprob: f32| {
                     let bytes = state.token_bytes(token);
                     json!({
@@ -197,6 +203,8 @@ struct Prepared {
     choices: Vec<ChoiceRequest>,
     /// The functions the model may call (chat).
     tools: Option<Arc<Tools>>,
+    /// The request fields a response object repeats (Responses).
+    echo: Value,
     n: usize,
     stream: bool,
     include_usage: bool,
@@ -342,6 +350,15 @@ pub async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
     handle(state, headers, body, Endpoint::Chat).await
 }
 
+/// `POST /v1/responses`.
+pub async fn responses(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(state, headers, body, Endpoint::Responses).await
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<Arc<AppState>>,
@@ -415,9 +432,14 @@ async fn prepare_off_runtime(
         .await
         .map_err(|_| internal())?;
     let (state, tenant) = (Arc::clone(state), Arc::clone(tenant));
-    tokio::task::spawn_blocking(move || prepare(&state, &tenant, &body, endpoint))
+    let prepared = tokio::task::spawn_blocking(move || prepare(&state, &tenant, &body, endpoint))
         .await
-        .map_err(|_| internal())?
+        .map_err(|_| internal())?;
+    match endpoint {
+        // Errors about the chat request it became name the Responses field.
+        Endpoint::Responses => prepared.map_err(responses::rename_param),
+        _ => prepared,
+    }
 }
 
 async fn handle(
@@ -472,6 +494,10 @@ async fn handle(
         endpoint,
         choices,
         tools: prepared.tools,
+        echo: prepared.echo,
+        output: Vec::new(),
+        sequence: 0,
+        streamed: String::new(),
         n: prepared.n,
         logprobs: prepared.logprobs,
         _permit: permit,
@@ -481,10 +507,11 @@ async fn handle(
         ended: std::cell::Cell::new(false),
         first_token_seen: false,
     };
-    if prepared.stream {
-        reply.stream(prepared.include_usage)
-    } else {
-        reply.collect().await
+    match (endpoint, prepared.stream) {
+        (Endpoint::Responses, true) => reply.response_stream(),
+        (Endpoint::Responses, false) => reply.response().await,
+        (_, true) => reply.stream(prepared.include_usage),
+        (_, false) => reply.collect().await,
     }
 }
 
@@ -571,17 +598,22 @@ fn prepare(
     body: &[u8],
     endpoint: Endpoint,
 ) -> Result<Prepared, ApiError> {
-    let fields = match endpoint {
-        Endpoint::Chat => CHAT_FIELDS,
-        Endpoint::Completions => COMPLETION_FIELDS,
+    let mut echo = Value::Null;
+    let object = match endpoint {
+        Endpoint::Chat => parse_object(body, CHAT_FIELDS)?,
+        Endpoint::Completions => parse_object(body, COMPLETION_FIELDS)?,
+        Endpoint::Responses => {
+            let (chat, repeated) = responses::to_chat(&parse_object(body, RESPONSES_FIELDS)?)?;
+            echo = repeated;
+            chat
+        }
     };
-    let object = parse_object(body, fields)?;
     let params: CommonParams = typed(&object)?;
     let n = params.n()?;
     // Prompts, with the text `echo` puts before each completion.
     let mut tools = None;
     let (prompts, logprobs): (Vec<Prompt>, Option<usize>) = match endpoint {
-        Endpoint::Chat => {
+        Endpoint::Chat | Endpoint::Responses => {
             let chat: ChatFields = typed(&object)?;
             tools = chat.tools()?;
             let template = state.model.chat_template.as_ref().ok_or_else(|| {
@@ -702,10 +734,10 @@ fn prepare(
     let first_seed = params.seed.map_or_else(rand::random, |s| s as u64);
     let mut choices = Vec::with_capacity(prompts.len() * n);
     for (prompt, echo) in prompts {
-        let param = if endpoint == Endpoint::Chat {
-            "messages"
-        } else {
+        let param = if endpoint == Endpoint::Completions {
             "prompt"
+        } else {
+            "messages"
         };
         if prompt.is_empty() {
             return Err(ApiError::invalid(param, "the prompt encodes to no tokens"));
@@ -761,6 +793,7 @@ fn prepare(
     Ok(Prepared {
         choices,
         tools: tools.map(Arc::new),
+        echo,
         n,
         stream: params.stream(),
         include_usage: params.include_usage(),
@@ -831,6 +864,13 @@ struct Reply {
     choices: Vec<Choice>,
     /// The functions the model may call: answers are parsed for calls.
     tools: Option<Arc<Tools>>,
+    /// Responses: the request fields the response object repeats, the
+    /// output items so far, and the stream's next event number.
+    echo: Value,
+    output: Vec<Value>,
+    sequence: u64,
+    /// The message text streamed so far.
+    streamed: String,
     /// Choices per prompt.
     n: usize,
     logprobs: bool,
@@ -1135,6 +1175,252 @@ fn tool_choice_json(
     })
 }
 
+/// The Responses API's answers.
+impl Reply {
+    /// Choice 0's answer as output items: its text as a message (unless it
+    /// is only calls), then each call.
+    fn response_items(&self, text: &str, status: &str) -> Vec<Value> {
+        let (content, calls) = match &self.tools {
+            Some(tools) => tools.parse(text),
+            None => (text.to_string(), Vec::new()),
+        };
+        let mut items = Vec::new();
+        if calls.is_empty() || !content.is_empty() {
+            items.push(responses::message_item(
+                &responses::item_id("msg"),
+                &content,
+                status,
+            ));
+        }
+        for call in &calls {
+            items.push(responses::call_item(
+                &responses::item_id("fc"),
+                call,
+                &call.arguments,
+                "completed",
+            ));
+        }
+        items
+    }
+
+    /// `completed`, or `incomplete` when `max_output_tokens` ran out.
+    fn response_status(&self) -> &'static str {
+        match self.choices[0].finish {
+            Some((FinishReason::Length, _)) => "incomplete",
+            _ => "completed",
+        }
+    }
+
+    fn response_body(&self, status: &str, output: Vec<Value>, usage: Option<Usage>) -> Value {
+        responses::response_object(
+            &self.id,
+            self.created,
+            &self.state.model_id,
+            status,
+            output,
+            usage,
+            &self.echo,
+        )
+    }
+
+    /// `POST /v1/responses` without streaming.
+    async fn response(mut self) -> Response {
+        loop {
+            match self.step().await {
+                Step::Token(_) | Step::Finished(_) => {}
+                Step::Failed(error) => {
+                    self.log_end(error.status().as_u16(), None);
+                    return error.into_response();
+                }
+                Step::AllDone => break,
+            }
+        }
+        let usage = self.usage();
+        self.log_end(200, Some(usage));
+        let status = self.response_status();
+        let text = std::mem::take(&mut self.choices[0].text);
+        let output = self.response_items(&text, status);
+        (
+            StatusCode::OK,
+            Json(self.response_body(status, output, Some(usage))),
+        )
+            .into_response()
+    }
+
+    /// One Responses streaming event.
+    fn event(&mut self, kind: &str, mut body: Value) -> SseEvent {
+        body["type"] = kind.into();
+        body["sequence_number"] = self.sequence.into();
+        self.sequence += 1;
+        SseEvent::default().event(kind).data(body.to_string())
+    }
+
+    /// The events that open the message item, the first time text comes.
+    fn open_message(&mut self, events: &mut Vec<SseEvent>) -> String {
+        if let Some(id) = self.output.last().and_then(|item| item["id"].as_str()) {
+            return id.to_string();
+        }
+        let id = responses::item_id("msg");
+        let mut item = responses::message_item(&id, "", "in_progress");
+        item["content"] = json!([]);
+        self.output.push(item.clone());
+        let added = self.event(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": item}),
+        );
+        let part = self.event(
+            "response.content_part.added",
+            json!({"item_id": id, "output_index": 0, "content_index": 0,
+                   "part": {"type": "output_text", "text": "", "annotations": []}}),
+        );
+        events.extend([added, part]);
+        id
+    }
+
+    /// Streams choice 0's new text as `response.output_text.delta`.
+    fn response_text(&mut self) -> Vec<SseEvent> {
+        let choice = &mut self.choices[0];
+        let mut text = std::mem::take(&mut choice.text);
+        if self.tools.is_some() {
+            text = choice.split.push(&text);
+        }
+        if text.is_empty() {
+            return Vec::new();
+        }
+        let mut events = Vec::new();
+        let id = self.open_message(&mut events);
+        self.streamed.push_str(&text);
+        let delta = self.event(
+            "response.output_text.delta",
+            json!({"item_id": id, "output_index": 0, "content_index": 0, "delta": text}),
+        );
+        events.push(delta);
+        events
+    }
+
+    /// The events that close the answer: the message's text, part and item
+    /// done, then each call as an item with its arguments.
+    fn response_finish(&mut self) -> Vec<SseEvent> {
+        let mut rest = std::mem::take(&mut self.choices[0].text);
+        let mut calls = Vec::new();
+        if let Some(tools) = &self.tools {
+            let choice = &mut self.choices[0];
+            let mut held = choice.split.push(&rest);
+            held.push_str(&choice.split.finish());
+            (rest, calls) = tools.parse(&held);
+        }
+        let status = self.response_status();
+        let mut events = Vec::new();
+        if !self.output.is_empty() || calls.is_empty() || !rest.is_empty() {
+            let id = self.open_message(&mut events);
+            if !rest.is_empty() {
+                let delta = self.event(
+                    "response.output_text.delta",
+                    json!({"item_id": id, "output_index": 0, "content_index": 0, "delta": rest}),
+                );
+                events.push(delta);
+            }
+            self.streamed.push_str(&rest);
+            let text = std::mem::take(&mut self.streamed);
+            let item = responses::message_item(&id, &text, status);
+            self.output[0] = item.clone();
+            let part = item["content"][0].clone();
+            let done = [
+                (
+                    "response.output_text.done",
+                    json!({"item_id": id, "output_index": 0, "content_index": 0, "text": text}),
+                ),
+                (
+                    "response.content_part.done",
+                    json!({"item_id": id, "output_index": 0, "content_index": 0, "part": part}),
+                ),
+                (
+                    "response.output_item.done",
+                    json!({"output_index": 0, "item": item}),
+                ),
+            ];
+            for (kind, body) in done {
+                events.push(self.event(kind, body));
+            }
+        }
+        for call in &calls {
+            let index = self.output.len();
+            let id = responses::item_id("fc");
+            let open = responses::call_item(&id, call, "", "in_progress");
+            let item = responses::call_item(&id, call, &call.arguments, "completed");
+            self.output.push(item.clone());
+            let steps = [
+                (
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": open}),
+                ),
+                (
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": id, "output_index": index, "delta": call.arguments}),
+                ),
+                (
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id, "output_index": index, "arguments": call.arguments}),
+                ),
+                (
+                    "response.output_item.done",
+                    json!({"output_index": index, "item": item}),
+                ),
+            ];
+            for (kind, body) in steps {
+                events.push(self.event(kind, body));
+            }
+        }
+        events
+    }
+
+    fn response_stream(self) -> Response {
+        let events = stream::unfold((self, 0u8), |(mut reply, phase)| async move {
+            let events = match phase {
+                0 => {
+                    let created = reply.response_body("in_progress", Vec::new(), None);
+                    let events = vec![
+                        reply.event("response.created", json!({"response": created.clone()})),
+                        reply.event("response.in_progress", json!({"response": created})),
+                    ];
+                    return Some((events, (reply, 1)));
+                }
+                1 => match reply.step().await {
+                    Step::Token(_) => reply.response_text(),
+                    Step::Finished(_) => reply.response_finish(),
+                    Step::AllDone => {
+                        let usage = reply.usage();
+                        reply.log_end(200, Some(usage));
+                        let status = reply.response_status();
+                        let output = reply.output.clone();
+                        let body = reply.response_body(status, output, Some(usage));
+                        let kind = if status == "completed" {
+                            "response.completed"
+                        } else {
+                            "response.incomplete"
+                        };
+                        let event = reply.event(kind, json!({"response": body}));
+                        return Some((vec![event], (reply, 2)));
+                    }
+                    Step::Failed(error) => {
+                        reply.log_end(200, None);
+                        // An error event and no completion (I5, I7).
+                        let body = json!({"code": error.code, "message": error.message, "param": error.param});
+                        let event = reply.event("error", body);
+                        return Some((vec![event], (reply, 2)));
+                    }
+                },
+                _ => return None,
+            };
+            Some((events, (reply, 1)))
+        })
+        .flat_map(|events| stream::iter(events.into_iter().map(Ok::<_, Infallible>)));
+        Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response()
+    }
+}
+
 enum Phase {
     /// The role chunk (chat) or the echoed prompt (completions) of choice `.0`.
     Start(usize),
@@ -1155,7 +1441,8 @@ fn stream_events(
                 Phase::Start(i) if i < reply.choices.len() => {
                     let index = reply.choices[i].index;
                     let delta = match (reply.endpoint, reply.choices[i].echo.take()) {
-                        (Endpoint::Chat, _) => {
+                        // Responses streams its own events (`response_stream`).
+                        (Endpoint::Chat | Endpoint::Responses, _) => {
                             Some(reply.endpoint.delta(index, Some(""), true, None, None))
                         }
                         (Endpoint::Completions, Some(echo)) => {

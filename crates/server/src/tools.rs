@@ -100,7 +100,7 @@ pub enum ToolChoice {
 }
 
 /// A function as kvfence holds it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 struct Tool {
     name: String,
     description: String,
@@ -108,14 +108,25 @@ struct Tool {
 }
 
 /// A request's tools and how they must be used.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Tools {
     tools: Vec<Tool>,
     choice: ToolChoice,
 }
 
+/// Names, descriptions and schemas are client content: `Debug` shows how
+/// many tools there are and whether a call is required, nothing else (I10).
+impl std::fmt::Debug for Tools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tools")
+            .field("count", &self.tools.len())
+            .field("required", &(self.choice != ToolChoice::Auto))
+            .finish()
+    }
+}
+
 /// A call the model made.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct Call {
     /// `call_` and 24 hex digits.
     pub id: String,
@@ -123,6 +134,15 @@ pub struct Call {
     pub name: String,
     /// Its arguments, a JSON object as a string.
     pub arguments: String,
+}
+
+/// The arguments are generated content: `Debug` shows the id only (I10).
+impl std::fmt::Debug for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Call")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Call {

@@ -128,14 +128,7 @@ async fn every_error_comes_in_the_openai_envelope_and_models_can_be_retrieved() 
         let body: Value = response.json().await.unwrap();
         envelope(status, &body);
     }
-    let model: Value = client
-        .get(server.url("/v1/models/builtin:tiny"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let model = server.get_json("/v1/models/builtin:tiny").await;
     assert_eq!(model["id"], "builtin:tiny");
     assert_eq!(model["object"], "model");
 }
@@ -564,4 +557,137 @@ async fn tools_and_earlier_calls_reach_the_prompt() {
         after >= before + call_and_result.len() as u64,
         "{after} vs {before}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_responses_api_answers_streams_and_calls_tools_in_every_mode() {
+    for mode in modes() {
+        let server = Server::start(mode);
+        let url = server.url("/v1/responses");
+        let (status, answer) = post(
+            &url,
+            None,
+            json!({"model": "builtin:tiny", "instructions": "Be brief.", "input": "hello",
+                   "max_output_tokens": 5, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["object"], "response");
+        assert!(answer["id"].as_str().unwrap().starts_with("resp_"));
+        assert_eq!(
+            answer["status"], "incomplete",
+            "max_output_tokens ran out: {answer}"
+        );
+        assert_eq!(answer["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(answer["usage"]["output_tokens"], 5);
+        let text = answer["output"][0]["content"][0]["text"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(answer["output"][0]["type"], "message");
+        // The same through /v1/chat/completions: one path underneath.
+        let (_, chat_answer) = post(
+            &server.url("/v1/chat/completions"),
+            None,
+            json!({"model": "builtin:tiny", "messages": [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "hello"}], "max_tokens": 5, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(
+            chat_answer["choices"][0]["message"]["content"],
+            text.as_str()
+        );
+        // Streamed: the event sequence, the deltas adding up to the text.
+        let (_, data) = sse(
+            &url,
+            None,
+            json!({"model": "builtin:tiny", "instructions": "Be brief.", "input": "hello",
+                   "max_output_tokens": 5, "temperature": 0, "ignore_eos": true, "stream": true}),
+        )
+        .await;
+        let events: Vec<Value> = data
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds.first(), Some(&"response.created"), "{kinds:?}");
+        assert_eq!(kinds.last(), Some(&"response.incomplete"), "{kinds:?}");
+        for needed in [
+            "response.output_item.added",
+            "response.output_text.done",
+            "response.output_item.done",
+        ] {
+            assert!(kinds.contains(&needed), "{needed} missing: {kinds:?}");
+        }
+        let streamed: String = events
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .map(|e| e["delta"].as_str().unwrap())
+            .collect();
+        assert_eq!(streamed, text);
+        let numbers: Vec<u64> = events
+            .iter()
+            .map(|e| e["sequence_number"].as_u64().unwrap())
+            .collect();
+        assert_eq!(numbers, (0..numbers.len() as u64).collect::<Vec<_>>());
+        // Tools: flat function tools, a required call, a round trip.
+        let tools = json!([{"type": "function", "name": "get_weather",
+            "parameters": {"type": "object", "additionalProperties": false,
+                "properties": {"city": {"type": "string", "maxLength": 12},
+                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"]}}]);
+        let (status, called) = post(
+            &url,
+            None,
+            json!({"model": "builtin:tiny", "input": "weather in Paris?", "tools": tools,
+                   "tool_choice": "required", "max_output_tokens": 300}),
+        )
+        .await;
+        assert_eq!(status, 200, "{called}");
+        let call = called["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|item| item["type"] == "function_call")
+            .unwrap_or_else(|| panic!("{called}"))
+            .clone();
+        assert_eq!(call["name"], "get_weather");
+        check_weather(call["arguments"].as_str().unwrap());
+        let (status, after) = post(
+            &url,
+            None,
+            json!({"model": "builtin:tiny", "tools": tools, "max_output_tokens": 3, "input": [
+                {"role": "user", "content": "weather in Paris?"},
+                {"type": "function_call", "call_id": call["call_id"], "name": "get_weather", "arguments": call["arguments"]},
+                {"type": "function_call_output", "call_id": call["call_id"], "output": "21 degrees"},
+            ]}),
+        )
+        .await;
+        assert_eq!(status, 200, "{after}");
+        assert!(after["usage"]["input_tokens"].as_u64() > called["usage"]["input_tokens"].as_u64());
+        // Fields it does not serve are refused by their own names.
+        for (patch, param) in [
+            (
+                json!({"previous_response_id": "resp_1"}),
+                "previous_response_id",
+            ),
+            (json!({"max_output_tokens": 0}), "max_output_tokens"),
+            (json!({"input": [{"type": "input_image"}]}), "input[0].type"),
+            (
+                json!({"text": {"format": {"type": "bogus"}}}),
+                "text.format.type",
+            ),
+        ] {
+            let body = with(
+                json!({"model": "builtin:tiny", "input": "hi"}),
+                patch.clone(),
+            );
+            let (status, answer) = post(&url, None, body).await;
+            assert_eq!(
+                (status, &answer["error"]["param"]),
+                (400, &json!(param)),
+                "{patch}: {answer}"
+            );
+        }
+    }
 }

@@ -1,10 +1,11 @@
 //! The official `openai` Python package, as agent frameworks and chat UIs
 //! use it, against real servers: tools (`auto`, `required`, named,
 //! streamed, a round trip), `chat.completions.parse` with a Pydantic model,
-//! `json_object`, logprobs, `n`, penalties, `models.retrieve` and the error
-//! envelope, colocated and disaggregated. The client is installed into a
-//! virtual environment of its own, at the versions
-//! `tests/openai/requirements.txt` pins, the first time this runs.
+//! `json_object`, logprobs, `n`, penalties, `models.retrieve`, the error
+//! envelope and the Responses API (plain, streamed, a tool round trip),
+//! colocated and disaggregated. The client is installed into a virtual
+//! environment of its own, at the versions `tests/openai/requirements.txt`
+//! pins, the first time this runs.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -72,6 +73,6 @@ fn the_official_python_client_works() {
             String::from_utf8_lossy(&out.stderr)
         );
         let passed: Vec<String> = serde_json::from_str(stdout.trim()).unwrap();
-        assert_eq!(passed.len(), 11, "{passed:?}");
+        assert_eq!(passed.len(), 12, "{passed:?}");
     }
 }

@@ -226,4 +226,50 @@ def _():
         assert error.status_code == 405 and error.body["message"], error.body
 
 
+@check("responses.create, streamed, with a tool round trip")
+def _():
+    reply = client.responses.create(
+        model=MODEL, instructions="Be brief.", input="hello", max_output_tokens=6, temperature=0
+    )
+    assert reply.status in ("completed", "incomplete"), reply
+    assert isinstance(reply.output_text, str)
+    # Streamed under a schema, so the answer completes before max_output_tokens.
+    shape = {"type": "json_schema", "name": "pick", "strict": True, "schema": {
+        "type": "object", "properties": {"pick": {"enum": ["left", "right"]}},
+        "required": ["pick"], "additionalProperties": False}}
+    deltas, kinds = "", []
+    with client.responses.stream(
+        model=MODEL, input="left or right?", max_output_tokens=60, temperature=0,
+        text={"format": shape},
+    ) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas += event.delta
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    assert deltas == final.output_text, (deltas, final.output_text)
+    assert json.loads(final.output_text)["pick"] in ("left", "right")
+    tools = [{"type": "function", "name": t["function"]["name"],
+              "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"]} for t in WEATHER]
+    called = client.responses.create(
+        model=MODEL, input="Weather in Paris?", tools=tools, tool_choice="required",
+        max_output_tokens=300,
+    )
+    call = next(item for item in called.output if item.type == "function_call")
+    assert call.name == "get_weather"
+    weather_arguments(call.arguments)
+    after = client.responses.create(
+        model=MODEL, tools=tools, max_output_tokens=4,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "21 degrees"},
+        ],
+    )
+    assert after.usage.input_tokens > called.usage.input_tokens
+
+
 print(json.dumps(passed))

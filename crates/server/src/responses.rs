@@ -1,0 +1,415 @@
+//! `POST /v1/responses`, OpenAI's Responses API (the Agents SDK's
+//! default): a request is translated into the chat request it means —
+//! `instructions` and `input` items into messages, flat function tools into
+//! chat tools, `text.format` into `response_format`, `max_output_tokens`
+//! into `max_completion_tokens` — and served by the same path; the answer
+//! is rendered as a response object, or as the Responses streaming events.
+//!
+//! Responses are not stored: `previous_response_id` is refused, and
+//! `store` is metadata. Fields are checked as chat's are: honoured,
+//! metadata, or refused by name ([`RESPONSES_FIELDS`]).
+
+use serde_json::{Map, Value, json};
+
+use crate::error::ApiError;
+use crate::openai::{FieldUse, SHARED_FIELDS};
+use crate::tools::Call;
+
+/// The fields only `/v1/responses` knows (besides
+/// [`SHARED_FIELDS`](crate::openai::SHARED_FIELDS)).
+pub const RESPONSES_FIELDS: &[(&str, FieldUse)] = &[
+    ("input", FieldUse::Honoured),
+    ("instructions", FieldUse::Honoured),
+    ("max_output_tokens", FieldUse::Honoured),
+    ("tools", FieldUse::Honoured),
+    ("tool_choice", FieldUse::Honoured),
+    ("text", FieldUse::Honoured),
+    ("service_tier", FieldUse::Metadata),
+    ("safety_identifier", FieldUse::Metadata),
+    ("prompt_cache_key", FieldUse::Metadata),
+    ("parallel_tool_calls", FieldUse::Metadata),
+    ("stream_options", FieldUse::Metadata),
+    ("previous_response_id", FieldUse::RefusedUnlessNeutral),
+    ("conversation", FieldUse::RefusedUnlessNeutral),
+    ("include", FieldUse::RefusedUnlessNeutral),
+    ("reasoning", FieldUse::RefusedUnlessNeutral),
+    ("background", FieldUse::RefusedUnlessNeutral),
+    ("truncation", FieldUse::RefusedUnlessNeutral),
+    ("max_tool_calls", FieldUse::RefusedUnlessNeutral),
+    ("top_logprobs", FieldUse::RefusedUnlessNeutral),
+    ("prompt", FieldUse::RefusedUnlessNeutral),
+];
+
+/// Fields of the request a response object repeats back.
+const ECHOED: &[&str] = &[
+    "instructions",
+    "max_output_tokens",
+    "metadata",
+    "parallel_tool_calls",
+    "temperature",
+    "text",
+    "tool_choice",
+    "tools",
+    "top_p",
+    "user",
+];
+
+/// The chat request a Responses request means, and the fields its
+/// response repeats.
+pub fn to_chat(object: &Map<String, Value>) -> Result<(Map<String, Value>, Value), ApiError> {
+    let mut chat = Map::new();
+    // The shared fields mean the same on both endpoints.
+    for (field, _) in SHARED_FIELDS {
+        if let Some(value) = object.get(*field) {
+            chat.insert((*field).into(), value.clone());
+        }
+    }
+    if let Some(max) = object.get("max_output_tokens") {
+        chat.insert("max_completion_tokens".into(), max.clone());
+    }
+    chat.insert("messages".into(), Value::Array(messages(object)?));
+    if let Some(tools) = object.get("tools").filter(|t| !t.is_null()) {
+        chat.insert("tools".into(), chat_tools(tools)?);
+    }
+    if let Some(choice) = object.get("tool_choice").filter(|c| !c.is_null()) {
+        chat.insert("tool_choice".into(), chat_tool_choice(choice)?);
+    }
+    if let Some(format) = object.get("text").and_then(|t| t.get("format")) {
+        chat.insert("response_format".into(), response_format(format)?);
+    }
+    let mut echo = Map::new();
+    for &field in ECHOED {
+        echo.insert(
+            field.into(),
+            object.get(field).cloned().unwrap_or(Value::Null),
+        );
+    }
+    Ok((chat, Value::Object(echo)))
+}
+
+/// `instructions` and `input` as chat messages: text items, earlier
+/// function calls (consecutive ones in one assistant turn) and their
+/// outputs as tool messages.
+fn messages(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
+    let mut messages = Vec::new();
+    match object.get("instructions") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(text)) => {
+            messages.push(json!({ "role": "system", "content": text }));
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "instructions",
+                "instructions must be a string",
+            ));
+        }
+    }
+    let items = match object.get("input") {
+        Some(Value::String(text)) => {
+            messages.push(json!({ "role": "user", "content": text }));
+            return Ok(messages);
+        }
+        Some(Value::Array(items)) if !items.is_empty() => items,
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("input", "input is required"));
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "input",
+                "input must be a string or a non-empty list of items",
+            ));
+        }
+    };
+    for (i, item) in items.iter().enumerate() {
+        let param = |field: &str| format!("input[{i}]{field}");
+        let kind = item
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or("message");
+        match kind {
+            "message" => {
+                let role = item.get("role").and_then(Value::as_str).ok_or_else(|| {
+                    ApiError::invalid(&param(".role"), "a message item needs a role")
+                })?;
+                let content = match item.get("content") {
+                    Some(Value::String(text)) => text.clone(),
+                    Some(Value::Array(parts)) => {
+                        let mut text = String::new();
+                        for (j, part) in parts.iter().enumerate() {
+                            match (
+                                part.get("type").and_then(Value::as_str),
+                                part.get("text").and_then(Value::as_str),
+                            ) {
+                                (Some("input_text" | "output_text" | "text"), Some(t)) => {
+                                    text.push_str(t);
+                                }
+                                _ => {
+                                    return Err(ApiError::invalid(
+                                        &param(&format!(".content[{j}]")),
+                                        "only text content parts are supported",
+                                    ));
+                                }
+                            }
+                        }
+                        text
+                    }
+                    _ => {
+                        return Err(ApiError::invalid(
+                            &param(".content"),
+                            "content must be a string or a list of text parts",
+                        ));
+                    }
+                };
+                messages.push(json!({ "role": role, "content": content }));
+            }
+            "function_call" => {
+                let field = |name: &str| {
+                    item.get(name)
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                        .ok_or_else(|| {
+                            ApiError::invalid(
+                                &param(&format!(".{name}")),
+                                format!("a function_call item needs {name}"),
+                            )
+                        })
+                };
+                let call = json!({
+                    "id": field("call_id")?,
+                    "type": "function",
+                    "function": { "name": field("name")?, "arguments": field("arguments")? },
+                });
+                // Calls side by side are one assistant turn.
+                match messages.last_mut() {
+                    Some(last) if last["role"] == "assistant" && last["tool_calls"].is_array() => {
+                        if let Some(calls) = last["tool_calls"].as_array_mut() {
+                            calls.push(call);
+                        }
+                    }
+                    _ => messages.push(json!({
+                        "role": "assistant", "content": null, "tool_calls": [call],
+                    })),
+                }
+            }
+            "function_call_output" => {
+                let output = match item.get("output") {
+                    Some(Value::String(text)) => text.clone(),
+                    Some(other) if !other.is_null() => other.to_string(),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            &param(".output"),
+                            "a function_call_output item needs output",
+                        ));
+                    }
+                };
+                messages.push(json!({
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id").cloned().unwrap_or(Value::Null),
+                    "content": output,
+                }));
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    &param(".type"),
+                    "input items are message, function_call or function_call_output",
+                ));
+            }
+        }
+    }
+    Ok(messages)
+}
+
+/// Responses' flat function tools as chat's nested ones.
+fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
+    let Some(list) = tools.as_array() else {
+        return Err(ApiError::invalid("tools", "tools must be a list"));
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, tool)| {
+            if tool.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(ApiError::invalid(
+                    &format!("tools[{i}].type"),
+                    "only function tools are supported",
+                ));
+            }
+            let mut function = Map::new();
+            for field in ["name", "description", "parameters"] {
+                if let Some(value) = tool.get(field).filter(|v| !v.is_null()) {
+                    function.insert(field.into(), value.clone());
+                }
+            }
+            Ok(json!({ "type": "function", "function": function }))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Value::Array)
+}
+
+fn chat_tool_choice(choice: &Value) -> Result<Value, ApiError> {
+    match choice {
+        Value::String(_) => Ok(choice.clone()),
+        Value::Object(object) if object.get("type").and_then(Value::as_str) == Some("function") => {
+            Ok(
+                json!({ "type": "function", "function": { "name": object.get("name").cloned().unwrap_or(Value::Null) } }),
+            )
+        }
+        _ => Err(ApiError::invalid(
+            "tool_choice",
+            "tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
+        )),
+    }
+}
+
+/// `text.format` as `response_format`.
+fn response_format(format: &Value) -> Result<Value, ApiError> {
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(json!({ "type": "text" })),
+        Some("json_object") => Ok(json!({ "type": "json_object" })),
+        Some("json_schema") => Ok(json!({
+            "type": "json_schema",
+            "json_schema": { "schema": format.get("schema").cloned().unwrap_or(Value::Null) },
+        })),
+        _ => Err(ApiError::invalid(
+            "text.format.type",
+            "text.format.type must be text, json_object or json_schema",
+        )),
+    }
+}
+
+/// An error about the chat request named as the Responses request's field.
+pub fn rename_param(mut error: ApiError) -> ApiError {
+    if let Some(param) = &error.param {
+        let renamed = if param.starts_with("max_") {
+            "max_output_tokens".to_string()
+        } else if param.starts_with("messages") {
+            "input".to_string()
+        } else if param.starts_with("response_format") {
+            "text.format".to_string()
+        } else {
+            param.replace(".function.", ".")
+        };
+        error.param = Some(renamed);
+    }
+    error
+}
+
+/// A new item id with `prefix` (`msg`, `fc`).
+pub fn item_id(prefix: &str) -> String {
+    format!("{prefix}_{:024x}", rand::random::<u128>() >> 32)
+}
+
+/// The assistant's text as an output item.
+pub fn message_item(id: &str, text: &str, status: &str) -> Value {
+    json!({
+        "type": "message",
+        "id": id,
+        "status": status,
+        "role": "assistant",
+        "content": [{ "type": "output_text", "text": text, "annotations": [] }],
+    })
+}
+
+/// A function call as an output item.
+pub fn call_item(id: &str, call: &Call, arguments: &str, status: &str) -> Value {
+    json!({
+        "type": "function_call",
+        "id": id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": arguments,
+        "status": status,
+    })
+}
+
+/// A response object: `status` is `in_progress`, `completed` or
+/// `incomplete` (then because `max_output_tokens` ran out).
+pub fn response_object(
+    id: &str,
+    created: u64,
+    model: &str,
+    status: &str,
+    output: Vec<Value>,
+    usage: Option<kvfence_engine::Usage>,
+    echo: &Value,
+) -> Value {
+    let mut response = json!({
+        "id": id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": model,
+        "output": output,
+        "error": null,
+        "incomplete_details": (status == "incomplete").then(|| json!({ "reason": "max_output_tokens" })),
+        "usage": usage.map(|u| json!({
+            "input_tokens": u.prompt_tokens,
+            "input_tokens_details": { "cached_tokens": u.cached_tokens },
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": { "reasoning_tokens": 0 },
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+        })),
+    });
+    for (key, value) in echo.as_object().into_iter().flatten() {
+        response[key] = value.clone();
+    }
+    // What clients read even when the request left them out.
+    for (key, default) in [
+        ("tools", json!([])),
+        ("tool_choice", json!("auto")),
+        ("parallel_tool_calls", json!(true)),
+        ("metadata", json!({})),
+    ] {
+        if response[key].is_null() {
+            response[key] = default;
+        }
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn object(value: Value) -> Map<String, Value> {
+        value.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn input_items_become_messages_and_calls_share_a_turn() {
+        let (chat, _) = to_chat(&object(json!({
+            "instructions": "be brief",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+                {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "t", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            ],
+            "max_output_tokens": 9,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+        })))
+        .unwrap();
+        let messages = chat["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 4);
+        assert_eq!(messages[0]["role"], "system");
+        assert_eq!(messages[1]["content"], "weather?");
+        assert_eq!(messages[2]["tool_calls"].as_array().unwrap().len(), 2);
+        assert_eq!(messages[3]["role"], "tool");
+        assert_eq!(chat["max_completion_tokens"], 9);
+        assert_eq!(chat["response_format"]["type"], "json_schema");
+    }
+
+    #[test]
+    fn unsupported_items_and_tools_are_refused_by_their_place() {
+        let error = to_chat(&object(json!({"input": [{"type": "input_image"}]}))).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("input[0].type"));
+        let error = to_chat(&object(
+            json!({"input": "x", "tools": [{"type": "web_search"}]}),
+        ))
+        .unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("tools[0].type"));
+        let error = to_chat(&object(json!({}))).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("input"));
+        let renamed = rename_param(ApiError::invalid("tools[0].function.name", "x"));
+        assert_eq!(renamed.param.as_deref(), Some("tools[0].name"));
+    }
+}
