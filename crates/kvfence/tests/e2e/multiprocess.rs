@@ -109,6 +109,55 @@ async fn three_processes_answer_exactly_like_one() {
     cluster.router.wait_for_baseline().await;
 }
 
+/// The API's shaping fields cross the router's link and the hand-off: a
+/// grammar, penalties, `logit_bias`, logprobs, `n` and a required tool call
+/// give through three processes exactly what one process gives.
+#[tokio::test(flavor = "multi_thread")]
+async fn constraints_logprobs_n_and_tools_through_the_router_equal_one_process() {
+    let reference = Server::start(&["--mode", "colocated"]);
+    let cluster = cluster(&[], &[]);
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "pick",
+        "parameters": {"type": "object", "additionalProperties": false,
+            "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"]}}}]);
+    let bodies = [
+        serde_json::json!({"messages": [{"role": "user", "content": "code?"}], "max_tokens": 30,
+            "temperature": 0.9, "seed": 3, "n": 2, "logprobs": true, "top_logprobs": 2,
+            "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+            "logit_bias": {"97": 4},
+            "response_format": {"type": "regex", "regex": "[a-f]{3,8}-[0-9]{2}"}}),
+        serde_json::json!({"messages": [{"role": "user", "content": "which?"}], "max_tokens": 60,
+            "tools": tools, "tool_choice": "required", "temperature": 0.7, "seed": 5}),
+    ];
+    for body in bodies {
+        let answer = |server: &Server| {
+            let url = server.url("/v1/chat/completions");
+            let body = body.clone();
+            async move {
+                let (status, mut answer) = post(&url, None, body).await;
+                assert_eq!(status, 200, "{answer}");
+                // Ids and times differ between servers; the rest must not.
+                for key in ["id", "created", "system_fingerprint"] {
+                    answer[key] = serde_json::Value::Null;
+                }
+                for choice in answer["choices"].as_array_mut().unwrap() {
+                    for call in choice["message"]["tool_calls"]
+                        .as_array_mut()
+                        .into_iter()
+                        .flatten()
+                    {
+                        call["id"] = serde_json::Value::Null;
+                    }
+                }
+                answer["usage"]["prompt_tokens_details"] = serde_json::Value::Null;
+                answer
+            }
+        };
+        let expected = answer(&reference).await;
+        assert_eq!(answer(&cluster.router).await, expected);
+    }
+    cluster.router.wait_for_baseline().await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn killing_the_prefill_process_mid_request_gives_errors_and_frees_the_decode_pool() {
     let mut cluster = cluster(&["--step-tokens", "32"], &[]);
