@@ -1010,19 +1010,29 @@ impl Reply {
         Some(self.endpoint.logprobs(&self.state, &tokens, offset))
     }
 
-    async fn collect(mut self) -> Response {
+    /// Waits until every choice has finished and counts the request's end:
+    /// the whole usage, or the first failure (which fails the request).
+    async fn finish_all(&mut self) -> Result<Usage, ApiError> {
         loop {
             match self.step().await {
                 Step::Token(_) | Step::Finished(_) => {}
                 Step::Failed(error) => {
                     self.log_end(error.status().as_u16(), None);
-                    return error.into_response();
+                    return Err(error);
                 }
                 Step::AllDone => break,
             }
         }
         let usage = self.usage();
         self.log_end(200, Some(usage));
+        Ok(usage)
+    }
+
+    async fn collect(mut self) -> Response {
+        let usage = match self.finish_all().await {
+            Ok(usage) => usage,
+            Err(error) => return error.into_response(),
+        };
         let choices: Vec<Value> = (0..self.choices.len())
             .map(|i| {
                 let prefix = self.choices[i].echo.clone().unwrap_or_default();
@@ -1225,18 +1235,10 @@ impl Reply {
 
     /// `POST /v1/responses` without streaming.
     async fn response(mut self) -> Response {
-        loop {
-            match self.step().await {
-                Step::Token(_) | Step::Finished(_) => {}
-                Step::Failed(error) => {
-                    self.log_end(error.status().as_u16(), None);
-                    return error.into_response();
-                }
-                Step::AllDone => break,
-            }
-        }
-        let usage = self.usage();
-        self.log_end(200, Some(usage));
+        let usage = match self.finish_all().await {
+            Ok(usage) => usage,
+            Err(error) => return error.into_response(),
+        };
         let status = self.response_status();
         let text = std::mem::take(&mut self.choices[0].text);
         let output = self.response_items(&text, status);
