@@ -29,6 +29,9 @@ pub(crate) struct GenerateArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Element type the KV cache is stored in.
+    #[arg(long, value_enum, default_value_t = crate::Dtype::F16)]
+    kv_dtype: crate::Dtype,
 }
 
 pub(crate) fn run(args: &GenerateArgs) -> anyhow::Result<()> {
@@ -52,7 +55,7 @@ pub(crate) fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let spec = PoolSpec::new(
         loaded.model.kv_shape(),
         16,
-        ElemType::F32,
+        ElemType::from(args.kv_dtype),
         PoolSize::Tokens(total),
     );
     let pool = Pool::new(&spec)?;

@@ -143,6 +143,16 @@ pub(crate) enum Dtype {
     Bf16,
 }
 
+impl From<Dtype> for kvfence_pool::ElemType {
+    fn from(d: Dtype) -> Self {
+        match d {
+            Dtype::F32 => kvfence_pool::ElemType::F32,
+            Dtype::F16 => kvfence_pool::ElemType::F16,
+            Dtype::Bf16 => kvfence_pool::ElemType::BF16,
+        }
+    }
+}
+
 impl From<Dtype> for DiskDtype {
     fn from(d: Dtype) -> Self {
         match d {

@@ -20,8 +20,8 @@ pub(crate) struct PlanArgs {
     /// Token slots per page.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
-    /// Element type of stored K/V.
-    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    /// Element type of stored K/V (`serve`'s default is f16).
+    #[arg(long, value_enum, default_value_t = Dtype::F16)]
     dtype: Dtype,
     /// Memory budget for the pool, in MiB.
     #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
@@ -42,11 +42,7 @@ pub(crate) fn run(args: &PlanArgs) -> anyhow::Result<()> {
         kv_heads: args.kv_heads,
         head_dim: args.head_dim,
     };
-    let elem = match args.dtype {
-        Dtype::F32 => ElemType::F32,
-        Dtype::F16 => ElemType::F16,
-        Dtype::Bf16 => ElemType::BF16,
-    };
+    let elem = ElemType::from(args.dtype);
     let geometry = PoolSpec::new(shape, args.page_size, elem, size)
         .geometry()
         .context("this pool cannot be built")?;

@@ -16,6 +16,8 @@ use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use kvfence_server::{ApiOptions, AppState, Capacity, ConnectionLimits, ServerError, Tenants};
 use tracing::{info, warn};
 
+use crate::Dtype;
+
 #[derive(Args, Debug)]
 pub(crate) struct ServeArgs {
     /// The model: smollm2 (SmolLM2-135M-Instruct, fetched from the Python
@@ -55,6 +57,12 @@ pub(crate) struct EngineArgs {
     /// Token slots per KV page (prefill and decode workers must agree).
     #[arg(long, default_value_t = 16)]
     pub(crate) page_size: usize,
+    /// Element type the KV cache is stored in: f16 holds twice the tokens
+    /// of f32 in the same memory and reads half the bytes per decode step;
+    /// attention computes in f32 either way (see docs/performance.md for
+    /// what f16 does to logits). Prefill and decode workers must agree.
+    #[arg(long, value_enum, default_value_t = Dtype::F16)]
+    pub(crate) kv_dtype: Dtype,
     /// Requests running at once.
     #[arg(long, default_value_t = 64)]
     pub(crate) max_running: usize,
@@ -107,7 +115,7 @@ impl EngineArgs {
         let mut spec = PoolSpec::new(
             model.model.kv_shape(),
             self.page_size,
-            ElemType::F32,
+            ElemType::from(self.kv_dtype),
             PoolSize::Tokens(tokens),
         );
         if self.prefix_cache == Switch::On {
@@ -119,6 +127,7 @@ impl EngineArgs {
         info!(
             tokens = pool.capacity_tokens(),
             bytes = pool.geometry().capacity_bytes(),
+            kv_dtype = pool.geometry().elem.name(),
             "KV pool allocated"
         );
         Ok(pool)

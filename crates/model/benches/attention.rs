@@ -1,53 +1,89 @@
-//! The paged attention kernel alone: one decode token's attention over a
-//! context read page by page through a coverage-checked view, at SmolLM2's
-//! shape (9 query heads, 3 KV heads, head dim 64). Throughput is KV bytes
-//! read per second, to compare with the machine's memory bandwidth.
+//! Attention alone, at SmolLM2's shape (9 query heads, 3 KV heads, head dim
+//! 64), read page by page through coverage-checked views: one decode row
+//! over contexts of 512 to 8,192 positions (throughput: KV bytes read per
+//! second, to compare with the machine's memory bandwidth) and a 512-row
+//! prefill tile set over a 2,048-position prefix, for f32 and f16 KV.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvfence_model::forward::attend_row;
-use kvfence_model::{Builtin, Model};
-use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
+use kvfence_model::attention::{KvValue, SequenceQueries, attend};
+use kvfence_model::{Builtin, Model, ModelConfig};
+use kvfence_pool::{Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
-fn bench(c: &mut Criterion) {
-    // builtin:small has SmolLM2's attention shape; only its config is used.
-    let config = Builtin::Small.config();
-    let shape = Model::kv_shape_of(&config);
-    let longest = 2048;
-    let spec =
-        PoolSpec::new(shape, 16, ElemType::F32, PoolSize::Tokens(longest)).with_scrub(Scrub::Off);
+const LONGEST: usize = 8192;
+
+fn filled<E: KvValue>(config: &ModelConfig) -> (Pool, Lease) {
+    let shape = Model::kv_shape_of(config);
+    let spec = PoolSpec::new(shape, 16, E::ELEM, PoolSize::Tokens(LONGEST)).with_scrub(Scrub::Off);
     let pool = Pool::new(&spec).expect("bench pool");
-    let mut lease = pool.lease(RequestId(1), longest).expect("room");
-    let per_token = config.kv_dim();
-    let values: Vec<f32> = (0..longest * per_token)
+    let mut lease = pool.lease(RequestId(1), LONGEST).expect("room");
+    let values: Vec<f32> = (0..LONGEST * config.kv_dim())
         .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
         .collect();
+    let values = E::narrow(&values);
     lease
-        .write_positions(0, 0, &values, &values)
+        .write_positions::<E>(0, 0, &values, &values)
         .expect("fill layer 0");
-    let q: Vec<f32> = (0..config.q_dim())
+    (pool, lease)
+}
+
+fn run<E: KvValue>(c: &mut Criterion, name: &str) {
+    // builtin:small has SmolLM2's attention shape; only its config is used.
+    let config = Builtin::Small.config();
+    let (_pool, lease) = filled::<E>(&config);
+    let q_dim = config.q_dim();
+    let queries: Vec<f32> = (0..512 * q_dim)
         .map(|i| ((i * 104_729) % 1000) as f32 / 1000.0 - 0.5)
         .collect();
-    let mut out = vec![0.0f32; config.q_dim()];
-
-    let mut group = c.benchmark_group("paged attention");
+    let mut out = vec![0.0f32; 512 * q_dim];
+    let elem_bytes = std::mem::size_of::<E>();
+    let mut group = c.benchmark_group(format!("attention {name}"));
     group
-        .sample_size(20)
+        .sample_size(10)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    for context in [128usize, 512, 2048] {
-        group.throughput(Throughput::Bytes((context * per_token * 2 * 4) as u64));
-        group.bench_function(format!("one token over {context} positions"), |b| {
+    for context in [512usize, 2048, 8192] {
+        group.throughput(Throughput::Bytes(
+            (context * config.kv_dim() * 2 * elem_bytes) as u64,
+        ));
+        group.bench_function(format!("decode row over {context} positions"), |b| {
             b.iter(|| {
-                let view = lease.read_layer::<f32>(0, context).expect("covered");
-                attend_row(&config, &q, &view, 0, context, &mut out);
+                let view = lease.read_layer::<E>(0, context).expect("covered");
+                let part = SequenceQueries {
+                    view: &view,
+                    past: context - 1,
+                    queries: &queries[..q_dim],
+                    stride: q_dim,
+                    rows: 1,
+                };
+                attend(&config, 0, &[Some(part)], &[1], &mut out[..q_dim]);
                 black_box(&out);
             })
         });
     }
+    group.throughput(Throughput::Elements(512));
+    group.bench_function("512 prefill rows after 1,536 positions", |b| {
+        b.iter(|| {
+            let view = lease.read_layer::<E>(0, 2048).expect("covered");
+            let part = SequenceQueries {
+                view: &view,
+                past: 1536,
+                queries: &queries,
+                stride: q_dim,
+                rows: 512,
+            };
+            attend(&config, 0, &[Some(part)], &[512], &mut out);
+            black_box(&out);
+        })
+    });
     group.finish();
+}
+
+fn bench(c: &mut Criterion) {
+    run::<f32>(c, "f32 KV");
+    run::<half::f16>(c, "f16 KV");
 }
 
 criterion_group!(benches, bench);

@@ -1,13 +1,15 @@
 //! [`Model`]: a Llama-family decoder whose KV cache lives in fenced pool
 //! pages. Each forward pass takes a batch of sequences — prefill chunks and
 //! decode steps mixed — writes every new token's K and V into that
-//! sequence's own lease, and reads attention context only through the
-//! lease's coverage-checked views (I2). Nothing gathers a context into a
-//! private copy; a read the pool refuses is an error, never a computation.
+//! sequence's own lease, in the pool's element type (f32, f16 or bf16), and
+//! reads attention context only through the lease's coverage-checked views
+//! (I2), chunk by chunk ([`crate::attention`]). A read the pool refuses is an
+//! error, never a computation.
 
-use kvfence_pool::{KvShape, Lease, ReadView};
-use rayon::prelude::*;
+use half::{bf16, f16};
+use kvfence_pool::{ElemType, KvShape, Lease, ReadView};
 
+use crate::attention::{self, KvValue, SequenceQueries};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
@@ -342,6 +344,19 @@ impl Model {
     }
 
     fn forward_in_pool(&self, batch: &mut [Sequence<'_>]) -> Vec<Result<Vec<f32>, ModelError>> {
+        // One pool serves a batch; a lease of another element type fails
+        // alone, refused by its own reads and writes.
+        match batch.first().map(|s| s.lease.elem()) {
+            None | Some(ElemType::F32) => self.forward_typed::<f32>(batch),
+            Some(ElemType::F16) => self.forward_typed::<f16>(batch),
+            Some(ElemType::BF16) => self.forward_typed::<bf16>(batch),
+        }
+    }
+
+    fn forward_typed<E: KvValue>(
+        &self,
+        batch: &mut [Sequence<'_>],
+    ) -> Vec<Result<Vec<f32>, ModelError>> {
         // A sequence's first error; from then on its rows are computed from
         // zeros and thrown away.
         let mut failed: Vec<Option<ModelError>> =
@@ -352,10 +367,8 @@ impl Model {
         let total: usize = batch.iter().map(|s| s.tokens.len()).sum();
         // Row r of every activation belongs to (sequence row_seq[r], position positions[r]).
         let mut positions = Vec::with_capacity(total);
-        let mut row_seq = Vec::with_capacity(total);
-        for (i, seq) in batch.iter().enumerate() {
+        for seq in batch.iter() {
             positions.extend(seq.past..seq.past + seq.tokens.len());
-            row_seq.extend(std::iter::repeat_n(i, seq.tokens.len()));
         }
         let (cos, sin) = self.rope.tables(&positions);
         let half = hd / 2;
@@ -391,16 +404,8 @@ impl Model {
                 );
                 Rope::apply(&mut row[..q_dim + kv_dim], hd, cos, sin);
             }
-            self.store_kv(batch, layer_index, &qkv, &mut failed);
-            self.attention(
-                batch,
-                layer_index,
-                &qkv,
-                &positions,
-                &row_seq,
-                &mut attn,
-                &mut failed,
-            );
+            self.store_kv::<E>(batch, layer_index, &qkv, &mut failed);
+            self.attention::<E>(batch, layer_index, &qkv, &mut attn, &mut failed);
             layer.o.matmul(&attn, total, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
 
@@ -422,7 +427,7 @@ impl Model {
 
     /// Writes each sequence's new K and V rows of one layer into its lease;
     /// a refused write fails that sequence alone.
-    fn store_kv(
+    fn store_kv<E: KvValue>(
         &self,
         batch: &mut [Sequence<'_>],
         layer: usize,
@@ -446,7 +451,8 @@ impl Model {
                 k.extend_from_slice(&line[q_dim..q_dim + kv_dim]);
                 v.extend_from_slice(&line[q_dim + kv_dim..]);
             }
-            if let Err(error) = seq.lease.write_positions(layer, seq.past, &k, &v) {
+            let (k, v) = (E::narrow(&k), E::narrow(&v));
+            if let Err(error) = seq.lease.write_positions::<E>(layer, seq.past, &k, &v) {
                 *failure = Some(error.into());
             }
         }
@@ -455,26 +461,23 @@ impl Model {
     /// Causal attention for every row, reading K/V through read views. A
     /// sequence whose view the pool refuses (I2) fails alone: its rows
     /// attend to nothing (zeros) and are thrown away.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
+    fn attention<E: KvValue>(
         &self,
         batch: &[Sequence<'_>],
         layer: usize,
         qkv: &[f32],
-        positions: &[usize],
-        row_seq: &[usize],
         out: &mut [f32],
         failed: &mut [Option<ModelError>],
     ) {
         let c = &self.config;
-        let views: Vec<Option<ReadView<'_, f32>>> = batch
+        let views: Vec<Option<ReadView<'_, E>>> = batch
             .iter()
             .zip(failed.iter_mut())
             .map(|(s, failure)| {
                 if failure.is_some() {
                     return None;
                 }
-                match s.lease.read_layer::<f32>(layer, s.past + s.tokens.len()) {
+                match s.lease.read_layer::<E>(layer, s.past + s.tokens.len()) {
                     Ok(view) => Some(view),
                     Err(error) => {
                         *failure = Some(error.into());
@@ -484,20 +487,22 @@ impl Model {
             })
             .collect();
         let width = c.q_dim() + 2 * c.kv_dim();
-        let work: usize = positions.iter().map(|p| p + 1).sum::<usize>() * c.q_dim();
-        let run = |(r, out_row): (usize, &mut [f32])| {
-            let Some(view) = &views[row_seq[r]] else {
-                out_row.fill(0.0);
-                return;
-            };
-            let q_row = &qkv[r * width..r * width + c.q_dim()];
-            attend_row(c, q_row, view, layer, positions[r] + 1, out_row);
-        };
-        if work >= 1 << 16 {
-            out.par_chunks_mut(c.q_dim()).enumerate().for_each(run);
-        } else {
-            out.chunks_mut(c.q_dim()).enumerate().for_each(run);
+        let mut first = 0;
+        let mut parts = Vec::with_capacity(batch.len());
+        let mut rows_of = Vec::with_capacity(batch.len());
+        for (seq, view) in batch.iter().zip(&views) {
+            let rows = seq.tokens.len();
+            parts.push(view.as_ref().map(|view| SequenceQueries {
+                view,
+                past: seq.past,
+                queries: &qkv[first * width..(first + rows) * width],
+                stride: width,
+                rows,
+            }));
+            rows_of.push(rows);
+            first += rows;
         }
+        attention::attend(c, layer, &parts, &rows_of, out);
     }
 
     fn logits(&self, batch: &[Sequence<'_>], x: &[f32]) -> Vec<Vec<f32>> {
@@ -532,86 +537,5 @@ impl Model {
                 mine.to_vec()
             })
             .collect()
-    }
-}
-
-/// The paged attention kernel: one token's attention (all query heads,
-/// `q_row` is `[num_heads][head_dim]`, already rotated) over positions
-/// `0..upto` of `layer`, read page by page through `view`; writes
-/// `[num_heads][head_dim]` into `out_row`. Public for its benchmark.
-///
-/// Compiled for several instruction sets and picked by CPU features; Rust
-/// never contracts a multiply and an add, so every variant gives the same
-/// bits.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-pub fn attend_row<'v>(
-    c: &ModelConfig,
-    q_row: &[f32],
-    view: &ReadView<'v, f32>,
-    layer: usize,
-    upto: usize,
-    out_row: &mut [f32],
-) {
-    let hd = c.head_dim;
-    let group = c.num_heads / c.num_kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let pages = upto.div_ceil(view.page_size());
-    // The query heads of a group share one KV head: each key and value row
-    // is read once for the whole group (from L2, at long contexts) rather
-    // than once per head. Each head's arithmetic is unchanged, in the same
-    // order, so the result is too.
-    let mut scores = vec![0.0f32; group * upto];
-    let mut sums = vec![0.0f32; group];
-    for (kv_head, (q_group, out_group)) in q_row
-        .chunks_exact(group * hd)
-        .zip(out_row.chunks_exact_mut(group * hd))
-        .enumerate()
-    {
-        let mut seen = 0;
-        for page in 0..pages {
-            let keys = view.keys(page, layer, kv_head);
-            let slots = (keys.len() / hd).min(upto - seen);
-            for (pos, key) in keys[..slots * hd].chunks_exact(hd).enumerate() {
-                for (head_scores, q) in scores.chunks_exact_mut(upto).zip(q_group.chunks_exact(hd))
-                {
-                    head_scores[seen + pos] = kernels::dot(q, key) * scale;
-                }
-            }
-            seen += slots;
-        }
-        sums.fill(0.0);
-        for (head_scores, sum) in scores.chunks_exact_mut(upto).zip(&mut sums) {
-            let max = head_scores
-                .iter()
-                .copied()
-                .fold(f32::NEG_INFINITY, f32::max);
-            for s in head_scores.iter_mut() {
-                *s = (*s - max).exp();
-                *sum += *s;
-            }
-        }
-        out_group.fill(0.0);
-        let mut seen = 0;
-        for page in 0..pages {
-            let values = view.values(page, layer, kv_head);
-            let slots = (values.len() / hd).min(upto - seen);
-            for (pos, value) in values[..slots * hd].chunks_exact(hd).enumerate() {
-                for (out, head_scores) in out_group
-                    .chunks_exact_mut(hd)
-                    .zip(scores.chunks_exact(upto))
-                {
-                    kernels::axpy(head_scores[seen + pos], value, out);
-                }
-            }
-            seen += slots;
-        }
-        for (out, &sum) in out_group.chunks_exact_mut(hd).zip(&sums) {
-            let inv = 1.0 / sum;
-            out.iter_mut().for_each(|o| *o *= inv);
-        }
     }
 }

@@ -163,6 +163,11 @@ impl Lease {
         self.tokens
     }
 
+    /// The element type the pool stores K and V in.
+    pub fn elem(&self) -> crate::spec::ElemType {
+        self.shared.geometry.elem
+    }
+
     /// Tokens the held pages can store (whole pages).
     pub fn capacity_tokens(&self) -> usize {
         self.pages.len() * self.shared.geometry.page_size

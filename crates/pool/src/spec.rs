@@ -20,6 +20,15 @@ pub enum ElemType {
 }
 
 impl ElemType {
+    /// The lower-case name used on command lines and in peer greetings.
+    pub fn name(self) -> &'static str {
+        match self {
+            ElemType::F32 => "f32",
+            ElemType::F16 => "f16",
+            ElemType::BF16 => "bf16",
+        }
+    }
+
     /// Bytes per element.
     pub fn size_bytes(self) -> usize {
         match self {

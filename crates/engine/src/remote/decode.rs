@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
 use kvfence_model::{LoadedModel, StopStrings};
-use kvfence_pool::Pool;
+use kvfence_pool::{ElemType, Pool};
 use tracing::{info, warn};
 
 use super::wire::{
@@ -48,7 +48,7 @@ impl Engine {
         prefills: &[SocketAddr],
         credentials: &Credentials,
     ) -> Result<Engine, EngineError> {
-        let page_size = pool.geometry().page_size;
+        let (page_size, kv_dtype) = (pool.geometry().page_size, pool.geometry().elem);
         let engine = Engine::decode_worker(model, pool, config, false);
         let ids = Arc::new(AtomicU64::new(0));
         for &address in prefills {
@@ -57,6 +57,7 @@ impl Engine {
                 credentials: credentials.clone(),
                 model: ModelFingerprint::of(engine.model()),
                 page_size,
+                kv_dtype,
                 commands: engine.commands(),
                 directory: engine.prefill_directory(),
                 ids: Arc::clone(&ids),
@@ -84,6 +85,7 @@ struct PrefillKeeper {
     credentials: Credentials,
     model: ModelFingerprint,
     page_size: usize,
+    kv_dtype: ElemType,
     commands: mpsc::Sender<Command>,
     directory: Arc<PrefillDirectory>,
     ids: Arc<AtomicU64>,
@@ -94,7 +96,7 @@ impl PrefillKeeper {
     fn dial(&self) -> Result<(Link, Hello), EngineError> {
         let (link, hello) = dial(self.address, LinkRole::Prefill, &self.credentials)?;
         hello
-            .check(self.model, Some(self.page_size))
+            .check(self.model, Some((self.page_size, self.kv_dtype)))
             .map_err(|why| EngineError::Invalid {
                 reason: format!(
                     "the prefill worker at {} does not match: {why}",
@@ -196,6 +198,7 @@ pub(crate) fn hello(engine: &Engine) -> Hello {
         role: engine.role().label().into(),
         model: ModelFingerprint::of(engine.model()),
         page_size: engine.pool().geometry().page_size,
+        kv_dtype: engine.pool().geometry().elem.name().into(),
         tokens: engine.pool().capacity_tokens(),
         prefills: engine.prefill_peers(),
     }

@@ -69,6 +69,7 @@ impl PrefillWorker {
             role: Role::Prefill.label().into(),
             model: ModelFingerprint::of(&model),
             page_size: pool.geometry().page_size,
+            kv_dtype: pool.geometry().elem.name().into(),
             tokens: pool.capacity_tokens(),
             prefills: Vec::new(),
         };

@@ -9,7 +9,7 @@
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
 use kvfence_model::{Grammar, LoadedModel, ModelConfig, SamplingParams, TokenLogprobs};
-use kvfence_pool::PoolStats;
+use kvfence_pool::{ElemType, PoolStats};
 use serde::{Deserialize, Serialize};
 
 use crate::counters::EngineStats;
@@ -19,7 +19,7 @@ use crate::net::LinkTx;
 use crate::request::{CacheScope, FailureKind, FinishReason, Usage};
 
 /// The control protocol's version; a peer speaking another is refused.
-pub(crate) const PROTOCOL: u32 = 2;
+pub(crate) const PROTOCOL: u32 = 3;
 
 /// What identifies a model for the hand-off: two workers whose
 /// fingerprints differ cannot read each other's KV.
@@ -63,6 +63,9 @@ pub struct Hello {
     pub model: ModelFingerprint,
     /// Token slots per KV page.
     pub page_size: usize,
+    /// Element type of its stored K and V ([`ElemType::name`]): pages are
+    /// shipped as bytes, so both ends must read them alike.
+    pub kv_dtype: String,
     /// Tokens of KV the worker's own pool holds.
     pub tokens: usize,
     /// A decode worker's prefill workers, as its links stand now.
@@ -71,11 +74,12 @@ pub struct Hello {
 
 impl Hello {
     /// Whether a peer that said this can work with one running `model`
-    /// with `page_size`; `Err` says what differs (no request content).
+    /// whose pool has `pages` (page size, element type), where that
+    /// matters; `Err` says what differs (no request content).
     pub(crate) fn check(
         &self,
         model: ModelFingerprint,
-        page_size: Option<usize>,
+        pages: Option<(usize, ElemType)>,
     ) -> Result<(), String> {
         if self.protocol != PROTOCOL {
             return Err(format!(
@@ -89,12 +93,20 @@ impl Hello {
                 self.model, model
             ));
         }
-        if let Some(page_size) = page_size
-            && self.page_size != page_size
-        {
+        let Some((page_size, elem)) = pages else {
+            return Ok(());
+        };
+        if self.page_size != page_size {
             return Err(format!(
                 "its KV pages hold {} tokens, this process's {page_size}",
                 self.page_size
+            ));
+        }
+        if self.kv_dtype != elem.name() {
+            return Err(format!(
+                "it stores KV as {}, this process as {}",
+                self.kv_dtype,
+                elem.name()
             ));
         }
         Ok(())
@@ -342,7 +354,7 @@ mod tests {
     }
 
     #[test]
-    fn hellos_from_another_protocol_model_or_page_size_are_refused() {
+    fn hellos_from_another_protocol_model_page_size_or_kv_type_are_refused() {
         let model = ModelFingerprint {
             layers: 4,
             kv_heads: 2,
@@ -354,11 +366,14 @@ mod tests {
             role: "decode".into(),
             model,
             page_size: 16,
+            kv_dtype: "f16".into(),
             tokens: 1024,
             prefills: Vec::new(),
         };
-        assert!(hello.check(model, Some(16)).is_ok());
-        assert!(hello.check(model, Some(32)).is_err());
+        assert!(hello.check(model, Some((16, ElemType::F16))).is_ok());
+        assert!(hello.check(model, Some((32, ElemType::F16))).is_err());
+        let why = hello.check(model, Some((16, ElemType::BF16))).unwrap_err();
+        assert!(why.contains("f16") && why.contains("bf16"), "{why}");
         let other = ModelFingerprint {
             vocab: 301,
             ..model

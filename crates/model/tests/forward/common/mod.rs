@@ -14,14 +14,14 @@ pub const PAGE: usize = 8;
 /// A pool for `model` with poison scrub and immediate reuse: the harshest
 /// setting for isolation.
 pub fn pool_for(model: &Model, tokens: usize) -> Pool {
-    let spec = PoolSpec::new(
-        model.kv_shape(),
-        PAGE,
-        ElemType::F32,
-        PoolSize::Tokens(tokens),
-    )
-    .with_scrub(Scrub::Poison)
-    .with_reuse(ReusePolicy::NewestFreedFirst);
+    pool_of(model, tokens, ElemType::F32)
+}
+
+/// [`pool_for`] storing K and V as `elem`.
+pub fn pool_of(model: &Model, tokens: usize, elem: ElemType) -> Pool {
+    let spec = PoolSpec::new(model.kv_shape(), PAGE, elem, PoolSize::Tokens(tokens))
+        .with_scrub(Scrub::Poison)
+        .with_reuse(ReusePolicy::NewestFreedFirst);
     Pool::new(&spec).unwrap()
 }
 

@@ -1,0 +1,835 @@
+//! Causal attention over pool pages, tiled: blocks of query rows against
+//! chunks of keys, with the softmax carried across chunks (the CPU form of
+//! "flash" attention). It reads K and V only through coverage-checked
+//! [`ReadView`]s (I2), in whatever element type the pool stores.
+//!
+//! # What every row computes, bit for bit
+//!
+//! For a query head `q` of a row at position `p` (it attends to `0..=p`):
+//!
+//! 1. `q' = q · (1/√head_dim)`, element by element.
+//! 2. Positions are cut into chunks of [`CHUNK`] by absolute position. In
+//!    each chunk `c` that holds positions `≤ p`, over those positions `j`:
+//!    `s_j` is the fused multiply-add chain of `q'[d] · k_j[d]` over `d`
+//!    ascending, from zero; `m_c = max s_j`; `e_j = exp(s_j − m_c)` with
+//!    this module's [`exp`]; `l_c` is the 8-lane sum of the `e_j`; and
+//!    `a_c[d]` is the fused chain of `e_j · v_j[d]` over `j` ascending.
+//! 3. The chunks are folded in ascending order: the first is the state;
+//!    each next one rescales both sides to the larger maximum
+//!    (`M' = max(M, m_c)`, `num = a_c·exp(m_c − M') + num·exp(M − M')`, and
+//!    the same for the denominator).
+//! 4. `out = num · (1/den)`.
+//!
+//! Nothing in that list depends on which other rows share the pass, the
+//! tile a row lands in, where a chunked prefill cut the prompt, the page
+//! size, the thread count or the instruction set (fused multiply-adds round
+//! once, exactly, everywhere). So a row is the same alone or batched,
+//! prefilled in one pass or in pieces, colocated or after a hand-off — the
+//! property every isolation check in this project compares against.
+//!
+//! # How it is computed
+//!
+//! A *task* is one KV head of one tile of up to [`TILE_ROWS`] consecutive
+//! rows of one sequence, over a range of chunks. For each chunk it stages
+//! the chunk's keys transposed (`[head_dim][CHUNK]`, so scores vectorise
+//! across keys) and its values (`[CHUNK][head_dim]`) as f32 in scratch
+//! owned by the worker thread, then runs the score, softmax and value
+//! kernels for all `rows × group` query heads at once: every staged key is
+//! read from L1/L2 by every query head of the group instead of from memory
+//! once per row. Staging fills every scratch cell a kernel reads, so the
+//! scratch never carries another chunk's — or another request's — data
+//! into a result.
+//!
+//! Prefill tiles fold their chunks as they go. A sequence with a single
+//! tile (decode steps) and several chunks is split instead: one task per
+//! chunk, in parallel, and the per-chunk states are folded afterwards in
+//! the same order — the same operations as folding in place, so the same
+//! bits, and a single long-context decode uses every core.
+
+use std::borrow::Cow;
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use kvfence_pool::{KvElement, ReadView};
+use rayon::prelude::*;
+
+use crate::config::ModelConfig;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+#[cfg(target_arch = "x86_64")]
+use avx2::Widen8 as Stage8;
+
+/// Nothing to stage by SIMD off x86-64: the portable loop does it all.
+#[cfg(not(target_arch = "x86_64"))]
+mod portable {
+    pub trait Stage8 {}
+    impl Stage8 for f32 {}
+    impl Stage8 for half::f16 {}
+    impl Stage8 for half::bf16 {}
+}
+#[cfg(not(target_arch = "x86_64"))]
+use portable::Stage8;
+
+/// Positions per key chunk: the unit of staging and of the exact softmax.
+pub const CHUNK: usize = 128;
+/// Query rows of one sequence per tile.
+pub const TILE_ROWS: usize = 16;
+/// Keys per score microkernel step (two 8-lane vectors).
+const KEY_STEP: usize = 16;
+/// Query heads per score and value microkernel step.
+const QUERY_STEP: usize = 4;
+/// Lanes of the softmax denominator's sum.
+const SUM_LANES: usize = 8;
+/// Multiply-adds below which a pass's attention stays on the calling
+/// thread.
+const PARALLEL_MIN_MACS: usize = 1 << 16;
+
+/// A K/V element type attention can read and the forward pass can write.
+pub trait KvValue: KvElement + Stage8 {
+    /// Converts `src` into `dst` (same length).
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// Converts `src` into this type, rounding to nearest even.
+    fn narrow(src: &[f32]) -> Cow<'_, [Self]>;
+}
+
+impl KvValue for f32 {
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn narrow(src: &[f32]) -> Cow<'_, [f32]> {
+        Cow::Borrowed(src)
+    }
+}
+
+impl KvValue for f16 {
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        // `half` picks F16C (x86) or FP16 (aarch64) at run time.
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32]) -> Cow<'_, [f16]> {
+        let mut out = vec![f16::ZERO; src.len()];
+        out.convert_from_f32_slice(src);
+        Cow::Owned(out)
+    }
+}
+
+impl KvValue for bf16 {
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32]) -> Cow<'_, [bf16]> {
+        let mut out = vec![bf16::ZERO; src.len()];
+        out.convert_from_f32_slice(src);
+        Cow::Owned(out)
+    }
+}
+
+/// One sequence's part of a pass: `rows` query rows at positions
+/// `past..past + rows`, each row `[num_heads][head_dim]` at the start of a
+/// `stride`-wide line of `queries`, attending through `view`.
+pub struct SequenceQueries<'a, 'v, E> {
+    /// Positions `0..past + rows` of the layer, coverage-checked.
+    pub view: &'a ReadView<'v, E>,
+    /// Positions already in the cache before these rows.
+    pub past: usize,
+    /// Rows, `stride` apart; each starts with its `[num_heads][head_dim]`.
+    pub queries: &'a [f32],
+    /// Distance between rows of `queries`.
+    pub stride: usize,
+    /// Query rows.
+    pub rows: usize,
+}
+
+/// Running softmax state of a block of query heads: per head its maximum
+/// score, denominator, and `head_dim` unnormalised outputs.
+#[derive(Debug, Clone)]
+struct State {
+    max: Vec<f32>,
+    den: Vec<f32>,
+    num: Vec<f32>,
+}
+
+impl State {
+    fn new(heads: usize, head_dim: usize) -> State {
+        State {
+            max: vec![0.0; heads],
+            den: vec![0.0; heads],
+            num: vec![0.0; heads * head_dim],
+        }
+    }
+
+    /// Folds a later chunk's head `h` into this state's head `h`, or takes
+    /// it as is when `first`.
+    fn fold(&mut self, h: usize, first: bool, max: f32, den: f32, num: &[f32]) {
+        let hd = num.len();
+        let dst = &mut self.num[h * hd..(h + 1) * hd];
+        if first {
+            self.max[h] = max;
+            self.den[h] = den;
+            dst.copy_from_slice(num);
+            return;
+        }
+        let top = self.max[h].max(max);
+        let (keep, add) = fold_weights(self.max[h] - top, max - top);
+        self.max[h] = top;
+        self.den[h] = den.mul_add(add, self.den[h] * keep);
+        rescale_add(dst, keep, num, add);
+    }
+}
+
+/// `(e^a, e^b)`, compiled per instruction set so `exp`'s rounding and
+/// multiply-adds are instructions, not library calls.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn fold_weights(a: f32, b: f32) -> (f32, f32) {
+    (exp(a), exp(b))
+}
+
+/// `dst = add_weight · add + dst · keep`, element by element.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn rescale_add(dst: &mut [f32], keep: f32, add: &[f32], add_weight: f32) {
+    for (d, &n) in dst.iter_mut().zip(add) {
+        *d = n.mul_add(add_weight, *d * keep);
+    }
+}
+
+/// Per-thread staging and score buffers, reused across tasks.
+struct Scratch {
+    /// Keys transposed, `[head_dim][CHUNK]`.
+    keys: Vec<f32>,
+    /// Values, `[CHUNK][head_dim]`.
+    values: Vec<f32>,
+    /// One page run widened to f32 before transposing.
+    run: Vec<f32>,
+    /// Scores then weights, `[query head][CHUNK]`.
+    scores: Vec<f32>,
+    /// The tile's scaled queries, `[query head][head_dim]`.
+    queries: Vec<f32>,
+    /// One chunk's unnormalised outputs, `[query head][head_dim]`.
+    chunk_out: Vec<f32>,
+    /// One chunk's maximum score per query head.
+    chunk_max: Vec<f32>,
+    /// One chunk's softmax denominator per query head.
+    chunk_den: Vec<f32>,
+}
+
+thread_local! {
+    /// Each compute thread's scratch, grown to the largest model it served.
+    static SCRATCH: std::cell::RefCell<Scratch> = const {
+        std::cell::RefCell::new(Scratch {
+            keys: Vec::new(),
+            values: Vec::new(),
+            run: Vec::new(),
+            scores: Vec::new(),
+            queries: Vec::new(),
+            chunk_out: Vec::new(),
+            chunk_max: Vec::new(),
+            chunk_den: Vec::new(),
+        })
+    };
+}
+
+impl Scratch {
+    /// Makes every buffer at least as large as a tile of `query_heads`
+    /// heads of `head_dim` needs. Contents are whatever the last chunk
+    /// left: staging and the kernels write every cell they later read.
+    fn fit(&mut self, head_dim: usize, query_heads: usize) {
+        let grow = |v: &mut Vec<f32>, len: usize| {
+            if v.len() < len {
+                v.resize(len, 0.0);
+            }
+        };
+        grow(&mut self.keys, head_dim * CHUNK);
+        grow(&mut self.values, CHUNK * head_dim);
+        grow(&mut self.scores, query_heads * CHUNK);
+        grow(&mut self.queries, query_heads * head_dim);
+        grow(&mut self.chunk_out, query_heads * head_dim);
+        grow(&mut self.chunk_max, query_heads);
+        grow(&mut self.chunk_den, query_heads);
+    }
+}
+
+/// One unit of parallel work (see the module docs).
+#[derive(Debug, Clone, Copy)]
+struct Task {
+    seq: usize,
+    /// First row of the tile, within its sequence.
+    row: usize,
+    rows: usize,
+    kv_head: usize,
+    /// Chunks `chunks.0..chunks.1`, folded in order.
+    chunks: (usize, usize),
+}
+
+/// Attention of every row of every sequence for one `layer`, written to
+/// `out` as `[row][num_heads][head_dim]` rows in batch order. `None`
+/// sequences failed earlier: their rows are zeros.
+pub fn attend<E: KvValue>(
+    config: &ModelConfig,
+    layer: usize,
+    batch: &[Option<SequenceQueries<'_, '_, E>>],
+    rows_of: &[usize],
+    out: &mut [f32],
+) {
+    let hd = config.head_dim;
+    let group = config.num_heads / config.num_kv_heads;
+    let q_dim = config.q_dim();
+    assert_eq!(
+        out.len(),
+        rows_of.iter().sum::<usize>() * q_dim,
+        "attention output must hold every row of the pass"
+    );
+    let mut tasks = Vec::new();
+    let mut macs = 0usize;
+    for (seq, part) in batch.iter().enumerate() {
+        let Some(part) = part else { continue };
+        assert_eq!(
+            part.rows, rows_of[seq],
+            "a sequence's rows must match the pass's"
+        );
+        assert!(
+            part.view.len() >= part.past + part.rows,
+            "the view must cover every position the rows attend to"
+        );
+        let single_tile = part.rows <= TILE_ROWS;
+        for row in (0..part.rows).step_by(TILE_ROWS) {
+            let rows = TILE_ROWS.min(part.rows - row);
+            let chunks = (part.past + row + rows).div_ceil(CHUNK);
+            macs += rows * (part.past + row + rows) * q_dim * 2;
+            for kv_head in 0..config.num_kv_heads {
+                if single_tile && chunks > 1 {
+                    tasks.extend((0..chunks).map(|c| Task {
+                        seq,
+                        row,
+                        rows,
+                        kv_head,
+                        chunks: (c, c + 1),
+                    }));
+                } else {
+                    tasks.push(Task {
+                        seq,
+                        row,
+                        rows,
+                        kv_head,
+                        chunks: (0, chunks),
+                    });
+                }
+            }
+        }
+    }
+    let run = |task: &Task| {
+        let part = batch[task.seq]
+            .as_ref()
+            .expect("tasks exist only for live sequences");
+        let state = SCRATCH.with_borrow_mut(|scratch| {
+            scratch.fit(hd, TILE_ROWS * group);
+            run_task(config, layer, part, task, scratch)
+        });
+        (*task, state)
+    };
+    let results: Vec<(Task, State)> = if macs >= PARALLEL_MIN_MACS {
+        tasks.par_iter().map(run).collect()
+    } else {
+        tasks.iter().map(run).collect()
+    };
+
+    // Row offsets of each sequence in `out`.
+    let mut first_row = Vec::with_capacity(rows_of.len());
+    let mut next = 0;
+    for &n in rows_of {
+        first_row.push(next);
+        next += n;
+    }
+    for (seq, part) in batch.iter().enumerate() {
+        if part.is_none() {
+            let rows = first_row[seq]..first_row[seq] + rows_of[seq];
+            out[rows.start * q_dim..rows.end * q_dim].fill(0.0);
+        }
+    }
+    // Tasks of one (tile, KV head) are adjacent and in chunk order: fold
+    // each run into its first state, then normalise.
+    let mut results = results.into_iter().peekable();
+    while let Some((task, mut state)) = results.next() {
+        let part = batch[task.seq]
+            .as_ref()
+            .expect("tasks exist only for live sequences");
+        while let Some((later, chunk_state)) = results
+            .next_if(|(t, _)| (t.seq, t.row, t.kv_head) == (task.seq, task.row, task.kv_head))
+        {
+            let start = later.chunks.0 * CHUNK;
+            for r in 0..task.rows {
+                if start > part.past + task.row + r {
+                    continue;
+                }
+                for h in r * group..(r + 1) * group {
+                    state.fold(
+                        h,
+                        false,
+                        chunk_state.max[h],
+                        chunk_state.den[h],
+                        &chunk_state.num[h * hd..(h + 1) * hd],
+                    );
+                }
+            }
+        }
+        for r in 0..task.rows {
+            let line = (first_row[task.seq] + task.row + r) * q_dim;
+            let heads = &mut out[line + task.kv_head * group * hd..][..group * hd];
+            for g in 0..group {
+                let h = r * group + g;
+                let inv = 1.0 / state.den[h];
+                for (o, &n) in heads[g * hd..(g + 1) * hd]
+                    .iter_mut()
+                    .zip(&state.num[h * hd..(h + 1) * hd])
+                {
+                    *o = n * inv;
+                }
+            }
+        }
+    }
+}
+
+/// Runs one task: its tile's query heads of one KV group over its chunks,
+/// folded in order. Heads of rows that see none of a chunk skip it.
+fn run_task<E: KvValue>(
+    config: &ModelConfig,
+    layer: usize,
+    part: &SequenceQueries<'_, '_, E>,
+    task: &Task,
+    scratch: &mut Scratch,
+) -> State {
+    let hd = config.head_dim;
+    let group = config.num_heads / config.num_kv_heads;
+    let heads = task.rows * group;
+    let scale = 1.0 / (hd as f32).sqrt();
+    for r in 0..task.rows {
+        let line = &part.queries[(task.row + r) * part.stride..];
+        let src = &line[task.kv_head * group * hd..(task.kv_head + 1) * group * hd];
+        let dst = &mut scratch.queries[r * group * hd..(r + 1) * group * hd];
+        for (d, &q) in dst.iter_mut().zip(src) {
+            *d = q * scale;
+        }
+    }
+    let mut state = State::new(heads, hd);
+    for c in task.chunks.0..task.chunks.1 {
+        let start = c * CHUNK;
+        let tile_end = part.past + task.row + task.rows;
+        let len = CHUNK.min(tile_end - start);
+        stage(part.view, layer, task.kv_head, start, len, hd, scratch);
+        let cols = len.next_multiple_of(KEY_STEP);
+        let Scratch {
+            keys,
+            values,
+            scores,
+            queries,
+            chunk_out,
+            chunk_max,
+            chunk_den,
+            ..
+        } = scratch;
+        chunk_kernel(
+            ChunkData {
+                queries: &queries[..heads * hd],
+                keys,
+                values,
+                scores,
+                out: chunk_out,
+                max: chunk_max,
+                den: chunk_den,
+            },
+            ChunkShape {
+                heads,
+                group,
+                head_dim: hd,
+                cols,
+                start,
+                first_row_end: part.past + task.row + 1,
+                len,
+            },
+        );
+        for r in 0..task.rows {
+            let upto = part.past + task.row + r + 1;
+            if start >= upto {
+                continue;
+            }
+            for g in 0..group {
+                let h = r * group + g;
+                state.fold(
+                    h,
+                    c == task.chunks.0,
+                    chunk_max[h],
+                    chunk_den[h],
+                    &chunk_out[h * hd..(h + 1) * hd],
+                );
+            }
+        }
+    }
+    state
+}
+
+/// Copies positions `start..start + len` of one KV head into the scratch:
+/// keys transposed and zero-padded to a whole [`KEY_STEP`], values as rows.
+fn stage<E: KvValue>(
+    view: &ReadView<'_, E>,
+    layer: usize,
+    kv_head: usize,
+    start: usize,
+    len: usize,
+    hd: usize,
+    scratch: &mut Scratch,
+) {
+    debug_assert!(len > 0 && len <= CHUNK);
+    let page_size = view.page_size();
+    let mut pos = start;
+    while pos < start + len {
+        let (page, slot) = (pos / page_size, pos % page_size);
+        let run = (page_size - slot).min(start + len - pos);
+        let j = pos - start;
+        let keys = &view.keys(page, layer, kv_head)[slot * hd..(slot + run) * hd];
+        let values = &view.values(page, layer, kv_head)[slot * hd..(slot + run) * hd];
+        widen_fast(values, &mut scratch.values[j * hd..(j + run) * hd]);
+        let fast = transpose_fast(keys, run, hd, &mut scratch.keys, j);
+        if fast < run {
+            scratch.run.resize((run - fast) * hd, 0.0);
+            E::widen(&keys[fast * hd..], &mut scratch.run);
+            transpose_into(&scratch.run, run - fast, hd, &mut scratch.keys, j + fast);
+        }
+        pos += run;
+    }
+    for d in 0..hd {
+        scratch.keys[d * CHUNK + len..d * CHUNK + len.next_multiple_of(KEY_STEP)].fill(0.0);
+    }
+}
+
+/// Stages the keys of `run` it can by SIMD (whole 8 × 8 blocks) and
+/// returns how many; the portable loop stages the rest.
+fn transpose_fast<E: KvValue>(
+    run: &[E],
+    n: usize,
+    hd: usize,
+    keys: &mut [f32],
+    first: usize,
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = avx2::Avx2::detect() {
+        return avx2::transpose(cpu, run, n, hd, keys, CHUNK, first);
+    }
+    let _ = (run, n, hd, keys, first);
+    0
+}
+
+/// Widens `src` into `dst` by SIMD where there is one.
+fn widen_fast<E: KvValue>(src: &[E], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = avx2::Avx2::detect() {
+        let done = avx2::widen(cpu, src, dst);
+        E::widen(&src[done..], &mut dst[done..]);
+        return;
+    }
+    E::widen(src, dst);
+}
+
+/// `keys[d][first + j] = run[j][d]`.
+fn transpose_into(run: &[f32], n: usize, hd: usize, keys: &mut [f32], first: usize) {
+    for d in 0..hd {
+        let column = &mut keys[d * CHUNK + first..d * CHUNK + first + n];
+        for (j, k) in column.iter_mut().enumerate() {
+            *k = run[j * hd + d];
+        }
+    }
+}
+
+/// Sizes of one chunk's kernel call.
+#[derive(Debug, Clone, Copy)]
+struct ChunkShape {
+    /// Query heads (tile rows × group), row-major.
+    heads: usize,
+    group: usize,
+    head_dim: usize,
+    /// Staged key columns, a multiple of [`KEY_STEP`].
+    cols: usize,
+    /// The chunk's first position.
+    start: usize,
+    /// The tile's first row sees positions `< first_row_end`; row `r`, `r`
+    /// more.
+    first_row_end: usize,
+    /// Staged positions.
+    len: usize,
+}
+
+/// The buffers of one chunk's kernel call.
+struct ChunkData<'a> {
+    /// Scaled queries, `[head][head_dim]`.
+    queries: &'a [f32],
+    /// Staged keys, `[head_dim][CHUNK]`.
+    keys: &'a [f32],
+    /// Staged values, `[CHUNK][head_dim]`.
+    values: &'a [f32],
+    /// Scores, then weights, `[head][CHUNK]`.
+    scores: &'a mut [f32],
+    /// Unnormalised outputs, `[head][head_dim]`.
+    out: &'a mut [f32],
+    /// Maximum score per head.
+    max: &'a mut [f32],
+    /// Softmax denominator per head.
+    den: &'a mut [f32],
+}
+
+/// Scores, softmax and weighted values of one chunk for a tile's query
+/// heads: per head its maximum, denominator and unnormalised output. Heads
+/// whose row sees no position of the chunk are left as they were.
+///
+/// Compiled for several instruction sets and picked by CPU features; every
+/// product-and-sum is `f32::mul_add`, rounded once, so every variant gives
+/// the same bits.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
+    let ChunkData {
+        queries,
+        keys,
+        values,
+        scores,
+        out,
+        max: maxes,
+        den: dens,
+    } = data;
+    let ChunkShape {
+        heads,
+        group,
+        head_dim: hd,
+        cols,
+        start,
+        first_row_end,
+        len,
+    } = shape;
+    // Scores: up to QUERY_STEP heads × KEY_STEP keys in registers.
+    let mut h = 0;
+    while h < heads {
+        let step = QUERY_STEP.min(heads - h);
+        let q = &queries[h * hd..(h + step) * hd];
+        let s = &mut scores[h * CHUNK..(h + step) * CHUNK];
+        match step {
+            4 => score_step::<4>(q, keys, hd, cols, s),
+            3 => score_step::<3>(q, keys, hd, cols, s),
+            2 => score_step::<2>(q, keys, hd, cols, s),
+            _ => score_step::<1>(q, keys, hd, cols, s),
+        }
+        h += step;
+    }
+    // Softmax within the chunk, per head over the positions its row sees.
+    for h in 0..heads {
+        let n = (first_row_end + h / group).saturating_sub(start).min(len);
+        if n == 0 {
+            continue;
+        }
+        let row = &mut scores[h * CHUNK..(h + 1) * CHUNK];
+        let max = row[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        for s in &mut row[..n] {
+            *s = exp(*s - max);
+        }
+        let padded = n.next_multiple_of(SUM_LANES);
+        row[n..padded].fill(0.0);
+        let mut lanes = [0.0f32; SUM_LANES];
+        for block in row[..padded].chunks_exact(SUM_LANES) {
+            for (l, &e) in lanes.iter_mut().zip(block) {
+                *l += e;
+            }
+        }
+        maxes[h] = max;
+        dens[h] = lanes.iter().sum::<f32>();
+    }
+    // Weighted values: the heads of one row see the same positions, so
+    // they share each loaded value row.
+    for r in 0..heads / group {
+        let n = (first_row_end + r).saturating_sub(start).min(len);
+        if n == 0 {
+            continue;
+        }
+        let mut g = 0;
+        while g < group {
+            let step = QUERY_STEP.min(group - g);
+            let h = r * group + g;
+            let w = &scores[h * CHUNK..(h + step) * CHUNK];
+            let o = &mut out[h * hd..(h + step) * hd];
+            match step {
+                4 => value_step::<4>(w, values, hd, n, o),
+                3 => value_step::<3>(w, values, hd, n, o),
+                2 => value_step::<2>(w, values, hd, n, o),
+                _ => value_step::<1>(w, values, hd, n, o),
+            }
+            g += step;
+        }
+    }
+}
+
+/// Scores of `Q` heads against every staged key column: each the fused
+/// chain over `d` ascending. Inlined into each instruction-set variant.
+#[inline(always)]
+fn score_step<const Q: usize>(
+    queries: &[f32],
+    keys: &[f32],
+    hd: usize,
+    cols: usize,
+    scores: &mut [f32],
+) {
+    for j in (0..cols).step_by(KEY_STEP) {
+        let mut acc = [[0.0f32; KEY_STEP]; Q];
+        for d in 0..hd {
+            let k: &[f32; KEY_STEP] = keys[d * CHUNK + j..][..KEY_STEP]
+                .try_into()
+                .expect("a key step is KEY_STEP wide");
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let q = queries[i * hd + d];
+                for (a, &kk) in acc.iter_mut().zip(k) {
+                    *a = q.mul_add(kk, *a);
+                }
+            }
+        }
+        for (i, acc) in acc.iter().enumerate() {
+            scores[i * CHUNK + j..][..KEY_STEP].copy_from_slice(acc);
+        }
+    }
+}
+
+/// Dimensions of the value accumulators kept in registers at once.
+const DIM_STEP: usize = 16;
+
+/// Unnormalised outputs of `Q` heads over the first `n` staged values: per
+/// element the fused chain over positions ascending.
+#[inline(always)]
+fn value_step<const Q: usize>(
+    weights: &[f32],
+    values: &[f32],
+    hd: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let mut d = 0;
+    while d < hd {
+        let width = DIM_STEP.min(hd - d);
+        if width == DIM_STEP {
+            let mut acc = [[0.0f32; DIM_STEP]; Q];
+            for j in 0..n {
+                let v: &[f32; DIM_STEP] = values[j * hd + d..][..DIM_STEP]
+                    .try_into()
+                    .expect("a value step is DIM_STEP wide");
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let e = weights[i * CHUNK + j];
+                    for (a, &x) in acc.iter_mut().zip(v) {
+                        *a = e.mul_add(x, *a);
+                    }
+                }
+            }
+            for (i, acc) in acc.iter().enumerate() {
+                out[i * hd + d..][..DIM_STEP].copy_from_slice(acc);
+            }
+        } else {
+            for i in 0..Q {
+                for dd in d..d + width {
+                    let mut a = 0.0f32;
+                    for j in 0..n {
+                        a = weights[i * CHUNK + j].mul_add(values[j * hd + dd], a);
+                    }
+                    out[i * hd + dd] = a;
+                }
+            }
+        }
+        d += width;
+    }
+}
+
+/// `e^x` for `x ≤ 0`, to about one ulp, built only from operations that
+/// round the same everywhere (so it vectorises and stays bit-identical
+/// across instruction sets, unlike the platform's `expf`). Below −87 it
+/// returns `e^−87` (a normal number, far below any weight that matters);
+/// NaN stays NaN.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split so that n · LN2_HI is exact for the n that occur.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = if x < -87.0 { -87.0 } else { x };
+    let n = (x * LOG2_E).round_ties_even();
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    // Minimax polynomial for (e^r − 1 − r) / r² on |r| ≤ ln 2 / 2.
+    let mut p = 1.987_569_2e-4f32;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 0.5);
+    let e = p.mul_add(r * r, r) + 1.0;
+    // 2^n for n in −126..=0: the exponent field alone.
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    e * scale
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulp_of_the_platform_on_its_domain() {
+        let mut worst = 0u32;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let (ours, theirs) = (exp(x), x.exp());
+            let ulps = ours.to_bits().abs_diff(theirs.to_bits());
+            worst = worst.max(ulps);
+            x += 0.000_37;
+        }
+        assert!(worst <= 2, "exp is {worst} ulp from the platform's");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(
+            exp(f32::NAN).is_nan(),
+            "NaN (poisoned KV) must not be hidden"
+        );
+        assert!(exp(-1000.0) > 0.0 && exp(-1000.0) < 1e-37);
+    }
+
+    fn staged_both_ways<E: KvValue>(make: impl Fn(f32) -> E) {
+        let (n, hd) = (21, 64);
+        let run: Vec<E> = (0..n * hd)
+            .map(|i| make(((i * 7919) % 1000) as f32 / 250.0 - 2.0))
+            .collect();
+        let mut fast = vec![f32::NAN; hd * CHUNK];
+        let done = transpose_fast(&run, n, hd, &mut fast, 3);
+        let mut wide = vec![0.0; (n - done) * hd];
+        E::widen(&run[done * hd..], &mut wide);
+        transpose_into(&wide, n - done, hd, &mut fast, 3 + done);
+        let mut all = vec![0.0; n * hd];
+        E::widen(&run, &mut all);
+        let mut slow = vec![f32::NAN; hd * CHUNK];
+        transpose_into(&all, n, hd, &mut slow, 3);
+        for d in 0..hd {
+            for j in 3..3 + n {
+                let (a, b) = (fast[d * CHUNK + j], slow[d * CHUNK + j]);
+                assert_eq!(a.to_bits(), b.to_bits(), "key {j}, dimension {d}");
+            }
+        }
+        let mut widened = vec![0.0; n * hd];
+        widen_fast(&run, &mut widened);
+        assert_eq!(widened, all, "SIMD widening must equal the portable one");
+    }
+
+    #[test]
+    fn simd_staging_stores_what_the_portable_loop_stores() {
+        staged_both_ways(|x| x);
+        staged_both_ways(f16::from_f32);
+        staged_both_ways(bf16::from_f32);
+    }
+}
