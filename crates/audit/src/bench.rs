@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::json;
 
+use crate::AuditError;
 use crate::stream::{Timeline, timed_completion};
 
 /// What to run.
@@ -39,6 +40,9 @@ pub struct BenchConfig {
     pub slo_ttft: Duration,
     /// Latency objective for TPOT (goodput).
     pub slo_tpot: Duration,
+    /// Open a new connection for every request instead of reusing idle
+    /// ones (for servers that close idle connections early).
+    pub fresh_connections: bool,
 }
 
 /// Percentiles of one latency, in milliseconds.
@@ -80,6 +84,10 @@ pub struct Report {
     pub succeeded: usize,
     /// Failures by cause (HTTP status and code, or stream error).
     pub failures: BTreeMap<String, usize>,
+    /// Requests sent a second time because the first try got no response
+    /// at all (a pooled connection the server had closed): each is retried
+    /// once, on a new connection, and counted once in the figures.
+    pub retried: usize,
     /// Wall-clock seconds of the whole run.
     pub duration_s: f64,
     /// Successful requests per second.
@@ -112,16 +120,29 @@ fn prompt(i: usize, len: usize) -> Vec<u32> {
 
 /// Runs the load and measures it.
 pub async fn run(config: &BenchConfig) -> Report {
-    let client = reqwest::Client::new();
+    let mut builder = reqwest::Client::builder();
+    if config.fresh_connections {
+        builder = builder.pool_max_idle_per_host(0);
+    }
+    let client = match builder.build() {
+        Ok(client) => client,
+        Err(error) => {
+            let mut failures = BTreeMap::new();
+            failures.insert(AuditError::http(error).to_string(), config.requests);
+            return summarize(config, Vec::new(), failures, 0, Duration::ZERO);
+        }
+    };
+    let retried = Arc::new(AtomicUsize::new(0));
     let url = format!("{}/v1/completions", config.base_url.trim_end_matches('/'));
     let next = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
     let workers = (0..config.concurrency.max(1)).map(|_| {
-        let (client, url, next, config) = (
+        let (client, url, next, config, retried) = (
             client.clone(),
             url.clone(),
             Arc::clone(&next),
             config.clone(),
+            Arc::clone(&retried),
         );
         tokio::spawn(async move {
             let mut results = Vec::new();
@@ -141,7 +162,14 @@ pub async fn run(config: &BenchConfig) -> Report {
                 }
                 let key = (!config.api_keys.is_empty())
                     .then(|| config.api_keys[i % config.api_keys.len()].as_str());
-                results.push(timed_completion(&client, &url, key, body).await);
+                let result = match timed_completion(&client, &url, key, body.clone()).await {
+                    Err(AuditError::NoResponse(_)) => {
+                        retried.fetch_add(1, Ordering::Relaxed);
+                        timed_completion(&client, &url, key, body).await
+                    }
+                    other => other,
+                };
+                results.push(result);
             }
         })
     });
@@ -155,13 +183,15 @@ pub async fn run(config: &BenchConfig) -> Report {
             }
         }
     }
-    summarize(config, timelines, failures, start.elapsed())
+    let retried = retried.load(Ordering::Relaxed);
+    summarize(config, timelines, failures, retried, start.elapsed())
 }
 
 fn summarize(
     config: &BenchConfig,
     timelines: Vec<Timeline>,
     failures: BTreeMap<String, usize>,
+    retried: usize,
     elapsed: Duration,
 ) -> Report {
     let seconds = elapsed.as_secs_f64().max(1e-9);
@@ -188,6 +218,7 @@ fn summarize(
         requests: config.requests,
         succeeded: timelines.len(),
         failures,
+        retried,
         duration_s: seconds,
         request_throughput: timelines.len() as f64 / seconds,
         output_token_throughput: output as f64 / seconds,
@@ -210,6 +241,13 @@ impl std::fmt::Display for Report {
         )?;
         for (cause, n) in &self.failures {
             writeln!(f, "  {n} × {cause}")?;
+        }
+        if self.retried > 0 {
+            writeln!(
+                f,
+                "retried             {} (no response on the first try)",
+                self.retried
+            )?;
         }
         writeln!(f, "duration            {:.2} s", self.duration_s)?;
         writeln!(
@@ -265,6 +303,7 @@ mod tests {
             output_len: 3,
             slo_ttft: Duration::from_millis(100),
             slo_tpot: Duration::from_millis(10),
+            fresh_connections: false,
         };
         let timeline = |first: u64, total: u64| Timeline {
             first_token: Duration::from_millis(first),
@@ -278,6 +317,7 @@ mod tests {
             &config,
             vec![timeline(50, 60), timeline(200, 210), timeline(50, 150)],
             BTreeMap::new(),
+            0,
             Duration::from_secs(1),
         );
         assert_eq!(report.goodput, 1.0);

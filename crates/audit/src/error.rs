@@ -5,9 +5,13 @@
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum AuditError {
-    /// The connection failed.
+    /// The connection failed (the message carries the whole cause chain).
     #[error("request failed: {0}")]
     Http(String),
+    /// The connection failed before any response arrived: the server may
+    /// have closed a pooled connection as the request went out.
+    #[error("request failed before a response: {0}")]
+    NoResponse(String),
     /// The server answered with an error status (its OpenAI error code, if any).
     #[error("server answered {status}: {code}")]
     Status {
@@ -23,6 +27,28 @@ pub enum AuditError {
 
 impl AuditError {
     pub(crate) fn http(e: reqwest::Error) -> AuditError {
-        AuditError::Http(e.without_url().to_string())
+        AuditError::Http(cause_chain(e))
     }
+
+    pub(crate) fn no_response(e: reqwest::Error) -> AuditError {
+        AuditError::NoResponse(cause_chain(e))
+    }
+}
+
+/// `error: its source: that one's source ...`, without the URL: "error
+/// sending request" alone does not say whether the peer closed, refused or
+/// timed out.
+fn cause_chain(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(cause) = source {
+        let part = cause.to_string();
+        if !text.ends_with(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = cause.source();
+    }
+    text
 }

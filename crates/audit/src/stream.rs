@@ -37,7 +37,7 @@ pub async fn timed_completion(
         request = request.bearer_auth(key);
     }
     let start = Instant::now();
-    let response = request.send().await.map_err(AuditError::http)?;
+    let response = request.send().await.map_err(AuditError::no_response)?;
     let status = response.status().as_u16();
     if status != 200 {
         let code = response

@@ -36,6 +36,11 @@ pub(crate) struct BenchArgs {
     /// Time-per-output-token objective for goodput, in milliseconds.
     #[arg(long, default_value_t = 200)]
     slo_tpot_ms: u64,
+    /// Open a new connection for every request. Without it idle
+    /// connections are reused, and a request whose connection the server
+    /// had closed (no response at all) is sent once more on a new one.
+    #[arg(long)]
+    fresh_connections: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -56,6 +61,7 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         output_len: args.output_len,
         slo_ttft: Duration::from_millis(args.slo_ttft_ms),
         slo_tpot: Duration::from_millis(args.slo_tpot_ms),
+        fresh_connections: args.fresh_connections,
     };
     eprintln!(
         "{} requests, {} at a time, {} prompt + {} output tokens each, against {}",
