@@ -78,8 +78,9 @@ pub const CHUNK: usize = 128;
 pub const TILE_ROWS: usize = 16;
 /// Keys per score microkernel step (two 8-lane vectors).
 const KEY_STEP: usize = 16;
-/// Query heads per score and value microkernel step.
-const QUERY_STEP: usize = 4;
+/// Query heads per score and value microkernel step: 6 × 16 f32
+/// accumulators fill 12 of AVX2's 16 vector registers.
+const QUERY_STEP: usize = 6;
 /// Lanes of the softmax denominator's sum.
 const SUM_LANES: usize = 8;
 /// Multiply-adds below which a pass's attention stays on the calling
@@ -622,6 +623,8 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
         let q = &queries[h * hd..(h + step) * hd];
         let s = &mut scores[h * CHUNK..(h + step) * CHUNK];
         match step {
+            6 => score_step::<6>(q, keys, hd, cols, s),
+            5 => score_step::<5>(q, keys, hd, cols, s),
             4 => score_step::<4>(q, keys, hd, cols, s),
             3 => score_step::<3>(q, keys, hd, cols, s),
             2 => score_step::<2>(q, keys, hd, cols, s),
@@ -651,26 +654,38 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
         maxes[h] = max;
         dens[h] = lanes.iter().sum::<f32>();
     }
-    // Weighted values: the heads of one row see the same positions, so
-    // they share each loaded value row.
-    for r in 0..heads / group {
-        let n = (first_row_end + r).saturating_sub(start).min(len);
+    // Weighted values. Heads that see the same positions share each loaded
+    // value row: every head of the tile when the whole chunk lies before
+    // its first row, else the heads of one row.
+    let rows = heads / group;
+    let runs: Vec<(usize, usize, usize)> = if first_row_end >= start + len {
+        vec![(0, heads, len)]
+    } else {
+        (0..rows)
+            .map(|r| {
+                let n = (first_row_end + r).saturating_sub(start).min(len);
+                (r * group, (r + 1) * group, n)
+            })
+            .collect()
+    };
+    for (first, end, n) in runs {
         if n == 0 {
             continue;
         }
-        let mut g = 0;
-        while g < group {
-            let step = QUERY_STEP.min(group - g);
-            let h = r * group + g;
+        let mut h = first;
+        while h < end {
+            let step = QUERY_STEP.min(end - h);
             let w = &scores[h * CHUNK..(h + step) * CHUNK];
             let o = &mut out[h * hd..(h + step) * hd];
             match step {
+                6 => value_step::<6>(w, values, hd, n, o),
+                5 => value_step::<5>(w, values, hd, n, o),
                 4 => value_step::<4>(w, values, hd, n, o),
                 3 => value_step::<3>(w, values, hd, n, o),
                 2 => value_step::<2>(w, values, hd, n, o),
                 _ => value_step::<1>(w, values, hd, n, o),
             }
-            g += step;
+            h += step;
         }
     }
 }

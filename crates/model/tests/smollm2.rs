@@ -214,3 +214,81 @@ fn i9_forged_control_tokens_in_a_message_are_characters() {
         "the message's characters are in the prompt as text"
     );
 }
+
+/// Greedy decode with `elem` KV, forced along `tokens` after `prompt` when
+/// given (so two element types are compared on the same context): the
+/// logits row of every step.
+fn decode_rows(
+    prompt: &[u32],
+    steps: usize,
+    elem: ElemType,
+    forced: Option<&[u32]>,
+) -> Vec<Vec<f32>> {
+    let m = model();
+    let pool = Pool::new(&PoolSpec::new(
+        m.model.kv_shape(),
+        16,
+        elem,
+        PoolSize::Tokens(prompt.len() + steps + 16),
+    ))
+    .unwrap();
+    let mut lease = pool.lease(RequestId(1), prompt.len() + steps).unwrap();
+    let (mut past, mut input, mut rows) = (0, prompt.to_vec(), Vec::new());
+    for step in 0..steps {
+        let mut batch = [Sequence {
+            lease: &mut lease,
+            past,
+            tokens: &input,
+            logits: Logits::Last,
+        }];
+        let row = m.model.forward(&mut batch).unwrap().remove(0);
+        past += input.len();
+        let next = forced.map_or_else(|| argmax(&row), |f| f[step]);
+        rows.push(row);
+        input = vec![next];
+    }
+    rows
+}
+
+/// What f16 KV does to this model's logits, against f32 KV on the same
+/// contexts: six chat prompts, 24 greedy steps each, the f16 run forced
+/// along the f32 run's tokens. The figures go to `docs/performance.md`.
+#[test]
+fn f16_kv_moves_logits_little_and_keeps_greedy_choices() {
+    let questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain what a hash table is in two sentences.",
+        "List three prime numbers.",
+        "Translate 'good morning' into Spanish.",
+        "Why is the sky blue?",
+    ];
+    let steps = 24;
+    let (mut max_diff, mut sum_diff, mut count, mut agree, mut total) = (0.0f32, 0.0f64, 0, 0, 0);
+    for question in questions {
+        let prompt = chat_prompt(question);
+        let reference = decode_rows(&prompt, steps, ElemType::F32, None);
+        let tokens: Vec<u32> = reference.iter().map(|r| argmax(r)).collect();
+        let half = decode_rows(&prompt, steps, ElemType::F16, Some(&tokens));
+        for (a, b) in reference.iter().zip(&half) {
+            for (x, y) in a.iter().zip(b) {
+                let d = (x - y).abs();
+                max_diff = max_diff.max(d);
+                sum_diff += f64::from(d);
+                count += 1;
+            }
+            agree += usize::from(argmax(a) == argmax(b));
+            total += 1;
+        }
+    }
+    let mean_diff = sum_diff / count as f64;
+    eprintln!(
+        "f16 vs f32 KV: max |Δlogit| {max_diff:.4}, mean {mean_diff:.5}, greedy agreement {agree}/{total}"
+    );
+    assert!(max_diff > 0.0, "f16 KV must actually be stored narrower");
+    assert!(max_diff < 0.5, "f16 KV moved a logit by {max_diff}");
+    assert!(
+        agree * 100 >= total * 95,
+        "greedy agreement {agree}/{total}"
+    );
+}
