@@ -31,6 +31,7 @@ pub use link::Transport;
 pub use net::ListenLimits;
 pub use remote::client::RemoteEngine;
 pub use remote::decode::serve_routers;
+pub use remote::discovery::{PeerNames, RESOLVE_EVERY, Resolver};
 pub use remote::fleet::Fleet;
 pub use remote::prefill::{MAX_DECODE_LINKS, PrefillWorker};
 pub use remote::wire::{Hello, ModelFingerprint};

@@ -19,7 +19,7 @@ use anyhow::Context;
 use clap::Args;
 use kvfence_engine::tls::{Credentials, Role};
 use kvfence_engine::{
-    Backend, Engine, Fleet, ModelFingerprint, PrefillWorker, RemoteEngine, serve_routers,
+    Backend, Engine, Fleet, ModelFingerprint, PeerNames, PrefillWorker, serve_routers,
 };
 use kvfence_model::LoadedModel;
 use kvfence_pool::Pool;
@@ -91,11 +91,15 @@ pub(crate) struct PrefillArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct DecodeArgs {
-    /// The prefill workers to fill this worker's grants (comma-separated).
-    /// Each is dialled at start and again, with backoff, whenever its link
-    /// drops; a certificate or model that can never match stops the start.
-    #[arg(long, value_delimiter = ',', required = true)]
-    prefill: Vec<SocketAddr>,
+    /// The prefill workers to fill this worker's grants: HOST:PORT entries,
+    /// comma-separated, each an address or a DNS name. Every address a
+    /// name resolves to is a prefill worker, and names are resolved again
+    /// every 5 s, so a Kubernetes headless Service's pods join and leave
+    /// as they become ready or go. Each is dialled at start and again,
+    /// with backoff, whenever its link drops; a certificate or model that
+    /// can never match stops the start.
+    #[arg(long, value_delimiter = ',', required = true, value_name = "HOST:PORT")]
+    prefill: Vec<String>,
     #[command(flatten)]
     worker: WorkerArgs,
 }
@@ -106,12 +110,15 @@ pub(crate) struct RouterArgs {
     /// workers must run the same model). Its weights are never loaded.
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
-    /// The decode workers to send requests to (comma-separated). Per
-    /// request the router picks a decode worker and one of its prefill
-    /// workers that can hold it, least loaded first; workers that drop are
-    /// dialled again with backoff.
-    #[arg(long, value_delimiter = ',', required = true)]
-    decode: Vec<SocketAddr>,
+    /// The decode workers to send requests to: HOST:PORT entries,
+    /// comma-separated, each an address or a DNS name (every address a
+    /// name resolves to is a worker; names are resolved again every 5 s,
+    /// and a worker whose address goes finishes what it carries first).
+    /// Per request the router picks a decode worker and one of its
+    /// prefill workers that can hold it, least loaded first; workers that
+    /// drop are dialled again with backoff.
+    #[arg(long, value_delimiter = ',', required = true, value_name = "HOST:PORT")]
+    decode: Vec<String>,
     #[command(flatten)]
     tls: TlsArgs,
     #[command(flatten)]
@@ -205,12 +212,13 @@ pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
 }
 
 pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
+    let prefills = PeerNames::parse(&args.prefill, "prefill worker")?;
     let (credentials, model, pool) = start_worker(&args.worker, Role::Decode)?;
     let engine = Engine::start_decode_worker(
         Arc::clone(&model),
         pool,
         args.worker.engine.config()?,
-        &args.prefill,
+        prefills,
         &credentials,
     )
     .context("linking to the prefill workers")?;
@@ -237,28 +245,22 @@ pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
 
 pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
     init_logging();
+    let names = PeerNames::parse(&args.decode, "decode worker")?;
     let credentials = args.tls.credentials(Role::Router)?;
     let tenants = tenants(&args.http)?;
     let model = load_text_model(&args.model)?;
     let fingerprint = ModelFingerprint::of_config(&model.config);
-    let workers = args
-        .decode
-        .iter()
-        .map(|address| {
-            RemoteEngine::connect(*address, &credentials, fingerprint)
-                .with_context(|| format!("connecting to the decode worker at {address}"))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let fleet = Fleet::new(workers)?;
-    wait_for_workers(&fleet);
+    let fleet = Fleet::start(names, &credentials, fingerprint)
+        .context("connecting to the decode workers")?;
+    wait_for_workers(&fleet, &args.decode);
     serve_http(&args.http, tenants, model, Box::new(fleet))
 }
 
 /// The advertised context is computed once, from the pools the workers
-/// report: wait until every worker has answered, or, once one has, at most
-/// [`FIRST_CONTACT_WAIT`] for the rest (they join when they come up, and
-/// are only given requests their pools can hold).
-fn wait_for_workers(fleet: &Fleet) {
+/// report: wait until some worker has answered and every one has, or, once
+/// one has, at most [`FIRST_CONTACT_WAIT`] for the rest (they join when
+/// they come up, and are only given requests their pools can hold).
+fn wait_for_workers(fleet: &Fleet, names: &[String]) {
     const FIRST_CONTACT_WAIT: Duration = Duration::from_secs(10);
     let started = Instant::now();
     let mut first_contact: Option<Instant> = None;
@@ -274,6 +276,8 @@ fn wait_for_workers(fleet: &Fleet) {
         if said.elapsed() >= Duration::from_secs(5) {
             info!(
                 waited_s = started.elapsed().as_secs(),
+                names = ?names,
+                members = ?fleet.member_addresses(),
                 "waiting for the decode workers to answer"
             );
             said = Instant::now();

@@ -208,6 +208,9 @@ impl Collector for WorkerMetrics {
                 ConstCounter::new(value(w)).encode(family.encode_family(&label(w))?)?;
             }
         }
+        if let Some(gauges) = ProcessGauges::of(&workers) {
+            gauges.encode(&mut encoder)?;
+        }
         let mut family = encoder.encode_descriptor(
             "handoffs",
             "KV hand-offs ended, by worker and outcome (committed, failed).",
@@ -226,6 +229,106 @@ impl Collector for WorkerMetrics {
                 ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
             }
         }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheInfoLabels {
+    /// Token slots per KV page (vLLM's label name, which endpoint pickers
+    /// parse).
+    block_size: String,
+    /// KV pages in those pools (vLLM's label name).
+    num_gpu_blocks: String,
+}
+
+/// One unlabelled series per gauge for this process as a whole, as the
+/// Gateway API Inference Extension's endpoint picker scrapes a model
+/// server (docs/deployment.md): requests waiting, requests running, the
+/// fraction of KV pages in use and the KV pages' shape. The KV figures
+/// are over the pools that hold requests while they decode (decode and
+/// colocated pools), or, on a prefill worker, its own pool.
+struct ProcessGauges {
+    waiting: usize,
+    running: usize,
+    usage: f64,
+    page_size: usize,
+    pages: usize,
+}
+
+impl ProcessGauges {
+    /// None when no worker reported (unreachable): no series, rather than
+    /// zeros nobody measured.
+    fn of(workers: &[WorkerSnapshot]) -> Option<ProcessGauges> {
+        if workers.is_empty() {
+            return None;
+        }
+        let pools: Vec<&PoolStats> = workers
+            .iter()
+            .flat_map(|w| &w.pools)
+            .map(|(_, s)| s)
+            .collect();
+        let decoding: Vec<&PoolStats> = workers
+            .iter()
+            .flat_map(|w| &w.pools)
+            .filter(|(role, _)| *role != "prefill")
+            .map(|(_, s)| s)
+            .collect();
+        let pools = if decoding.is_empty() { pools } else { decoding };
+        let pages: usize = pools.iter().map(|s| s.num_pages).sum();
+        // Cached pages nobody reads are evicted the moment a lease needs
+        // them: free, for a picker's purposes.
+        let in_use: usize = pools
+            .iter()
+            .map(|s| s.num_pages - s.free_pages - s.idle_shared_pages)
+            .sum();
+        Some(ProcessGauges {
+            waiting: workers.iter().map(|w| w.engine.queued).sum(),
+            running: workers.iter().map(|w| w.engine.running).sum(),
+            usage: if pages == 0 {
+                0.0
+            } else {
+                in_use as f64 / pages as f64
+            },
+            page_size: pools.first().map_or(0, |s| s.page_size),
+            pages,
+        })
+    }
+
+    fn encode(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for (name, help, value) in [
+            (
+                "requests_waiting",
+                "Requests waiting for KV pages, over every worker this process reports (an endpoint picker's queue depth).",
+                self.waiting,
+            ),
+            (
+                "requests_running",
+                "Requests holding KV pages, over every worker this process reports.",
+                self.running,
+            ),
+        ] {
+            let family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            ConstGauge::new(value as i64).encode(family)?;
+        }
+        let family = encoder.encode_descriptor(
+            "kv_cache_usage_ratio",
+            "Fraction of KV pages in use (0 to 1) in the pools that hold decoding requests (a prefill worker: its own); evictable cached pages count as free.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(self.usage).encode(family)?;
+        let mut family = encoder.encode_descriptor(
+            "kv_cache_info",
+            "The KV pages' shape, in labels as endpoint pickers read them: block_size is tokens per page, num_gpu_blocks the pages in those pools (memory, not a GPU's). Always 1.",
+            None,
+            MetricType::Gauge,
+        )?;
+        let labels = CacheInfoLabels {
+            block_size: self.page_size.to_string(),
+            num_gpu_blocks: self.pages.to_string(),
+        };
+        ConstGauge::new(1).encode(family.encode_family(&labels)?)?;
         Ok(())
     }
 }
@@ -364,12 +467,10 @@ impl Metrics {
     /// a worker missing from `workers` (unreachable) has no series at all —
     /// absent, never a stale value or a zero it did not report.
     pub fn render(&self, workers: &[WorkerSnapshot]) -> String {
-        let mut latest = lock(&self.workers.latest);
-        *latest = workers.to_vec();
-        // Encoded while the lock is held, so a concurrent scrape cannot
-        // swap the snapshot between storing and encoding it.
+        *lock(&self.workers.latest) = workers.to_vec();
+        // Two scrapes at once may each encode the other's snapshot: both
+        // are current, and each is encoded whole under the collector's lock.
         let mut out = String::new();
-        drop(latest);
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out

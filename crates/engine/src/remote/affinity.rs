@@ -24,8 +24,9 @@ const CAPACITY: usize = 16_384;
 /// A (decode worker, prefill worker) pair, as the router names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Pair {
-    /// The decode worker's index in the fleet.
-    pub(crate) decode: usize,
+    /// The decode worker's address: stable while it is a member, where an
+    /// index would shift as workers join and leave.
+    pub(crate) decode: std::net::SocketAddr,
     /// The prefill worker's name.
     pub(crate) prefill: String,
 }
@@ -144,9 +145,9 @@ mod tests {
         }
     }
 
-    fn pair(decode: usize) -> Pair {
+    fn pair(decode: u16) -> Pair {
         Pair {
-            decode,
+            decode: std::net::SocketAddr::from(([127, 0, 0, 1], 9000 + decode)),
             prefill: format!("p{decode}"),
         }
     }

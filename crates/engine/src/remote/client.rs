@@ -52,7 +52,9 @@ struct InFlight {
 /// One live link to the worker; replaced by a new one after a reconnect.
 #[derive(Default)]
 struct Connection {
-    out: Option<mpsc::Sender<Control>>,
+    /// The writer's queue; taken to close the link (the writer ends, and
+    /// dropping its half of the link closes it).
+    out: Mutex<Option<mpsc::Sender<Control>>>,
     in_flight: Mutex<HashMap<u64, InFlight>>,
     replies: Mutex<HashMap<u64, oneshot::Sender<Result<(), Refusal>>>>,
     /// Stats requests waiting for their answer, by id.
@@ -62,9 +64,16 @@ struct Connection {
 
 impl Connection {
     fn send(&self, control: Control) -> bool {
-        self.out
+        lock(&self.out)
             .as_ref()
             .is_some_and(|out| out.send(control).is_ok())
+    }
+
+    /// Ends the link from this side: nothing more is sent, and the worker
+    /// sees it close.
+    fn close(&self) {
+        self.alive.store(false, Ordering::Release);
+        lock(&self.out).take();
     }
 
     fn is_alive(&self) -> bool {
@@ -322,7 +331,7 @@ impl Drop for RemoteEngine {
     fn drop(&mut self) {
         self.state.stop.store(true, Ordering::Release);
         if let Some(connection) = self.state.connection() {
-            connection.alive.store(false, Ordering::Release);
+            connection.close();
         }
     }
 }
@@ -367,7 +376,7 @@ impl Keeper {
         let Link { tx, rx, .. } = link;
         let (out, out_rx) = mpsc::channel::<Control>();
         let connection = Arc::new(Connection {
-            out: Some(out),
+            out: Mutex::new(Some(out)),
             alive: AtomicBool::new(true),
             ..Connection::default()
         });
@@ -520,7 +529,7 @@ impl crate::Backend for RemoteEngine {
     fn shutdown(&self) {
         self.state.stop.store(true, Ordering::Release);
         if let Some(connection) = self.state.connection() {
-            connection.alive.store(false, Ordering::Release);
+            connection.close();
         }
     }
 }

@@ -3,15 +3,19 @@
 //!
 //! Each prefill address has a keeper thread that dials it, checks its
 //! `Hello` (protocol, model, page size), hands the link to the scheduler
-//! (`PeerUp`), waits for the link to end, and dials again with backoff. The
+//! (`PeerUp`), waits for the link to end, and dials again with backoff.
+//! The addresses are what the prefill names ([`PeerNames`]) resolve to,
+//! again every few seconds: a new address gets a keeper; a keeper whose
+//! address left the names keeps its link while it lasts (hand-offs in
+//! flight finish) and ends instead of dialling again. The
 //! scheduler fails only the hand-offs the lost link was filling and sends
 //! new grants to the prefill workers still linked; with none, requests are
 //! refused as unavailable and the worker reports not ready.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, Mutex, Weak, mpsc};
 
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
@@ -19,6 +23,7 @@ use kvfence_model::{LoadedModel, StopStrings};
 use kvfence_pool::{ElemType, Pool};
 use tracing::{info, warn};
 
+use super::discovery::{Membership, PeerNames};
 use super::wire::{
     Control, Hello, ModelFingerprint, PROTOCOL, Refusal, WireEvent, WirePool, WireStats,
     parse_control, send_control,
@@ -37,51 +42,72 @@ use crate::scheduler::{Command, PeerId};
 const MAX_ROUTER_LINKS: usize = 64;
 
 impl Engine {
-    /// A decode worker whose prefill workers are other processes at
-    /// `prefills`. Each is dialled now: a certificate or model that can
-    /// never work is an error here; one that is merely unreachable is
-    /// dialled again in the background, as is any link that drops later.
+    /// A decode worker whose prefill workers are other processes at the
+    /// addresses `prefills` resolve to. Each is dialled now: a certificate
+    /// or model that can never work is an error here; one that is merely
+    /// unreachable is dialled again in the background, as is any link that
+    /// drops later, and the names are resolved again in the background.
     pub fn start_decode_worker(
         model: Arc<LoadedModel>,
         pool: Pool,
         config: EngineConfig,
-        prefills: &[SocketAddr],
+        prefills: PeerNames,
         credentials: &Credentials,
     ) -> Result<Engine, EngineError> {
         let (page_size, kv_dtype) = (pool.geometry().page_size, pool.geometry().elem);
         let engine = Engine::decode_worker(model, pool, config, false);
-        let ids = Arc::new(AtomicU64::new(0));
-        for &address in prefills {
-            let keeper = PrefillKeeper {
-                address,
+        let keepers = Keepers {
+            template: KeeperTemplate {
                 credentials: credentials.clone(),
                 model: ModelFingerprint::of(engine.model()),
                 page_size,
                 kv_dtype,
                 commands: engine.commands(),
                 directory: engine.prefill_directory(),
-                ids: Arc::clone(&ids),
-            };
-            let first = match keeper.dial() {
-                Ok(link) => Some(link),
-                Err(error) if is_transient(&error) => {
-                    warn!(%address, %error, "prefill worker unreachable; dialling again in the background");
-                    None
-                }
-                Err(error) => return Err(error),
-            };
-            std::thread::Builder::new()
-                .name("kvfence-prefill-keeper".into())
-                .spawn(move || keeper.run(first))
-                .map_err(io)?;
+                ids: Arc::new(AtomicU64::new(0)),
+            },
+            wanted: Arc::default(),
+        };
+        let every = prefills.resolve_every();
+        let mut membership = Membership::new(prefills);
+        for address in membership.refresh() {
+            keepers.keep(address, true)?;
         }
+        let directory = Arc::downgrade(&engine.prefill_directory());
+        std::thread::Builder::new()
+            .name("kvfence-prefill-discovery".into())
+            .spawn(move || discover_prefills(&keepers, &mut membership, every, &directory))
+            .map_err(io)?;
         Ok(engine)
     }
 }
 
-/// Keeps one prefill link up for a decode worker.
-struct PrefillKeeper {
-    address: SocketAddr,
+/// Resolves the prefill names every `every` and keeps exactly their
+/// addresses, for as long as the decode worker (its directory) lives.
+fn discover_prefills(
+    keepers: &Keepers,
+    membership: &mut Membership,
+    every: std::time::Duration,
+    directory: &Weak<PrefillDirectory>,
+) {
+    loop {
+        std::thread::sleep(every);
+        if directory.strong_count() == 0 {
+            return;
+        }
+        let wanted = membership.refresh();
+        keepers.release_all_but(&wanted);
+        for address in wanted {
+            if let Err(error) = keepers.keep(address, false) {
+                warn!(%address, %error, "a prefill worker the names resolve to was refused");
+            }
+        }
+    }
+}
+
+/// What every prefill keeper of one decode worker shares.
+#[derive(Clone)]
+struct KeeperTemplate {
     credentials: Credentials,
     model: ModelFingerprint,
     page_size: usize,
@@ -91,12 +117,82 @@ struct PrefillKeeper {
     ids: Arc<AtomicU64>,
 }
 
+/// The keepers running, by address, each with whether its address is
+/// still one the names resolve to. An entry exists exactly while its
+/// keeper runs: a keeper removes its own entry, under the lock, when it
+/// finds itself unwanted, so an address is never kept twice and never
+/// dropped while wanted.
+struct Keepers {
+    template: KeeperTemplate,
+    wanted: Arc<Mutex<HashMap<SocketAddr, bool>>>,
+}
+
+impl Keepers {
+    /// Makes sure a keeper runs for `address`. The first time, it dials
+    /// now when `dial_now` (a refusal that can never change is returned);
+    /// otherwise the keeper dials on its own thread.
+    fn keep(&self, address: SocketAddr, dial_now: bool) -> Result<(), EngineError> {
+        if let Some(flag) = lock(&self.wanted).get_mut(&address) {
+            *flag = true;
+            return Ok(());
+        }
+        let keeper = PrefillKeeper {
+            address,
+            shared: self.template.clone(),
+            wanted: Arc::clone(&self.wanted),
+        };
+        // Dialled outside the lock: a dial may take seconds. Only this
+        // thread adds entries, so the address is still not kept after it.
+        let first = if dial_now {
+            match keeper.dial() {
+                Ok(link) => Some(link),
+                Err(error) if is_transient(&error) => {
+                    warn!(%address, %error, "prefill worker unreachable; dialling again in the background");
+                    None
+                }
+                Err(error) => return Err(error),
+            }
+        } else {
+            None
+        };
+        let fresh = lock(&self.wanted).insert(address, true).is_none();
+        assert!(
+            fresh,
+            "only the discovery thread adds keepers, one per address"
+        );
+        std::thread::Builder::new()
+            .name("kvfence-prefill-keeper".into())
+            .spawn(move || keeper.run(first))
+            .map_err(io)?;
+        Ok(())
+    }
+
+    /// Marks every keeper whose address is not in `wanted` as unwanted:
+    /// it ends when its link does, instead of dialling again.
+    fn release_all_but(&self, wanted: &BTreeSet<SocketAddr>) {
+        for (address, flag) in lock(&self.wanted).iter_mut() {
+            if *flag && !wanted.contains(address) {
+                info!(%address, "prefill worker left the names: its link is not dialled again");
+                *flag = false;
+            }
+        }
+    }
+}
+
+/// Keeps one prefill link up for a decode worker.
+struct PrefillKeeper {
+    address: SocketAddr,
+    shared: KeeperTemplate,
+    wanted: Arc<Mutex<HashMap<SocketAddr, bool>>>,
+}
+
 impl PrefillKeeper {
     /// One dial: the link and its `Hello`, checked.
     fn dial(&self) -> Result<(Link, Hello), EngineError> {
-        let (link, hello) = dial(self.address, LinkRole::Prefill, &self.credentials)?;
+        let shared = &self.shared;
+        let (link, hello) = dial(self.address, LinkRole::Prefill, &shared.credentials)?;
         hello
-            .check(self.model, Some((self.page_size, self.kv_dtype)))
+            .check(shared.model, Some((shared.page_size, shared.kv_dtype)))
             .map_err(|why| EngineError::Invalid {
                 reason: format!(
                     "the prefill worker at {} does not match: {why}",
@@ -106,14 +202,31 @@ impl PrefillKeeper {
         Ok((link, hello))
     }
 
+    /// Whether this keeper's address is still one the names resolve to;
+    /// if not, its entry is removed under the same lock, and the keeper
+    /// must end.
+    fn still_wanted(&self) -> bool {
+        let mut wanted = lock(&self.wanted);
+        let keep = wanted.get(&self.address).copied().unwrap_or(false);
+        if !keep {
+            wanted.remove(&self.address);
+        }
+        keep
+    }
+
     /// Links, waits for the link to end, and dials again, until the decode
-    /// worker stops.
+    /// worker stops or the address leaves the names.
     fn run(self, mut first: Option<(Link, Hello)>) {
         let address = self.address;
+        let shared = &self.shared;
         let mut backoff = Backoff::new();
         loop {
             let dialled = match first.take() {
                 Some(link) => Ok(link),
+                None if !self.still_wanted() => {
+                    info!(%address, "prefill keeper ends: the address left the names");
+                    return;
+                }
                 None => self.dial(),
             };
             let (link, hello) = match dialled {
@@ -128,21 +241,24 @@ impl PrefillKeeper {
                     continue;
                 }
             };
-            let peer = PeerId(self.ids.fetch_add(1, Ordering::Relaxed));
+            let peer = PeerId(shared.ids.fetch_add(1, Ordering::Relaxed));
             let name = address.to_string();
             let announce = Some((name.clone(), hello.tokens));
             let reader = match bridge(
                 link,
-                self.commands.clone(),
+                shared.commands.clone(),
                 peer,
                 "kvfence-decode-link",
                 announce,
             ) {
                 Ok((_, reader)) => reader,
                 // The scheduler has stopped: so does this keeper.
-                Err(_) => return,
+                Err(_) => {
+                    lock(&self.wanted).remove(&address);
+                    return;
+                }
             };
-            self.directory.insert(
+            shared.directory.insert(
                 peer,
                 PrefillPeer {
                     name,
@@ -152,8 +268,8 @@ impl PrefillKeeper {
             info!(%address, %peer, tokens = hello.tokens, "linked to a prefill worker");
             backoff.reset();
             let _ = reader.join();
-            self.directory.remove(peer);
-            warn!(%address, %peer, "link to the prefill worker lost; dialling again");
+            shared.directory.remove(peer);
+            warn!(%address, %peer, "link to the prefill worker lost");
             backoff.wait();
         }
     }

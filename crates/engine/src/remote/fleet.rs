@@ -16,23 +16,44 @@
 //! that took that prefix ([`Affinity`]), whose caches hold its pages,
 //! unless that pair carries more than [`AFFINITY_SLACK`] requests above
 //! the least loaded one: a cache is worth a little queueing, not a hot spot.
+//!
+//! Membership follows the names the router was given ([`PeerNames`]),
+//! resolved again every few seconds: an address that appears joins; one
+//! that disappears gets no new work and is let go once the requests it
+//! carries have ended, so scaling decode workers down fails nothing.
 
 use std::cmp::Reverse;
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+
+use kvfence_handoff::tls::Credentials;
+use tracing::{info, warn};
 
 use super::affinity::{Affinity, Pair};
 use super::client::RemoteEngine;
+use super::discovery::{Membership, PeerNames};
+use super::lock;
+use super::wire::ModelFingerprint;
 use crate::counters::WorkerSnapshot;
 use crate::error::EngineError;
 use crate::request::GenerationRequest;
 use crate::scheduler::Role;
 
-/// Several decode workers behind one router. The advertised context is
-/// the smallest pool any of them, or any prefill worker they were linked
-/// to, holds: any pair may get any request (I6).
+/// The decode workers behind one router. The advertised context is the
+/// smallest pool any of them, or any prefill worker they were linked to,
+/// holds; a worker that joins later with a smaller pool is only given
+/// requests it can hold (I6 per pair).
 #[derive(Debug)]
 pub struct Fleet {
-    workers: Vec<RemoteEngine>,
+    /// The workers requests may go to, in address order.
+    members: RwLock<Vec<Arc<RemoteEngine>>>,
+    /// Workers whose address left the names while they still carried
+    /// requests: no new work goes to them; they are let go once idle.
+    retiring: Mutex<Vec<Arc<RemoteEngine>>>,
     affinity: Affinity,
+    stopped: AtomicBool,
 }
 
 /// Requests in flight a pair holding a request's prefix may carry above
@@ -40,48 +61,161 @@ pub struct Fleet {
 const AFFINITY_SLACK: usize = 4;
 
 /// One pair the router could send a request to.
-struct Candidate<'a> {
-    index: usize,
-    worker: &'a RemoteEngine,
+struct Candidate {
+    worker: Arc<RemoteEngine>,
     prefill: String,
     load: usize,
     free_pages: usize,
 }
 
+/// Opens a client of the decode worker at an address.
+type Connect = dyn Fn(SocketAddr) -> Result<RemoteEngine, EngineError> + Send + Sync;
+
 impl Fleet {
-    /// A fleet of decode workers (at least one).
-    pub fn new(workers: Vec<RemoteEngine>) -> Result<Fleet, EngineError> {
-        if workers.is_empty() {
-            return Err(EngineError::Invalid {
-                reason: "a router needs at least one decode worker".into(),
-            });
+    /// The fleet of decode workers `names` resolve to, each of which must
+    /// prove the decode role with a certificate from the cluster CA and
+    /// run `model`. Every address is dialled now — one that can never
+    /// work (certificate, role, model) is an error here — and the names
+    /// are resolved again in the background for as long as the fleet
+    /// lives. A name that resolves to nothing yet is not an error: its
+    /// workers join when they appear.
+    pub fn start(
+        names: PeerNames,
+        credentials: &Credentials,
+        model: ModelFingerprint,
+    ) -> Result<Arc<Fleet>, EngineError> {
+        let every = names.resolve_every();
+        let mut membership = Membership::new(names);
+        let credentials = credentials.clone();
+        let connect: Box<Connect> =
+            Box::new(move |address| RemoteEngine::connect(address, &credentials, model));
+        let mut members = Vec::new();
+        for address in membership.refresh() {
+            members.push(Arc::new(connect(address)?));
         }
-        Ok(Fleet {
-            workers,
+        let fleet = Arc::new(Fleet {
+            members: RwLock::new(members),
+            retiring: Mutex::default(),
             affinity: Affinity::default(),
-        })
+            stopped: AtomicBool::new(false),
+        });
+        let weak: Weak<Fleet> = Arc::downgrade(&fleet);
+        std::thread::Builder::new()
+            .name("kvfence-fleet-discovery".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(every);
+                    let Some(fleet) = weak.upgrade() else { return };
+                    if fleet.stopped.load(Ordering::Acquire) {
+                        return;
+                    }
+                    fleet.reconcile(&membership.refresh(), &*connect);
+                }
+            })
+            .map_err(super::io)?;
+        Ok(fleet)
     }
 
-    /// Requests in flight on each worker, in the order given.
+    fn members(&self) -> Vec<Arc<RemoteEngine>> {
+        self.members
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The addresses of the workers that may take new requests, in order.
+    pub fn member_addresses(&self) -> Vec<SocketAddr> {
+        self.members().iter().map(|w| w.address()).collect()
+    }
+
+    /// Workers that left the names but still carry requests.
+    pub fn retiring_addresses(&self) -> Vec<SocketAddr> {
+        lock(&self.retiring).iter().map(|w| w.address()).collect()
+    }
+
+    /// Makes the members exactly `wanted`: new addresses are dialled
+    /// (outside any lock: a dial may take seconds), addresses that left
+    /// move to the retiring list, retirees that came back rejoin, and
+    /// retirees with nothing in flight are let go.
+    fn reconcile(&self, wanted: &BTreeSet<SocketAddr>, connect: &Connect) {
+        let known: BTreeSet<SocketAddr> = self
+            .members()
+            .iter()
+            .chain(lock(&self.retiring).iter())
+            .map(|w| w.address())
+            .collect();
+        let mut joined = Vec::new();
+        for &address in wanted.difference(&known) {
+            match connect(address) {
+                Ok(worker) => joined.push(Arc::new(worker)),
+                Err(error) => {
+                    warn!(%address, %error, "a decode worker the names resolve to was refused")
+                }
+            }
+        }
+        let mut members = self
+            .members
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut retiring = lock(&self.retiring);
+        let (mut stay, leave): (Vec<_>, Vec<_>) = members
+            .drain(..)
+            .partition(|w| wanted.contains(&w.address()));
+        for worker in leave {
+            info!(address = %worker.address(), in_flight = worker.in_flight(),
+                "decode worker left the names: no new work; let go once idle");
+            retiring.push(worker);
+        }
+        let (back, still_retiring): (Vec<_>, Vec<_>) = retiring
+            .drain(..)
+            .partition(|w| wanted.contains(&w.address()));
+        *retiring = still_retiring;
+        for worker in back.into_iter().chain(joined) {
+            info!(address = %worker.address(), "decode worker joined the fleet");
+            stay.push(worker);
+        }
+        stay.sort_by_key(|w| w.address());
+        *members = stay;
+        retiring.retain(|worker| {
+            let busy = worker.in_flight() > 0 && worker.is_alive();
+            if !busy {
+                info!(address = %worker.address(), "retired decode worker let go");
+                crate::Backend::shutdown(&**worker);
+            }
+            busy
+        });
+        debug_assert!(
+            members.windows(2).all(|w| w[0].address() < w[1].address()),
+            "members are unique and in address order"
+        );
+        debug_assert!(
+            retiring.iter().all(|r| !wanted.contains(&r.address())),
+            "a retiree is never an address the names resolve to"
+        );
+    }
+
+    /// Requests in flight on each member, in address order.
     pub fn load(&self) -> Vec<usize> {
-        self.workers.iter().map(RemoteEngine::in_flight).collect()
+        self.members().iter().map(|w| w.in_flight()).collect()
     }
 
-    /// Whether every worker has answered once, so the advertised context
-    /// is known from all of them.
+    /// Whether some member has answered, and every member has, so the
+    /// advertised context is known from all of them.
     pub fn has_heard_from_every_worker(&self) -> bool {
-        self.workers.iter().all(|w| w.hello().is_some())
+        let members = self.members();
+        !members.is_empty() && members.iter().all(|w| w.hello().is_some())
     }
 
-    /// Whether some worker has answered once.
+    /// Whether some member has answered once.
     pub fn has_heard_from_any_worker(&self) -> bool {
-        self.workers.iter().any(|w| w.hello().is_some())
+        self.members().iter().any(|w| w.hello().is_some())
     }
 
     /// The pairs that could take `request`, best first.
-    fn candidates(&self, request: &GenerationRequest) -> Vec<Candidate<'_>> {
+    fn candidates(&self, request: &GenerationRequest) -> Vec<Candidate> {
+        let members = self.members();
         let mut candidates = Vec::new();
-        for (index, worker) in self.workers.iter().enumerate() {
+        for worker in &members {
             let Some(view) = worker.fresh_view() else {
                 continue;
             };
@@ -96,14 +230,9 @@ impl Fleet {
                 if prefill.tokens < request.prompt.len() {
                     continue;
                 }
-                let on_prefill: usize = self
-                    .workers
-                    .iter()
-                    .map(|w| w.in_flight_on(&prefill.name))
-                    .sum();
+                let on_prefill: usize = members.iter().map(|w| w.in_flight_on(&prefill.name)).sum();
                 candidates.push(Candidate {
-                    index,
-                    worker,
+                    worker: Arc::clone(worker),
                     prefill: prefill.name.clone(),
                     load: worker.in_flight() + on_prefill,
                     free_pages,
@@ -114,7 +243,7 @@ impl Fleet {
         if let Some((pair, _)) = self.affinity.find(request)
             && let Some(at) = candidates
                 .iter()
-                .position(|c| c.index == pair.decode && c.prefill == pair.prefill)
+                .position(|c| c.worker.address() == pair.decode && c.prefill == pair.prefill)
             && candidates[at].load <= candidates[0].load + AFFINITY_SLACK
         {
             let preferred = candidates.remove(at);
@@ -135,7 +264,7 @@ impl crate::Backend for Fleet {
             };
             for candidate in self.candidates(&request) {
                 let pair = Pair {
-                    decode: candidate.index,
+                    decode: candidate.worker.address(),
                     prefill: candidate.prefill.clone(),
                 };
                 match candidate
@@ -168,7 +297,7 @@ impl crate::Backend for Fleet {
 
     fn capacities(&self) -> Vec<(&'static str, usize)> {
         let mut least: Vec<(&'static str, usize)> = Vec::new();
-        for (role, tokens) in self.workers.iter().flat_map(crate::Backend::capacities) {
+        for (role, tokens) in self.members().iter().flat_map(crate::Backend::capacities) {
             match least.iter_mut().find(|(r, _)| *r == role) {
                 Some(entry) => entry.1 = entry.1.min(tokens),
                 None => least.push((role, tokens)),
@@ -178,19 +307,20 @@ impl crate::Backend for Fleet {
     }
 
     fn snapshot(&self) -> Vec<WorkerSnapshot> {
-        self.workers
+        self.members()
             .iter()
             .flat_map(crate::Backend::snapshot)
             .collect()
     }
 
     fn is_ready(&self) -> bool {
-        self.workers.iter().any(crate::Backend::is_ready)
+        self.members().iter().any(crate::Backend::is_ready)
     }
 
     fn shutdown(&self) {
-        for worker in &self.workers {
-            crate::Backend::shutdown(worker);
+        self.stopped.store(true, Ordering::Release);
+        for worker in self.members().iter().chain(lock(&self.retiring).iter()) {
+            crate::Backend::shutdown(&**worker);
         }
     }
 }

@@ -13,6 +13,9 @@
 //! - [`fleet`]: [`Fleet`], the router's choice of a decode and a prefill
 //!   worker per request, preferring the pair that holds the request's
 //!   prefix within its tenant ([`affinity`]).
+//! - [`discovery`]: [`discovery::PeerNames`], peers named as `host:port`
+//!   and resolved again every few seconds, so pods behind a Kubernetes
+//!   headless Service join and leave without a restart.
 //! - [`wire`]: the control plane's messages.
 //!
 //! Every link is TLS 1.3 with mutual, role-bound certificates
@@ -26,6 +29,7 @@
 pub(crate) mod affinity;
 pub(crate) mod client;
 pub(crate) mod decode;
+pub(crate) mod discovery;
 pub(crate) mod fleet;
 pub(crate) mod prefill;
 pub(crate) mod wire;

@@ -12,43 +12,14 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::common::Server;
+use crate::common::{Server, venv_python};
 
-/// The virtual environment's Python, made (or remade, when the pinned
-/// versions change) with `python3 -m venv` and `pip install`.
+/// The virtual environment's Python, with the pinned client installed.
 fn python() -> PathBuf {
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
-    let requirements = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/requirements.txt");
-    let stamp = venv.join("installed-requirements.txt");
-    let python = venv.join("bin").join("python");
-    let wanted =
-        std::fs::read(&requirements).expect("the pinned requirements are in the repository");
-    if std::fs::read(&stamp).ok().as_ref() != Some(&wanted) {
-        let made = Command::new("python3")
-            .args(["-m", "venv", "--clear"])
-            .arg(&venv)
-            .status()
-            .expect("python3 runs");
-        assert!(made.success(), "python3 -m venv failed");
-        let installed = Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "-r",
-            ])
-            .arg(&requirements)
-            .status()
-            .expect("pip runs");
-        assert!(
-            installed.success(),
-            "pip could not install the pinned openai client"
-        );
-        std::fs::write(&stamp, &wanted).unwrap();
-    }
-    python
+    venv_python(
+        "openai-venv",
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/requirements.txt"),
+    )
 }
 
 #[test]

@@ -368,3 +368,47 @@ pub fn tenants_file(configs: &[String]) -> tempfile::NamedTempFile {
     std::fs::write(file.path(), configs.concat()).unwrap();
     file
 }
+
+/// The Python of a virtual environment `name` (under the target's temp
+/// directory) holding exactly the pinned `requirements`: made, or remade
+/// when the pins change, with `python3 -m venv` and `pip install`.
+pub fn venv_python(name: &str, requirements: &std::path::Path) -> std::path::PathBuf {
+    // Tests run as threads of one process: one makes the environment
+    // while the others wait for it.
+    static MAKING: Mutex<()> = Mutex::new(());
+    let _making = MAKING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let venv = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let stamp = venv.join("installed-requirements.txt");
+    let python = venv.join("bin").join("python");
+    let wanted =
+        std::fs::read(requirements).expect("the pinned requirements are in the repository");
+    if std::fs::read(&stamp).ok().as_ref() != Some(&wanted) {
+        let made = Command::new("python3")
+            .args(["-m", "venv", "--clear"])
+            .arg(&venv)
+            .status()
+            .expect("python3 runs");
+        assert!(made.success(), "python3 -m venv failed");
+        let installed = Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "-r",
+            ])
+            .arg(requirements)
+            .status()
+            .expect("pip runs");
+        assert!(
+            installed.success(),
+            "pip could not install {}",
+            requirements.display()
+        );
+        std::fs::write(&stamp, &wanted).unwrap();
+    }
+    python
+}
