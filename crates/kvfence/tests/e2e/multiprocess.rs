@@ -109,6 +109,43 @@ async fn three_processes_answer_exactly_like_one() {
     cluster.router.wait_for_baseline().await;
 }
 
+/// Peers named by DNS name rather than address (as a Kubernetes Service
+/// names pods): `localhost` resolves through the system resolver, and the
+/// cluster answers like one process.
+#[tokio::test(flavor = "multi_thread")]
+async fn peers_given_by_dns_name_are_resolved_and_linked() {
+    let tls = ClusterTls::init();
+    let prefill = start_prefill(&tls, &[]);
+    let by_name = |base: &str| base.replace("127.0.0.1", "localhost");
+    let decode = start_decode(&tls, &by_name(&prefill.base), &[]);
+    let router = start_router(&tls, &by_name(&decode.base), &[]);
+    let reference = Server::start(&["--mode", "colocated"]);
+    assert_eq!(texts(&router, 4).await, texts(&reference, 4).await);
+}
+
+/// A peer entry that can never be dialled stops the start with an error
+/// that names it, before anything is loaded.
+#[test]
+fn a_malformed_peer_name_is_refused_at_start() {
+    let tls = ClusterTls::init();
+    for (role, flag) in [("decode", "--prefill"), ("router", "--decode")] {
+        let mut args = vec![role, flag, "kvfence-prefill", "--tls-dir", tls.dir()];
+        if role == "decode" {
+            args.extend(["--listen", "127.0.0.1:0"]);
+        }
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{role} started");
+        assert!(
+            stderr.contains("\"kvfence-prefill\"") && stderr.contains("HOST:PORT"),
+            "{role}: {stderr}"
+        );
+    }
+}
+
 /// The API's shaping fields cross the router's link and the hand-off: a
 /// grammar, penalties, `logit_bias`, logprobs, `n` and a required tool call
 /// give through three processes exactly what one process gives.
