@@ -123,6 +123,27 @@ async fn peers_given_by_dns_name_are_resolved_and_linked() {
     assert_eq!(texts(&router, 4).await, texts(&reference, 4).await);
 }
 
+/// A prefill worker that stores its KV as f32 and a decode worker that
+/// stores f16 must never pair: pages cross as bytes, so one would read the
+/// other's numbers as garbage. The decode worker refuses at its first dial
+/// and says why.
+#[test]
+fn workers_of_different_kv_types_refuse_to_link() {
+    let tls = ClusterTls::init();
+    let prefill = start_prefill(&tls, &["--kv-dtype", "f32"]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args(["decode", "--listen", "127.0.0.1:0", "--kv-dtype", "f16"])
+        .args(["--prefill", &prefill.base, "--tls-dir", tls.dir()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the decode worker started: {stderr}");
+    assert!(
+        stderr.contains("f32") && stderr.contains("f16"),
+        "the refusal names both types: {stderr}"
+    );
+}
+
 /// A peer entry that can never be dialled stops the start with an error
 /// that names it, before anything is loaded.
 #[test]
