@@ -18,12 +18,18 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::error::EngineError;
 
 /// How often every name is resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+
+/// Peers one set of names may stand for at most: each costs a keeper
+/// thread and a link, so a DNS answer of thousands of addresses (a
+/// misconfiguration, or a resolver an attacker controls) must not turn
+/// into thousands of threads. Beyond it the lowest addresses are kept.
+pub const MAX_PEERS: usize = 256;
 
 /// Resolves one `host:port` name to the addresses behind it.
 pub type Resolver = Arc<dyn Fn(&str) -> std::io::Result<Vec<SocketAddr>> + Send + Sync>;
@@ -146,7 +152,16 @@ impl Membership {
                 }
             }
         }
-        self.last.iter().flatten().copied().collect()
+        let all: BTreeSet<SocketAddr> = self.last.iter().flatten().copied().collect();
+        if all.len() > MAX_PEERS {
+            warn!(
+                resolved = all.len(),
+                kept = MAX_PEERS,
+                "the peer names resolve to more addresses than a process links to; keeping the lowest"
+            );
+            return all.into_iter().take(MAX_PEERS).collect();
+        }
+        all
     }
 }
 
@@ -217,6 +232,22 @@ mod tests {
             membership.refresh().is_empty(),
             "an empty answer is an answer"
         );
+    }
+
+    #[test]
+    fn a_flood_of_addresses_is_cut_to_the_bound() {
+        let flood: Vec<SocketAddr> = (0..MAX_PEERS as u32 + 1000)
+            .map(|i| SocketAddr::from((i.to_be_bytes(), 9100)))
+            .collect();
+        let resolver: Resolver = Arc::new(move |_: &str| Ok(flood.clone()));
+        let mut membership = Membership::new(
+            names(&["pods:9100"])
+                .unwrap()
+                .with_resolver(resolver, RESOLVE_EVERY),
+        );
+        let kept = membership.refresh();
+        assert_eq!(kept.len(), MAX_PEERS);
+        assert_eq!(kept.first(), Some(&SocketAddr::from(([0, 0, 0, 0], 9100))));
     }
 
     #[test]
