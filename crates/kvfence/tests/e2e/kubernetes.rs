@@ -184,6 +184,27 @@ fn every_layout_renders_and_validates_against_the_kubernetes_api_schemas() {
             for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
                 assert!(main[probe].is_object(), "{who}: no {probe}");
             }
+            // Every container's command line parses — flag names and values
+            // — in this layout too, not only the one that runs below:
+            // clap reads each argument before it reaches `--help`.
+            for container in containers
+                .iter()
+                .chain(pod["initContainers"].as_array().unwrap())
+            {
+                let mut argv = strings(&container["command"]);
+                assert_eq!(argv.remove(0), "kvfence", "{who}: the image's entry point");
+                argv.extend(strings(&container["args"]));
+                let out = Command::new(env!("CARGO_BIN_EXE_kvfence"))
+                    .args(&argv)
+                    .arg("--help")
+                    .output()
+                    .unwrap();
+                assert!(
+                    out.status.success(),
+                    "{who}: {argv:?} does not parse: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
             // The kubelet must not kill a pod that is still draining.
             let drain: u64 = flag(main, "--shutdown-timeout").unwrap().parse().unwrap();
             let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
