@@ -191,9 +191,7 @@ fn every_layout_renders_and_validates_against_the_kubernetes_api_schemas() {
                 .iter()
                 .chain(pod["initContainers"].as_array().unwrap())
             {
-                let mut argv = strings(&container["command"]);
-                assert_eq!(argv.remove(0), "kvfence", "{who}: the image's entry point");
-                argv.extend(strings(&container["args"]));
+                let argv = kvfence_argv(&who, container);
                 let out = Command::new(env!("CARGO_BIN_EXE_kvfence"))
                     .args(&argv)
                     .arg("--help")
@@ -328,20 +326,25 @@ fn model_cache() -> PathBuf {
 
 /// Runs a container's command and arguments, remapped, with its
 /// environment: the binary stands for the image's `kvfence`.
+/// A container's command and arguments after the image's entry point,
+/// which must be `kvfence` (the test binary stands for it).
+fn kvfence_argv(who: &str, container: &Value) -> Vec<String> {
+    let mut argv = strings(&container["command"]);
+    assert_eq!(argv.remove(0), "kvfence", "{who}: the image's entry point");
+    argv.extend(strings(&container["args"]));
+    argv
+}
+
 fn command(
     remap: &Remap,
     deployment: &Value,
     container: &Value,
 ) -> (Vec<String>, Vec<(String, String)>) {
     let owner = name(deployment);
-    let mut argv = strings(&container["command"]);
-    assert_eq!(
-        argv.remove(0),
-        "kvfence",
-        "{owner}: the image's entry point"
-    );
-    argv.extend(strings(&container["args"]));
-    let argv = argv.iter().map(|a| remap.text(owner, a)).collect();
+    let argv = kvfence_argv(owner, container)
+        .iter()
+        .map(|a| remap.text(owner, a))
+        .collect();
     let env = container["env"]
         .as_array()
         .map(|vars| {
