@@ -40,6 +40,13 @@
 //! scratch never carries another chunk's — or another request's — data
 //! into a result.
 //!
+//! On a CPU with AVX-512F the kernels are hand-written ([`avx512`]): keys
+//! are transposed in 16 × 16 blocks, values are read (and widened) straight
+//! from their page runs instead of being staged, and every page run of the
+//! chunk is prefetched before any is touched, so its misses overlap instead
+//! of each run waiting for the hardware prefetcher. The operations and
+//! their order are the portable kernel's, so the bits are too.
+//!
 //! Prefill tiles fold their chunks as they go. A sequence with a single
 //! tile (decode steps) and several chunks is split instead: one task per
 //! chunk, in parallel, and the per-chunk states are folded afterwards in
@@ -57,20 +64,27 @@ use crate::config::ModelConfig;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-
 #[cfg(target_arch = "x86_64")]
-use avx2::Widen8 as Stage8;
+mod avx512;
+
+/// What the SIMD paths need of an element type: loading 8 (AVX2) or 16
+/// (AVX-512) of them as f32. Public only as a sealed supertrait of
+/// [`KvValue`].
+#[cfg(target_arch = "x86_64")]
+pub trait Stage: avx2::Widen8 + avx512::Widen16 {}
+#[cfg(target_arch = "x86_64")]
+impl<T: avx2::Widen8 + avx512::Widen16> Stage for T {}
 
 /// Nothing to stage by SIMD off x86-64: the portable loop does it all.
 #[cfg(not(target_arch = "x86_64"))]
 mod portable {
-    pub trait Stage8 {}
-    impl Stage8 for f32 {}
-    impl Stage8 for half::f16 {}
-    impl Stage8 for half::bf16 {}
+    pub trait Stage {}
+    impl Stage for f32 {}
+    impl Stage for half::f16 {}
+    impl Stage for half::bf16 {}
 }
 #[cfg(not(target_arch = "x86_64"))]
-use portable::Stage8;
+use portable::Stage;
 
 /// Positions per key chunk: the unit of staging and of the exact softmax.
 pub const CHUNK: usize = 128;
@@ -88,7 +102,7 @@ const SUM_LANES: usize = 8;
 const PARALLEL_MIN_MACS: usize = 1 << 16;
 
 /// A K/V element type attention can read and the forward pass can write.
-pub trait KvValue: KvElement + Stage8 {
+pub trait KvValue: KvElement + Stage {
     /// Converts `src` into `dst` (same length).
     fn widen(src: &[Self], dst: &mut [f32]);
     /// Converts `src` into this type, rounding to nearest even.
@@ -425,8 +439,28 @@ fn run_task<E: KvValue>(
         let start = c * CHUNK;
         let tile_end = part.past + task.row + task.rows;
         let len = CHUNK.min(tile_end - start);
-        stage(part.view, layer, task.kv_head, start, len, hd, scratch);
-        let cols = len.next_multiple_of(KEY_STEP);
+        let simd = simd_kernel(hd);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = simd {
+            for_page_runs(part.view.page_size(), start, len, |page, slot, run, _| {
+                let rows = slot * hd..(slot + run) * hd;
+                avx512::prefetch(
+                    cpu,
+                    &part.view.keys(page, layer, task.kv_head)[rows.clone()],
+                );
+                avx512::prefetch(cpu, &part.view.values(page, layer, task.kv_head)[rows]);
+            });
+        }
+        stage(
+            part.view,
+            layer,
+            task.kv_head,
+            start,
+            len,
+            hd,
+            scratch,
+            simd.is_none(),
+        );
         let Scratch {
             keys,
             values,
@@ -437,26 +471,44 @@ fn run_task<E: KvValue>(
             chunk_den,
             ..
         } = scratch;
-        chunk_kernel(
-            ChunkData {
-                queries: &queries[..heads * hd],
-                keys,
-                values,
-                scores,
-                out: chunk_out,
-                max: chunk_max,
-                den: chunk_den,
-            },
-            ChunkShape {
-                heads,
-                group,
-                head_dim: hd,
-                cols,
-                start,
-                first_row_end: part.past + task.row + 1,
-                len,
-            },
-        );
+        let shape = ChunkShape {
+            heads,
+            group,
+            head_dim: hd,
+            cols: len.next_multiple_of(KEY_STEP),
+            start,
+            first_row_end: part.past + task.row + 1,
+            len,
+        };
+        // One kernel call per chunk; a macro because the two kernels take
+        // values of different types.
+        macro_rules! data {
+            ($values:expr) => {
+                ChunkData {
+                    queries: &queries[..heads * hd],
+                    keys,
+                    values: $values,
+                    scores,
+                    out: chunk_out,
+                    max: chunk_max,
+                    den: chunk_den,
+                }
+            };
+        }
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            Some(cpu) => {
+                let mut runs = [&[] as &[E]; CHUNK];
+                let mut count = 0;
+                for_page_runs(part.view.page_size(), start, len, |page, slot, run, _| {
+                    runs[count] =
+                        &part.view.values(page, layer, task.kv_head)[slot * hd..(slot + run) * hd];
+                    count += 1;
+                });
+                avx512::chunk(cpu, data!(&runs[..count]), shape);
+            }
+            _ => chunk_kernel(data!(&values[..]), shape),
+        }
         for r in 0..task.rows {
             let upto = part.past + task.row + r + 1;
             if start >= upto {
@@ -477,8 +529,41 @@ fn run_task<E: KvValue>(
     state
 }
 
+/// The hand-written AVX-512 chunk kernel, where the CPU has it and it
+/// handles heads of `hd`; `None` means the portable [`chunk_kernel`]. Both
+/// give the same bits.
+#[cfg(target_arch = "x86_64")]
+fn simd_kernel(hd: usize) -> Option<avx512::Cpu> {
+    avx512::Cpu::detect().filter(|_| avx512::handles(hd))
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn simd_kernel(_hd: usize) -> Option<std::convert::Infallible> {
+    None
+}
+
+/// Calls `each(page, slot, run, j)` for the runs of consecutive slots
+/// within one page that positions `start..start + len` fall into, in
+/// order; `j` is the run's first position counted from `start`.
+fn for_page_runs(
+    page_size: usize,
+    start: usize,
+    len: usize,
+    mut each: impl FnMut(usize, usize, usize, usize),
+) {
+    let mut pos = start;
+    while pos < start + len {
+        let (page, slot) = (pos / page_size, pos % page_size);
+        let run = (page_size - slot).min(start + len - pos);
+        each(page, slot, run, pos - start);
+        pos += run;
+    }
+}
+
 /// Copies positions `start..start + len` of one KV head into the scratch:
-/// keys transposed and zero-padded to a whole [`KEY_STEP`], values as rows.
+/// keys transposed and zero-padded to a whole [`KEY_STEP`], and values as
+/// rows when `with_values` (the AVX-512 kernel reads them from the pages).
+#[allow(clippy::too_many_arguments)]
 fn stage<E: KvValue>(
     view: &ReadView<'_, E>,
     layer: usize,
@@ -487,32 +572,30 @@ fn stage<E: KvValue>(
     len: usize,
     hd: usize,
     scratch: &mut Scratch,
+    with_values: bool,
 ) {
     debug_assert!(len > 0 && len <= CHUNK);
-    let page_size = view.page_size();
-    let mut pos = start;
-    while pos < start + len {
-        let (page, slot) = (pos / page_size, pos % page_size);
-        let run = (page_size - slot).min(start + len - pos);
-        let j = pos - start;
+    for_page_runs(view.page_size(), start, len, |page, slot, run, j| {
         let keys = &view.keys(page, layer, kv_head)[slot * hd..(slot + run) * hd];
-        let values = &view.values(page, layer, kv_head)[slot * hd..(slot + run) * hd];
-        widen_fast(values, &mut scratch.values[j * hd..(j + run) * hd]);
+        if with_values {
+            let values = &view.values(page, layer, kv_head)[slot * hd..(slot + run) * hd];
+            widen_fast(values, &mut scratch.values[j * hd..(j + run) * hd]);
+        }
         let fast = transpose_fast(keys, run, hd, &mut scratch.keys, j);
         if fast < run {
             scratch.run.resize((run - fast) * hd, 0.0);
             E::widen(&keys[fast * hd..], &mut scratch.run);
             transpose_into(&scratch.run, run - fast, hd, &mut scratch.keys, j + fast);
         }
-        pos += run;
-    }
+    });
     for d in 0..hd {
         scratch.keys[d * CHUNK + len..d * CHUNK + len.next_multiple_of(KEY_STEP)].fill(0.0);
     }
 }
 
-/// Stages the keys of `run` it can by SIMD (whole 8 × 8 blocks) and
-/// returns how many; the portable loop stages the rest.
+/// Stages the keys of `run` it can by SIMD (whole 16 × 16 blocks by
+/// AVX-512, then 8 × 8 by AVX2) and returns how many; the portable loop
+/// stages the rest.
 fn transpose_fast<E: KvValue>(
     run: &[E],
     n: usize,
@@ -522,7 +605,20 @@ fn transpose_fast<E: KvValue>(
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = avx2::Avx2::detect() {
-        return avx2::transpose(cpu, run, n, hd, keys, CHUNK, first);
+        let done = match avx512::Cpu::detect() {
+            Some(wide) => avx512::transpose(wide, run, n, hd, keys, CHUNK, first),
+            None => 0,
+        };
+        return done
+            + avx2::transpose(
+                cpu,
+                &run[done * hd..],
+                n - done,
+                hd,
+                keys,
+                CHUNK,
+                first + done,
+            );
     }
     let _ = (run, n, hd, keys, first);
     0
@@ -567,14 +663,16 @@ struct ChunkShape {
     len: usize,
 }
 
-/// The buffers of one chunk's kernel call.
-struct ChunkData<'a> {
+/// The buffers of one chunk's kernel call. Values are staged rows for the
+/// portable kernel, page runs for the AVX-512 one.
+struct ChunkData<'a, V: ?Sized = [f32]> {
     /// Scaled queries, `[head][head_dim]`.
     queries: &'a [f32],
     /// Staged keys, `[head_dim][CHUNK]`.
     keys: &'a [f32],
-    /// Staged values, `[CHUNK][head_dim]`.
-    values: &'a [f32],
+    /// Values: staged `[CHUNK][head_dim]`, or runs of `[slot][head_dim]`
+    /// covering the chunk's positions in order.
+    values: &'a V,
     /// Scores, then weights, `[head][CHUNK]`.
     scores: &'a mut [f32],
     /// Unnormalised outputs, `[head][head_dim]`.
@@ -817,7 +915,8 @@ mod tests {
     }
 
     fn staged_both_ways<E: KvValue>(make: impl Fn(f32) -> E) {
-        let (n, hd) = (21, 64);
+        // 37 keys: two 16-key blocks, an 8-key block and a remainder.
+        let (n, hd) = (37, 64);
         let run: Vec<E> = (0..n * hd)
             .map(|i| make(((i * 7919) % 1000) as f32 / 250.0 - 2.0))
             .collect();
@@ -839,6 +938,125 @@ mod tests {
         let mut widened = vec![0.0; n * hd];
         widen_fast(&run, &mut widened);
         assert_eq!(widened, all, "SIMD widening must equal the portable one");
+    }
+
+    /// Runs one chunk kernel over copies of the inputs; returns each
+    /// head's `(max, den, out)` bits, `None` where its row sees nothing.
+    fn run_chunk<V: ?Sized>(
+        kernel: impl FnOnce(ChunkData<'_, V>, ChunkShape),
+        shape: ChunkShape,
+        queries: &[f32],
+        keys: &[f32],
+        values: &V,
+    ) -> Vec<Option<(u32, u32, Vec<u32>)>> {
+        let hd = shape.head_dim;
+        let mut scores = vec![f32::NAN; shape.heads * CHUNK];
+        let mut out = vec![7.0; shape.heads * hd];
+        let mut max = vec![7.0; shape.heads];
+        let mut den = vec![7.0; shape.heads];
+        kernel(
+            ChunkData {
+                queries,
+                keys,
+                values,
+                scores: &mut scores,
+                out: &mut out,
+                max: &mut max,
+                den: &mut den,
+            },
+            shape,
+        );
+        (0..shape.heads)
+            .map(|h| {
+                let sees = shape.first_row_end + h / shape.group > shape.start;
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let head_out = &out[h * hd..(h + 1) * hd];
+                if !sees {
+                    assert!(
+                        head_out.iter().chain([&max[h], &den[h]]).all(|&x| x == 7.0),
+                        "a head that sees none of the chunk must be left as it was"
+                    );
+                    return None;
+                }
+                Some((max[h].to_bits(), den[h].to_bits(), bits(head_out)))
+            })
+            .collect()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
+
+        /// The AVX-512 chunk kernel computes the portable one's bits, for
+        /// decode rows and causal prefill tiles, chunks cut short, values
+        /// in page runs of any length, f32 and f16 values, and contents
+        /// with NaN and infinities (poisoned or overflowing KV).
+        #[test]
+        fn avx512_chunk_kernel_equals_the_portable_one(
+            rows in 1usize..=TILE_ROWS,
+            group in 1usize..=4,
+            dims in 1usize..=5,
+            len in 1usize..=CHUNK,
+            before in 0usize..200,
+            page_size in 1usize..=32,
+            seed in proptest::prelude::any::<u64>(),
+            poison in 0usize..4,
+            half_values in proptest::prelude::any::<bool>(),
+        ) {
+            let Some(cpu) = avx512::Cpu::detect() else { return Ok(()) };
+            let hd = 16 * dims;
+            let heads = rows * group;
+            // The chunk starts at a multiple of CHUNK; the tile's first row
+            // sees `before` positions past the chunk's start (clipped).
+            let start = CHUNK * (before % 3);
+            let first_row_end = start + 1 + before.min(len - 1);
+            let cols = len.next_multiple_of(KEY_STEP);
+            let mut state = seed | 1;
+            let mut next = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let x = (state >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0;
+                match (state >> 8) % 400 {
+                    0 if poison == 1 => f32::NAN,
+                    1 if poison == 2 => f32::INFINITY,
+                    2 if poison == 3 => f32::NEG_INFINITY,
+                    _ => x,
+                }
+            };
+            let queries: Vec<f32> = (0..heads * hd).map(|_| next()).collect();
+            let mut keys: Vec<f32> = (0..hd * CHUNK).map(|_| next()).collect();
+            for d in 0..hd {
+                keys[d * CHUNK + len..d * CHUNK + cols].fill(0.0);
+            }
+            let values: Vec<f32> = (0..len * hd).map(|_| next()).collect();
+            let shape = ChunkShape { heads, group, head_dim: hd, cols, start, first_row_end, len };
+            // Page runs as `stage` cuts them: the chunk starts mid-page.
+            let cut = |all_len: usize| {
+                let mut ends = Vec::new();
+                for_page_runs(page_size, start + 3, len, |_, _, run, j| ends.push((j, j + run)));
+                assert_eq!(ends.last().map(|e| e.1), Some(all_len / hd));
+                ends
+            };
+            let (portable, simd) = if half_values {
+                let narrow: Vec<f16> = values.iter().map(|&x| f16::from_f32(x)).collect();
+                let wide: Vec<f32> = narrow.iter().map(|x| x.to_f32()).collect();
+                let runs: Vec<&[f16]> =
+                    cut(narrow.len()).iter().map(|&(a, b)| &narrow[a * hd..b * hd]).collect();
+                (
+                    run_chunk(chunk_kernel, shape, &queries, &keys, &wide[..]),
+                    run_chunk(|d, s| avx512::chunk(cpu, d, s), shape, &queries, &keys, &runs[..]),
+                )
+            } else {
+                let runs: Vec<&[f32]> =
+                    cut(values.len()).iter().map(|&(a, b)| &values[a * hd..b * hd]).collect();
+                (
+                    run_chunk(chunk_kernel, shape, &queries, &keys, &values[..]),
+                    run_chunk(|d, s| avx512::chunk(cpu, d, s), shape, &queries, &keys, &runs[..]),
+                )
+            };
+            proptest::prop_assert_eq!(simd, portable);
+        }
     }
 
     #[test]

@@ -1,0 +1,529 @@
+//! AVX-512 version of [`super::chunk_kernel`], written with intrinsics
+//! because the compiler keeps the portable kernel's accumulators in too
+//! few registers: a decode row has only its group's three query heads, so
+//! the portable score loop runs three dependent multiply-add chains (one
+//! per head) and waits on their latency, with a bounds check per
+//! multiply-add. Here each step keeps up to 6 heads × 4 key (or dimension)
+//! blocks of 16 lanes in flight.
+//!
+//! Every function performs the portable kernel's operations in its order,
+//! sixteen lanes at a time: the same fused multiply-add chains over `d`
+//! (scores) and over positions (values), the same [`super::exp`] built from
+//! the same roundings, the same 8-lane denominator summed the same way.
+//! The tests in [`super::tests`] compare the two bit for bit over random
+//! shapes and contents, poisoned ones included.
+//!
+//! The intrinsics are `unsafe` only because they must not run on a CPU
+//! without AVX-512F. That obligation lives in one type: a [`Cpu`] exists
+//! only where detection found AVX-512F, and [`chunk`] takes one.
+
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use super::{CHUNK, ChunkData, ChunkShape, KEY_STEP, QUERY_STEP, SUM_LANES};
+
+/// Lanes of one vector: one key step, one block of dimensions.
+const LANES: usize = 16;
+/// Key blocks scored together, so a head's chains are independent.
+const KEY_BLOCKS: usize = 4;
+/// Dimension blocks accumulated together over a chunk's values.
+const DIM_BLOCKS: usize = 4;
+
+const _: () = assert!(KEY_STEP == LANES && SUM_LANES == 8 && CHUNK.is_multiple_of(LANES));
+
+/// Proof that this CPU has AVX-512F: only [`Cpu::detect`] makes one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Cpu(());
+
+impl Cpu {
+    /// `Some` where the CPU runs this module's code.
+    pub(crate) fn detect() -> Option<Cpu> {
+        is_x86_feature_detected!("avx512f").then_some(Cpu(()))
+    }
+}
+
+/// Loads 16 consecutive elements as f32 (exactly: every f16 and bf16 is
+/// an f32). Public only as a sealed supertrait of [`super::KvValue`].
+pub trait Widen16: Copy {
+    /// # Safety
+    /// `src` must be valid for reading 16 elements, and the CPU must have
+    /// AVX-512F.
+    unsafe fn load16(src: *const Self) -> __m512;
+}
+
+impl Widen16 for f32 {
+    #[inline(always)]
+    unsafe fn load16(src: *const f32) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable elements and AVX-512F.
+        unsafe { _mm512_loadu_ps(src) }
+    }
+}
+
+impl Widen16 for f16 {
+    #[inline(always)]
+    unsafe fn load16(src: *const f16) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable elements (32 bytes) and
+        // AVX-512F (which has the 16-lane half-to-single conversion).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(src.cast())) }
+    }
+}
+
+impl Widen16 for bf16 {
+    #[inline(always)]
+    unsafe fn load16(src: *const bf16) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable elements (32 bytes) and
+        // AVX-512F.
+        unsafe {
+            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
+        }
+    }
+}
+
+/// Whether [`chunk`] handles heads of `head_dim` (whole vectors only).
+pub(crate) fn handles(head_dim: usize) -> bool {
+    head_dim > 0 && head_dim.is_multiple_of(LANES)
+}
+
+/// [`super::chunk_kernel`], bit for bit, for a `head_dim` that
+/// [`handles`] accepts, reading values straight from their page runs
+/// (each `[slot][head_dim]`, in position order) instead of a staged copy.
+pub(crate) fn chunk<E: Widen16>(_cpu: Cpu, data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
+    let ChunkShape {
+        heads,
+        head_dim: hd,
+        cols,
+        len,
+        ..
+    } = shape;
+    assert!(handles(hd), "head_dim {hd} is not whole vectors");
+    assert!(
+        cols.is_multiple_of(KEY_STEP) && len <= cols && cols <= CHUNK,
+        "staged columns must be whole key steps of one chunk"
+    );
+    assert!(
+        data.queries.len() >= heads * hd
+            && data.keys.len() >= (hd - 1) * CHUNK + cols
+            && data.values.iter().all(|run| run.len().is_multiple_of(hd))
+            && data.values.iter().map(|run| run.len()).sum::<usize>() >= len * hd
+            && data.scores.len() >= heads * CHUNK
+            && data.out.len() >= heads * hd
+            && data.max.len() >= heads
+            && data.den.len() >= heads,
+        "every buffer must hold the chunk's shape"
+    );
+    // SAFETY: `_cpu` proves AVX-512F; the asserts above bound every read
+    // and write the kernel makes (see each loop's bounds).
+    unsafe { chunk_avx512(data, shape) }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn chunk_avx512<E: Widen16>(data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
+    let ChunkData {
+        queries,
+        keys,
+        values,
+        scores,
+        out,
+        max: maxes,
+        den: dens,
+    } = data;
+    let ChunkShape {
+        heads,
+        group,
+        head_dim: hd,
+        cols,
+        start,
+        first_row_end,
+        len,
+    } = shape;
+    // Scores: QUERY_STEP heads × KEY_BLOCKS key blocks at a time.
+    let mut h = 0;
+    while h < heads {
+        let step = QUERY_STEP.min(heads - h);
+        let q = queries[h * hd..].as_ptr();
+        let s = scores[h * CHUNK..].as_mut_ptr();
+        // SAFETY: heads h..h + step have hd queries and CHUNK scores each;
+        // key columns j..j + 16 · blocks lie below `cols`.
+        unsafe {
+            match step {
+                6 => score_heads::<6>(q, keys.as_ptr(), hd, cols, s),
+                5 => score_heads::<5>(q, keys.as_ptr(), hd, cols, s),
+                4 => score_heads::<4>(q, keys.as_ptr(), hd, cols, s),
+                3 => score_heads::<3>(q, keys.as_ptr(), hd, cols, s),
+                2 => score_heads::<2>(q, keys.as_ptr(), hd, cols, s),
+                _ => score_heads::<1>(q, keys.as_ptr(), hd, cols, s),
+            }
+        }
+        h += step;
+    }
+    // Softmax within the chunk, per head over the positions its row sees.
+    for h in 0..heads {
+        let n = (first_row_end + h / group).saturating_sub(start).min(len);
+        if n == 0 {
+            continue;
+        }
+        let row = &mut scores[h * CHUNK..(h + 1) * CHUNK];
+        let (max, den) = softmax(row, n);
+        maxes[h] = max;
+        dens[h] = den;
+    }
+    // Weighted values, grouped as the portable kernel groups them.
+    let rows = heads / group;
+    let whole = first_row_end >= start + len;
+    for r in 0..if whole { 1 } else { rows } {
+        let (first, end, n) = if whole {
+            (0, heads, len)
+        } else {
+            let n = (first_row_end + r).saturating_sub(start).min(len);
+            (r * group, (r + 1) * group, n)
+        };
+        if n == 0 {
+            continue;
+        }
+        let mut h = first;
+        while h < end {
+            let step = QUERY_STEP.min(end - h);
+            let w = scores[h * CHUNK..].as_ptr();
+            let o = out[h * hd..].as_mut_ptr();
+            // SAFETY: heads h..h + step have CHUNK weights and hd outputs;
+            // the runs hold at least n ≤ len positions of hd values.
+            unsafe {
+                match step {
+                    6 => value_heads::<E, 6>(w, values, hd, n, o),
+                    5 => value_heads::<E, 5>(w, values, hd, n, o),
+                    4 => value_heads::<E, 4>(w, values, hd, n, o),
+                    3 => value_heads::<E, 3>(w, values, hd, n, o),
+                    2 => value_heads::<E, 2>(w, values, hd, n, o),
+                    _ => value_heads::<E, 1>(w, values, hd, n, o),
+                }
+            }
+            h += step;
+        }
+    }
+}
+
+/// Scores of `Q` heads against every staged key column, in runs of
+/// [`KEY_BLOCKS`] blocks and then single blocks.
+///
+/// # Safety
+/// AVX-512F; `queries` holds `Q × hd` floats, `keys` `hd` rows of
+/// [`CHUNK`] with `cols` valid, `scores` `Q` rows of [`CHUNK`].
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn score_heads<const Q: usize>(
+    queries: *const f32,
+    keys: *const f32,
+    hd: usize,
+    cols: usize,
+    scores: *mut f32,
+) {
+    let mut j = 0;
+    while j + KEY_BLOCKS * LANES <= cols {
+        // SAFETY: forwarded; j + 64 <= cols.
+        unsafe { score_block::<Q, KEY_BLOCKS>(queries, keys, hd, j, scores) };
+        j += KEY_BLOCKS * LANES;
+    }
+    while j < cols {
+        // SAFETY: forwarded; j + 16 <= cols (cols is whole key steps).
+        unsafe { score_block::<Q, 1>(queries, keys, hd, j, scores) };
+        j += LANES;
+    }
+}
+
+/// `scores[i][j + l] = Σ_d q_i[d] · k[d][j + l]` as one fused chain over
+/// `d` ascending from zero, for `Q` heads and `B` blocks of 16 keys.
+///
+/// # Safety
+/// As [`score_heads`], with `j + 16 · B <= cols`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn score_block<const Q: usize, const B: usize>(
+    queries: *const f32,
+    keys: *const f32,
+    hd: usize,
+    j: usize,
+    scores: *mut f32,
+) {
+    let mut acc = [[_mm512_setzero_ps(); B]; Q];
+    for d in 0..hd {
+        let mut k = [_mm512_setzero_ps(); B];
+        for (b, k) in k.iter_mut().enumerate() {
+            // SAFETY: row d < hd, columns j + 16b.. + 16 <= cols.
+            *k = unsafe { _mm512_loadu_ps(keys.add(d * CHUNK + j + b * LANES)) };
+        }
+        for (i, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: head i < Q, dimension d < hd.
+            let q = _mm512_set1_ps(unsafe { *queries.add(i * hd + d) });
+            for (a, &k) in acc.iter_mut().zip(&k) {
+                *a = _mm512_fmadd_ps(q, k, *a);
+            }
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        for (b, &a) in acc.iter().enumerate() {
+            // SAFETY: head i < Q, columns j + 16b.. + 16 <= cols <= CHUNK.
+            unsafe { _mm512_storeu_ps(scores.add(i * CHUNK + j + b * LANES), a) };
+        }
+    }
+}
+
+/// Lanes `0..n` of a 16-lane block (all when `n >= 16`).
+#[inline]
+fn lanes_below(n: usize) -> __mmask16 {
+    if n >= LANES { !0 } else { (1u16 << n) - 1 }
+}
+
+/// Replaces `row[..n]` by its exponentials against their maximum and
+/// returns `(maximum, denominator)`: the portable kernel's fold with
+/// `f32::max` (NaN scores ignored), [`super::exp`], and 8-lane sum.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn softmax(row: &mut [f32], n: usize) -> (f32, f32) {
+    assert!(n > 0 && n <= row.len() && row.len() >= n.next_multiple_of(LANES));
+    let floor = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut top = floor;
+    for b in (0..n).step_by(LANES) {
+        // SAFETY: b + 16 <= row.len() (checked above).
+        let x = unsafe { _mm512_mask_loadu_ps(floor, lanes_below(n - b), row.as_ptr().add(b)) };
+        // `vmaxps` returns its second operand when either is NaN: the
+        // running maximum, which never is — `f32::max`'s rule.
+        top = _mm512_max_ps(x, top);
+    }
+    let max = _mm512_reduce_max_ps(top);
+    let mut lanes = _mm256_setzero_ps();
+    for b in (0..n).step_by(LANES) {
+        let keep = lanes_below(n - b);
+        // SAFETY: as above.
+        let s = unsafe { _mm512_loadu_ps(row.as_ptr().add(b)) };
+        let e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s, _mm512_set1_ps(max))));
+        // SAFETY: as above.
+        unsafe { _mm512_storeu_ps(row.as_mut_ptr().add(b), e) };
+        // Blocks of 8 in order, as the portable sum; zeros past `n` add
+        // nothing (the lanes are never −0).
+        lanes = _mm256_add_ps(lanes, _mm512_castps512_ps256(e));
+        lanes = _mm256_add_ps(
+            lanes,
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e))),
+        );
+    }
+    let mut sum = [0.0f32; SUM_LANES];
+    // SAFETY: `sum` holds 8 floats.
+    unsafe { _mm256_storeu_ps(sum.as_mut_ptr(), lanes) };
+    (max, sum.iter().sum::<f32>())
+}
+
+/// [`super::exp`] of 16 lanes: the same operations in the same order.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn exp16(x: __m512) -> __m512 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let floor = _mm512_set1_ps(-87.0);
+    // `if x < -87 { -87 } else { x }`: NaN compares false and stays.
+    let x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, floor), x, floor);
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)),
+    );
+    let r = _mm512_fmadd_ps(
+        n,
+        _mm512_set1_ps(-LN2_LO),
+        _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x),
+    );
+    let mut p = _mm512_set1_ps(1.987_569_2e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let e = _mm512_add_ps(
+        _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
+        _mm512_set1_ps(1.0),
+    );
+    // 2^n from the exponent field. A NaN lane converts to i32::MIN here and
+    // to 0 in Rust; both shift to the bits of 1.0, and NaN · 1 is the NaN.
+    let n = _mm512_cvtps_epi32(n);
+    let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        n,
+        _mm512_set1_epi32(127),
+    )));
+    _mm512_mul_ps(e, scale)
+}
+
+/// Unnormalised outputs of `Q` heads over the first `n` positions of the
+/// value runs, in runs of [`DIM_BLOCKS`] blocks of dimensions and then
+/// single blocks.
+///
+/// # Safety
+/// AVX-512F; `weights` holds `Q` rows of [`CHUNK`] with `n` valid, `out`
+/// `Q` rows of `hd`; `hd` is whole vectors, each run whole rows of `hd`,
+/// and the runs hold at least `n` rows.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn value_heads<E: Widen16, const Q: usize>(
+    weights: *const f32,
+    runs: &[&[E]],
+    hd: usize,
+    n: usize,
+    out: *mut f32,
+) {
+    let mut d = 0;
+    while d + DIM_BLOCKS * LANES <= hd {
+        // SAFETY: forwarded; d + 64 <= hd.
+        unsafe { value_block::<E, Q, DIM_BLOCKS>(weights, runs, hd, n, d, out) };
+        d += DIM_BLOCKS * LANES;
+    }
+    while d < hd {
+        // SAFETY: forwarded; d + 16 <= hd (hd is whole vectors).
+        unsafe { value_block::<E, Q, 1>(weights, runs, hd, n, d, out) };
+        d += LANES;
+    }
+}
+
+/// `out[i][d + l] = Σ_j w_i[j] · v[j][d + l]` as one fused chain over
+/// positions ascending from zero, for `Q` heads and `B` blocks of 16
+/// dimensions.
+///
+/// # Safety
+/// As [`value_heads`], with `d + 16 · B <= hd`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn value_block<E: Widen16, const Q: usize, const B: usize>(
+    weights: *const f32,
+    runs: &[&[E]],
+    hd: usize,
+    n: usize,
+    d: usize,
+    out: *mut f32,
+) {
+    let mut acc = [[_mm512_setzero_ps(); B]; Q];
+    let mut j = 0;
+    'runs: for run in runs {
+        for row in run.chunks_exact(hd) {
+            if j == n {
+                break 'runs;
+            }
+            let mut v = [_mm512_setzero_ps(); B];
+            for (b, v) in v.iter_mut().enumerate() {
+                // SAFETY: dimensions d + 16b.. + 16 <= hd, the row's length.
+                *v = unsafe { E::load16(row.as_ptr().add(d + b * LANES)) };
+            }
+            for (i, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: head i < Q, position j < n <= CHUNK.
+                let w = _mm512_set1_ps(unsafe { *weights.add(i * CHUNK + j) });
+                for (a, &v) in acc.iter_mut().zip(&v) {
+                    *a = _mm512_fmadd_ps(w, v, *a);
+                }
+            }
+            j += 1;
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        for (b, &a) in acc.iter().enumerate() {
+            // SAFETY: head i < Q, dimensions d + 16b.. + 16 <= hd.
+            unsafe { _mm512_storeu_ps(out.add(i * hd + d + b * LANES), a) };
+        }
+    }
+}
+
+/// `keys[d * stride + first + j] = run[j * hd + d]` for every `d`, for the
+/// whole 16-key blocks of the first `n` keys of `run`; returns how many
+/// keys it staged (a multiple of 16), leaving the rest to the caller.
+/// Like [`super::avx2::transpose`], with 16 × 16 blocks: a third fewer
+/// shuffles per key, half the loads and stores.
+pub(crate) fn transpose<E: Widen16>(
+    _cpu: Cpu,
+    run: &[E],
+    n: usize,
+    hd: usize,
+    keys: &mut [f32],
+    stride: usize,
+    first: usize,
+) -> usize {
+    if !handles(hd) {
+        return 0;
+    }
+    let whole = n - n % LANES;
+    assert!(run.len() >= n * hd, "the run holds n keys of hd elements");
+    assert!(
+        keys.len() >= (hd - 1) * stride + first + whole,
+        "every staged column fits in the key scratch"
+    );
+    // SAFETY: `_cpu` proves AVX-512F; the asserts above bound every read
+    // (`j + 16 <= whole <= n` keys of `hd`) and every write.
+    unsafe { transpose_blocks(run.as_ptr(), whole, hd, keys.as_mut_ptr(), stride, first) };
+    whole
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_blocks<E: Widen16>(
+    run: *const E,
+    whole: usize,
+    hd: usize,
+    keys: *mut f32,
+    stride: usize,
+    first: usize,
+) {
+    for j in (0..whole).step_by(LANES) {
+        for d in (0..hd).step_by(LANES) {
+            let mut r = [_mm512_setzero_ps(); LANES];
+            for (i, r) in r.iter_mut().enumerate() {
+                // SAFETY: key j + i < whole, dimensions d..d + 16 <= hd.
+                *r = unsafe { E::load16(run.add((j + i) * hd + d)) };
+            }
+            // Within each 128-bit lane, four rows' four dimensions: after
+            // these two steps `u[4q + k]` holds dimension 4·lane + k of
+            // rows 4q..4q + 4.
+            let mut u = [_mm512_setzero_ps(); LANES];
+            for q in 0..4 {
+                let [a, b, c, e] = [r[4 * q], r[4 * q + 1], r[4 * q + 2], r[4 * q + 3]];
+                let (t0, t1) = (_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+                let (t2, t3) = (_mm512_unpacklo_ps(c, e), _mm512_unpackhi_ps(c, e));
+                u[4 * q] = _mm512_shuffle_ps::<0x44>(t0, t2);
+                u[4 * q + 1] = _mm512_shuffle_ps::<0xEE>(t0, t2);
+                u[4 * q + 2] = _mm512_shuffle_ps::<0x44>(t1, t3);
+                u[4 * q + 3] = _mm512_shuffle_ps::<0xEE>(t1, t3);
+            }
+            // Then gather lane L of the four row groups: dimension 4L + k.
+            for k in 0..4 {
+                let v0 = _mm512_shuffle_f32x4::<0x88>(u[k], u[4 + k]);
+                let v1 = _mm512_shuffle_f32x4::<0xDD>(u[k], u[4 + k]);
+                let v2 = _mm512_shuffle_f32x4::<0x88>(u[8 + k], u[12 + k]);
+                let v3 = _mm512_shuffle_f32x4::<0xDD>(u[8 + k], u[12 + k]);
+                let columns = [
+                    (k, _mm512_shuffle_f32x4::<0x88>(v0, v2)),
+                    (8 + k, _mm512_shuffle_f32x4::<0xDD>(v0, v2)),
+                    (4 + k, _mm512_shuffle_f32x4::<0x88>(v1, v3)),
+                    (12 + k, _mm512_shuffle_f32x4::<0xDD>(v1, v3)),
+                ];
+                for (dim, column) in columns {
+                    // SAFETY: dimension d + dim < hd, columns first + j..
+                    // + 16 <= first + whole (checked by `transpose`).
+                    unsafe { _mm512_storeu_ps(keys.add((d + dim) * stride + first + j), column) };
+                }
+            }
+        }
+    }
+}
+
+/// Asks for every cache line of `data` to be brought towards L1, so that
+/// a chunk's page runs (2 KB each for SmolLM2, one run per page) are all in
+/// flight at once rather than each waiting for the hardware prefetcher to
+/// notice it.
+pub(crate) fn prefetch<E>(_cpu: Cpu, data: &[E]) {
+    let bytes = std::mem::size_of_val(data);
+    let base = data.as_ptr().cast::<i8>();
+    for offset in (0..bytes).step_by(64) {
+        // SAFETY: prefetching has no effect on memory; `offset < bytes`
+        // keeps the address inside `data` anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(offset)) };
+    }
+}
