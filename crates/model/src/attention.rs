@@ -40,7 +40,7 @@
 //! scratch never carries another chunk's — or another request's — data
 //! into a result.
 //!
-//! On a CPU with AVX-512F the kernels are hand-written ([`avx512`]): keys
+//! On a CPU with AVX-512F the kernels are hand-written (`attention/avx512.rs`): keys
 //! are transposed in 16 × 16 blocks, values are read (and widened) straight
 //! from their page runs instead of being staged, and every page run of the
 //! chunk is prefetched before any is touched, so its misses overlap instead
