@@ -40,12 +40,13 @@
 //! scratch never carries another chunk's — or another request's — data
 //! into a result.
 //!
-//! On a CPU with AVX-512F the kernels are hand-written (`attention/avx512.rs`): keys
-//! are transposed in 16 × 16 blocks, values are read (and widened) straight
-//! from their page runs instead of being staged, and every page run of the
-//! chunk is prefetched before any is touched, so its misses overlap instead
-//! of each run waiting for the hardware prefetcher. The operations and
-//! their order are the portable kernel's, so the bits are too.
+//! On a CPU with AVX-512F the kernels are hand-written
+//! (`attention/avx512.rs`): keys are transposed in 16 × 16 blocks, values
+//! are read (and widened) straight from their page runs instead of being
+//! staged, and every page run of the chunk is prefetched before any is
+//! touched, so its misses overlap instead of each run waiting for the
+//! hardware prefetcher. The operations and their order are the portable
+//! kernel's, so the bits are too.
 //!
 //! Prefill tiles fold their chunks as they go. A sequence with a single
 //! tile (decode steps) and several chunks is split instead: one task per
