@@ -62,6 +62,8 @@ use kvfence_pool::{KvElement, ReadView};
 use rayon::prelude::*;
 
 use crate::config::ModelConfig;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::IsaCap;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -535,7 +537,14 @@ fn run_task<E: KvValue>(
 /// give the same bits.
 #[cfg(target_arch = "x86_64")]
 fn simd_kernel(hd: usize) -> Option<avx512::Cpu> {
-    avx512::Cpu::detect().filter(|_| avx512::handles(hd))
+    avx512::Cpu::detect().filter(|_| avx512::handles(hd) && wide_enough(IsaCap::Avx512))
+}
+
+/// Whether [`crate::kernels::widest_isa`] allows hand-written kernels of
+/// `isa`.
+#[cfg(target_arch = "x86_64")]
+fn wide_enough(isa: IsaCap) -> bool {
+    crate::kernels::widest_isa() >= isa
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -605,8 +614,8 @@ fn transpose_fast<E: KvValue>(
     first: usize,
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = avx2::Avx2::detect() {
-        let done = match avx512::Cpu::detect() {
+    if let Some(cpu) = avx2::Avx2::detect().filter(|_| wide_enough(IsaCap::Avx2)) {
+        let done = match avx512::Cpu::detect().filter(|_| wide_enough(IsaCap::Avx512)) {
             Some(wide) => avx512::transpose(wide, run, n, hd, keys, CHUNK, first),
             None => 0,
         };
@@ -628,7 +637,7 @@ fn transpose_fast<E: KvValue>(
 /// Widens `src` into `dst` by SIMD where there is one.
 fn widen_fast<E: KvValue>(src: &[E], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = avx2::Avx2::detect() {
+    if let Some(cpu) = avx2::Avx2::detect().filter(|_| wide_enough(IsaCap::Avx2)) {
         let done = avx2::widen(cpu, src, dst);
         E::widen(&src[done..], &mut dst[done..]);
         return;

@@ -23,6 +23,8 @@
 //! exactly (property tests below).
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 
 /// Weights per block: the block size of Q4_0, Q4_1 and Q8_0, and the lanes
@@ -43,9 +45,9 @@ pub(crate) trait BlockRow: Copy {
 
 /// A weight row every implementation of [`tile`] can read.
 #[cfg(target_arch = "x86_64")]
-pub(crate) trait Source: BlockRow + avx512::Block512 {}
+pub(crate) trait Source: BlockRow + avx512::Block512 + avx2::Block256 {}
 #[cfg(target_arch = "x86_64")]
-impl<T: BlockRow + avx512::Block512> Source for T {}
+impl<T: BlockRow + avx512::Block512 + avx2::Block256> Source for T {}
 /// A weight row every implementation of [`tile`] can read.
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) trait Source: BlockRow {}
@@ -203,6 +205,10 @@ pub(crate) fn tile<const M: usize, const R: usize, W: BlockRow>(
 enum Isa {
     /// The portable code, compiled per instruction set by `multiversion`.
     Portable,
+    /// Hand-written AVX2 ([`avx2::tile`]), on an x86-64 CPU without
+    /// AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    Avx2(avx2::Cpu),
     /// Hand-written AVX-512 ([`avx512::tile`]), on a CPU that has it.
     #[cfg(target_arch = "x86_64")]
     Avx512(avx512::Cpu),
@@ -217,7 +223,22 @@ impl Isa {
         match self {
             Isa::Portable => 1,
             #[cfg(target_arch = "x86_64")]
+            Isa::Avx2(_) => 2,
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512(_) => MAX_TILE_ROWS,
+        }
+    }
+
+    /// Weight rows per tile of `m` activation rows: as many as keep the
+    /// accumulators (32 lanes per output) in registers.
+    fn weight_rows(self, m: usize) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // Measured at 8 concurrent: four by one or two by two (sixteen
+            // accumulators) spill and run at two thirds of the speed.
+            Isa::Avx2(_) => 2 / m.max(1),
+            _ if m <= 2 => 4,
+            _ => 2,
         }
     }
 }
@@ -272,7 +293,8 @@ fn tile_rows<const M: usize, W: Source>(
     let mut c = 0;
     // Few activation rows leave registers for four weight rows at a time
     // (more independent work per loaded activation block).
-    if M <= 2 {
+    let widest = isa.weight_rows(M);
+    if widest >= 4 {
         while c + 4 <= count {
             let quad = [
                 rows.skip(c, blocks),
@@ -284,18 +306,19 @@ fn tile_rows<const M: usize, W: Source>(
             c += 4;
         }
     }
-    while c + 2 <= count {
+    while widest >= 2 && c + 2 <= count {
         let pair = [rows.skip(c, blocks), rows.skip(c + 1, blocks)];
         store(&tile_with::<M, 2, W>(isa, x, pair), c, stride, out);
         c += 2;
     }
-    if c < count {
+    while c < count {
         store(
             &tile_with::<M, 1, W>(isa, x, [rows.skip(c, blocks)]),
             c,
             stride,
             out,
         );
+        c += 1;
     }
 }
 
@@ -321,15 +344,25 @@ fn tile_with<const M: usize, const R: usize, W: Source>(
     match isa {
         Isa::Portable => tile::<M, R, W>(x, w),
         #[cfg(target_arch = "x86_64")]
+        Isa::Avx2(cpu) => avx2::tile::<M, R, W>(cpu, x, w),
+        #[cfg(target_arch = "x86_64")]
         Isa::Avx512(cpu) => avx512::tile::<M, R, W>(cpu, x, w),
     }
 }
 
-/// The fastest implementation this CPU runs.
+/// The fastest implementation this CPU runs, within
+/// [`crate::kernels::widest_isa`].
 fn best_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = avx512::Cpu::detect() {
-        return Isa::Avx512(cpu);
+    {
+        use crate::kernels::{IsaCap, widest_isa};
+        let cap = widest_isa();
+        if let Some(cpu) = avx512::Cpu::detect().filter(|_| cap >= IsaCap::Avx512) {
+            return Isa::Avx512(cpu);
+        }
+        if let Some(cpu) = avx2::Cpu::detect().filter(|_| cap >= IsaCap::Avx2) {
+            return Isa::Avx2(cpu);
+        }
     }
     Isa::Portable
 }
@@ -398,6 +431,8 @@ pub(crate) fn decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
     match best_isa() {
         Isa::Portable => portable_decode_rows(rows, k, out),
         #[cfg(target_arch = "x86_64")]
+        Isa::Avx2(cpu) => avx2::decode_rows(cpu, rows, k, out),
+        #[cfg(target_arch = "x86_64")]
         Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
     }
 }
@@ -406,6 +441,8 @@ pub(crate) fn decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
 pub(crate) fn decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
     match best_isa() {
         Isa::Portable => portable_decode_rows(rows, k, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2(cpu) => avx2::decode_rows(cpu, rows, k, out),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
     }
@@ -495,6 +532,16 @@ pub(crate) mod tests {
             let mut out = vec![f32::NAN; m * stride];
             dots(Isa::Avx512(cpu), rows, count, &x, k, stride, &mut out);
             results.push(("avx512", out));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = avx2::Cpu::detect() {
+            let mut vector_decoded = vec![f32::NAN; count * k];
+            avx2::decode_rows(cpu, rows, k, &mut vector_decoded);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&vector_decoded), bits(&decoded));
+            let mut out = vec![f32::NAN; m * stride];
+            dots(Isa::Avx2(cpu), rows, count, &x, k, stride, &mut out);
+            results.push(("avx2", out));
         }
         for (name, out) in &results {
             for r in 0..m {

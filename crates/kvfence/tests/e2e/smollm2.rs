@@ -1,6 +1,7 @@
 //! The real model over HTTP: the README's question gets its real answer,
-//! and disaggregated serving (TCP hand-off) answers concurrent requests
-//! exactly as a colocated server does.
+//! disaggregated serving (TCP hand-off) answers concurrent requests exactly
+//! as a colocated server does, and so does a server held to narrower
+//! hand-written kernels (`KVFENCE_MAX_ISA`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -51,6 +52,17 @@ async fn smollm2_answers_and_disaggregated_equals_colocated() {
     let disaggregated = Server::start(&[&args[..], &["--handoff", "tcp"]].concat());
     assert_eq!(answers(&disaggregated).await, expected);
     disaggregated.wait_for_baseline().await;
+    drop(disaggregated);
+    // Every kernel variant performs the same operations in the same
+    // order, so greedy and seeded sampled answers cannot change with the
+    // instruction set (on this CPU: AVX-512, AVX2 and portable code).
+    for cap in ["avx2", "portable"] {
+        let capped = Server::start_with_env(
+            &[&args[..], &["--mode", "colocated"]].concat(),
+            &[("KVFENCE_MAX_ISA", cap)],
+        );
+        assert_eq!(answers(&capped).await, expected, "KVFENCE_MAX_ISA={cap}");
+    }
 }
 
 /// The real model under JSON schemas (one in Pydantic's shape, with

@@ -24,6 +24,11 @@ impl Server {
     /// Starts `kvfence serve --port 0 ARGS...` and waits until it listens.
     /// The model is the offline `builtin:tiny` unless ARGS name one.
     pub fn start(args: &[&str]) -> Server {
+        Server::start_with_env(args, &[])
+    }
+
+    /// [`Server::start`] with extra environment.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut full = vec!["serve", "--port", "0"];
         if !args.contains(&"--metrics-listen") {
             full.extend(["--metrics-listen", "127.0.0.1:0"]);
@@ -32,7 +37,7 @@ impl Server {
         if !args.contains(&"--model") {
             full.extend(["--model", "builtin:tiny"]);
         }
-        Server::start_process(&full, &[])
+        Server::start_process(&full, env)
     }
 
     /// Starts `kvfence ARGS...` with extra environment and waits for its

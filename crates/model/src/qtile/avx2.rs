@@ -1,0 +1,294 @@
+//! AVX2 versions of [`super::tile`] and of block decoding, for x86-64 CPUs
+//! without AVX-512 (many AMD EPYCs). The portable code compiled for AVX2
+//! keeps one activation row per tile and decodes nibbles in narrow
+//! vectors; here a 32-lane accumulator is four `ymm` registers, and a tile
+//! is one activation row by two weight rows or two by one, so that its
+//! eight accumulators, a decoded block and the activation loads fit
+//! AVX2's sixteen registers.
+//!
+//! Every function performs the portable code's operations in the portable
+//! code's order, eight lanes at a time: the nibble decode is
+//! `q * scale + offset` exactly rounded, the accumulation one exactly
+//! rounded multiply-add per element, the lane sum the same tree as
+//! [`super::sum_lanes`]. The property tests in `qtile` compare them bit
+//! for bit.
+//!
+//! The intrinsics are `unsafe` only because they must not run on a CPU
+//! without AVX2 and FMA. That obligation lives in one type: a [`Cpu`]
+//! exists only where detection found both, and every entry point takes
+//! one, so the rest of the crate calls them safely.
+
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+
+use super::{BLOCK, Bytes, Decoded, Nibbles};
+
+/// How far ahead of the block being decoded each weight row is prefetched
+/// (the AVX-512 kernels' measured best; the access pattern is the same).
+const PREFETCH_BYTES: usize = 4096;
+
+/// One 32-weight block as four 8-lane vectors.
+type Block = [__m256; 4];
+
+/// Proof that this CPU has AVX2 and FMA: only [`Cpu::detect`] makes one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Cpu(());
+
+impl Cpu {
+    /// `Some` where the CPU runs this module's code.
+    pub(crate) fn detect() -> Option<Cpu> {
+        (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")).then_some(Cpu(()))
+    }
+}
+
+/// A weight row read as AVX2 vectors, by the same operations as its
+/// [`super::BlockRow::block`]. Bounds are checked once per row.
+pub(crate) trait Block256: Copy {
+    /// Panics unless the first row holds at least `blocks` blocks.
+    fn check(self, blocks: usize);
+
+    /// Weights `0..32` of block `b`, eight at a time.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA, and [`Block256::check`] must
+    /// have passed for some `blocks > b`.
+    unsafe fn block256(self, b: usize) -> Block;
+
+    /// Asks for the bytes `distance` past block `b` to be brought to L1.
+    #[inline(always)]
+    fn prefetch(self, _b: usize, _distance: usize) {}
+}
+
+impl Block256 for Decoded<'_> {
+    fn check(self, blocks: usize) {
+        assert!(
+            self.0.len() >= blocks * BLOCK,
+            "row shorter than its blocks"
+        );
+    }
+
+    #[inline(always)]
+    unsafe fn block256(self, b: usize) -> Block {
+        // SAFETY: the caller guarantees AVX2 and `32 b + 32 <= len`.
+        unsafe { load_block(self.0.as_ptr().add(b * BLOCK)) }
+    }
+}
+
+impl Block256 for Nibbles<'_> {
+    #[inline(always)]
+    fn prefetch(self, b: usize, distance: usize) {
+        // A prefetch is a hint: an address past the end is never read.
+        let at = self.quants.as_ptr().wrapping_add(b * 16 + distance);
+        // SAFETY: prefetching has no effect on memory, valid or not.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+    }
+
+    fn check(self, blocks: usize) {
+        assert!(
+            self.quants.len() >= blocks * 16
+                && self.scales.len() >= blocks
+                && self.offsets.len() >= blocks,
+            "row shorter than its blocks"
+        );
+    }
+
+    #[inline(always)]
+    unsafe fn block256(self, b: usize) -> Block {
+        // SAFETY: the caller guarantees AVX2 and FMA and that block `b` is
+        // in bounds of all three arrays.
+        unsafe {
+            decode_nibbles(
+                self.quants.as_ptr().add(b * 16),
+                *self.scales.get_unchecked(b),
+                *self.offsets.get_unchecked(b),
+            )
+        }
+    }
+}
+
+impl Block256 for Bytes<'_> {
+    #[inline(always)]
+    fn prefetch(self, b: usize, distance: usize) {
+        let at = self.quants.as_ptr().wrapping_add(b * BLOCK + distance);
+        // SAFETY: prefetching has no effect on memory, valid or not.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+    }
+
+    fn check(self, blocks: usize) {
+        assert!(
+            self.quants.len() >= blocks * BLOCK && self.scales.len() >= blocks,
+            "row shorter than its blocks"
+        );
+    }
+
+    #[inline(always)]
+    unsafe fn block256(self, b: usize) -> Block {
+        // SAFETY: the caller guarantees AVX2 and that block `b` is in
+        // bounds of both arrays.
+        unsafe {
+            decode_bytes(
+                self.quants.as_ptr().add(b * BLOCK),
+                *self.scales.get_unchecked(b),
+            )
+        }
+    }
+}
+
+/// The 32 floats at `values`.
+///
+/// # Safety
+/// The CPU must support AVX2; `values` must point to 32 floats.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load_block(values: *const f32) -> Block {
+    // SAFETY: the caller guarantees 32 readable floats.
+    unsafe {
+        [
+            _mm256_loadu_ps(values),
+            _mm256_loadu_ps(values.add(8)),
+            _mm256_loadu_ps(values.add(16)),
+            _mm256_loadu_ps(values.add(24)),
+        ]
+    }
+}
+
+/// [`super::decode_nibbles`] of the 16 bytes at `quants`: low nibbles are
+/// weights 0..16, high 16..32.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `quants` must point to 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_nibbles(quants: *const u8, scale: f32, offset: f32) -> Block {
+    // SAFETY: the caller guarantees 16 readable bytes.
+    let bytes = unsafe { _mm_loadu_si128(quants.cast()) };
+    let first = _mm256_cvtepu8_epi32(bytes);
+    let second = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));
+    let mask = _mm256_set1_epi32(0x0F);
+    let (scale, offset) = (_mm256_set1_ps(scale), _mm256_set1_ps(offset));
+    let weight = |q: __m256i| _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, offset);
+    [
+        weight(_mm256_and_si256(first, mask)),
+        weight(_mm256_and_si256(second, mask)),
+        weight(_mm256_srli_epi32::<4>(first)),
+        weight(_mm256_srli_epi32::<4>(second)),
+    ]
+}
+
+/// [`super::decode_bytes`] of the 32 signed bytes at `quants`.
+///
+/// # Safety
+/// The CPU must support AVX2; `quants` must point to 32 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_bytes(quants: *const u8, scale: f32) -> Block {
+    // SAFETY: the caller guarantees 32 readable bytes.
+    let (low, high) = unsafe {
+        (
+            _mm_loadu_si128(quants.cast()),
+            _mm_loadu_si128(quants.add(16).cast()),
+        )
+    };
+    let scale = _mm256_set1_ps(scale);
+    let weight = |q: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale);
+    [
+        weight(low),
+        weight(_mm_unpackhi_epi64(low, low)),
+        weight(high),
+        weight(_mm_unpackhi_epi64(high, high)),
+    ]
+}
+
+/// [`super::sum_lanes`] of the 32 lanes `block[0] ++ … ++ block[3]`: the
+/// same tree.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn sum_lanes(block: Block) -> f32 {
+    let s16 = [
+        _mm256_add_ps(block[0], block[2]),
+        _mm256_add_ps(block[1], block[3]),
+    ];
+    let s8 = _mm256_add_ps(s16[0], s16[1]);
+    let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0x55>(s2, s2));
+    _mm_cvtss_f32(s1)
+}
+
+/// [`super::decode_rows`]: the first `out.len() / k` rows into `out`.
+pub(crate) fn decode_rows<W: Block256>(_cpu: Cpu, rows: W, k: usize, out: &mut [f32]) {
+    // SAFETY: a `Cpu` exists only where AVX2 and FMA were detected.
+    unsafe { decode_rows_avx2(rows, k, out) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_rows_avx2<W: Block256>(rows: W, k: usize, out: &mut [f32]) {
+    let whole = out.len() / k * k;
+    rows.check(whole / BLOCK);
+    for (b, chunk) in out[..whole].chunks_exact_mut(BLOCK).enumerate() {
+        rows.prefetch(b, PREFETCH_BYTES);
+        // SAFETY: AVX2 and FMA are enabled for this function; block `b` was
+        // checked; `chunk` holds exactly 32 floats, the four stores' 8 each.
+        unsafe {
+            for (i, v) in rows.block256(b).into_iter().enumerate() {
+                _mm256_storeu_ps(chunk.as_mut_ptr().add(8 * i), v);
+            }
+        }
+    }
+}
+
+/// [`super::tile`]: `out[r][c] = x[r] · w[c]`, with four 8-lane
+/// accumulators per output. `M × R` should be at most 2 (see the module
+/// docs), or the accumulators leave the registers.
+pub(crate) fn tile<const M: usize, const R: usize, W: Block256>(
+    _cpu: Cpu,
+    x: [&[f32]; M],
+    w: [W; R],
+) -> [[f32; R]; M] {
+    // SAFETY: a `Cpu` exists only where AVX2 and FMA were detected.
+    unsafe { tile_avx2(x, w) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const M: usize, const R: usize, W: Block256>(
+    x: [&[f32]; M],
+    w: [W; R],
+) -> [[f32; R]; M] {
+    let blocks = x[0].len() / BLOCK;
+    for row in w {
+        row.check(blocks);
+    }
+    for x_row in x {
+        assert!(
+            x_row.len() >= blocks * BLOCK,
+            "activation row shorter than k"
+        );
+    }
+    let zero = _mm256_setzero_ps();
+    let mut acc = [[[zero; 4]; R]; M];
+    for b in 0..blocks {
+        for (c, row) in w.into_iter().enumerate() {
+            row.prefetch(b, PREFETCH_BYTES);
+            // SAFETY: AVX2 and FMA are enabled for this function; every row
+            // was checked for `blocks > b` blocks.
+            let values = unsafe { row.block256(b) };
+            for (acc_row, x_row) in acc.iter_mut().zip(x) {
+                let lanes = &mut acc_row[c];
+                for (i, (lane, &v)) in lanes.iter_mut().zip(&values).enumerate() {
+                    // SAFETY: every activation row holds `blocks` blocks.
+                    let xs = unsafe { _mm256_loadu_ps(x_row.as_ptr().add(b * BLOCK + 8 * i)) };
+                    *lane = _mm256_fmadd_ps(xs, v, *lane);
+                }
+            }
+        }
+    }
+    let mut sums = [[0.0f32; R]; M];
+    for (s_row, acc_row) in sums.iter_mut().zip(acc) {
+        for (s, lanes) in s_row.iter_mut().zip(acc_row) {
+            *s = sum_lanes(lanes);
+        }
+    }
+    sums
+}
