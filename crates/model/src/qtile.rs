@@ -41,6 +41,11 @@ pub(crate) trait BlockRow: Copy {
 
     /// The rows from row `i` on, rows being `blocks` blocks wide.
     fn skip(self, i: usize, blocks: usize) -> Self;
+
+    /// Panics unless the first row holds at least `blocks` blocks: the one
+    /// bounds check the vector kernels make per row, not per block.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn check(self, blocks: usize);
 }
 
 /// A weight row every implementation of [`tile`] can read.
@@ -68,6 +73,13 @@ impl BlockRow for Decoded<'_> {
     #[inline(always)]
     fn skip(self, i: usize, blocks: usize) -> Self {
         Decoded(&self.0[i * blocks * BLOCK..])
+    }
+
+    fn check(self, blocks: usize) {
+        assert!(
+            self.0.len() >= blocks * BLOCK,
+            "row shorter than its blocks"
+        );
     }
 }
 
@@ -100,6 +112,15 @@ impl BlockRow for Nibbles<'_> {
             offsets: &self.offsets[i * blocks..],
         }
     }
+
+    fn check(self, blocks: usize) {
+        assert!(
+            self.quants.len() >= blocks * 16
+                && self.scales.len() >= blocks
+                && self.offsets.len() >= blocks,
+            "row shorter than its blocks"
+        );
+    }
 }
 
 /// 8-bit rows (Q8_0) repacked: per block 32 signed bytes and a scale.
@@ -125,6 +146,13 @@ impl BlockRow for Bytes<'_> {
             quants: &self.quants[i * blocks * BLOCK..],
             scales: &self.scales[i * blocks..],
         }
+    }
+
+    fn check(self, blocks: usize) {
+        assert!(
+            self.quants.len() >= blocks * BLOCK && self.scales.len() >= blocks,
+            "row shorter than its blocks"
+        );
     }
 }
 

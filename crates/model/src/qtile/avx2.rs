@@ -22,7 +22,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, Bytes, Decoded, Nibbles};
+use super::{BLOCK, BlockRow, Bytes, Decoded, Nibbles};
 
 /// How far ahead of the block being decoded each weight row is prefetched
 /// (the AVX-512 kernels' measured best; the access pattern is the same).
@@ -44,14 +44,11 @@ impl Cpu {
 
 /// A weight row read as AVX2 vectors, by the same operations as its
 /// [`super::BlockRow::block`]. Bounds are checked once per row.
-pub(crate) trait Block256: Copy {
-    /// Panics unless the first row holds at least `blocks` blocks.
-    fn check(self, blocks: usize);
-
+pub(crate) trait Block256: BlockRow {
     /// Weights `0..32` of block `b`, eight at a time.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA, and [`Block256::check`] must
+    /// The CPU must support AVX2 and FMA, and [`BlockRow::check`] must
     /// have passed for some `blocks > b`.
     unsafe fn block256(self, b: usize) -> Block;
 
@@ -61,13 +58,6 @@ pub(crate) trait Block256: Copy {
 }
 
 impl Block256 for Decoded<'_> {
-    fn check(self, blocks: usize) {
-        assert!(
-            self.0.len() >= blocks * BLOCK,
-            "row shorter than its blocks"
-        );
-    }
-
     #[inline(always)]
     unsafe fn block256(self, b: usize) -> Block {
         // SAFETY: the caller guarantees AVX2 and `32 b + 32 <= len`.
@@ -82,15 +72,6 @@ impl Block256 for Nibbles<'_> {
         let at = self.quants.as_ptr().wrapping_add(b * 16 + distance);
         // SAFETY: prefetching has no effect on memory, valid or not.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
-    }
-
-    fn check(self, blocks: usize) {
-        assert!(
-            self.quants.len() >= blocks * 16
-                && self.scales.len() >= blocks
-                && self.offsets.len() >= blocks,
-            "row shorter than its blocks"
-        );
     }
 
     #[inline(always)]
@@ -113,13 +94,6 @@ impl Block256 for Bytes<'_> {
         let at = self.quants.as_ptr().wrapping_add(b * BLOCK + distance);
         // SAFETY: prefetching has no effect on memory, valid or not.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
-    }
-
-    fn check(self, blocks: usize) {
-        assert!(
-            self.quants.len() >= blocks * BLOCK && self.scales.len() >= blocks,
-            "row shorter than its blocks"
-        );
     }
 
     #[inline(always)]

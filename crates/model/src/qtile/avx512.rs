@@ -21,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, Bytes, Decoded, Nibbles};
+use super::{BLOCK, BlockRow, Bytes, Decoded, Nibbles};
 
 /// How far ahead of the block being decoded each weight row is prefetched.
 /// A tile reads up to four rows at once, interleaved streams the hardware
@@ -44,16 +44,13 @@ impl Cpu {
 
 /// A weight row read as AVX-512 vectors, by the same operations as its
 /// [`super::BlockRow::block`]. Bounds are checked once per row
-/// ([`Block512::check`]) rather than once per block: per-block checks were
+/// ([`BlockRow::check`]) rather than once per block: per-block checks were
 /// measured to cost as many instructions as the arithmetic.
-pub(crate) trait Block512: Copy {
-    /// Panics unless the first row holds at least `blocks` blocks.
-    fn check(self, blocks: usize);
-
+pub(crate) trait Block512: BlockRow {
     /// Weights `0..16` and `16..32` of block `b`.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F, and [`Block512::check`] must have
+    /// The CPU must support AVX-512F, and [`BlockRow::check`] must have
     /// passed for some `blocks > b`.
     unsafe fn block512(self, b: usize) -> (__m512, __m512);
 
@@ -63,13 +60,6 @@ pub(crate) trait Block512: Copy {
 }
 
 impl Block512 for Decoded<'_> {
-    fn check(self, blocks: usize) {
-        assert!(
-            self.0.len() >= blocks * BLOCK,
-            "row shorter than its blocks"
-        );
-    }
-
     #[inline(always)]
     unsafe fn block512(self, b: usize) -> (__m512, __m512) {
         // SAFETY: the caller guarantees AVX-512F and `32 b + 32 <= len`.
@@ -84,15 +74,6 @@ impl Block512 for Nibbles<'_> {
         let at = self.quants.as_ptr().wrapping_add(b * 16 + distance);
         // SAFETY: prefetching has no effect on memory, valid or not.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
-    }
-
-    fn check(self, blocks: usize) {
-        assert!(
-            self.quants.len() >= blocks * 16
-                && self.scales.len() >= blocks
-                && self.offsets.len() >= blocks,
-            "row shorter than its blocks"
-        );
     }
 
     #[inline(always)]
@@ -115,13 +96,6 @@ impl Block512 for Bytes<'_> {
         let at = self.quants.as_ptr().wrapping_add(b * BLOCK + distance);
         // SAFETY: prefetching has no effect on memory, valid or not.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
-    }
-
-    fn check(self, blocks: usize) {
-        assert!(
-            self.quants.len() >= blocks * BLOCK && self.scales.len() >= blocks,
-            "row shorter than its blocks"
-        );
     }
 
     #[inline(always)]
