@@ -44,7 +44,6 @@ pub(crate) trait BlockRow: Copy {
 
     /// Panics unless the first row holds at least `blocks` blocks: the one
     /// bounds check the vector kernels make per row, not per block.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn check(self, blocks: usize);
 }
 
@@ -192,6 +191,27 @@ pub(crate) fn sum_lanes(mut lanes: [f32; BLOCK]) -> f32 {
     lanes[0]
 }
 
+/// The blocks of a tile's activation rows, after checking once that every
+/// weight and activation row holds that many: every [`tile`] variant's
+/// bounds check.
+#[inline(always)]
+pub(crate) fn tile_blocks<const M: usize, const R: usize, W: BlockRow>(
+    x: [&[f32]; M],
+    w: [W; R],
+) -> usize {
+    let blocks = x[0].len() / BLOCK;
+    for row in w {
+        row.check(blocks);
+    }
+    for x_row in x {
+        assert!(
+            x_row.len() >= blocks * BLOCK,
+            "activation row shorter than k"
+        );
+    }
+    blocks
+}
+
 /// `out[r][c] = x[r] · w[c]` for `M` activation rows and `R` weight rows,
 /// each element computed exactly as [`reference_dot`] does.
 #[inline(always)]
@@ -199,7 +219,7 @@ pub(crate) fn tile<const M: usize, const R: usize, W: BlockRow>(
     x: [&[f32]; M],
     w: [W; R],
 ) -> [[f32; R]; M] {
-    let blocks = x[0].len() / BLOCK;
+    let blocks = tile_blocks(x, w);
     let mut acc = [[[0.0f32; BLOCK]; R]; M];
     for b in 0..blocks {
         // Explicit loops, not `array::from_fn` or `map`: those are not

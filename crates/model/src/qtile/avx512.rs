@@ -216,16 +216,7 @@ unsafe fn tile_avx512<const M: usize, const R: usize, W: Block512>(
     x: [&[f32]; M],
     w: [W; R],
 ) -> [[f32; R]; M] {
-    let blocks = x[0].len() / BLOCK;
-    for row in w {
-        row.check(blocks);
-    }
-    for x_row in x {
-        assert!(
-            x_row.len() >= blocks * BLOCK,
-            "activation row shorter than k"
-        );
-    }
+    let blocks = super::tile_blocks(x, w);
     let zero = _mm512_setzero_ps();
     let mut acc = [[[zero; 2]; R]; M];
     for b in 0..blocks {
