@@ -15,7 +15,7 @@ use crate::config::EngineConfig;
 use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::link::{self, Transport};
-use crate::request::{GenerationRequest, RequestHandle};
+use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle};
 use crate::scheduler::{Command, PeerId, PeerUp, Pending, Role, Scheduler};
 
 /// A worker: the scheduler(s) behind one client-facing queue.
@@ -269,6 +269,52 @@ impl Engine {
             pools.push((Role::Prefill, &peer.pool));
         }
         pools
+    }
+
+    /// Computes `prompt` once and seals its full pages into the public
+    /// namespace of every pool this engine runs — the decode worker's too,
+    /// which receives them over the hand-off like any prompt — where they
+    /// stay pinned: every tenant's prompt that begins with them reads them
+    /// (above the pool's public minimum), and no traffic evicts them.
+    /// Returns, for each pool, the leading tokens of `prompt` it now holds
+    /// in public pages: fewer than the prompt's full pages means its public
+    /// quota ran out (or, for a decode worker behind one-sided writes, that
+    /// it caches nothing). Blocks until the prompt is computed: call it
+    /// before serving.
+    pub fn cache_public_prefix(&self, prompt: Vec<u32>) -> Result<Vec<(Role, usize)>, EngineError> {
+        if let Some((role, _)) = self
+            .pools()
+            .into_iter()
+            .find(|(_, p)| !p.has_prefix_cache())
+        {
+            return Err(EngineError::Invalid {
+                reason: format!("the {} worker has no prefix cache", role.label()),
+            });
+        }
+        let mut handle = self.submit(GenerationRequest {
+            prompt: prompt.clone(),
+            max_tokens: 1,
+            sampling: kvfence_model::SamplingParams::greedy(),
+            stop: kvfence_model::StopStrings::default(),
+            ignore_eos: true,
+            cache: Some(CacheScope::Public),
+            constraint: None,
+        })?;
+        loop {
+            match handle.blocking_next() {
+                Some(Event::Token { .. }) => {}
+                Some(Event::Finished { .. }) => break,
+                Some(Event::Failed { message, .. }) => {
+                    return Err(EngineError::Internal { reason: message });
+                }
+                None => return Err(EngineError::ShuttingDown),
+            }
+        }
+        Ok(self
+            .pools()
+            .into_iter()
+            .map(|(role, pool)| (role, pool.public_prefix_tokens(&self.model.name, &prompt)))
+            .collect())
     }
 
     /// Queues a request. Refused at once, holding nothing, if it can never

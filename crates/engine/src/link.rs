@@ -49,6 +49,12 @@ pub(crate) const CONTROL: u8 = 3;
 /// The sender drains (no body): send it nothing new if another can take it.
 const DRAINING: u8 = 4;
 
+/// An order's cache scope: none, a tenant's (name and salt follow), or the
+/// public namespace a worker's own start-up fills.
+const CACHE_NONE: u8 = 0;
+const CACHE_TENANT: u8 = 1;
+const CACHE_PUBLIC: u8 = 2;
+
 /// A command as a link frame: its kind, then its body. A hand-off frame is
 /// its own body, borrowed: a chunk's bytes are not copied again on the way
 /// to the socket.
@@ -76,9 +82,9 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
             out.extend_from_slice(&(shaping.len() as u32).to_le_bytes());
             out.extend_from_slice(&shaping);
             match &order.request.cache {
-                None => out.push(0),
-                Some(scope) => {
-                    out.push(1);
+                None => out.push(CACHE_NONE),
+                Some(CacheScope::Tenant(scope)) => {
+                    out.push(CACHE_TENANT);
                     put_name(&mut out, &scope.tenant);
                     match &scope.salt {
                         None => out.push(0),
@@ -88,6 +94,7 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
                         }
                     }
                 }
+                Some(CacheScope::Public) => out.push(CACHE_PUBLIC),
             }
             Some((ORDER, Cow::Owned(out)))
         }
@@ -133,6 +140,10 @@ impl<'a> Cursor<'a> {
             return Err(malformed("a name is longer than a tenant name can be"));
         }
         String::from_utf8(self.take(len)?.to_vec()).map_err(|_| malformed("a name is not UTF-8"))
+    }
+
+    fn byte(&mut self) -> Result<u8, HandoffError> {
+        Ok(self.take(1)?[0])
     }
 
     /// A `0`/`1` presence byte.
@@ -195,12 +206,15 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
                 constraint,
             } = serde_json::from_slice(c.take(shaping_len)?)
                 .map_err(|_| malformed("the sampling section is not valid"))?;
-            let cache = if c.flag()? {
-                let tenant = c.name()?;
-                let salt = if c.flag()? { Some(c.name()?) } else { None };
-                Some(CacheScope { tenant, salt })
-            } else {
-                None
+            let cache = match c.byte()? {
+                CACHE_NONE => None,
+                CACHE_TENANT => {
+                    let tenant = c.name()?;
+                    let salt = if c.flag()? { Some(c.name()?) } else { None };
+                    Some(CacheScope::tenant(tenant, salt))
+                }
+                CACHE_PUBLIC => Some(CacheScope::Public),
+                _ => return Err(malformed("unknown cache scope")),
             };
             if !c.0.is_empty() {
                 return Err(malformed("trailing bytes"));
@@ -408,10 +422,7 @@ mod tests {
             sampling: shaped(),
             stop: StopStrings::default(),
             ignore_eos: false,
-            cache: Some(CacheScope {
-                tenant: "tenant-a".into(),
-                salt: Some("salt".into()),
-            }),
+            cache: Some(CacheScope::tenant("tenant-a", Some("salt".into()))),
             constraint: Some(Grammar::Regex("[a-z]+".into())),
         };
         let sent = Command::Prefill {
@@ -432,6 +443,30 @@ mod tests {
             order.request.constraint,
             Some(Grammar::Regex("[a-z]+".into()))
         );
+        assert_eq!(
+            order.request.cache,
+            Some(CacheScope::tenant("tenant-a", Some("salt".into())))
+        );
+        for cache in [
+            None,
+            Some(CacheScope::tenant("b", None)),
+            Some(CacheScope::Public),
+        ] {
+            let mut request = order.request.clone();
+            request.cache = cache.clone();
+            let sent = Command::Prefill {
+                peer: PeerId(1),
+                order: Box::new(PrefillOrder {
+                    window: None,
+                    grant: vec![9],
+                    request,
+                }),
+            };
+            let Command::Prefill { order, .. } = over_the_link(&sent).unwrap() else {
+                panic!("not an order")
+            };
+            assert_eq!(order.request.cache, cache);
+        }
     }
 
     /// Sampling parameters with every field away from its default.

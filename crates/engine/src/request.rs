@@ -29,11 +29,41 @@ pub struct GenerationRequest {
     pub constraint: Option<Grammar>,
 }
 
-/// The wall a request's cached prefixes live behind (I9): the tenant the
-/// gateway authenticated — never a field a client sets — and an optional
-/// salt the client chose, which only subdivides that tenant's cache.
+/// The wall a request's cached prefixes live behind (I9).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheScope {
+    /// A tenant's own namespace (which also reads the public one).
+    Tenant(TenantScope),
+    /// The public namespace: prefixes the operator declared common to
+    /// every tenant (`serve --public-system-prompt`), computed at start-up.
+    /// Only the engine's own start-up submits it; the router protocol
+    /// cannot express it, and nothing a client sends reaches it.
+    Public,
+}
+
+impl CacheScope {
+    /// The scope of `tenant`'s requests, subdivided by `salt`.
+    pub fn tenant(tenant: impl Into<String>, salt: Option<String>) -> CacheScope {
+        CacheScope::Tenant(TenantScope {
+            tenant: tenant.into(),
+            salt,
+        })
+    }
+
+    /// The tenant's scope, unless this is the public one.
+    pub fn as_tenant(&self) -> Option<&TenantScope> {
+        match self {
+            CacheScope::Tenant(scope) => Some(scope),
+            CacheScope::Public => None,
+        }
+    }
+}
+
+/// A tenant's namespace: the tenant the gateway authenticated — never a
+/// field a client sets — and an optional salt the client chose, which only
+/// subdivides that tenant's cache.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct CacheScope {
+pub struct TenantScope {
     /// The authenticated tenant's name.
     pub tenant: String,
     /// The client's `cache_salt`, if it sent one.

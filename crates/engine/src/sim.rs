@@ -255,10 +255,7 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
         },
         stop: StopStrings::default(),
         ignore_eos: true,
-        cache: Some(CacheScope {
-            tenant: ["a", "b"][rng.random_range(0..2)].into(),
-            salt: None,
-        }),
+        cache: Some(CacheScope::tenant(["a", "b"][rng.random_range(0..2)], None)),
         constraint: None,
     }
 }
@@ -485,13 +482,11 @@ impl World {
                 .count()
         };
         let request = self.clients[index].request.clone();
-        let tenant = request.cache.as_ref().map(|c| c.tenant.clone());
+        let tenant = request.cache.clone();
         self.clients[index].cacheable = self
             .clients
             .iter()
-            .filter(|c| {
-                c.on.is_some() && c.request.cache.as_ref().map(|s| &s.tenant) == tenant.as_ref()
-            })
+            .filter(|c| c.on.is_some() && c.request.cache == tenant)
             .map(|c| common_prefix(&c.request.prompt, &request.prompt))
             .max()
             .unwrap_or(0);

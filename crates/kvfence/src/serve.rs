@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use kvfence_engine::{Backend, Engine, EngineConfig, Transport};
+use kvfence_engine::{Backend, Engine, EngineConfig, Role, Transport};
 use kvfence_model::{LoadedModel, ModelCache, TextModel};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use kvfence_server::{ApiOptions, AppState, Capacity, ConnectionLimits, ServerError, Tenants};
@@ -48,7 +48,33 @@ pub(crate) struct ServeArgs {
     #[command(flatten)]
     engine: EngineArgs,
     #[command(flatten)]
+    public: PublicPrefixArgs,
+    #[command(flatten)]
     http: HttpArgs,
+}
+
+/// System prompts every tenant may share: the one exception to the prefix
+/// cache's tenant walls, and only for what the operator declares.
+#[derive(Args, Debug)]
+pub(crate) struct PublicPrefixArgs {
+    /// A file holding a system prompt every tenant may share (repeat for
+    /// more). Its KV is computed once at start-up, before the API listens,
+    /// and kept — pinned, never evicted — so a chat whose first message is
+    /// this system message reads those pages instead of computing them,
+    /// whichever tenant sends it. Nothing a request sends is ever added to
+    /// the public cache, and its pages never depend on traffic, so a hit
+    /// tells one tenant nothing about another. Needs a chat template and
+    /// --prefix-cache on.
+    #[arg(long = "public-system-prompt", value_name = "FILE")]
+    files: Vec<PathBuf>,
+    /// Tokens a prompt must share with a public system prompt before the
+    /// public pages are read; a shorter overlap is computed in the tenant's
+    /// own cache, so pages cross tenants only where they save real work.
+    /// Each public system prompt must fill at least this many tokens of
+    /// whole KV pages.
+    #[arg(long = "public-prefix-min-tokens", default_value_t = kvfence_pool::DEFAULT_PUBLIC_MIN_TOKENS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    min_tokens: usize,
 }
 
 /// Scheduling and pool layout, shared by every command that runs a worker.
@@ -111,7 +137,14 @@ impl EngineArgs {
         })
     }
 
-    pub(crate) fn pool(&self, model: &LoadedModel, tokens: usize) -> anyhow::Result<Pool> {
+    /// A KV pool of `tokens` tokens; public-namespace matches count from
+    /// `public_min_tokens` (only `serve` declares public prefixes).
+    pub(crate) fn pool(
+        &self,
+        model: &LoadedModel,
+        tokens: usize,
+        public_min_tokens: usize,
+    ) -> anyhow::Result<Pool> {
         let mut spec = PoolSpec::new(
             model.model.kv_shape(),
             self.page_size,
@@ -121,7 +154,9 @@ impl EngineArgs {
         if self.prefix_cache == Switch::On {
             let pages = spec.geometry().context("sizing a KV pool")?.num_pages;
             let quota = (pages * usize::from(self.prefix_cache_tenant_quota)).div_ceil(100);
-            spec = spec.with_prefix_cache(quota);
+            spec = spec
+                .with_prefix_cache(quota)
+                .with_public_min_tokens(public_min_tokens);
         }
         let pool = Pool::new(&spec).context("allocating a KV pool")?;
         info!(
@@ -368,18 +403,24 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         })?,
     };
     let config = args.engine.config()?;
+    anyhow::ensure!(
+        args.public.files.is_empty() || args.engine.prefix_cache == Switch::On,
+        "--public-system-prompt needs --prefix-cache on"
+    );
+    let min = args.public.min_tokens;
     let engine = match args.mode {
         Mode::Colocated => Engine::start(
             Arc::clone(&model),
-            args.engine.pool(&model, args.kv_pool_tokens)?,
+            args.engine.pool(&model, args.kv_pool_tokens, min)?,
             config,
         ),
         Mode::Disaggregated => {
             let prefill = args.engine.pool(
                 &model,
                 args.prefill_pool_tokens.unwrap_or(args.kv_pool_tokens),
+                min,
             )?;
-            let decode = args.engine.pool(&model, args.kv_pool_tokens)?;
+            let decode = args.engine.pool(&model, args.kv_pool_tokens, min)?;
             let transport = match args.handoff {
                 Handoff::Inproc => Transport::InProcess,
                 Handoff::Shm => Transport::SharedMemory,
@@ -390,12 +431,80 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
     info!(mode = ?args.mode, handoff = ?args.handoff, "workers started");
+    for path in &args.public.files {
+        cache_public_system_prompt(&engine, &model, path, &args.public, &args.engine)?;
+    }
     serve_http(
         &args.http,
         tenants,
         Arc::new(model.text()),
         Box::new(engine),
     )
+}
+
+/// Computes the system prompt in `path` into every pool's public namespace
+/// (see [`PublicPrefixArgs`]) and checks that the workers which compute
+/// prompts hold all of its whole pages.
+fn cache_public_system_prompt(
+    engine: &Engine,
+    model: &LoadedModel,
+    path: &std::path::Path,
+    public: &PublicPrefixArgs,
+    pools: &EngineArgs,
+) -> anyhow::Result<()> {
+    let named = || format!("--public-system-prompt {}", path.display());
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", named()))?;
+    anyhow::ensure!(!text.trim().is_empty(), "{} is empty", named());
+    let template = model.chat_template.as_ref().with_context(|| {
+        format!(
+            "{}: model {} has no chat template, so no chat can begin with a system message",
+            named(),
+            model.name
+        )
+    })?;
+    let message = kvfence_model::ChatMessage {
+        role: "system".into(),
+        content: text,
+    };
+    // Encoded as a chat request's first message is, so its tokens are a
+    // prefix of every chat that begins with it.
+    let tokens = template
+        .encode(&model.tokenizer, std::slice::from_ref(&message), false)
+        .with_context(|| format!("encoding {}", named()))?;
+    let whole = tokens.len() / pools.page_size * pools.page_size;
+    anyhow::ensure!(
+        whole >= public.min_tokens,
+        "{}: its {} tokens fill {whole} tokens of whole {}-token pages, fewer than \
+         --public-prefix-min-tokens {}, so no prompt could ever read it",
+        named(),
+        tokens.len(),
+        pools.page_size,
+        public.min_tokens
+    );
+    let held = engine
+        .cache_public_prefix(tokens)
+        .with_context(|| format!("computing {}", named()))?;
+    for (role, tokens) in held {
+        match role {
+            Role::Colocated | Role::Prefill => anyhow::ensure!(
+                tokens >= whole,
+                "{}: the {} worker's pool kept {tokens} of its {whole} tokens; public \
+                 system prompts may fill --prefix-cache-tenant-quota ({}%) of a pool",
+                named(),
+                role.label(),
+                pools.prefix_cache_tenant_quota
+            ),
+            // Behind one-sided writes a decode worker caches nothing, and
+            // then every prompt's pages cross the link as they always do.
+            Role::Decode if tokens < whole => warn!(
+                kept = tokens,
+                "the decode worker keeps no public pages; they cross the link with each request"
+            ),
+            Role::Decode => {}
+        }
+    }
+    info!(tokens = whole, file = %path.display(), "public system prompt cached");
+    Ok(())
 }
 
 /// Tenants from `--config`, or local mode (loopback only).

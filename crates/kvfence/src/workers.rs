@@ -133,7 +133,12 @@ fn start_worker(
     init_logging();
     let credentials = args.tls.credentials(role)?;
     let model = load_model(&args.model)?;
-    let pool = args.engine.pool(&model, args.kv_pool_tokens)?;
+    // Workers of a fleet declare no public prefixes (only `serve` does).
+    let pool = args.engine.pool(
+        &model,
+        args.kv_pool_tokens,
+        kvfence_pool::DEFAULT_PUBLIC_MIN_TOKENS,
+    )?;
     Ok((credentials, model, pool))
 }
 

@@ -116,9 +116,20 @@ impl Lease {
     /// many pages were sealed; a lease without a namespace, or one a
     /// one-sided writer may reach, seals none.
     pub fn seal(&mut self, tokens: &[u32]) -> usize {
-        let Some(namespace) = self.namespace.clone() else {
+        let Some(mut namespace) = self.namespace.clone() else {
             return 0;
         };
+        // Incident replay (m): a lease that began with public pages seals
+        // the rest into the public namespace as well.
+        if Mutation::SealIntoPublic.active()
+            && let Some(public) = namespace.public_namespace()
+            && self
+                .pages
+                .first()
+                .is_some_and(|page| self.shared.holds_shared(*page, public.id()))
+        {
+            namespace = public;
+        }
         if self.one_sided {
             return 0;
         }

@@ -34,8 +34,8 @@ pub use page::{Generation, PageId, PageRef, PageState, RequestId};
 pub use pool::{Pool, PoolStats};
 pub use prefix::{Namespace, NamespaceId};
 pub use spec::{
-    CacheSpec, Checks, ElemType, Geometry, KvShape, MAX_PAGE_SIZE, PoolSize, PoolSpec, ReusePolicy,
-    Scrub,
+    CacheSpec, Checks, DEFAULT_PUBLIC_MIN_TOKENS, ElemType, Geometry, KvShape, MAX_PAGE_SIZE,
+    PoolSize, PoolSpec, ReusePolicy, Scrub,
 };
 pub use view::ReadView;
 pub use window::{Window, WindowKey};

@@ -1,7 +1,7 @@
 //! Incident replays: deliberate bugs, each a real-world way a serving engine
 //! leaked KV between requests, that the test suite must catch. They exist
 //! only in builds with the `mutations` feature, where `KVFENCE_MUTATION`
-//! (a letter, `a` to `l`) switches one on for the whole process and its
+//! (a letter, `a` to `m`) switches one on for the whole process and its
 //! children; in every other build [`Mutation::active`] is a constant
 //! `false` and the bug cannot be reached. `scripts/mutation-check` runs
 //! each one against the tests that should catch it and reports the result.
@@ -46,11 +46,16 @@ pub enum Mutation {
     /// (l) `cached_tokens` reports the longest prefix cached in any
     /// namespace, so a tenant learns what another has sent (pool, I9).
     ForeignCachedCount,
+    /// (m) A lease that began with public pages seals what follows them
+    /// into the public namespace too, as if a conversation were as shared
+    /// as its system prompt: every tenant that sends the public prompt
+    /// reads the first tenant's question after it (pool, I9).
+    SealIntoPublic,
 }
 
 impl Mutation {
     /// Every mutation with its letter.
-    pub const ALL: [(char, Mutation); 12] = [
+    pub const ALL: [(char, Mutation); 13] = [
         ('a', Mutation::PlaceholderDone),
         ('b', Mutation::SkipCoverage),
         ('c', Mutation::IgnoreGenerations),
@@ -63,6 +68,7 @@ impl Mutation {
         ('j', Mutation::StaleIndex),
         ('k', Mutation::WriteShared),
         ('l', Mutation::ForeignCachedCount),
+        ('m', Mutation::SealIntoPublic),
     ];
 
     /// Whether this bug is switched on (never, without the feature).
@@ -84,7 +90,7 @@ impl Mutation {
                 .map(|&(_, m)| m);
             assert!(
                 found.is_some(),
-                "KVFENCE_MUTATION={letter:?} names no mutation (a to l)"
+                "KVFENCE_MUTATION={letter:?} names no mutation (a to m)"
             );
             found
         }) == Some(self)

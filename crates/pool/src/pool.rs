@@ -125,6 +125,9 @@ pub struct PoolStats {
     /// Shared pages no lease reads: evicted, least recently used first,
     /// when a lease needs the room.
     pub idle_shared_pages: usize,
+    /// Shared pages of the public namespace: pinned, read or not, never
+    /// evicted (never counted in `idle_shared_pages`).
+    pub pinned_shared_pages: usize,
     /// Leases granted since the pool was built.
     pub leases_granted: u64,
     /// Leases refused (too large, exhausted, empty).
@@ -160,11 +163,13 @@ impl PoolStats {
     }
 
     /// Whether nothing is held: no page leased, read or quarantined. Idle
-    /// shared pages are the cache, not a holding (I8's baseline).
+    /// and pinned shared pages are the cache, not a holding (I8's
+    /// baseline); a lease that reads a pinned page holds a page of its own
+    /// too, so is seen.
     pub fn at_baseline(&self) -> bool {
         self.leased_pages == 0
             && self.quarantined_pages == 0
-            && self.shared_pages == self.idle_shared_pages
+            && self.shared_pages == self.idle_shared_pages + self.pinned_shared_pages
     }
 }
 
@@ -207,9 +212,13 @@ impl Pool {
                     leased: 0,
                     quarantined: HashMap::new(),
                     quarantined_pages: 0,
-                    cache: spec
-                        .cache
-                        .map(|c| CacheLedger::new(c.tenant_quota_pages, c.colliding_hashes)),
+                    cache: spec.cache.map(|c| {
+                        CacheLedger::new(
+                            c.tenant_quota_pages,
+                            c.public_min_tokens,
+                            c.colliding_hashes,
+                        )
+                    }),
                 }),
                 counters: Counters::default(),
                 next_lease: AtomicU64::new(1),
@@ -222,9 +231,11 @@ impl Pool {
         &self.shared.geometry
     }
 
-    /// Tokens the whole pool holds: what was allocated, not what was asked.
+    /// Tokens a request can be given: what was allocated (not what was
+    /// asked), less the pages public prefixes pin.
     pub fn capacity_tokens(&self) -> usize {
-        self.shared.geometry.capacity_tokens()
+        let pinned = self.stats().pinned_shared_pages;
+        self.shared.geometry.capacity_tokens() - pinned * self.shared.geometry.page_size
     }
 
     /// Leases pages for `tokens` tokens to `owner`, all or nothing.
@@ -240,6 +251,26 @@ impl Pool {
     /// prefix-cache key is built from.
     pub fn namespace(&self, tenant: &str, salt: Option<&str>, model: &str) -> Namespace {
         Namespace::new(tenant, salt, model, &self.shared.geometry)
+    }
+
+    /// The public namespace of `model` with this pool's KV layout: prefixes
+    /// the operator declared common to every tenant. A lease of it seals
+    /// pages that every tenant's lookups read (when they cover the public
+    /// minimum) and that nothing evicts. Nothing a request sends may be
+    /// leased into it: only what the operator declared.
+    pub fn public_namespace(&self, model: &str) -> Namespace {
+        Namespace::public(model, &self.shared.geometry)
+    }
+
+    /// Leading tokens of `prompt` that `model`'s public namespace holds in
+    /// whole pages (0 without a prefix cache). Read-only: nothing is
+    /// leased, counted or touched.
+    pub fn public_prefix_tokens(&self, model: &str, prompt: &[u32]) -> usize {
+        let public = self.public_namespace(model);
+        let ledger = self.shared.ledger.lock();
+        ledger.cache.as_ref().map_or(0, |cache| {
+            cache.public_tokens(&public, prompt, self.shared.geometry.page_size)
+        })
     }
 
     /// Whether this pool has a prefix cache.
@@ -298,7 +329,7 @@ impl Pool {
             let mut found = match (prefix, &ledger.cache) {
                 (Some((namespace, prompt)), Some(cache)) => {
                     Counters::bump(&shared.counters.cache_lookups);
-                    cache.find(Some(namespace), namespace.root(), prompt, page_size)
+                    cache.find(namespace, prompt, page_size)
                 }
                 _ => Found::default(),
             };
@@ -447,6 +478,7 @@ impl Pool {
             quarantined_pages: ledger.quarantined_pages,
             shared_pages: ledger.cache.as_ref().map_or(0, CacheLedger::shared_pages),
             idle_shared_pages: ledger.cache.as_ref().map_or(0, CacheLedger::idle_pages),
+            pinned_shared_pages: ledger.cache.as_ref().map_or(0, CacheLedger::pinned_pages),
             leases_granted: load(&counters.leases_granted),
             leases_refused: load(&counters.leases_refused),
             stale_writes_rejected: load(&counters.stale_writes_rejected),
@@ -563,17 +595,23 @@ impl Shared {
         Ok(self.stamp(ids, lease, owner))
     }
 
-    /// Asserts that `page_ref` is a shared page of `namespace` in the
-    /// generation the index named (I1): the ledger said so, and the page
-    /// itself must agree.
+    /// Asserts that `page_ref` is a shared page `namespace` may read, in
+    /// the generation the index named (I1): the ledger said so, and the
+    /// page itself must agree.
     fn check_shared(&self, page_ref: PageRef, namespace: Option<&Namespace>) {
         let page = self.pages[page_ref.id.index()].read();
         let stale_ok = Mutation::StaleIndex.active();
         assert!(
-            matches!(page.holder, Holder::Shared { namespace: ns } if Some(ns) == namespace.map(Namespace::id))
+            matches!(page.holder, Holder::Shared { namespace: ns } if namespace.is_some_and(|n| n.reads(ns)))
                 && (page.generation == page_ref.generation || stale_ok),
             "I1: the index resolved {page_ref} to a page that is not that namespace's shared page"
         );
+    }
+
+    /// Whether `page_ref` is a shared page of namespace `ns`.
+    pub(crate) fn holds_shared(&self, page_ref: PageRef, ns: NamespaceId) -> bool {
+        let page = self.pages[page_ref.id.index()].read();
+        matches!(page.holder, Holder::Shared { namespace } if namespace == ns)
     }
 
     /// Copies every layer's K and V of the first `slots` slots of shared

@@ -26,11 +26,15 @@ use crate::page::{PageId, PageRef};
 use crate::spec::Geometry;
 
 /// The wall around a set of cached prefixes: one tenant (and salt) on one
-/// model with one KV layout. Built only by [`crate::Pool::namespace`].
+/// model with one KV layout, or that model's public namespace. Built only
+/// by [`crate::Pool::namespace`] and [`crate::Pool::public_namespace`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Namespace {
     id: NamespaceId,
     tenant: TenantTag,
+    /// The public namespace of the same model and layout, which a tenant's
+    /// lookups read first; `None` for the public namespace itself.
+    public: Option<NamespaceId>,
 }
 
 /// The hash of everything a [`Namespace`] is made of.
@@ -44,10 +48,15 @@ impl fmt::Debug for NamespaceId {
     }
 }
 
-/// Which tenant a namespace belongs to, for quotas (salts of one tenant
-/// share its quota).
+/// Whose quota a shared page counts against (salts of one tenant share
+/// its quota). Public pages have a quota of their own and are pinned: no
+/// tenant's traffic can evict them, so whether they are resident never
+/// depends on what anyone else sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct TenantTag(u64);
+pub(crate) enum TenantTag {
+    Tenant(u64),
+    Public,
+}
 
 /// The name of one full page of tokens in one namespace, after every page
 /// before it.
@@ -58,6 +67,20 @@ pub(crate) struct BlockHash([u8; 32]);
 fn field(hasher: &mut Sha256, bytes: &[u8]) {
     hasher.update((bytes.len() as u64).to_le_bytes());
     hasher.update(bytes);
+}
+
+/// The model and KV layout every namespace's id ends with.
+fn model_and_layout(hasher: &mut Sha256, model: &str, geometry: &Geometry) {
+    field(hasher, model.as_bytes());
+    let layout = format!(
+        "{:?}/{}/{}x{}x{}",
+        geometry.elem,
+        geometry.page_size,
+        geometry.shape.layers,
+        geometry.shape.kv_heads,
+        geometry.shape.head_dim
+    );
+    field(hasher, layout.as_bytes());
 }
 
 impl Namespace {
@@ -83,16 +106,7 @@ impl Namespace {
                 field(&mut hasher, salt.as_bytes());
             }
         }
-        field(&mut hasher, model.as_bytes());
-        let layout = format!(
-            "{:?}/{}/{}x{}x{}",
-            geometry.elem,
-            geometry.page_size,
-            geometry.shape.layers,
-            geometry.shape.kv_heads,
-            geometry.shape.head_dim
-        );
-        field(&mut hasher, layout.as_bytes());
+        model_and_layout(&mut hasher, model, geometry);
         let tenant_digest = Sha256::digest(tenant.as_bytes());
         let tag = u64::from_le_bytes(
             tenant_digest[..8]
@@ -101,13 +115,49 @@ impl Namespace {
         );
         Namespace {
             id: NamespaceId(hasher.finalize().into()),
-            tenant: TenantTag(tag),
+            tenant: TenantTag::Tenant(tag),
+            public: Some(Namespace::public(model, geometry).id),
+        }
+    }
+
+    /// The public namespace of `model` with this layout: what the operator
+    /// declared common to every tenant, and nothing a request sent. Its own
+    /// domain string keeps it apart from every tenant's, the empty name
+    /// included.
+    pub(crate) fn public(model: &str, geometry: &Geometry) -> Namespace {
+        let mut hasher = Sha256::new();
+        field(&mut hasher, b"kvfence/prefix-namespace/public/v1");
+        model_and_layout(&mut hasher, model, geometry);
+        Namespace {
+            id: NamespaceId(hasher.finalize().into()),
+            tenant: TenantTag::Public,
+            public: None,
         }
     }
 
     /// The namespace's identity.
     pub fn id(&self) -> NamespaceId {
         self.id
+    }
+
+    /// Whether this is a public namespace.
+    pub fn is_public(&self) -> bool {
+        self.tenant == TenantTag::Public
+    }
+
+    /// Whether a page sealed in namespace `id` may be read through this
+    /// one: its own pages, and for a tenant the public ones.
+    pub(crate) fn reads(&self, id: NamespaceId) -> bool {
+        id == self.id || self.public == Some(id)
+    }
+
+    /// The public namespace this one reads, as a namespace of its own.
+    pub(crate) fn public_namespace(&self) -> Option<Namespace> {
+        self.public.map(|id| Namespace {
+            id,
+            tenant: TenantTag::Public,
+            public: None,
+        })
     }
 
     pub(crate) fn tenant(&self) -> TenantTag {
@@ -162,10 +212,20 @@ pub(crate) struct Found {
     pub(crate) partial: Option<(PageRef, usize)>,
 }
 
+impl Found {
+    /// Prompt positions the match covers.
+    pub(crate) fn tokens(&self, page_size: usize) -> usize {
+        self.full.len() * page_size + self.partial.map_or(0, |(_, slots)| slots)
+    }
+}
+
 /// The prefix cache's bookkeeping; see the module docs.
 pub(crate) struct CacheLedger {
-    /// Shared pages a tenant may hold at most.
+    /// Shared pages a tenant (or the public namespace) may hold at most.
     quota_pages: usize,
+    /// Prompt tokens a match in the public namespace must cover before it
+    /// is taken.
+    public_min_tokens: usize,
     /// Test hook: block hashes ignore token values.
     weak_hashes: bool,
     entries: HashMap<BlockHash, Entry>,
@@ -179,9 +239,10 @@ pub(crate) struct CacheLedger {
 }
 
 impl CacheLedger {
-    pub(crate) fn new(quota_pages: usize, weak_hashes: bool) -> Self {
+    pub(crate) fn new(quota_pages: usize, public_min_tokens: usize, weak_hashes: bool) -> Self {
         CacheLedger {
             quota_pages,
+            public_min_tokens,
             weak_hashes,
             entries: HashMap::new(),
             children: HashMap::new(),
@@ -206,6 +267,11 @@ impl CacheLedger {
         self.idle.len()
     }
 
+    /// Shared pages of the public namespace: pinned, never evicted.
+    pub(crate) fn pinned_pages(&self) -> usize {
+        self.by_tenant.get(&TenantTag::Public).copied().unwrap_or(0)
+    }
+
     /// How many leases read `page`, if it is shared.
     pub(crate) fn readers(&self, page: PageId) -> Option<u32> {
         self.pages.get(&page).map(|p| p.readers)
@@ -221,10 +287,10 @@ impl CacheLedger {
         self.by_tenant.get(&tenant).copied().unwrap_or(0) < self.quota_pages
     }
 
-    /// Whether `entry` (found under `hash`) may be resolved for `namespace`:
-    /// its page still holds it, in the generation the entry names.
-    fn resolves(&self, hash: &BlockHash, entry: &Entry, namespace: Option<NamespaceId>) -> bool {
-        if namespace.is_some_and(|ns| ns != entry.namespace) {
+    /// Whether `entry` (found under `hash`) may be resolved in namespace
+    /// `ns`: its page still holds it, in the generation the entry names.
+    fn resolves(&self, hash: &BlockHash, entry: &Entry, ns: NamespaceId) -> bool {
+        if ns != entry.namespace {
             return false;
         }
         let Some(page) = self.pages.get(&entry.page.id) else {
@@ -235,23 +301,73 @@ impl CacheLedger {
         Mutation::StaleIndex.active() || page.hash == *hash
     }
 
-    /// The longest cached prefix of `prompt` in `namespace` (or, with
-    /// `None`, in any namespace: only incident replay (l) asks that),
-    /// leaving at least one token to compute. Tokens are compared on every
-    /// hit; a hash alone is never trusted (I9).
-    pub(crate) fn find(
+    /// The longest cached prefix of `prompt` that `namespace` may read,
+    /// leaving at least one token to compute. A tenant's prompt is looked
+    /// up in the public namespace first, and the public match is taken only
+    /// when it covers at least the public minimum; the tenant's own chain
+    /// then goes on from the pages it took (its hashes run through their
+    /// tokens, so what the tenant seals after them is keyed by the whole
+    /// prefix). Tokens are compared on every hit; a hash alone is never
+    /// trusted (I9).
+    pub(crate) fn find(&self, namespace: &Namespace, prompt: &[u32], page_size: usize) -> Found {
+        let limit = prompt.len().saturating_sub(1);
+        let mut found = Found::default();
+        let mut parent = namespace.root();
+        if let Some(public) = namespace.public {
+            let shared = self.walk(public, BlockHash(public.0), prompt, 0, limit, page_size);
+            if shared.tokens(page_size) >= self.public_min_tokens.max(1) {
+                for block in prompt.chunks_exact(page_size).take(shared.full.len()) {
+                    parent = block_hash(parent, block, self.weak_hashes);
+                }
+                found = shared;
+            }
+        }
+        let own = self.walk(
+            namespace.id,
+            parent,
+            prompt,
+            found.full.len(),
+            limit,
+            page_size,
+        );
+        if !own.full.is_empty() {
+            found.full.extend(own.full);
+            found.partial = own.partial;
+        } else if own.partial.map(|(_, n)| n) > found.partial.map(|(_, n)| n) {
+            found.partial = own.partial;
+        }
+        found
+    }
+
+    /// Leading tokens of `prompt` the public namespace `public` holds in
+    /// whole pages, with no minimum and no token kept back: what an
+    /// operator's start-up checks it sealed.
+    pub(crate) fn public_tokens(
         &self,
-        namespace: Option<&Namespace>,
-        root: BlockHash,
+        public: &Namespace,
         prompt: &[u32],
         page_size: usize,
+    ) -> usize {
+        let found = self.walk(public.id, public.root(), prompt, 0, prompt.len(), page_size);
+        found.full.len() * page_size
+    }
+
+    /// The cached pages of namespace `ns` that continue `prompt` from page
+    /// `first` on, whose chain there has reached `parent`: whole pages, then
+    /// the best partial page, all within `limit` positions.
+    fn walk(
+        &self,
+        ns: NamespaceId,
+        mut parent: BlockHash,
+        prompt: &[u32],
+        first: usize,
+        limit: usize,
+        page_size: usize,
     ) -> Found {
-        let limit = prompt.len().saturating_sub(1);
-        let ns = namespace.map(Namespace::id);
         let mut found = Found::default();
-        let mut parent = root;
-        for block in prompt.chunks_exact(page_size) {
-            if (found.full.len() + 1) * page_size > limit {
+        let mut next = first;
+        for block in prompt.chunks_exact(page_size).skip(first) {
+            if (next + 1) * page_size > limit {
                 break;
             }
             let hash = block_hash(parent, block, self.weak_hashes);
@@ -263,14 +379,15 @@ impl CacheLedger {
                 {
                     found.full.push(entry.page);
                     parent = hash;
+                    next += 1;
                 }
                 _ => break,
             }
         }
-        let start = found.full.len() * page_size;
-        let room = limit - start.min(limit);
+        let start = next * page_size;
+        let room = limit.saturating_sub(start);
         let rest = &prompt[start.min(prompt.len())..];
-        let best = self
+        found.partial = self
             .children
             .get(&parent)
             .into_iter()
@@ -290,7 +407,6 @@ impl CacheLedger {
                 (same > 0).then_some((entry.page, same))
             })
             .max_by_key(|&(page, same)| (same, std::cmp::Reverse(page.id)));
-        found.partial = best;
         found
     }
 
@@ -300,7 +416,7 @@ impl CacheLedger {
             .pages
             .get_mut(&page)
             .expect("I1: a page found in the index is shared");
-        if shared.readers == 0 {
+        if shared.readers == 0 && shared.tenant != TenantTag::Public {
             let removed = self.idle.remove(&(shared.last_used, page));
             assert!(removed, "an unread shared page is idle");
         }
@@ -308,7 +424,7 @@ impl CacheLedger {
     }
 
     /// A lease that read `page` is gone; at zero readers the page becomes
-    /// evictable, most recently used last.
+    /// evictable, most recently used last — unless it is public (pinned).
     pub(crate) fn remove_reader(&mut self, page: PageId) {
         self.tick += 1;
         let tick = self.tick;
@@ -318,7 +434,7 @@ impl CacheLedger {
             .expect("I1: a lease's shared page stays shared while read");
         assert!(shared.readers > 0, "I1: reader count of {page} underflows");
         shared.readers -= 1;
-        if shared.readers == 0 {
+        if shared.readers == 0 && shared.tenant != TenantTag::Public {
             shared.last_used = tick;
             self.idle.insert((tick, page));
         }
@@ -364,7 +480,8 @@ impl CacheLedger {
     /// Chooses an idle page to evict: `tenant`'s least recently used one,
     /// or, with `None`, the least recently used one of the tenant that holds
     /// the most shared pages — so a tenant that floods the cache evicts
-    /// its own entries before anyone else's.
+    /// its own entries before anyone else's. Public pages are never idle,
+    /// so never chosen.
     pub(crate) fn victim(&self, tenant: Option<TenantTag>) -> Option<PageId> {
         let tenant = match tenant {
             Some(tenant) => tenant,
@@ -384,6 +501,11 @@ impl CacheLedger {
     pub(crate) fn evict(&mut self, page: PageId) {
         let shared = self.pages.remove(&page).expect("a victim is shared");
         assert_eq!(shared.readers, 0, "I1: evicting {page} while it is read");
+        assert_ne!(
+            shared.tenant,
+            TenantTag::Public,
+            "public page {page} is pinned"
+        );
         let removed = self.idle.remove(&(shared.last_used, page));
         assert!(removed, "an unread shared page is idle");
         let count = self

@@ -115,12 +115,19 @@ pub struct PoolSpec {
     pub cache: Option<CacheSpec>,
 }
 
+/// [`CacheSpec::public_min_tokens`] unless the spec says otherwise.
+pub const DEFAULT_PUBLIC_MIN_TOKENS: usize = 64;
+
 /// How the prefix cache of a pool behaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheSpec {
     /// Shared pages one tenant may hold at most, so no tenant can push
     /// another's entries out by flooding the cache.
     pub tenant_quota_pages: usize,
+    /// Prompt tokens a match in the public namespace must cover before a
+    /// lease reads it; shorter overlaps are computed in the tenant's own
+    /// namespace, so pages cross tenants only where they save real work.
+    pub public_min_tokens: usize,
     /// Test hook: block hashes leave token values out, so every page of a
     /// length after the same parent collides. It exists to show that a hit
     /// is taken only after comparing tokens; nothing else sets it.
@@ -181,8 +188,18 @@ impl PoolSpec {
     pub fn with_prefix_cache(mut self, tenant_quota_pages: usize) -> Self {
         self.cache = Some(CacheSpec {
             tenant_quota_pages,
+            public_min_tokens: DEFAULT_PUBLIC_MIN_TOKENS,
             colliding_hashes: false,
         });
+        self
+    }
+
+    /// Same spec with another minimum for public-namespace matches (see
+    /// [`CacheSpec::public_min_tokens`]); no effect without a prefix cache.
+    pub fn with_public_min_tokens(mut self, tokens: usize) -> Self {
+        if let Some(cache) = &mut self.cache {
+            cache.public_min_tokens = tokens;
+        }
         self
     }
 

@@ -75,12 +75,19 @@ fn compute(lease: &mut Lease, tenant: &str, prompt: &[u32], from: usize) {
 /// Reads back every position of the prompt and compares it with what this
 /// tenant's prompt must hold there.
 fn holds_own_prompt(lease: &Lease, tenant: &str, prompt: &[u32]) -> bool {
+    holds(lease, prompt, |_| tenant)
+}
+
+/// Reads back every position of the prompt and compares it with what the
+/// prompt must hold there as computed by `writer(position)`.
+fn holds<'a>(lease: &Lease, prompt: &[u32], writer: impl Fn(usize) -> &'a str) -> bool {
     let view = lease.read_view::<f32>(prompt.len()).unwrap();
     (0..view.num_pages()).all(|page| {
         (0..SHAPE.layers).all(|layer| {
             let (keys, values) = (view.keys(page, layer, 0), view.values(page, layer, 0));
             (0..view.slots_in_page(page)).all(|slot| {
                 let position = page * PAGE + slot;
+                let tenant = writer(position);
                 (0..SHAPE.head_dim).all(|dim| {
                     keys[slot * SHAPE.head_dim + dim]
                         == value(tenant, prompt, position, layer, 0, dim)
@@ -104,8 +111,20 @@ fn run(pool: &Pool, id: u64, ns: &Namespace, tenant: &str, prompt: &[u32]) -> (L
         "at least one token is left to compute"
     );
     compute(&mut lease, tenant, prompt, cached);
+    // Positions on the public namespace's pages hold what "public" wrote.
+    let public = pool.public_namespace(MODEL).id();
+    let on_public_page = |position: usize| {
+        matches!(
+            pool.page_state(lease.pages()[position / PAGE].id),
+            Some(PageState::Shared { namespace, .. }) if namespace == public
+        )
+    };
     assert!(
-        holds_own_prompt(&lease, tenant, prompt),
+        holds(&lease, prompt, |p| if on_public_page(p) {
+            "public"
+        } else {
+            tenant
+        }),
         "request {id} read KV that is not its prompt's"
     );
     lease.seal(prompt);
@@ -288,6 +307,139 @@ fn i6_a_lease_evicts_idle_pages_but_never_read_ones() {
     assert_eq!(pool.stats().shared_pages, 0, "idle pages make room");
     drop(lease);
     assert!(pool.stats().at_baseline());
+}
+
+/// A pool whose public matches count from 8 tokens (two pages), holding
+/// the public prefix `1..=12` (three pages) computed as "public" would.
+fn pool_with_public_prefix(pages: usize, quota: usize) -> (Pool, Vec<u32>) {
+    let pool = Pool::new(
+        &PoolSpec::new(SHAPE, PAGE, ElemType::F32, PoolSize::Pages(pages))
+            .with_prefix_cache(quota)
+            .with_public_min_tokens(8)
+            .with_reuse(ReusePolicy::NewestFreedFirst),
+    )
+    .unwrap();
+    let public = pool.public_namespace(MODEL);
+    assert!(public.is_public());
+    let prefix: Vec<u32> = (1..=12).collect();
+    // A lease holds the prefix plus one token, so all three pages seal.
+    let mut with_end = prefix.clone();
+    with_end.push(99);
+    let (mut lease, cached) = run(&pool, 1, &public, "public", &with_end);
+    assert_eq!(cached, 0);
+    assert_eq!(lease.seal(&prefix), 0, "run sealed every full page already");
+    drop(lease);
+    (pool, prefix)
+}
+
+#[test]
+fn i9_public_prefix_pages_are_read_by_every_tenant_and_never_take_their_pages() {
+    let (pool, prefix) = pool_with_public_prefix(32, 8);
+    let stats = pool.stats();
+    assert_eq!(stats.pinned_shared_pages, 3);
+    assert_eq!(stats.idle_shared_pages, 0, "public pages are not evictable");
+    assert!(stats.at_baseline(), "{stats:?}");
+    assert_eq!(
+        pool.capacity_tokens(),
+        (32 - 3) * PAGE,
+        "pinned pages are not capacity a request can have"
+    );
+    let mut prompt = prefix.clone();
+    prompt.extend([100, 101, 102, 103, 104]);
+    let from_public = |position: usize| if position < 12 { "public" } else { "" };
+    for (id, tenant) in [(10, "a"), (11, "b")] {
+        let ns = pool.namespace(tenant, None, MODEL);
+        let mut lease = pool
+            .lease_with_prefix(RequestId(id), prompt.len() + 1, &ns, &prompt)
+            .unwrap();
+        assert_eq!(
+            lease.cached_tokens(),
+            12,
+            "{tenant} reads the public prefix"
+        );
+        compute(&mut lease, tenant, &prompt, 12);
+        assert!(holds(&lease, &prompt, |p| match from_public(p) {
+            "" => tenant,
+            public => public,
+        }));
+        // What the tenant sealed after the public pages is its own.
+        assert_eq!(lease.seal(&prompt), 1);
+        let own = lease.pages()[3];
+        assert!(
+            matches!(pool.page_state(own.id), Some(PageState::Shared { namespace, .. }) if namespace == ns.id()),
+            "a tenant's page went into another namespace"
+        );
+    }
+    // A tenant's own page goes on from the public ones, for it alone.
+    let a = pool.namespace("a", None, MODEL);
+    let (lease, cached) = run(&pool, 20, &pool.namespace("c", None, MODEL), "c", &prompt);
+    assert_eq!(
+        cached, 12,
+        "tenant c got another tenant's page after the public ones"
+    );
+    drop(lease);
+    let mut lease = pool
+        .lease_with_prefix(RequestId(21), prompt.len() + 1, &a, &prompt)
+        .unwrap();
+    assert_eq!(lease.cached_tokens(), 16);
+    compute(&mut lease, "a", &prompt, 16);
+    assert!(holds(&lease, &prompt, |p| if p < 12 {
+        "public"
+    } else {
+        "a"
+    }));
+    drop(lease);
+
+    // A flood evicts idle pages, never the public ones.
+    let flood = pool.namespace("flood", None, MODEL);
+    for i in 0..40u32 {
+        let prompt: Vec<u32> = (0..9).map(|t| 5000 + i * 10 + t).collect();
+        drop(run(&pool, 100 + u64::from(i), &flood, "flood", &prompt));
+    }
+    assert!(
+        pool.stats().cache_evictions > 0,
+        "the flood evicted nothing"
+    );
+    assert_eq!(pool.stats().pinned_shared_pages, 3);
+    let (lease, cached) = run(&pool, 200, &pool.namespace("d", None, MODEL), "d", &prompt);
+    assert_eq!(cached, 12);
+    drop(lease);
+    counts_add_up(&pool);
+    assert!(pool.stats().at_baseline());
+}
+
+#[test]
+fn i9_a_public_match_shorter_than_the_minimum_is_computed_privately() {
+    let (pool, _) = pool_with_public_prefix(32, 8);
+    let ns = pool.namespace("a", None, MODEL);
+    // Seven tokens of the public prefix (one page and three slots), then not.
+    let prompt = [1, 2, 3, 4, 5, 6, 7, 50, 51, 52];
+    let (lease, cached) = run(&pool, 10, &ns, "a", &prompt);
+    assert_eq!(cached, 0, "a public match under the minimum was taken");
+    drop(lease);
+    // What it computed is its own cache now, and only its own.
+    assert_eq!(run(&pool, 11, &ns, "a", &prompt).1, 8);
+    let b = pool.namespace("b", None, MODEL);
+    assert_eq!(run(&pool, 12, &b, "b", &prompt).1, 0);
+}
+
+#[test]
+fn i9_the_public_namespace_is_no_tenants_and_has_a_quota() {
+    let (pool, prefix) = pool_with_public_prefix(32, 4);
+    let public = pool.public_namespace(MODEL);
+    for tenant in ["", "public"] {
+        assert_ne!(pool.namespace(tenant, None, MODEL).id(), public.id());
+        assert!(!pool.namespace(tenant, None, MODEL).is_public());
+    }
+    // The quota is four pages: a second public prefix seals one more.
+    let second: Vec<u32> = (200..=216).collect();
+    let (lease, _) = run(&pool, 2, &public, "public", &second);
+    drop(lease);
+    assert_eq!(pool.stats().pinned_shared_pages, 4);
+    let ns = pool.namespace("a", None, MODEL);
+    let mut prompt = prefix;
+    prompt.push(7);
+    assert_eq!(run(&pool, 3, &ns, "a", &prompt).1, 12);
 }
 
 #[derive(Debug, Clone)]

@@ -173,7 +173,7 @@ impl Collector for WorkerMetrics {
         {
             let mut family = encoder.encode_descriptor(
                 "pool_pages",
-                "KV pages by worker, role and state (shared: cached pages some request reads; cached: cached pages nobody reads, evictable).",
+                "KV pages by worker, role and state (shared: cached pages some request reads; cached: cached pages nobody reads, evictable; public: pinned pages of the public system prompts).",
                 None,
                 MetricType::Gauge,
             )?;
@@ -183,8 +183,14 @@ impl Collector for WorkerMetrics {
                         ("free", stats.free_pages),
                         ("leased", stats.leased_pages),
                         ("quarantined", stats.quarantined_pages),
-                        ("shared", stats.shared_pages - stats.idle_shared_pages),
+                        (
+                            "shared",
+                            stats.shared_pages
+                                - stats.idle_shared_pages
+                                - stats.pinned_shared_pages,
+                        ),
                         ("cached", stats.idle_shared_pages),
+                        ("public", stats.pinned_shared_pages),
                     ] {
                         let labels = WorkerPoolLabels {
                             worker: w.worker.clone(),

@@ -723,12 +723,12 @@ fn prepare(
         })?;
     }
     let stop = params.stop_strings()?;
-    let cache = Some(CacheScope {
-        // The namespace is the tenant the key named (I9); the body may
-        // only subdivide it.
-        tenant: tenant.name.clone(),
-        salt: params.cache_salt()?,
-    });
+    // The namespace is the tenant the key named (I9); the body may only
+    // subdivide it.
+    let cache = Some(CacheScope::tenant(
+        tenant.name.clone(),
+        params.cache_salt()?,
+    ));
     let vocab = state.model.config.vocab_size;
     let max_context = state.capacity.max_context;
     let first_seed = params.seed.map_or_else(rand::random, |s| s as u64);

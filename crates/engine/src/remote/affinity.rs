@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
 
-use crate::request::GenerationRequest;
+use crate::request::{CacheScope, GenerationRequest};
 
 /// Tokens per routing block: the workers' default page size. A worker with
 /// another page size still gains, only less exactly.
@@ -49,7 +49,7 @@ pub(crate) struct Affinity {
 /// The chain of block keys of a request's prompt (full blocks only), or
 /// none for a request that caches nothing.
 fn keys(request: &GenerationRequest) -> Vec<Key> {
-    let Some(scope) = &request.cache else {
+    let Some(scope) = request.cache.as_ref().and_then(CacheScope::as_tenant) else {
         return Vec::new();
     };
     let mut root = Sha256::new();
@@ -128,7 +128,6 @@ mod tests {
     use kvfence_model::{SamplingParams, StopStrings};
 
     use super::*;
-    use crate::request::CacheScope;
 
     fn request(tenant: &str, salt: Option<&str>, prompt: Vec<u32>) -> GenerationRequest {
         GenerationRequest {
@@ -137,10 +136,7 @@ mod tests {
             sampling: SamplingParams::greedy(),
             stop: StopStrings::default(),
             ignore_eos: false,
-            cache: Some(CacheScope {
-                tenant: tenant.into(),
-                salt: salt.map(Into::into),
-            }),
+            cache: Some(CacheScope::tenant(tenant, salt.map(Into::into))),
             constraint: None,
         }
     }

@@ -30,7 +30,7 @@ use crate::counters::WorkerSnapshot;
 use crate::engine::PrefillPeer;
 use crate::error::EngineError;
 use crate::net::Link;
-use crate::request::{Event, FailureKind, GenerationRequest, RequestHandle};
+use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle};
 use crate::scheduler::Role;
 
 /// How long a submit waits for the worker's `Accepted` or `Refused`.
@@ -233,6 +233,17 @@ impl RemoteEngine {
         let unreachable = || EngineError::Unavailable {
             reason: "the decode worker is unreachable".into(),
         };
+        // The router protocol names tenants only: the public namespace is
+        // filled by a worker's own start-up, never over a link.
+        let cache = match request.cache {
+            None => None,
+            Some(CacheScope::Tenant(scope)) => Some(scope),
+            Some(CacheScope::Public) => {
+                return Err(EngineError::Invalid {
+                    reason: "the public prefix cache is filled only at a worker's start-up".into(),
+                });
+            }
+        };
         let connection = self
             .state
             .connection()
@@ -258,7 +269,7 @@ impl RemoteEngine {
             sampling: request.sampling,
             stop: request.stop.strings().to_vec(),
             ignore_eos: request.ignore_eos,
-            cache: request.cache,
+            cache,
             constraint: request.constraint,
             prefill,
         };

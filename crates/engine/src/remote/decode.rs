@@ -35,7 +35,7 @@ use crate::engine::{PrefillDirectory, PrefillPeer};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, Link, ListenLimits};
-use crate::request::{Canceller, Event, GenerationRequest, RequestHandle};
+use crate::request::{CacheScope, Canceller, Event, GenerationRequest, RequestHandle};
 use crate::scheduler::{Command, PeerId};
 
 /// Routers one decode worker serves at once.
@@ -376,7 +376,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                     sampling,
                     stop,
                     ignore_eos,
-                    cache,
+                    cache: cache.map(CacheScope::Tenant),
                     constraint,
                 };
                 match engine.submit_to(request, prefill) {

@@ -16,7 +16,7 @@ use crate::counters::EngineStats;
 use crate::engine::PrefillPeer;
 use crate::link::CONTROL;
 use crate::net::LinkTx;
-use crate::request::{CacheScope, FailureKind, FinishReason, Usage};
+use crate::request::{FailureKind, FinishReason, TenantScope, Usage};
 
 /// The control protocol's version; a peer speaking another is refused.
 pub(crate) const PROTOCOL: u32 = 3;
@@ -164,6 +164,8 @@ pub(crate) struct WirePool {
     #[serde(default)]
     pub(crate) idle_shared_pages: usize,
     #[serde(default)]
+    pub(crate) pinned_shared_pages: usize,
+    #[serde(default)]
     pub(crate) cache_lookups: u64,
     #[serde(default)]
     pub(crate) cache_hits: u64,
@@ -190,6 +192,7 @@ impl WirePool {
             pages_quarantined_total: s.pages_quarantined_total,
             shared_pages: s.shared_pages,
             idle_shared_pages: s.idle_shared_pages,
+            pinned_shared_pages: s.pinned_shared_pages,
             cache_lookups: s.cache_lookups,
             cache_hits: s.cache_hits,
             cache_hit_tokens: s.cache_hit_tokens,
@@ -212,6 +215,7 @@ impl WirePool {
             pages_quarantined_total: self.pages_quarantined_total,
             shared_pages: self.shared_pages,
             idle_shared_pages: self.idle_shared_pages,
+            pinned_shared_pages: self.pinned_shared_pages,
             cache_lookups: self.cache_lookups,
             cache_hits: self.cache_hits,
             cache_hit_tokens: self.cache_hit_tokens,
@@ -245,7 +249,7 @@ pub(crate) enum Control {
         /// Whose prefix cache it may use (the tenant the router
         /// authenticated).
         #[serde(default)]
-        cache: Option<CacheScope>,
+        cache: Option<TenantScope>,
         /// What the completion must match.
         #[serde(default)]
         constraint: Option<Grammar>,
@@ -318,7 +322,7 @@ mod tests {
             },
             stop: vec!["x".into()],
             ignore_eos: true,
-            cache: Some(CacheScope {
+            cache: Some(TenantScope {
                 tenant: "acme".into(),
                 salt: None,
             }),

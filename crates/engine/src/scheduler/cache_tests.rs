@@ -86,10 +86,7 @@ fn request(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerationReque
         sampling: SamplingParams::greedy(),
         stop: StopStrings::default(),
         ignore_eos: true,
-        cache: Some(CacheScope {
-            tenant: tenant.into(),
-            salt: None,
-        }),
+        cache: Some(CacheScope::tenant(tenant, None)),
         constraint: None,
     }
 }
@@ -254,7 +251,7 @@ fn i9_tenants_never_read_each_others_prefixes() {
     let again = worker.run(&[request("a", prompt.clone(), 4)]);
     assert_eq!(again[0].1.cached_tokens, 64, "the tenant's own repeat hits");
     let mut salted = request("a", prompt, 4);
-    salted.cache.as_mut().unwrap().salt = Some("s".into());
+    salted.cache = Some(CacheScope::tenant("a", Some("s".into())));
     assert_eq!(
         worker.run(&[salted])[0].1.cached_tokens,
         0,
@@ -273,6 +270,61 @@ fn i9_cached_tokens_count_only_the_requests_own_hits() {
     let both = worker.run(&[request("a", prompt, 4), request("b", fresh, 4)]);
     assert_eq!(both[0].1.cached_tokens, 64);
     assert_eq!(both[1].1.cached_tokens, 0, "b's usage counted a's hit");
+}
+
+/// An 80-token system prompt (five pages) every tenant's prompt begins with.
+fn system_prompt() -> Vec<u32> {
+    (0..80).map(|i| (i * 11 + 3) % 250).collect()
+}
+
+fn public_request(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
+    GenerationRequest {
+        cache: Some(CacheScope::Public),
+        ..request("", prompt, max_tokens)
+    }
+}
+
+#[test]
+fn i9_a_public_prefix_serves_every_tenant_and_answers_stay_bit_identical() {
+    let system = system_prompt();
+    let asks = |tenant: &str, tail: u32| {
+        let own = (0..12).map(|t| (t * 13 + tail) % 250);
+        request(tenant, system.iter().copied().chain(own).collect(), 6)
+    };
+    let mut worker = worker(Cache::On, 4096, 256);
+    worker.run(&[public_request(system.clone(), 1)]);
+    assert_eq!(worker.pool.public_prefix_tokens(&model().name, &system), 80);
+    assert_eq!(worker.pool.stats().pinned_shared_pages, 5);
+    let got = worker.run(&[asks("a", 1), asks("b", 2)]);
+    for (_, usage) in &got {
+        assert_eq!(
+            usage.cached_tokens, 80,
+            "every tenant reads the public pages"
+        );
+    }
+    let want = answers_of(Cache::Off, &[asks("a", 1), asks("b", 2)]);
+    assert_eq!(texts(&got), texts(&want));
+    // What tenant a sealed after the public pages is a's alone.
+    let again = worker.run(&[asks("a", 1), asks("c", 1)]);
+    assert_eq!(again[0].1.cached_tokens, 80 + 12 - 1);
+    assert_eq!(again[1].1.cached_tokens, 80, "c read a's page");
+    assert_eq!(texts(&again), [texts(&want)[0]; 2]);
+}
+
+#[test]
+fn i9_a_public_request_seals_its_prompt_and_never_its_completion() {
+    let mut worker = worker(Cache::On, 4096, 256);
+    // 70 tokens: four full pages; with 30 completion tokens the whole
+    // conversation would fill six.
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 3 + 2) % 250).collect();
+    worker.run(&[public_request(prompt, 30)]);
+    let stats = worker.pool.stats();
+    assert_eq!((stats.pinned_shared_pages, stats.shared_pages), (4, 4));
+}
+
+/// What a fresh worker with `cache` answers to `requests`, all at once.
+fn answers_of(cache: Cache, requests: &[GenerationRequest]) -> Vec<(String, Usage)> {
+    worker(cache, 4096, 256).run(requests)
 }
 
 #[test]

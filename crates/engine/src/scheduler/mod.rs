@@ -65,7 +65,9 @@ use tracing::{debug, trace, warn};
 
 use crate::config::EngineConfig;
 use crate::counters::Counters;
-use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage};
+use crate::request::{
+    CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
+};
 use crate::text::TextStream;
 
 /// What a scheduler does.
@@ -375,7 +377,12 @@ impl Active {
     /// A finished request seals the full pages of its prompt and of the
     /// completion written so far (every generated token but the last,
     /// whose KV was never computed): a chat's next turn starts with them.
+    /// The public namespace holds what the operator declared and nothing
+    /// more: a public request's completion is never sealed.
     fn seal_conversation(&mut self) {
+        if self.pending.request.cache == Some(CacheScope::Public) {
+            return;
+        }
         let tokens = self.context(0..self.written);
         if let Some(lease) = self.kv.lease_mut() {
             lease.seal(&tokens);
@@ -702,9 +709,13 @@ impl Scheduler {
             self.role == Role::Decode && self.one_sided && pending.resume.is_none();
         match &pending.request.cache {
             Some(scope) if !one_sided_grant && self.pool.has_prefix_cache() => {
-                let namespace =
-                    self.pool
-                        .namespace(&scope.tenant, scope.salt.as_deref(), &self.model.name);
+                let namespace = match scope {
+                    CacheScope::Tenant(scope) => {
+                        self.pool
+                            .namespace(&scope.tenant, scope.salt.as_deref(), &self.model.name)
+                    }
+                    CacheScope::Public => self.pool.public_namespace(&self.model.name),
+                };
                 self.pool
                     .lease_with_prefix(pending.id, tokens, &namespace, &context)
             }

@@ -156,3 +156,91 @@ async fn a_bad_cache_salt_is_refused_naming_the_field() {
         );
     }
 }
+
+/// The system prompt of [`chat`], as a file for `--public-system-prompt`.
+fn public_system_prompt() -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let system = chat("", None)["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    std::fs::write(file.path(), system).unwrap();
+    file
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn i9_a_public_system_prompt_serves_every_tenant_from_its_first_request() {
+    let (a, a_lines) = tenant("alpha", &[]);
+    let (b, b_lines) = tenant("beta", &[]);
+    let file = tenants_file(&[a_lines, b_lines]);
+    let config = file.path().to_str().unwrap();
+    let system = public_system_prompt();
+    let system = system.path().to_str().unwrap();
+    let reference = Server::start(&["--config", config, "--prefix-cache", "off"]);
+    let question = "Which page holds the drain steps?";
+    let expected = ask(&reference, &a, chat(question, None)).await.0;
+
+    for mode in ["colocated", "disaggregated"] {
+        let args = ["--config", config, "--mode", mode];
+        let server = Server::start(&[&args[..], &["--public-system-prompt", system]].concat());
+        assert!(server.metric("kvfence_pool_pages{state=\"public\"}").await >= 2.0);
+        for (key, salt) in [(&a, None), (&b, None), (&a, Some("project-x"))] {
+            let (text, cached) = ask(&server, key, chat(question, salt)).await;
+            assert_eq!(text, expected, "{mode}: the public pages changed an answer");
+            assert!(
+                cached >= 32,
+                "{mode}: a first request missed the public prompt: {cached}"
+            );
+        }
+        server.wait_for_baseline().await;
+        // Without the flag the same first requests compute everything.
+        let private = Server::start(&args);
+        assert_eq!(ask(&private, &b, chat(question, None)).await.1, 0);
+    }
+}
+
+#[test]
+fn a_public_system_prompt_that_cannot_be_read_is_refused_at_start() {
+    let system = public_system_prompt();
+    let system = system.path().to_str().unwrap();
+    let short = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(short.path(), "Be brief.").unwrap();
+    let short = short.path().to_str().unwrap();
+    for (args, says) in [
+        (
+            vec!["--public-system-prompt", system, "--prefix-cache", "off"],
+            "--prefix-cache on",
+        ),
+        (
+            vec!["--public-system-prompt", short],
+            "--public-prefix-min-tokens",
+        ),
+        (
+            vec!["--public-system-prompt", "/nonexistent/system.txt"],
+            "reading --public-system-prompt",
+        ),
+        (
+            vec![
+                "--public-system-prompt",
+                system,
+                "--prefix-cache-tenant-quota",
+                "1",
+            ],
+            "--prefix-cache-tenant-quota",
+        ),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+            .args(["serve", "--model", "builtin:tiny", "--port", "0"])
+            .args(["--kv-pool-tokens", "1024"])
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("runbook"),
+            "an error quoted the prompt: {stderr}"
+        );
+    }
+}

@@ -161,12 +161,14 @@ impl Server {
     }
 
     /// KV pages some request holds (leased, shared and read, quarantined),
-    /// over every worker's pool: neither free nor cached for later.
+    /// over every worker's pool: neither free nor cached for later (idle or
+    /// public).
     pub async fn pages_held(&self) -> f64 {
         self.metric_sum(|l| {
             l.starts_with("kvfence_pool_pages{")
                 && !l.contains("state=\"free\"")
                 && !l.contains("state=\"cached\"")
+                && !l.contains("state=\"public\"")
         })
         .await
     }
