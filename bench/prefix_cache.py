@@ -7,13 +7,18 @@ first token is measured as the first content chunk's arrival.
   prompt is the conversation so far (every earlier question and answer)
   plus a new question of about Q words. Greedy, A completion tokens.
 - system-prompt: N requests, K at a time, each a shared system prompt of
-  about S words followed by its own question.
+  about S words followed by its own question. With --chat they are chat
+  requests, the system prompt a system message: what
+  `kvfence serve --public-system-prompt FILE` shares (write FILE with
+  --write-system-prompt FILE and exit).
 
 Prints TTFT p50/p90 per turn (multi-turn) and overall, and output tokens/s.
 
 Run:
   python3 bench/prefix_cache.py --base-url http://127.0.0.1:8000 --model smollm2
   python3 bench/prefix_cache.py --base-url http://127.0.0.1:8080 --model x --llama
+  python3 bench/prefix_cache.py --write-system-prompt /tmp/system.txt
+  python3 bench/prefix_cache.py --base-url URL --only system-prompt --chat
 """
 import argparse
 import http.client
@@ -33,15 +38,19 @@ def words(seed, n):
 
 
 def stream(base, model, prompt, max_tokens, llama):
-    """Sends one streamed completion; returns (ttft seconds, text, total seconds)."""
+    """Sends one streamed completion (a chat completion when `prompt` is a
+    list of messages); returns (ttft seconds, text, total seconds)."""
     url = urllib.parse.urlparse(base)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+    chat = isinstance(prompt, list)
+    body = {"model": model, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
+    body["messages" if chat else "prompt"] = prompt
     if llama:
         body["cache_prompt"] = True
     start = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200, (response.status, response.read()[:300])
     ttft, text = None, []
@@ -50,7 +59,9 @@ def stream(base, model, prompt, max_tokens, llama):
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         chunk = json.loads(line[6:])
-        piece = chunk["choices"][0].get("text", "") if chunk.get("choices") else ""
+        choice = chunk["choices"][0] if chunk.get("choices") else {}
+        piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
+        piece = piece or ""
         if piece and ttft is None:
             ttft = time.perf_counter() - start
         text.append(piece)
@@ -93,8 +104,12 @@ def multi_turn(args):
           f"output {tokens[0] / elapsed:.1f} tok/s, {elapsed:.1f} s")
 
 
+def system_text(args):
+    return "System: " + words(999, args.system_words) + "\n"
+
+
 def system_prompt(args):
-    system = "System: " + words(999, args.system_words) + "\n"
+    system = system_text(args)
     ttfts, tokens = [], [0]
     lock = threading.Lock()
     queue = list(range(args.requests))
@@ -105,7 +120,12 @@ def system_prompt(args):
                 if not queue:
                     return
                 i = queue.pop(0)
-            prompt = system + f"User: {words(i, 30)}\nAssistant:"
+            question = words(i, 30)
+            if args.chat:
+                prompt = [{"role": "system", "content": system},
+                          {"role": "user", "content": question}]
+            else:
+                prompt = system + f"User: {question}\nAssistant:"
             ttft, _, _ = stream(args.base_url, args.model, prompt, args.answer_tokens, args.llama)
             with lock:
                 ttfts.append(ttft * 1000)
@@ -124,7 +144,7 @@ def system_prompt(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--base-url")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--llama", action="store_true", help="the server is llama-server")
     ap.add_argument("--conversations", type=int, default=8)
@@ -135,7 +155,17 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--only", choices=["multi-turn", "system-prompt"])
+    ap.add_argument("--chat", action="store_true",
+                    help="system-prompt: chat requests, the system prompt a system message")
+    ap.add_argument("--write-system-prompt", metavar="FILE",
+                    help="write the system prompt to FILE and exit")
     args = ap.parse_args()
+    if args.write_system_prompt:
+        with open(args.write_system_prompt, "w") as f:
+            f.write(system_text(args))
+        return
+    if not args.base_url:
+        ap.error("--base-url is required")
     if args.only != "system-prompt":
         multi_turn(args)
     if args.only != "multi-turn":
