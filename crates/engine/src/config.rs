@@ -9,9 +9,34 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Tokens one forward pass may process (decode tokens plus prefill chunks).
     pub step_tokens: usize,
-    /// How long a decode worker waits for a granted hand-off to commit
-    /// before it aborts the grant and fails the request (503).
+    /// How long a decode worker waits without hearing from the prefill
+    /// worker filling a grant — no chunk, no progress report — before it
+    /// aborts the grant and fails the request (503). A prefill worker
+    /// reports progress on every order it holds at least four times
+    /// within its own value of this, so give every worker the same one.
     pub handoff_timeout: std::time::Duration,
+    /// What a grant's whole life may take per prompt token, on top of
+    /// `handoff_timeout`: a prefill worker that keeps reporting progress
+    /// but never finishes still fails within
+    /// [`EngineConfig::handoff_deadline`].
+    pub handoff_time_per_token: std::time::Duration,
+}
+
+impl EngineConfig {
+    /// The longest a grant of `prompt_tokens` may stay uncommitted,
+    /// however alive its prefill worker is: `handoff_timeout` plus
+    /// `handoff_time_per_token` for every prompt token.
+    pub fn handoff_deadline(&self, prompt_tokens: usize) -> std::time::Duration {
+        let tokens = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
+        self.handoff_timeout
+            .saturating_add(self.handoff_time_per_token.saturating_mul(tokens))
+    }
+
+    /// How often a prefill worker reports progress on each order it holds:
+    /// a quarter of the silence deadline, at most a second.
+    pub fn progress_interval(&self) -> std::time::Duration {
+        (self.handoff_timeout / 4).min(std::time::Duration::from_secs(1))
+    }
 }
 
 impl Default for EngineConfig {
@@ -21,6 +46,9 @@ impl Default for EngineConfig {
             max_queue: 256,
             step_tokens: 256,
             handoff_timeout: std::time::Duration::from_secs(30),
+            // 20 prompt tokens a second at least, queueing included: far
+            // below what a busy CPU prefills.
+            handoff_time_per_token: std::time::Duration::from_millis(50),
         }
     }
 }

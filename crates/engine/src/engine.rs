@@ -15,7 +15,7 @@ use crate::config::EngineConfig;
 use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::link::{self, Transport};
-use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle};
+use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle, Share};
 use crate::scheduler::{Command, PeerId, PeerUp, Pending, Role, Scheduler};
 
 /// A worker: the scheduler(s) behind one client-facing queue.
@@ -299,6 +299,7 @@ impl Engine {
             ignore_eos: true,
             cache: Some(CacheScope::Public),
             constraint: None,
+            share: Share::default(),
         })?;
         loop {
             match handle.blocking_next() {

@@ -37,7 +37,7 @@ pub use remote::prefill::{MAX_DECODE_LINKS, PrefillWorker};
 pub use remote::wire::{Hello, ModelFingerprint};
 pub use request::{
     CacheScope, Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle,
-    TenantScope, Usage,
+    Share, TenantScope, Usage,
 };
 pub use scheduler::Role;
 pub use text::{Pushed, TextStream};

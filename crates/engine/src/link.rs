@@ -24,7 +24,7 @@ use tracing::warn;
 use crate::error::EngineError;
 use crate::net::{self, Link, ListenLimits};
 
-use crate::request::{CacheScope, GenerationRequest};
+use crate::request::{CacheScope, GenerationRequest, Share};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, PrefillOrder};
 
 /// How the prefill and decode workers of a pair are connected.
@@ -96,6 +96,9 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
                 }
                 Some(CacheScope::Public) => out.push(CACHE_PUBLIC),
             }
+            // Whose share of the prefill worker it counts against (I11).
+            put_name(&mut out, &order.request.share.tenant);
+            out.extend_from_slice(&order.request.share.weight().to_le_bytes());
             Some((ORDER, Cow::Owned(out)))
         }
         // Local-only commands never cross a link.
@@ -216,6 +219,8 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
                 CACHE_PUBLIC => Some(CacheScope::Public),
                 _ => return Err(malformed("unknown cache scope")),
             };
+            let tenant = c.name()?;
+            let share = Share::new(tenant, c.u32()?);
             if !c.0.is_empty() {
                 return Err(malformed("trailing bytes"));
             }
@@ -228,6 +233,7 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
                 ignore_eos: false,
                 cache,
                 constraint,
+                share,
             };
             Ok(Command::Prefill {
                 peer,
@@ -424,6 +430,7 @@ mod tests {
             ignore_eos: false,
             cache: Some(CacheScope::tenant("tenant-a", Some("salt".into()))),
             constraint: Some(Grammar::Regex("[a-z]+".into())),
+            share: Share::new("tenant-a", 3),
         };
         let sent = Command::Prefill {
             peer: PeerId(1),
@@ -447,6 +454,7 @@ mod tests {
             order.request.cache,
             Some(CacheScope::tenant("tenant-a", Some("salt".into())))
         );
+        assert_eq!(order.request.share, Share::new("tenant-a", 3));
         for cache in [
             None,
             Some(CacheScope::tenant("b", None)),

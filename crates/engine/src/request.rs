@@ -27,6 +27,48 @@ pub struct GenerationRequest {
     /// What the completion must match (structured outputs); every token is
     /// drawn from what the grammar allows next.
     pub constraint: Option<Grammar>,
+    /// Whose share of the worker its work counts against (I11).
+    pub share: Share,
+}
+
+/// Whose share of a worker a request's work counts against (I11): the
+/// tenant the gateway authenticated — never a field the client sets — and
+/// the weight the operator gave it. Workers split admission and every
+/// step's compute between tenants with work in proportion to their
+/// weights.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Share {
+    /// The tenant's name (the empty name: work of no tenant, such as the
+    /// engine's own start-up requests).
+    pub tenant: String,
+    weight: u32,
+}
+
+impl Share {
+    /// The largest weight a tenant may have.
+    pub const MAX_WEIGHT: u32 = 1_000_000;
+
+    /// `tenant`'s share at `weight`, which is clamped to
+    /// `1..=MAX_WEIGHT`.
+    pub fn new(tenant: impl Into<String>, weight: u32) -> Share {
+        Share {
+            tenant: tenant.into(),
+            weight: weight.clamp(1, Self::MAX_WEIGHT),
+        }
+    }
+
+    /// The tenant's weight, `1..=MAX_WEIGHT` (a peer's out-of-range value
+    /// is clamped).
+    pub fn weight(&self) -> u32 {
+        self.weight.clamp(1, Self::MAX_WEIGHT)
+    }
+}
+
+impl Default for Share {
+    /// Work of no tenant, at weight 1.
+    fn default() -> Share {
+        Share::new("", 1)
+    }
 }
 
 /// The wall a request's cached prefixes live behind (I9).

@@ -22,7 +22,7 @@
 //! - I1/I8: every live pool's pages add up (free + leased + shared +
 //!   quarantined);
 //! - I9: a request reports no more cached tokens than its own tenant's
-//!   earlier prompts share with it;
+//!   prompts routed before it ended share with it;
 //! - I2/I5/I7: a request that finishes produced exactly the text and token
 //!   count it produces alone on a colocated engine — a foreign, stale or
 //!   missing page would change it;
@@ -50,7 +50,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::Engine;
 use crate::config::EngineConfig;
 use crate::counters::Counters;
-use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle};
+use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle, Share};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler};
 
 const PAGE: usize = 16;
@@ -199,7 +199,7 @@ struct Client {
     tokens: usize,
     ended: Option<Ending>,
     /// The most prompt tokens it may find cached: the longest prefix it
-    /// shares with a prompt its tenant sent before it (I9).
+    /// shares with a prompt its tenant sent before it ended (I9).
     cacheable: usize,
 }
 
@@ -241,6 +241,8 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
     let family = rng.random_range(0..8usize);
     let len = [3, 9, 17, 30, 45, 70, 100][rng.random_range(0..7)];
     let greedy = rng.random_bool(0.6);
+    // Tenant b weighs twice tenant a on every worker.
+    let (tenant, weight) = [("a", 1), ("b", 2)][rng.random_range(0..2)];
     GenerationRequest {
         prompt: (0..len)
             .map(|j| ((j * 7 + family * 13) % 256) as u32)
@@ -255,8 +257,9 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
         },
         stop: StopStrings::default(),
         ignore_eos: true,
-        cache: Some(CacheScope::tenant(["a", "b"][rng.random_range(0..2)], None)),
+        cache: Some(CacheScope::tenant(tenant, None)),
         constraint: None,
+        share: Share::new(tenant, weight),
     }
 }
 
@@ -273,6 +276,7 @@ impl World {
             max_queue: 64,
             step_tokens: [16, 48][rng.random_range(0..2)],
             handoff_timeout: HANDOFF_TIMEOUT,
+            handoff_time_per_token: STEP,
         };
         let node = |role, tokens, config| Node {
             role,
@@ -490,6 +494,16 @@ impl World {
             .map(|c| common_prefix(&c.request.prompt, &request.prompt))
             .max()
             .unwrap_or(0);
+        // Workers admit each tenant's requests fairly, not in the order the
+        // router sent them (and links differ in latency): a request routed
+        // later may be computed first and share its prefix with those of
+        // its tenant still running.
+        for other in &mut self.clients {
+            if other.on.is_some() && other.ended.is_none() && other.request.cache == tenant {
+                let shared = common_prefix(&other.request.prompt, &request.prompt);
+                other.cacheable = other.cacheable.max(shared);
+            }
+        }
         let target = (0..self.decodes.len())
             .filter(|&d| {
                 self.decodes[d].live.is_some() && self.decodes[d].tokens >= request.kv_tokens()
@@ -521,7 +535,13 @@ impl World {
         let client = &mut self.clients[index];
         client.on = Some((d, self.decode_lives[d]));
         client.handle = Some(handle);
-        self.note(format!("client {index} → decode {d} as {id}"));
+        let (tenant, prompt) = (
+            self.clients[index].request.share.tenant.clone(),
+            self.clients[index].request.prompt.len(),
+        );
+        self.note(format!(
+            "client {index} ({tenant}, {prompt} tokens) → decode {d} as {id}"
+        ));
     }
 
     /// Moves what the workers sent onto the wire, and what is due off it.
@@ -883,6 +903,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
         max_queue: 2,
         step_tokens: 16,
         handoff_timeout: HANDOFF_TIMEOUT,
+        handoff_time_per_token: STEP,
     };
     let (_inbox_tx, inbox) = mpsc::channel();
     let mut prefill = Scheduler::new(
@@ -919,6 +940,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
             ignore_eos: true,
             cache: None,
             constraint: None,
+            share: Share::default(),
         };
         Box::new(PrefillOrder {
             grant: grant.to_frame(),

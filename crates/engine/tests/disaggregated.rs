@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvfence_engine::{
-    Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Role, Transport,
+    Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Role, Share,
+    Transport,
 };
 use kvfence_model::{Grammar, LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, ReusePolicy, Scrub};
@@ -66,6 +67,7 @@ fn request(i: usize, temperature: f32) -> GenerationRequest {
         ignore_eos: true,
         cache: None,
         constraint: None,
+        share: Share::default(),
     }
 }
 

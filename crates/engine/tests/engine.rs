@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvfence_engine::{
-    Engine, EngineConfig, EngineError, Event, FailureKind, FinishReason, GenerationRequest,
+    Engine, EngineConfig, EngineError, Event, FailureKind, FinishReason, GenerationRequest, Share,
 };
 use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, ReusePolicy, Scrub};
@@ -37,6 +37,7 @@ fn request(prompt_seed: u32, len: usize, max_tokens: usize) -> GenerationRequest
         ignore_eos: true,
         cache: None,
         constraint: None,
+        share: Share::default(),
     }
 }
 

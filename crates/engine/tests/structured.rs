@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use kvfence_engine::{Engine, EngineConfig, Event, FinishReason, GenerationRequest};
+use kvfence_engine::{Engine, EngineConfig, Event, FinishReason, GenerationRequest, Share};
 use kvfence_model::{Grammar, LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use proptest::prelude::*;
@@ -122,6 +122,7 @@ fn generate(schema: &Value, sampling: SamplingParams) -> (String, Event) {
         ignore_eos: false,
         cache: None,
         constraint: Some(Grammar::JsonSchema(schema.clone())),
+        share: Share::default(),
     };
     let mut handle = engine().submit(request).unwrap();
     let mut text = String::new();

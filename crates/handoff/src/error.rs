@@ -63,6 +63,16 @@ pub enum HandoffError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// `Progress` claimed more computed tokens than the grant holds.
+    #[error("hand-off {id}: progress reports {claimed} tokens, the grant is for {granted}")]
+    ProgressBeyondGrant {
+        /// Hand-off.
+        id: HandoffId,
+        /// Tokens the sender said it computed.
+        claimed: usize,
+        /// Tokens granted.
+        granted: usize,
+    },
     /// `Done` claimed a token count other than the grant's (I7; the incident's
     /// one-token placeholder).
     #[error("hand-off {id}: Done claims {claimed} tokens, the grant is for {granted}")]

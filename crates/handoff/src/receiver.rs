@@ -70,7 +70,8 @@ impl Committed {
 /// What handling one message led to.
 #[derive(Debug)]
 pub enum Outcome {
-    /// Accepted; the hand-off goes on.
+    /// Accepted — a chunk, or the sender's word that it is still at
+    /// work — and the hand-off goes on: the sender is alive.
     Accepted,
     /// Not for a live hand-off or epoch (late, duplicate, after abort):
     /// dropped and counted, harmlessly.
@@ -396,6 +397,29 @@ impl Receiver {
                     }
                     Err(error) => self.fail(id, error),
                 }
+            }
+            Message::Progress {
+                epoch, computed, ..
+            } => {
+                // A sender that says it computed more than was granted is
+                // confused or hostile: the request fails rather than
+                // waiting on it.
+                if epoch != incoming.epoch {
+                    self.stats.stale_messages += 1;
+                    return Outcome::Ignored;
+                }
+                if computed as usize > incoming.tokens {
+                    let granted = incoming.tokens;
+                    return self.fail(
+                        id,
+                        HandoffError::ProgressBeyondGrant {
+                            id,
+                            claimed: computed as usize,
+                            granted,
+                        },
+                    );
+                }
+                Outcome::Accepted
             }
             // Grant and Abort never travel this way.
             _ => {

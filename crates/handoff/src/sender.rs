@@ -270,6 +270,19 @@ impl Streaming {
         &self.grant
     }
 
+    /// The `Progress` message that tells the receiver this grant is still
+    /// being worked on, `computed` prompt tokens in. It resets the
+    /// receiver's silence deadline and proves nothing: only
+    /// [`Streaming::finish`] leads to `Done`.
+    pub fn progress(&self, computed: usize) -> Message {
+        Message::Progress {
+            id: self.grant.id,
+            epoch: self.grant.epoch,
+            computed: u32::try_from(computed.min(self.grant.tokens))
+                .expect("a grant's token count fits its u32 field"),
+        }
+    }
+
     /// Ships every not-yet-shipped page whose granted slots all lie within
     /// the first `written` tokens of `source` (proven by its coverage).
     pub fn send_ready(

@@ -149,6 +149,18 @@ pub enum Message {
         /// The revoked epoch.
         epoch: Epoch,
     },
+    /// prefill → decode: the sender still holds this grant — queued, or
+    /// computing the prompt — and is alive. It resets the receiver's
+    /// silence deadline and proves nothing about the KV: only `Done`
+    /// commits.
+    Progress {
+        /// Hand-off.
+        id: HandoffId,
+        /// Grant generation.
+        epoch: Epoch,
+        /// Prompt tokens computed so far (0 while queued).
+        computed: u32,
+    },
 }
 
 /// Largest frame accepted: a chunk of one page of a large model fits easily.
@@ -160,6 +172,7 @@ const DONE: u8 = 3;
 const REJECT: u8 = 4;
 const ABORT: u8 = 5;
 const ABORT_ACK: u8 = 6;
+const PROGRESS: u8 = 7;
 
 const PAGE_REF_BYTES: usize = 12;
 /// A `Chunk` frame's type and fields before its payload.
@@ -174,7 +187,8 @@ impl Message {
             | Message::Done { id, .. }
             | Message::Reject { id, .. }
             | Message::Abort { id, .. }
-            | Message::AbortAck { id, .. } => *id,
+            | Message::AbortAck { id, .. }
+            | Message::Progress { id, .. } => *id,
         }
     }
 
@@ -262,6 +276,16 @@ impl Message {
                 });
                 put_u64(out, id.0);
                 put_u32(out, epoch.0);
+            }
+            Message::Progress {
+                id,
+                epoch,
+                computed,
+            } => {
+                out.push(PROGRESS);
+                put_u64(out, id.0);
+                put_u32(out, epoch.0);
+                put_u32(out, *computed);
             }
         })
     }
@@ -407,6 +431,14 @@ impl Message {
                 Message::AbortAck {
                     id: HandoffId(r.u64()?),
                     epoch: Epoch(r.u32()?),
+                }
+            }
+            PROGRESS => {
+                r.kind = "Progress";
+                Message::Progress {
+                    id: HandoffId(r.u64()?),
+                    epoch: Epoch(r.u32()?),
+                    computed: r.u32()?,
                 }
             }
             other => return Err(HandoffError::UnknownType(other)),

@@ -87,7 +87,12 @@ fn message() -> impl Strategy<Value = Message> {
         )
             .prop_map(|(id, reason)| Message::Reject { id, reason }),
         (id.clone(), epoch.clone()).prop_map(|(id, epoch)| Message::Abort { id, epoch }),
-        (id, epoch).prop_map(|(id, epoch)| Message::AbortAck { id, epoch }),
+        (id.clone(), epoch.clone()).prop_map(|(id, epoch)| Message::AbortAck { id, epoch }),
+        (id, epoch, any::<u32>()).prop_map(|(id, epoch, computed)| Message::Progress {
+            id,
+            epoch,
+            computed
+        }),
     ]
 }
 

@@ -506,3 +506,53 @@ fn i1_a_chunk_for_a_present_page_fails_the_hand_off() {
         |e| matches!(e, HandoffError::ChunkOutsideGrant { reason, .. } if reason.contains("present")),
     );
 }
+
+#[test]
+fn progress_keeps_a_hand_off_alive_and_commits_nothing() {
+    let mut s = setup();
+    let streaming = kvfence_handoff::Streaming::new(s.grant.clone());
+    for computed in [0, 4, TOKENS] {
+        assert!(matches!(
+            s.receiver.handle(wire(&streaming.progress(computed))),
+            Outcome::Accepted
+        ));
+    }
+    assert_eq!(s.receiver.in_flight(), 1, "progress is no commit");
+    // A `Done` still needs every page: progress proved nothing.
+    let (_, proof) = chunks(&s);
+    assert!(matches!(
+        s.receiver.handle(wire(&proof.done(1, 0))),
+        Outcome::Failed {
+            error: HandoffError::Incomplete { .. },
+            ..
+        }
+    ));
+    assert_baseline(&s.decode);
+}
+
+#[test]
+fn progress_of_a_revoked_epoch_is_ignored_and_progress_beyond_the_grant_fails() {
+    let mut s = setup();
+    let streaming = kvfence_handoff::Streaming::new(s.grant.clone());
+    let mut stale = streaming.progress(3);
+    if let Message::Progress { epoch, .. } = &mut stale {
+        *epoch = Epoch(epoch.0 + 1);
+    }
+    assert!(matches!(s.receiver.handle(stale), Outcome::Ignored));
+    assert_eq!(s.receiver.stats().stale_messages, 1);
+    let beyond = Message::Progress {
+        id: ID,
+        epoch: s.grant.epoch,
+        computed: TOKENS as u32 + 1,
+    };
+    fails_with(&mut s, vec![beyond], |e| {
+        matches!(
+            e,
+            HandoffError::ProgressBeyondGrant {
+                claimed: 11,
+                granted: 10,
+                ..
+            }
+        )
+    });
+}

@@ -86,12 +86,17 @@ enum TenantCommand {
     Add {
         /// Tenant name (appears in logs and metrics).
         name: String,
-        /// Requests the tenant may have in flight at once.
+        /// Sequences the tenant may run at once: a request counts once
+        /// per choice of each of its prompts (`n`, batches of prompts).
         #[arg(long, default_value_t = 16)]
         max_concurrent: usize,
         /// Largest max_tokens one request may ask for.
         #[arg(long)]
         max_tokens: Option<usize>,
+        /// The tenant's share of every worker against other tenants with
+        /// work: compute and admission are split in proportion to weights.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(kvfence_engine::Share::MAX_WEIGHT)))]
+        weight: u32,
     },
 }
 
@@ -176,9 +181,11 @@ fn main() -> anyhow::Result<()> {
             name,
             max_concurrent,
             max_tokens,
+            weight,
         }) => {
             anyhow::ensure!(max_concurrent > 0, "--max-concurrent must be at least 1");
-            let (key, lines) = kvfence_server::new_tenant(&name, max_concurrent, max_tokens);
+            let (key, lines) =
+                kvfence_server::new_tenant(&name, max_concurrent, max_tokens, weight);
             println!("API key for {name} (shown once; store it now):\n\n    {key}\n");
             println!("Add to the tenants file passed to `kvfence serve --config`:\n\n{lines}");
             Ok(())

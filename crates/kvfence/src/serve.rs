@@ -98,10 +98,19 @@ pub(crate) struct EngineArgs {
     /// Tokens per forward pass (decode steps plus prefill chunks).
     #[arg(long, default_value_t = 256)]
     pub(crate) step_tokens: usize,
-    /// Milliseconds a decode worker waits for a granted hand-off to commit
-    /// before aborting it and failing the request (503).
+    /// Milliseconds a decode worker waits without a word from the prefill
+    /// worker filling a grant (no KV chunk, no progress report) before
+    /// aborting it and failing the request (503). Prefill workers report
+    /// on every order they hold at least every quarter of their own value
+    /// (at most every second), so a long prompt that is being computed
+    /// never trips it; give every worker the same value.
     #[arg(long, default_value_t = 30_000)]
     pub(crate) handoff_timeout_ms: u64,
+    /// Milliseconds per prompt token a grant may take in all, on top of
+    /// --handoff-timeout-ms, however alive its prefill worker is: a grant
+    /// of N prompt tokens fails after timeout + N × this.
+    #[arg(long, default_value_t = 50)]
+    pub(crate) handoff_ms_per_token: u64,
     /// Reuse the KV of prompt prefixes already computed, within a tenant
     /// (its API key) and `cache_salt` only: full pages of a prompt are
     /// sealed and shared read-only with that tenant's later requests, and
@@ -134,6 +143,7 @@ impl EngineArgs {
             max_queue: self.max_queue,
             step_tokens: self.step_tokens,
             handoff_timeout: Duration::from_millis(self.handoff_timeout_ms),
+            handoff_time_per_token: Duration::from_millis(self.handoff_ms_per_token),
         })
     }
 

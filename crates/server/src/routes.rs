@@ -17,7 +17,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream, StreamExt};
 use kvfence_engine::{
-    CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
+    CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Share, Usage,
 };
 use kvfence_model::TokenLogprobs;
 use serde_json::{Value, json};
@@ -457,7 +457,7 @@ async fn handle(
     };
     // The tenant's slot before any work: a tenant at its limit costs no
     // body, no template and no tokenizer.
-    let permit = match tenant.admit() {
+    let mut permit = match tenant.admit() {
         Ok(permit) => permit,
         Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
     };
@@ -469,6 +469,10 @@ async fn handle(
         Ok(prepared) => prepared,
         Err(error) => return refuse(&state, &tenant.name, endpoint, error),
     };
+    // The limit counts sequences: `n` choices of every prompt (I11).
+    if let Err(error) = tenant.admit_sequences(&mut permit, prepared.choices.len()) {
+        return refuse(&state, &tenant.name, endpoint, error);
+    }
     let prompt_tokens: usize = prepared
         .choices
         .iter()
@@ -729,6 +733,9 @@ fn prepare(
         tenant.name.clone(),
         params.cache_salt()?,
     ));
+    // Its share of the workers is the same tenant's, at the weight the
+    // operator gave it (I11).
+    let share = Share::new(tenant.name.clone(), tenant.weight);
     let vocab = state.model.config.vocab_size;
     let max_context = state.capacity.max_context;
     let first_seed = params.seed.map_or_else(rand::random, |s| s as u64);
@@ -785,6 +792,7 @@ fn prepare(
                     ignore_eos: params.ignore_eos.unwrap_or(false),
                     cache: cache.clone(),
                     constraint: constraint.clone(),
+                    share: share.clone(),
                 },
                 echo: echo.clone(),
             });

@@ -1,8 +1,11 @@
 //! Tenants (I9): who is calling, decided by the API key the gateway sees,
 //! never by a field the client sets; and each tenant's limits.
 //!
-//! Keys are stored only as SHA-256 digests. A tenant's concurrency limit is a
-//! semaphore; a request holds a permit for its whole life.
+//! Keys are stored only as SHA-256 digests. A tenant's concurrency limit
+//! counts sequences, not HTTP requests: a request holds one permit per
+//! sequence it runs (`n` choices of each of its prompts) for its whole
+//! life, so `n`, `best_of` and prompt batches cannot multiply a tenant's
+//! share of the workers.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -13,6 +16,8 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use kvfence_engine::Share;
+
 use crate::error::{ApiError, ErrorType, ServerError};
 
 /// One tenant and its limits.
@@ -22,32 +27,69 @@ pub struct Tenant {
     pub name: String,
     /// Largest `max_tokens` a request may ask for, if limited.
     pub max_tokens: Option<usize>,
+    /// Its share of every worker against other tenants with work (I11):
+    /// compute is split in proportion to weights.
+    pub weight: u32,
     max_concurrent: usize,
     permits: Arc<Semaphore>,
 }
 
 impl Tenant {
-    fn new(name: String, max_concurrent: usize, max_tokens: Option<usize>) -> Self {
+    fn new(name: String, max_concurrent: usize, max_tokens: Option<usize>, weight: u32) -> Self {
         Tenant {
             name,
             max_tokens,
+            weight,
             max_concurrent,
             permits: Arc::new(Semaphore::new(max_concurrent)),
         }
     }
 
-    /// A slot for one more concurrent request, or 429.
+    /// A slot for one more sequence, taken before a request's body is
+    /// read, or 429.
     pub fn admit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
-        Arc::clone(&self.permits).try_acquire_owned().map_err(|_| {
-            ApiError::new(
-                ErrorType::RateLimitError,
-                "tenant_concurrency_limit",
+        Arc::clone(&self.permits)
+            .try_acquire_owned()
+            .map_err(|_| self.at_limit())
+    }
+
+    /// Grows a request's `permit` (one sequence, from
+    /// [`Tenant::admit`]) to `sequences` slots: 400 if the tenant's limit
+    /// can never hold that many, 429 if it cannot now.
+    pub fn admit_sequences(
+        &self,
+        permit: &mut OwnedSemaphorePermit,
+        sequences: usize,
+    ) -> Result<(), ApiError> {
+        debug_assert_eq!(permit.num_permits(), 1, "a request's first slot");
+        if sequences > self.max_concurrent {
+            return Err(ApiError::invalid(
+                "n",
                 format!(
-                    "tenant {} already has {} requests in flight, its limit",
-                    self.name, self.max_concurrent
+                    "the request runs {sequences} sequences (n choices of each prompt); this tenant may run {} at once",
+                    self.max_concurrent
                 ),
-            )
-        })
+            ));
+        }
+        let more = u32::try_from(sequences.saturating_sub(1)).map_err(|_| self.at_limit())?;
+        if more > 0 {
+            let extra = Arc::clone(&self.permits)
+                .try_acquire_many_owned(more)
+                .map_err(|_| self.at_limit())?;
+            permit.merge(extra);
+        }
+        Ok(())
+    }
+
+    fn at_limit(&self) -> ApiError {
+        ApiError::new(
+            ErrorType::RateLimitError,
+            "tenant_concurrency_limit",
+            format!(
+                "tenant {} already runs {} sequences, its limit",
+                self.name, self.max_concurrent
+            ),
+        )
     }
 }
 
@@ -75,6 +117,14 @@ struct TenantEntry {
     #[serde(default = "default_concurrency")]
     max_concurrent: usize,
     max_tokens: Option<usize>,
+    /// Share of the workers against other tenants; every tenant's is 1
+    /// unless the file says otherwise.
+    #[serde(default = "default_weight")]
+    weight: u32,
+}
+
+fn default_weight() -> u32 {
+    1
 }
 
 fn default_concurrency() -> usize {
@@ -110,6 +160,7 @@ impl Tenants {
             "local".into(),
             LOCAL_CONCURRENCY,
             None,
+            1,
         )))
     }
 
@@ -148,6 +199,13 @@ impl Tenants {
                     entry.name
                 )));
             }
+            if !(1..=Share::MAX_WEIGHT).contains(&entry.weight) {
+                return Err(bad(format!(
+                    "tenant {:?}: weight must be between 1 and {}",
+                    entry.name,
+                    Share::MAX_WEIGHT
+                )));
+            }
             if !names.insert(entry.name.clone()) {
                 return Err(bad(format!("tenant {:?} is defined twice", entry.name)));
             }
@@ -155,6 +213,7 @@ impl Tenants {
                 entry.name.clone(),
                 entry.max_concurrent,
                 entry.max_tokens,
+                entry.weight,
             ));
             if keyed.insert(hash, tenant).is_some() {
                 return Err(bad(format!(
@@ -197,6 +256,7 @@ pub fn new_tenant(
     name: &str,
     max_concurrent: usize,
     max_tokens: Option<usize>,
+    weight: u32,
 ) -> (String, String) {
     let secret: [u8; 24] = rand::rng().random();
     let key = format!("kvf-{}", hex(&secret));
@@ -207,6 +267,9 @@ pub fn new_tenant(
     );
     if let Some(limit) = max_tokens {
         lines.push_str(&format!("max_tokens = {limit}\n"));
+    }
+    if weight != 1 {
+        lines.push_str(&format!("weight = {weight}\n"));
     }
     (key, lines)
 }
@@ -221,13 +284,14 @@ mod tests {
 
     #[test]
     fn a_generated_key_authenticates_against_its_printed_config() {
-        let (key, lines) = new_tenant("acme \"corp\"", 2, Some(100));
+        let (key, lines) = new_tenant("acme \"corp\"", 2, Some(100), 3);
         let tenants = Tenants::from_toml(&lines, "t.toml").unwrap();
         let tenant = tenants
             .authenticate(Some(&format!("Bearer {key}")))
             .unwrap();
         assert_eq!(tenant.name, "acme \"corp\"");
         assert_eq!(tenant.max_tokens, Some(100));
+        assert_eq!(tenant.weight, 3);
         let a = tenant.admit().unwrap();
         let _b = tenant.admit().unwrap();
         assert_eq!(tenant.admit().unwrap_err().status(), 429);
@@ -236,8 +300,50 @@ mod tests {
     }
 
     #[test]
+    fn the_concurrency_limit_counts_sequences_not_requests() {
+        let (key, lines) = new_tenant("a", 4, None, 1);
+        let tenants = Tenants::from_toml(&lines, "t.toml").unwrap();
+        let tenant = tenants
+            .authenticate(Some(&format!("Bearer {key}")))
+            .unwrap();
+        // n = 3: three of the four slots.
+        let mut three = tenant.admit().unwrap();
+        tenant.admit_sequences(&mut three, 3).unwrap();
+        // Another request of n = 2 does not fit beside it now: 429, and the
+        // slot it took first is its to give back.
+        let mut two = tenant.admit().unwrap();
+        assert_eq!(
+            tenant.admit_sequences(&mut two, 2).unwrap_err().status(),
+            429
+        );
+        drop(two);
+        // n = 5 can never fit a limit of 4: 400 naming the field.
+        let mut five = tenant.admit().unwrap();
+        let never = tenant.admit_sequences(&mut five, 5).unwrap_err();
+        assert_eq!(never.status(), 400);
+        assert_eq!(never.param.as_deref(), Some("n"));
+        drop((three, five));
+        let mut four = tenant.admit().unwrap();
+        tenant.admit_sequences(&mut four, 4).unwrap();
+        assert_eq!(tenant.admit().unwrap_err().status(), 429);
+    }
+
+    #[test]
+    fn weights_default_to_one_and_must_be_positive() {
+        let (_, lines) = new_tenant("a", 1, None, 1);
+        assert!(!lines.contains("weight"), "the default is not written");
+        let Tenants::Keyed(keyed) = Tenants::from_toml(&lines, "t").unwrap() else {
+            panic!("keyed tenants")
+        };
+        assert_eq!(keyed.values().next().unwrap().weight, 1);
+        let zero = format!("{lines}weight = 0\n");
+        let err = Tenants::from_toml(&zero, "t.toml").unwrap_err();
+        assert!(err.to_string().contains("weight"), "{err}");
+    }
+
+    #[test]
     fn i9_missing_or_wrong_keys_are_refused() {
-        let (_, lines) = new_tenant("a", 1, None);
+        let (_, lines) = new_tenant("a", 1, None, 1);
         let tenants = Tenants::from_toml(&lines, "t.toml").unwrap();
         assert_eq!(tenants.authenticate(None).unwrap_err().status(), 401);
         assert_eq!(
@@ -266,7 +372,7 @@ mod tests {
             let err = Tenants::from_toml(text, "conf/t.toml").unwrap_err();
             assert!(err.to_string().contains("conf/t.toml"), "{err}");
         }
-        let (_, one) = new_tenant("a", 1, None);
+        let (_, one) = new_tenant("a", 1, None, 1);
         let twice = format!("{one}{one}");
         assert!(Tenants::from_toml(&twice, "t").is_err());
     }

@@ -128,6 +128,7 @@ mod tests {
     use kvfence_model::{SamplingParams, StopStrings};
 
     use super::*;
+    use crate::request::Share;
 
     fn request(tenant: &str, salt: Option<&str>, prompt: Vec<u32>) -> GenerationRequest {
         GenerationRequest {
@@ -138,6 +139,7 @@ mod tests {
             ignore_eos: false,
             cache: Some(CacheScope::tenant(tenant, salt.map(Into::into))),
             constraint: None,
+            share: Share::new(tenant, 1),
         }
     }
 

@@ -271,6 +271,7 @@ impl RemoteEngine {
             ignore_eos: request.ignore_eos,
             cache,
             constraint: request.constraint,
+            share: request.share,
             prefill,
         };
         let forget = || {

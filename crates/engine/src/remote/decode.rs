@@ -356,6 +356,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                 ignore_eos,
                 cache,
                 constraint,
+                share,
                 prefill,
             } => {
                 let stop = match StopStrings::new(stop) {
@@ -378,6 +379,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                     ignore_eos,
                     cache: cache.map(CacheScope::Tenant),
                     constraint,
+                    share,
                 };
                 match engine.submit_to(request, prefill) {
                     Ok(handle) => {

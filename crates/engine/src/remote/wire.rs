@@ -16,10 +16,10 @@ use crate::counters::EngineStats;
 use crate::engine::PrefillPeer;
 use crate::link::CONTROL;
 use crate::net::LinkTx;
-use crate::request::{FailureKind, FinishReason, TenantScope, Usage};
+use crate::request::{FailureKind, FinishReason, Share, TenantScope, Usage};
 
 /// The control protocol's version; a peer speaking another is refused.
-pub(crate) const PROTOCOL: u32 = 3;
+pub(crate) const PROTOCOL: u32 = 4;
 
 /// What identifies a model for the hand-off: two workers whose
 /// fingerprints differ cannot read each other's KV.
@@ -253,6 +253,10 @@ pub(crate) enum Control {
         /// What the completion must match.
         #[serde(default)]
         constraint: Option<Grammar>,
+        /// Whose share of the workers it counts against (the tenant the
+        /// router authenticated, and its weight).
+        #[serde(default)]
+        share: Share,
         /// The prefill worker the router chose (a name from the decode
         /// worker's `prefills`).
         prefill: Option<String>,
@@ -327,6 +331,7 @@ mod tests {
                 salt: None,
             }),
             constraint: None,
+            share: Share::new("acme", 2),
             prefill: Some("10.0.0.1:7000".into()),
         };
         let json = serde_json::to_value(&submit).unwrap();
@@ -338,6 +343,7 @@ mod tests {
             "stop",
             "ignore_eos",
             "cache",
+            "share",
             "prefill",
         ] {
             assert!(fields.get(name).is_some(), "{name} missing in {json}");

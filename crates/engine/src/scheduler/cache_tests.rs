@@ -16,7 +16,7 @@ use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, S
 use super::{Command, Pending, Role, Scheduler};
 use crate::config::EngineConfig;
 use crate::counters::Counters;
-use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle, Usage};
+use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle, Share, Usage};
 
 const PAGE: usize = 16;
 
@@ -88,6 +88,7 @@ fn request(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerationReque
         ignore_eos: true,
         cache: Some(CacheScope::tenant(tenant, None)),
         constraint: None,
+        share: Share::new(tenant, 1),
     }
 }
 

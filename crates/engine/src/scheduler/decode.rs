@@ -10,7 +10,7 @@ use kvfence_handoff::{Message, Outcome, RejectReason};
 use kvfence_model::TokenLogprobs;
 use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{RequestId, Window, WindowKey};
-use tracing::{debug, warn};
+use tracing::{debug, trace, warn};
 
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
@@ -40,10 +40,23 @@ impl Scheduler {
             // before committing it.
             fail::fail_point!("handoff-before-commit", crash_or_stall);
         }
+        let id = RequestId(message.id().0);
+        if let Message::Progress { computed, .. } = &message {
+            trace!(handoff = %message.id(), computed, "prefill progress");
+        }
         let outcome = self.receiver.handle(message);
         self.counters.record_handoff(&self.receiver.stats());
         match outcome {
-            Outcome::Accepted | Outcome::Ignored => {}
+            Outcome::Accepted => {
+                // A chunk or a progress report from the grant's own link:
+                // the prefill worker is at work on it.
+                if let Some(index) = self.position(id)
+                    && let Kv::Awaited(awaiting) = &mut self.active[index].kv
+                {
+                    awaiting.news = true;
+                }
+            }
+            Outcome::Ignored => {}
             Outcome::Released { id, pages } => {
                 debug!(handoff = %id, pages, "quarantined pages released after the writer's ack")
             }
@@ -102,35 +115,52 @@ impl Scheduler {
         }
     }
 
-    /// Decode role: a grant that has not committed in time is aborted — its
-    /// pages freed, or quarantined behind a revoked window until the writer
-    /// acknowledges (I4) — and its client gets an error, never a late answer.
+    /// Decode role: a grant whose prefill worker has gone silent for the
+    /// silence deadline, or that has not committed within its whole-life
+    /// deadline (which scales with the prompt), is aborted — its pages
+    /// freed, or quarantined behind a revoked window until the writer
+    /// acknowledges (I4) — and its client gets an error, never a late
+    /// answer. A prefill worker that keeps sending chunks or progress
+    /// reports is alive, however long the prompt takes.
     pub(super) fn expire_handoffs(&mut self, now: Instant) {
         if self.role != Role::Decode {
             return;
         }
         for index in (0..self.active.len()).rev() {
-            let active = &self.active[index];
-            let Kv::Awaited {
-                prefill,
-                granted_at,
-            } = active.kv
-            else {
+            let prompt = self.active[index].pending.request.prompt.len();
+            let (id, owner) = (
+                self.active[index].pending.handoff_id(),
+                self.active[index].pending.id,
+            );
+            let Kv::Awaited(awaiting) = &mut self.active[index].kv else {
                 continue;
             };
-            if now >= granted_at + self.config.handoff_timeout {
-                let id = active.pending.handoff_id();
-                warn!(handoff = %id, "hand-off timed out; aborting the grant");
-                if let Some(abort) = self.receiver.abort(id) {
-                    self.to_peer(prefill, &abort);
-                }
-                if Mutation::ReleaseOnTimeout.active() {
-                    // Incident replay (e): free the pages without the writer's ack.
-                    let _ = self.pool.drain(active.pending.id);
-                }
-                let message = "the prefill worker did not deliver the KV in time".to_string();
-                self.end(index, End::Failed(FailureKind::Unavailable, message));
+            if awaiting.news {
+                awaiting.heard_at = awaiting.heard_at.max(now);
+                awaiting.news = false;
             }
+            if now < awaiting.deadline(&self.config, prompt) {
+                continue;
+            }
+            let prefill = awaiting.prefill;
+            let silent = now >= awaiting.heard_at + self.config.handoff_timeout;
+            warn!(handoff = %id, silent, "hand-off past its deadline; aborting the grant");
+            if let Some(abort) = self.receiver.abort(id) {
+                self.to_peer(prefill, &abort);
+            }
+            if Mutation::ReleaseOnTimeout.active() {
+                // Incident replay (e): free the pages without the writer's ack.
+                let _ = self.pool.drain(owner);
+            }
+            let message = if silent {
+                "the prefill worker went silent before delivering the KV"
+            } else {
+                "the prefill worker did not deliver the KV within the prompt's deadline"
+            };
+            self.end(
+                index,
+                End::Failed(FailureKind::Unavailable, message.to_string()),
+            );
         }
     }
 

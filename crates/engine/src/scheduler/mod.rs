@@ -44,10 +44,15 @@
 
 #[cfg(test)]
 mod cache_tests;
+#[cfg(test)]
+mod deadline_tests;
 mod decode;
+mod fair;
+#[cfg(test)]
+mod fair_tests;
 mod prefill;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -69,6 +74,7 @@ use crate::request::{
     CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Usage,
 };
 use crate::text::TextStream;
+use fair::{FairQueue, split_budget};
 
 /// What a scheduler does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -213,6 +219,9 @@ pub(crate) enum Origin {
         /// The transfer; taken when the last page ships.
         streaming: Option<Streaming>,
         aborted: bool,
+        /// When the decode worker was last told this order is being
+        /// worked on (`Progress`); `None` until the first report.
+        reported_at: Option<Instant>,
         window: Option<(Window, WindowKey)>,
     },
 }
@@ -289,15 +298,34 @@ impl Pending {
     }
 }
 
+/// Decode role: a grant out to a prefill worker, and when that worker last
+/// showed it was at work on it.
+struct Awaiting {
+    /// The link the grant went on; only its messages may touch the lease.
+    prefill: PeerId,
+    /// When the grant went out: the whole-life deadline counts from here.
+    granted_at: Instant,
+    /// When a chunk or progress report for it was last taken in: the
+    /// silence deadline counts from here.
+    heard_at: Instant,
+    /// A chunk or progress report arrived since the last poll, which moves
+    /// `heard_at` to its own time (commands carry no clock).
+    news: bool,
+}
+
+impl Awaiting {
+    /// When this grant fails for silence, or for taking too long in all.
+    fn deadline(&self, config: &EngineConfig, prompt: usize) -> Instant {
+        (self.heard_at + config.handoff_timeout)
+            .min(self.granted_at + config.handoff_deadline(prompt))
+    }
+}
+
 /// Where a running request's KV is.
 enum Kv {
-    /// Decode role: granted to the prefill worker on link `prefill`, which
-    /// is filling it. The lease is the hand-off receiver's until it
-    /// commits; only that link's messages may touch it.
-    Awaited {
-        prefill: PeerId,
-        granted_at: Instant,
-    },
+    /// Decode role: granted to a prefill worker, which is filling it. The
+    /// lease is the hand-off receiver's until it commits.
+    Awaited(Awaiting),
     /// In this worker's hands — prefilled here, or committed — and computed
     /// on by its steps.
     Held(Lease),
@@ -307,21 +335,21 @@ impl Kv {
     fn lease(&self) -> Option<&Lease> {
         match self {
             Kv::Held(lease) => Some(lease),
-            Kv::Awaited { .. } => None,
+            Kv::Awaited(_) => None,
         }
     }
 
     fn lease_mut(&mut self) -> Option<&mut Lease> {
         match self {
             Kv::Held(lease) => Some(lease),
-            Kv::Awaited { .. } => None,
+            Kv::Awaited(_) => None,
         }
     }
 
     /// The link filling it, while it is awaited.
     fn awaited_from(&self) -> Option<PeerId> {
         match self {
-            Kv::Awaited { prefill, .. } => Some(*prefill),
+            Kv::Awaited(awaiting) => Some(awaiting.prefill),
             Kv::Held(_) => None,
         }
     }
@@ -428,7 +456,9 @@ pub(crate) struct Scheduler {
     /// deterministic.
     peers: BTreeMap<PeerId, Peer>,
     receiver: Receiver,
-    waiting: VecDeque<Pending>,
+    /// Requests waiting for pages, one queue per tenant, admitted in fair
+    /// order (I11).
+    waiting: FairQueue,
     active: Vec<Active>,
     stopping: bool,
     /// Prefill role: names this worker's own leases (hand-off ids are only
@@ -461,7 +491,7 @@ impl Scheduler {
             inbox,
             peers: BTreeMap::new(),
             receiver: Receiver::new(),
-            waiting: VecDeque::new(),
+            waiting: FairQueue::new(),
             active: Vec::new(),
             stopping: false,
             next_local_id: 1,
@@ -528,14 +558,32 @@ impl Scheduler {
     /// step may have freed pages). Returns whether a step ran.
     pub(crate) fn poll(&mut self, now: Instant) -> bool {
         self.expire_handoffs(now);
+        self.report_progress(now);
         self.drop_cancelled();
         self.admit(now);
-        if !self.has_work() {
-            return false;
+        let stepped = self.has_work();
+        if stepped {
+            self.step();
+            self.admit(now);
         }
-        self.step();
-        self.admit(now);
-        true
+        self.check_counts();
+        stepped
+    }
+
+    /// The counters the metrics read agree with the state they count:
+    /// every active request is counted running, and every waiting one
+    /// queued (the queued count also covers submissions still in the
+    /// inbox, counted before they were sent).
+    fn check_counts(&self) {
+        debug_assert_eq!(
+            self.counters.running.load(Ordering::Acquire),
+            self.active.len(),
+            "the running count is the number of active requests"
+        );
+        debug_assert!(
+            self.counters.queued.load(Ordering::Acquire) >= self.waiting.len(),
+            "every waiting request is counted queued"
+        );
     }
 
     /// Whether some request holds pages to compute: `poll` would step.
@@ -543,16 +591,16 @@ impl Scheduler {
         self.active.iter().any(|a| a.kv.lease().is_some())
     }
 
-    /// When the oldest hand-off in flight times out: `poll` is due then
-    /// even if nothing arrives.
+    /// When `poll` is next due even if nothing arrives: a decode worker's
+    /// first hand-off deadline, a prefill worker's next progress report.
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.active
-            .iter()
-            .filter_map(|a| match a.kv {
-                Kv::Awaited { granted_at, .. } => Some(granted_at + self.config.handoff_timeout),
-                Kv::Held(_) => None,
-            })
-            .min()
+        let handoffs = self.active.iter().filter_map(|a| match &a.kv {
+            Kv::Awaited(awaiting) => {
+                Some(awaiting.deadline(&self.config, a.pending.request.prompt.len()))
+            }
+            Kv::Held(_) => None,
+        });
+        handoffs.chain(self.next_progress_report()).min()
     }
 
     /// Feeds one command. No IO and no clock: what it sends goes into the
@@ -560,7 +608,7 @@ impl Scheduler {
     /// drain.
     pub(crate) fn handle(&mut self, command: Command) {
         match command {
-            Command::Submit(pending) => self.waiting.push_back(*pending),
+            Command::Submit(pending) => self.enqueue(*pending),
             Command::Prefill { peer, order } => self.take_order(peer, *order),
             Command::Frame { peer, frame } => self.take_frame(peer, &frame),
             Command::PeerUp(up) => {
@@ -591,6 +639,17 @@ impl Scheduler {
             }
             Command::Shutdown => self.stopping = true,
         }
+    }
+
+    /// A new request (or prefill order) joins its tenant's queue.
+    fn enqueue(&mut self, pending: Pending) {
+        let running: BTreeSet<&str> = self
+            .active
+            .iter()
+            .map(|a| a.pending.request.share.tenant.as_str())
+            .collect();
+        self.waiting
+            .push_back(pending, |tenant| running.contains(tenant));
     }
 
     /// Sends one hand-off message on the link `peer`, if it is still up.
@@ -630,9 +689,7 @@ impl Scheduler {
     }
 
     fn drop_cancelled(&mut self) {
-        let before = self.waiting.len();
-        self.waiting.retain(|p| !p.is_cancelled());
-        let dropped_waiting = before - self.waiting.len();
+        let dropped_waiting = self.waiting.retain(|p| !p.is_cancelled());
         self.counters
             .queued
             .fetch_sub(dropped_waiting, Ordering::AcqRel);
@@ -764,7 +821,7 @@ impl Scheduler {
                 break;
             };
             if let Some(message) = self.can_never_fit(pending) {
-                let pending = self.waiting.pop_front().expect("front exists");
+                let pending = self.waiting.pop_front().expect("the front exists");
                 self.counters.queued.fetch_sub(1, Ordering::AcqRel);
                 self.refuse(&pending, FailureKind::TooLong, message);
                 continue;
@@ -780,7 +837,7 @@ impl Scheduler {
                 match self.choose_prefill(pending) {
                     Ok(peer) => Some(peer),
                     Err((kind, message)) => {
-                        let pending = self.waiting.pop_front().expect("front exists");
+                        let pending = self.waiting.pop_front().expect("the front exists");
                         self.counters.queued.fetch_sub(1, Ordering::AcqRel);
                         self.refuse(&pending, kind, message);
                         continue;
@@ -794,13 +851,13 @@ impl Scheduler {
                 // Pages will come back as running requests end; keep order.
                 Err(PoolError::Exhausted { .. }) => break,
                 Err(error) => {
-                    let pending = self.waiting.pop_front().expect("front exists");
+                    let pending = self.waiting.pop_front().expect("the front exists");
                     self.counters.queued.fetch_sub(1, Ordering::AcqRel);
                     self.refuse(&pending, FailureKind::TooLong, error.to_string());
                     continue;
                 }
             };
-            let mut pending = self.waiting.pop_front().expect("front exists");
+            let mut pending = self.waiting.pop_front().expect("the front exists");
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
             self.admissions += 1;
             let admitted = self.admissions;
@@ -869,10 +926,12 @@ impl Scheduler {
                     Ok((grant, window)) => {
                         let peer = prefill.expect("a decode worker chose a prefill worker");
                         self.send_order(peer, grant, &pending.request, window);
-                        Kv::Awaited {
+                        Kv::Awaited(Awaiting {
                             prefill: peer,
                             granted_at: now,
-                        }
+                            heard_at: now,
+                            news: false,
+                        })
                     }
                     Err(error) => {
                         self.refuse(&pending, FailureKind::Internal, error.to_string());
@@ -967,9 +1026,12 @@ impl Scheduler {
         self.waiting.push_front(pending);
     }
 
-    /// Decode tokens first (one per decoding request), then prefill chunks in
-    /// admission order with what is left of the budget. Prefill always gets
-    /// some room so a full decode batch cannot starve new requests.
+    /// Decode tokens first (one per decoding request), then prefill chunks
+    /// with what is left of the budget, split between the tenants with
+    /// prompt tokens to compute by weight ([`split_budget`]) and, within a
+    /// tenant, given in admission order: one tenant's long prompts cannot
+    /// hold back another's short one by more than a step. Prefill always
+    /// gets some room so a full decode batch cannot starve new requests.
     fn plan(&self) -> Vec<Work> {
         let mut work = Vec::new();
         for (index, a) in self.active.iter().enumerate() {
@@ -991,14 +1053,34 @@ impl Scheduler {
                 });
             }
         }
-        let mut budget = self.config.step_tokens.saturating_sub(work.len()).max(16);
-        for (index, a) in self.active.iter().enumerate() {
-            if a.kv.lease().is_none() || a.prefill_done() || budget == 0 {
+        let rows = work.len();
+        let budget = self.config.step_tokens.saturating_sub(rows).max(16);
+        let mut prefilling: Vec<usize> = (0..self.active.len())
+            .filter(|&i| self.active[i].kv.lease().is_some() && !self.active[i].prefill_done())
+            .collect();
+        prefilling.sort_unstable_by_key(|&i| self.active[i].admitted);
+        let mut claims: BTreeMap<&str, (u32, usize)> = BTreeMap::new();
+        for &i in &prefilling {
+            let a = &self.active[i];
+            let share = &a.pending.request.share;
+            let claim = claims
+                .entry(share.tenant.as_str())
+                .or_insert((share.weight(), 0));
+            claim.1 += a.kv_target() - a.written;
+        }
+        let split = split_budget(budget, &claims.values().copied().collect::<Vec<_>>());
+        let mut allowance: BTreeMap<&str, usize> = claims.keys().copied().zip(split).collect();
+        for index in prefilling {
+            let a = &self.active[index];
+            let left = allowance
+                .get_mut(a.pending.request.share.tenant.as_str())
+                .expect("every prefilling request's tenant has a claim");
+            if *left == 0 {
                 continue;
             }
             let target = a.kv_target();
-            let take = (target - a.written).min(budget);
-            budget -= take;
+            let take = (target - a.written).min(*left);
+            *left -= take;
             let end = a.written + take;
             // A fresh prompt's last chunk samples the first token; a
             // preempted request's recomputation samples nothing (its next
@@ -1015,6 +1097,10 @@ impl Scheduler {
                 logits,
             });
         }
+        debug_assert!(
+            work.iter().map(|w| w.tokens.len()).sum::<usize>() <= rows + budget,
+            "a step stays within its token budget"
+        );
         work
     }
 
@@ -1068,6 +1154,8 @@ impl Scheduler {
                 }
             };
             let active = &mut self.active[w.index];
+            self.waiting
+                .charge(&active.pending.request.share, w.tokens.len());
             let prefilling = !active.prefill_done();
             active.written += w.tokens.len();
             if prefilling {
@@ -1257,7 +1345,7 @@ impl Scheduler {
                 "the server is shutting down".to_string(),
             )
         };
-        for pending in std::mem::take(&mut self.waiting) {
+        for pending in self.waiting.take_all() {
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
             let (kind, message) = reason();
             self.refuse(&pending, kind, message);
@@ -1302,7 +1390,7 @@ impl Scheduler {
             .iter()
             .map(|a| {
                 let kv = match &a.kv {
-                    Kv::Awaited { .. } => "awaited".to_string(),
+                    Kv::Awaited(_) => "awaited".to_string(),
                     Kv::Held(lease) => format!("held {} tokens", lease.capacity_tokens()),
                 };
                 format!(

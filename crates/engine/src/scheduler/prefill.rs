@@ -3,6 +3,7 @@
 //! fills pages, then `Done` from the sender's proof (I5).
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use kvfence_handoff::{
     ChunkFrames, Grant, HandoffId, Message, RejectReason, Streaming, WindowWrites,
@@ -13,7 +14,7 @@ use tracing::{debug, warn};
 
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
-use super::{End, FailureKind, Origin, PeerId, PeerTx, Pending, PrefillOrder, Scheduler};
+use super::{End, FailureKind, Origin, PeerId, PeerTx, Pending, PrefillOrder, Role, Scheduler};
 
 impl Scheduler {
     /// Prefill role: queue a grant to fill, or reject it at once.
@@ -86,7 +87,7 @@ impl Scheduler {
         self.next_local_id += 1;
         debug!(%peer, handoff = %grant.id, tokens = grant.tokens, "prefill order queued");
         self.counters.queued.fetch_add(1, Ordering::AcqRel);
-        self.waiting.push_back(Pending {
+        self.enqueue(Pending {
             id,
             request: order.request,
             origin: Origin::Handoff {
@@ -94,6 +95,7 @@ impl Scheduler {
                 id: grant.id,
                 streaming: Some(Streaming::new(grant)),
                 aborted: false,
+                reported_at: None,
                 window: order.window,
             },
             prefill: None,
@@ -220,6 +222,61 @@ impl Scheduler {
                 )
             }
         }
+    }
+
+    /// Prefill role: tells each order's decode worker, at least every
+    /// [`EngineConfig::progress_interval`], that the order is still held —
+    /// queued, or this many prompt tokens computed — so its silence
+    /// deadline measures this worker's life, not the prompt's length.
+    ///
+    /// [`EngineConfig::progress_interval`]: crate::config::EngineConfig::progress_interval
+    pub(super) fn report_progress(&mut self, now: Instant) {
+        if self.role != Role::Prefill {
+            return;
+        }
+        let interval = self.config.progress_interval();
+        let mut reports = Vec::new();
+        let queued = self.waiting.iter_mut().map(|pending| (pending, 0));
+        let running = self.active.iter_mut().map(|a| (&mut a.pending, a.written));
+        for (pending, computed) in queued.chain(running) {
+            if let Origin::Handoff {
+                peer,
+                streaming: Some(streaming),
+                aborted: false,
+                reported_at,
+                ..
+            } = &mut pending.origin
+                && reported_at.is_none_or(|at| now >= at + interval)
+            {
+                *reported_at = Some(now);
+                reports.push((*peer, streaming.progress(computed)));
+            }
+        }
+        for (peer, report) in reports {
+            self.to_peer(peer, &report);
+        }
+    }
+
+    /// Prefill role: when the next progress report falls due (orders never
+    /// reported are due at the next poll, which follows their arrival).
+    pub(super) fn next_progress_report(&self) -> Option<Instant> {
+        if self.role != Role::Prefill {
+            return None;
+        }
+        let interval = self.config.progress_interval();
+        self.waiting
+            .iter()
+            .chain(self.active.iter().map(|a| &a.pending))
+            .filter_map(|pending| match &pending.origin {
+                Origin::Handoff {
+                    streaming: Some(_),
+                    aborted: false,
+                    reported_at: Some(at),
+                    ..
+                } => Some(*at + interval),
+                _ => None,
+            })
+            .min()
     }
 
     /// The link `peer` is gone: its orders are dropped at the next step.

@@ -64,3 +64,31 @@ async fn i4_pages_of_a_writer_that_never_acks_stay_quarantined_and_visible() {
             > 0.0
     );
 }
+
+/// The default mode's hand-off deadline measures the prefill worker's
+/// silence, not the prompt's length: every KV chunk takes 150 ms to leave
+/// (nine of them, well past a 400 ms timeout in all), yet each one shows
+/// the worker alive, so the answer is whole and the same as colocated.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transfer_longer_than_the_handoff_timeout_completes_while_chunks_keep_coming() {
+    let body = json!({"prompt": "the fault matrix ".repeat(8), "max_tokens": 6,
+                      "temperature": 0.0, "ignore_eos": true});
+    let reference = Server::start(&["--mode", "colocated"]);
+    let (status, expected) =
+        crate::common::post(&reference.url("/v1/completions"), None, body.clone()).await;
+    assert_eq!(status, 200, "{expected}");
+    let slow = Server::start_with_env(
+        &["--handoff-timeout-ms", "400"],
+        &[("FAILPOINTS", "handoff-mid-chunk=sleep(150)")],
+    );
+    let started = std::time::Instant::now();
+    let (status, answer) = crate::common::post(&slow.url("/v1/completions"), None, body).await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        started.elapsed() > Duration::from_millis(800),
+        "the transfer really outlasted the timeout ({:?})",
+        started.elapsed()
+    );
+    assert_eq!(answer["choices"][0]["text"], expected["choices"][0]["text"]);
+    slow.wait_for_baseline().await;
+}

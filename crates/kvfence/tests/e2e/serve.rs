@@ -326,6 +326,52 @@ async fn tenant_limits_give_429_for_concurrency_and_400_for_max_tokens() {
     server.wait_for_baseline().await;
 }
 
+/// I11: a tenant's limit counts sequences — `n` choices of each prompt —
+/// not HTTP requests, so `n` and prompt batches cannot multiply its share:
+/// more than the limit can ever hold is a 400 naming `n`, more than it
+/// holds now a 429, and the tenants file carries the weight `tenant add`
+/// was given.
+#[tokio::test(flavor = "multi_thread")]
+async fn tenant_limits_count_sequences_not_requests() {
+    let (key, lines) = tenant("seq", &["--max-concurrent", "3", "--weight", "2"]);
+    assert!(lines.contains("weight = 2"), "{lines}");
+    let file = tenants_file(&[lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let url = server.url("/v1/completions");
+    let (status, body) = post(
+        &url,
+        Some(&key),
+        json!({"prompt": ["one", "two"], "n": 2, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("n")),
+        "{body}"
+    );
+    let long = reqwest::Client::new()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&json!({"prompt": "go", "n": 2, "max_tokens": 3000, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200);
+    // Two of three slots are taken: two more sequences do not fit now,
+    // one does.
+    let (status, body) = post(
+        &url,
+        Some(&key),
+        json!({"prompt": "x", "n": 2, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 429, "{body}");
+    let (status, body) = post(&url, Some(&key), json!({"prompt": "x", "max_tokens": 2})).await;
+    assert_eq!(status, 200, "{body}");
+    drop(long);
+    server.wait_for_baseline().await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn i10_prompt_text_never_reaches_logs_metrics_or_error_messages() {
     let server = Server::start(&[]);
