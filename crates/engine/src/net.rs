@@ -274,6 +274,7 @@ pub(crate) fn accept(
     let acceptor = tokio_rustls::TlsAcceptor::from(credentials.server_config());
     let (links_tx, links_rx) = mpsc::channel();
     let handshaking = Arc::new(Handshaking::default());
+    let refusals = Arc::new(Refusals::new(REFUSAL_LOG_EVERY));
     let open = Arc::new(AtomicUsize::new(0));
     let rt = runtime();
     let listener = {
@@ -292,6 +293,7 @@ pub(crate) fn accept(
             };
             let (acceptor, links_tx) = (acceptor.clone(), links_tx.clone());
             let (registry, open) = (Arc::clone(&handshaking), Arc::clone(&open));
+            let refusals = Arc::clone(&refusals);
             let task = tokio::spawn(async move {
                 let result = tokio::time::timeout(limits.handshake_timeout, async {
                     let _ = tcp.set_nodelay(true);
@@ -302,18 +304,24 @@ pub(crate) fn accept(
                 let stream = match result {
                     Ok(Ok(stream)) => stream,
                     Ok(Err(error)) => {
-                        warn!(%address, %error, "refused a connection: TLS handshake failed");
+                        refusals.note(std::time::Instant::now(), |suppressed| {
+                            warn!(%address, %error, suppressed, "refused a connection: TLS handshake failed");
+                        });
                         return;
                     }
                     Err(_) => {
-                        warn!(%address, "refused a connection: no TLS handshake in time");
+                        refusals.note(std::time::Instant::now(), |suppressed| {
+                            warn!(%address, suppressed, "refused a connection: no TLS handshake in time");
+                        });
                         return;
                     }
                 };
                 let role = match peer_role(stream.get_ref().1.peer_certificates(), allowed) {
                     Ok(role) => role,
                     Err(error) => {
-                        warn!(%address, %error, "refused a connection");
+                        refusals.note(std::time::Instant::now(), |suppressed| {
+                            warn!(%address, %error, suppressed, "refused a connection");
+                        });
                         return;
                     }
                 };
@@ -342,6 +350,51 @@ pub(crate) fn accept(
         }
     });
     Ok(links_rx)
+}
+
+/// How often a listener logs a refused connection at most: a stranger
+/// hammering a worker port costs the log one line a second, with a count.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// Refused connections, logged at a bounded rate: the first refusal in each
+/// period is logged with how many were refused unlogged before it.
+struct Refusals {
+    every: Duration,
+    state: std::sync::Mutex<RefusalLog>,
+}
+
+struct RefusalLog {
+    last: Option<std::time::Instant>,
+    suppressed: u64,
+}
+
+impl Refusals {
+    fn new(every: Duration) -> Refusals {
+        Refusals {
+            every,
+            state: std::sync::Mutex::new(RefusalLog {
+                last: None,
+                suppressed: 0,
+            }),
+        }
+    }
+
+    /// One refusal at `now`: calls `log` with the count of refusals left
+    /// unlogged since the last line, if a line is due; else counts it.
+    fn note(&self, now: std::time::Instant, log: impl FnOnce(u64)) {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if state.last.is_some_and(|last| now < last + self.every) {
+            state.suppressed += 1;
+            return;
+        }
+        let suppressed = std::mem::take(&mut state.suppressed);
+        state.last = Some(now);
+        drop(state);
+        log(suppressed);
+    }
 }
 
 /// Connections in a TLS handshake, oldest first.
@@ -434,6 +487,20 @@ mod tests {
         assert_eq!(client.rx.recv().unwrap().len(), 100_000);
         drop(client);
         assert!(server.rx.recv().is_err(), "the link's end is seen");
+    }
+
+    #[test]
+    fn refusals_are_logged_once_a_period_with_a_count_of_the_rest() {
+        let refusals = Refusals::new(Duration::from_secs(1));
+        let start = std::time::Instant::now();
+        let mut lines = Vec::new();
+        // 10,000 refusals over 3 s: one line a second, each counting the
+        // refusals it stood for.
+        for i in 0..10_000u64 {
+            let at = start + Duration::from_micros(i * 300);
+            refusals.note(at, |suppressed| lines.push(suppressed));
+        }
+        assert_eq!(lines, vec![0, 3_333, 3_333]);
     }
 
     #[test]

@@ -209,9 +209,15 @@ pub(crate) struct HttpArgs {
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
-    /// HTTP connections served at once; past it, new ones wait to be accepted.
+    /// Authenticated HTTP connections open at once; past it, a connection
+    /// whose request authenticates gets 503 and is closed.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
+    /// HTTP connections open at once that have not yet sent an
+    /// authenticated request; past it the oldest of them is closed, so idle
+    /// sockets cannot keep a tenant out.
+    #[arg(long, default_value_t = 256)]
+    max_unauthenticated_connections: usize,
     /// Milliseconds a client has to send a request's headers (also the idle
     /// limit of a kept-alive connection); slower connections are closed.
     #[arg(long, default_value_t = 10_000)]
@@ -276,11 +282,15 @@ impl HttpArgs {
 
     fn limits(&self) -> anyhow::Result<kvfence_server::ConnectionLimits> {
         anyhow::ensure!(
-            self.max_connections > 0 && self.header_timeout_ms > 0 && self.body_timeout_ms > 0,
-            "--max-connections, --header-timeout-ms and --body-timeout-ms must be positive"
+            self.max_connections > 0
+                && self.max_unauthenticated_connections > 0
+                && self.header_timeout_ms > 0
+                && self.body_timeout_ms > 0,
+            "--max-connections, --max-unauthenticated-connections, --header-timeout-ms and --body-timeout-ms must be positive"
         );
         Ok(kvfence_server::ConnectionLimits {
             max_connections: self.max_connections,
+            max_strangers: self.max_unauthenticated_connections,
             header_timeout: Duration::from_millis(self.header_timeout_ms),
             body_timeout: Duration::from_millis(self.body_timeout_ms),
             max_body_bytes: self.max_body_bytes,

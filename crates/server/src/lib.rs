@@ -4,6 +4,7 @@
 //! request text kept out of logs, metrics and errors (I10).
 
 mod admission;
+mod connections;
 mod error;
 mod metrics;
 mod openai;
@@ -24,6 +25,7 @@ use kvfence_model::{Grammars, TextModel};
 use tokio::net::TcpListener;
 
 pub use admission::Capacity;
+pub use connections::Ticket;
 pub use error::{ApiError, ErrorType, ServerError};
 pub use metrics::Metrics;
 pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse, SHARED_FIELDS};
@@ -251,8 +253,12 @@ pub async fn serve_metrics(listener: TcpListener, state: Arc<AppState>) -> std::
 /// What one HTTP connection may cost before it has said who it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
-    /// Connections served at once; past it, accepting waits.
+    /// Authenticated connections open at once; past it a connection whose
+    /// request authenticates is answered 503 and closed.
     pub max_connections: usize,
+    /// Connections that have not authenticated yet, open at once; past it
+    /// the oldest of them is closed to make room (I11).
+    pub max_strangers: usize,
     /// A request's headers must arrive within this (including the wait for
     /// the next request on a kept-alive connection).
     pub header_timeout: Duration,
@@ -267,6 +273,7 @@ impl Default for ConnectionLimits {
     fn default() -> Self {
         ConnectionLimits {
             max_connections: 1024,
+            max_strangers: 256,
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
             max_body_bytes: 2 << 20,
@@ -279,9 +286,11 @@ impl Default for ConnectionLimits {
 /// fails what is left, so every client still gets an answer (an error).
 ///
 /// Connections are bounded ([`ConnectionLimits`]): at most
-/// `max_connections` at once, and headers that do not arrive within
-/// `header_timeout` close the connection, so a stranger holding sockets
-/// open costs a bounded amount for a bounded time.
+/// `max_strangers` that have not authenticated (the oldest closed past
+/// that) and `max_connections` that have, and headers that do not arrive
+/// within `header_timeout` close the connection, so a stranger holding
+/// sockets open costs a bounded amount for a bounded time, and cannot keep
+/// a tenant's new connection out.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
@@ -291,16 +300,10 @@ pub async fn serve(
     use hyper_util::rt::{TokioIo, TokioTimer};
     let limits = state.limits;
     let app = router(Arc::clone(&state));
-    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let connections = connections::Connections::new(limits.max_strangers, limits.max_connections);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
-    loop {
-        let slot = tokio::select! {
-            slot = Arc::clone(&slots).acquire_owned() => {
-                slot.expect("the connection semaphore is never closed")
-            }
-            () = &mut shutdown => break,
-        };
+    for serial in 0u64.. {
         let tcp = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((tcp, _)) => tcp,
@@ -314,16 +317,33 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let _ = tcp.set_nodelay(true);
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        // Every request on the connection carries its ticket: the first
+        // that authenticates makes the connection known.
+        let ticket = Ticket::new(serial, Arc::clone(&connections));
+        let app = app.clone();
+        let service = hyper::service::service_fn(
+            move |mut request: hyper::Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(ticket.clone());
+                tower_service::Service::call(&mut app.clone(), request)
+            },
+        );
         let connection = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
             .serve_connection(TokioIo::new(tcp), service);
         let connection = graceful.watch(connection);
-        tokio::spawn(async move {
+        let registry = Arc::clone(&connections);
+        let task = tokio::spawn(async move {
             let _ = connection.await;
-            drop(slot);
+            registry.closed(serial);
         });
+        if let Some(oldest) = connections.accepted(serial, task.abort_handle()) {
+            tracing::debug!(
+                max = limits.max_strangers,
+                "too many unauthenticated connections; closed the oldest"
+            );
+            oldest.abort();
+        }
     }
     drop(listener);
     let drained = graceful.shutdown();

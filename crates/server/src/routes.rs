@@ -9,12 +9,12 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::Json;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use futures_util::stream::{self, Stream, StreamExt};
 use kvfence_engine::{
     CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Share, Usage,
@@ -25,6 +25,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, info};
 
 use crate::AppState;
+use crate::connections::Ticket;
 use crate::error::{ApiError, ErrorType};
 use crate::openai::{
     CHAT_FIELDS, COMPLETION_FIELDS, ChatFields, CommonParams, CompletionFields, MAX_CHOICES,
@@ -346,26 +347,33 @@ pub async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Respons
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    handle(state, headers, body, Endpoint::Chat).await
+pub async fn chat(
+    State(state): State<Arc<AppState>>,
+    ticket: Option<Extension<Ticket>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(state, ticket, headers, body, Endpoint::Chat).await
 }
 
 /// `POST /v1/responses`.
 pub async fn responses(
     State(state): State<Arc<AppState>>,
+    ticket: Option<Extension<Ticket>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(state, headers, body, Endpoint::Responses).await
+    handle(state, ticket, headers, body, Endpoint::Responses).await
 }
 
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<Arc<AppState>>,
+    ticket: Option<Extension<Ticket>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(state, headers, body, Endpoint::Completions).await
+    handle(state, ticket, headers, body, Endpoint::Completions).await
 }
 
 /// Reads a request's body, bounded in size and in time. Called only once
@@ -444,6 +452,7 @@ async fn prepare_off_runtime(
 
 async fn handle(
     state: Arc<AppState>,
+    ticket: Option<Extension<Ticket>>,
     headers: HeaderMap,
     body: Body,
     endpoint: Endpoint,
@@ -455,6 +464,13 @@ async fn handle(
         Ok(tenant) => tenant,
         Err(error) => return refuse_unread(&state, "-", endpoint, error, body),
     };
+    // The connection is known from now on: no stranger's socket can close
+    // it to make room (I11). (Routers built without `serve` carry none.)
+    if let Some(Extension(ticket)) = &ticket
+        && let Err(error) = ticket.authenticated()
+    {
+        return refuse_unread(&state, &tenant.name, endpoint, error, body);
+    }
     // The tenant's slot before any work: a tenant at its limit costs no
     // body, no template and no tokenizer.
     let mut permit = match tenant.admit() {

@@ -159,3 +159,38 @@ async fn a_tenant_at_its_limit_is_refused_before_any_tokenizing() {
     .await;
     assert_eq!(status, 200, "slots come back");
 }
+
+/// I11: a stranger's idle sockets cannot keep a tenant out. 1,100 of them
+/// stay open (headers never sent, far longer than the test) against a
+/// server whose connection slots number 1,024: unauthenticated ones are
+/// bounded on their own and the oldest is closed to make room, so the
+/// tenant's new connection is served long before any header deadline
+/// would have freed a slot.
+#[tokio::test(flavor = "multi_thread")]
+async fn i11_a_strangers_idle_sockets_do_not_keep_a_tenant_out() {
+    let (server, key, _file) = tenant_server(&["--header-timeout-ms", "60000"]);
+    let address = server.base.trim_start_matches("http://").to_string();
+    let mut strangers = Vec::new();
+    for _ in 0..1_100 {
+        strangers.push(TcpStream::connect(&address).unwrap());
+    }
+    let url = server.url("/v1/completions");
+    let answer = tokio::time::timeout(
+        Duration::from_secs(20),
+        post(
+            &url,
+            Some(&key),
+            json!({"prompt": "hello", "max_tokens": 2}),
+        ),
+    )
+    .await
+    .expect("the tenant was kept out by idle sockets");
+    assert_eq!(answer.0, 200, "{}", answer.1);
+    // The server closed all but its bound of them.
+    let mut open = 0;
+    for stranger in &mut strangers {
+        open += usize::from(!closed_within(stranger, Duration::from_millis(1)).0);
+    }
+    assert!(open <= 256, "{open} idle strangers still open");
+    drop(strangers);
+}
