@@ -276,11 +276,18 @@ fn inconclusive(check: &'static str, error: &AuditError) -> CheckResult {
 
 /// `len` token ids that every vocabulary has, varied by `seed`.
 fn token_prompt(len: usize, seed: u64) -> Value {
-    json!(
-        (0..len)
-            .map(|i| 10 + (i as u64 * 7 + seed * 13) % 90)
-            .collect::<Vec<_>>()
-    )
+    json!(token_ids(len, seed))
+}
+
+/// `len` token ids in 10..100, a sequence of its own for every `seed`:
+/// prompts made from different seeds share no prefix beyond chance (the
+/// prefix-cache check relies on it — a tenant's "fresh" prompt that
+/// repeated one of its own earlier prompts would be a legitimate hit the
+/// check counts against the server).
+fn token_ids(len: usize, seed: u64) -> Vec<u64> {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..len).map(|_| rng.random_range(10..100)).collect()
 }
 
 /// Runs every check within the budget. `progress` hears one line per step.
@@ -885,6 +892,18 @@ fn fail_closed_check(client: &Client) -> CheckResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prompts_of_different_seeds_share_no_prefix() {
+        // The prefix-cache check sends a tenant prompts of fresh seeds and
+        // counts any cache hit on them against the server: two seeds whose
+        // prompts began alike would be a false failure.
+        let heads: std::collections::HashSet<Vec<u64>> =
+            (0..2_000).map(|seed| token_ids(8, seed)).collect();
+        assert_eq!(heads.len(), 2_000);
+        assert_eq!(token_ids(64, 7), token_ids(64, 7), "a seed is a prompt");
+        assert!(token_ids(64, 7).iter().all(|t| (10..100).contains(t)));
+    }
 
     #[test]
     fn the_mann_whitney_test_tells_a_faster_sample_from_an_equal_one() {

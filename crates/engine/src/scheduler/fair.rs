@@ -17,6 +17,12 @@
 //! one token per running request and always run; they are charged to their
 //! tenants' virtual times like prefill tokens.
 //!
+//! Pages are shared too: while a worker knows more than one tenant, no
+//! tenant is admitted more once it holds [`MAX_POOL_SHARE`] of a pool, so
+//! another tenant's request always finds room without waiting for the
+//! first tenant's requests to end (a tenant holding nothing is admitted
+//! whatever its request's size: nothing starves).
+//!
 //! The queue is bounded by the engine's `max_queue` before anything is
 //! pushed; the ledger keeps one entry per tenant this worker has seen.
 
@@ -24,6 +30,11 @@ use std::collections::{BTreeMap, VecDeque};
 
 use super::Pending;
 use crate::request::Share;
+
+/// The share of a pool's tokens one tenant may hold before it is admitted
+/// no more, while the worker knows other tenants: the rest is room another
+/// tenant's request finds at once. (Numerator, denominator.)
+pub(crate) const MAX_POOL_SHARE: (usize, usize) = (3, 4);
 
 /// Virtual time of one token at weight 1. Weights divide it; 2^32 keeps
 /// every weight up to [`Share::MAX_WEIGHT`] exact to a millionth of a token.
@@ -118,10 +129,12 @@ impl FairQueue {
     }
 
     /// The tenant whose request is admitted next: the lowest virtual time
-    /// among tenants with requests waiting, the oldest request on a tie.
-    fn next_tenant(&self) -> Option<&str> {
+    /// among tenants with requests waiting that `eligible` allows, the
+    /// oldest request on a tie.
+    fn next_tenant(&self, eligible: impl Fn(&str) -> bool) -> Option<&str> {
         self.tenants
             .iter()
+            .filter(|(name, _)| eligible(name))
             .filter_map(|(name, ledger)| {
                 let (stamp, _) = ledger.waiting.front()?;
                 Some(((ledger.vtime, *stamp), name.as_str()))
@@ -130,15 +143,22 @@ impl FairQueue {
             .map(|(_, name)| name)
     }
 
-    /// The request admitted next, if any waits.
-    pub(crate) fn front(&self) -> Option<&Pending> {
-        let tenant = self.next_tenant()?;
+    /// The request admitted next among the tenants `eligible` allows, if
+    /// any waits.
+    pub(crate) fn front(&self, eligible: impl Fn(&str) -> bool) -> Option<&Pending> {
+        let tenant = self.next_tenant(eligible)?;
         self.tenants[tenant].waiting.front().map(|(_, p)| p)
     }
 
-    /// Takes the request [`FairQueue::front`] shows.
-    pub(crate) fn pop_front(&mut self) -> Option<Pending> {
-        let tenant = self.next_tenant()?.to_string();
+    /// Tenants with a name this worker has seen (work of no tenant, such
+    /// as the engine's own start-up requests, is not one).
+    pub(crate) fn named_tenants(&self) -> usize {
+        self.tenants.keys().filter(|name| !name.is_empty()).count()
+    }
+
+    /// Takes the request [`FairQueue::front`] shows for the same `eligible`.
+    pub(crate) fn pop_front(&mut self, eligible: impl Fn(&str) -> bool) -> Option<Pending> {
+        let tenant = self.next_tenant(eligible)?.to_string();
         let (_, pending) = self
             .tenants
             .get_mut(&tenant)

@@ -215,3 +215,32 @@ fn i11_an_idle_tenant_banks_no_credit() {
     let b = first_six.iter().filter(|t| **t == "b").count();
     assert!((2..=4).contains(&b), "{first_six:?}");
 }
+
+#[test]
+fn i11_a_tenant_cannot_fill_the_pool_while_the_worker_knows_another() {
+    let mut w = worker(4_096, 64, 64);
+    // b has used this worker before: it is a tenant the worker knows.
+    let mut earlier = [w.submit(request("b", 1, 98, 20))];
+    w.run_until_ended(&mut earlier);
+    // a's eight long requests would hold all but a few of the pool's 256
+    // pages for 200 decode steps; it is admitted up to three quarters of
+    // the pool and the rest of its requests wait.
+    let mut flood: Vec<Tracked> = (0..8)
+        .map(|i| {
+            w.submit(GenerationRequest {
+                max_tokens: 200,
+                ..request("a", 1, i, 500)
+            })
+        })
+        .collect();
+    w.step(&mut flood);
+    let arrived = w.steps;
+    // b's 300-token prompt finds room at once, and shares the steps.
+    let mut victim = [w.submit(request("b", 1, 99, 300))];
+    w.run_until_ended(&mut victim);
+    let waited = victim[0].ended_at.unwrap() - arrived;
+    // Without the cap it would wait for a's first request to end (200
+    // steps at least).
+    assert!(waited <= 12, "the victim's prompt took {waited} steps");
+    w.run_until_ended(&mut flood);
+}

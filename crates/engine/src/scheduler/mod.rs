@@ -810,6 +810,32 @@ impl Scheduler {
         self.pool.stats().available_pages() >= pages + self.active.len()
     }
 
+    /// Tenants admitted no more for now: they hold
+    /// [`fair::MAX_POOL_SHARE`] of this worker's pool while it knows other
+    /// tenants (I11). Held pages count by capacity; a grant awaiting its
+    /// hand-off by its prompt.
+    fn tenants_at_their_cap(&self) -> BTreeSet<String> {
+        if self.waiting.named_tenants() < 2 {
+            return BTreeSet::new();
+        }
+        let mut held: BTreeMap<&str, usize> = BTreeMap::new();
+        for a in &self.active {
+            let tokens = match &a.kv {
+                Kv::Held(lease) => lease.capacity_tokens(),
+                Kv::Awaited(_) => a.pending.request.prompt.len(),
+            };
+            *held
+                .entry(a.pending.request.share.tenant.as_str())
+                .or_default() += tokens;
+        }
+        let (num, den) = fair::MAX_POOL_SHARE;
+        let cap = self.pool.capacity_tokens() * num / den;
+        held.into_iter()
+            .filter(|&(_, tokens)| tokens >= cap)
+            .map(|(tenant, _)| tenant.to_string())
+            .collect()
+    }
+
     fn admit(&mut self, now: Instant) {
         // Incident replay (l): cached tokens read off the pool-wide counter
         // across an admission pass, other tenants' hits included.
@@ -817,11 +843,13 @@ impl Scheduler {
             .active()
             .then(|| self.pool.stats().cache_hit_tokens);
         while self.active.len() < self.config.max_running {
-            let Some(pending) = self.waiting.front() else {
+            let capped = self.tenants_at_their_cap();
+            let eligible = |tenant: &str| !capped.contains(tenant);
+            let Some(pending) = self.waiting.front(eligible) else {
                 break;
             };
             if let Some(message) = self.can_never_fit(pending) {
-                let pending = self.waiting.pop_front().expect("the front exists");
+                let pending = self.waiting.pop_front(eligible).expect("the front exists");
                 self.counters.queued.fetch_sub(1, Ordering::AcqRel);
                 self.refuse(&pending, FailureKind::TooLong, message);
                 continue;
@@ -837,7 +865,7 @@ impl Scheduler {
                 match self.choose_prefill(pending) {
                     Ok(peer) => Some(peer),
                     Err((kind, message)) => {
-                        let pending = self.waiting.pop_front().expect("the front exists");
+                        let pending = self.waiting.pop_front(eligible).expect("the front exists");
                         self.counters.queued.fetch_sub(1, Ordering::AcqRel);
                         self.refuse(&pending, kind, message);
                         continue;
@@ -851,13 +879,13 @@ impl Scheduler {
                 // Pages will come back as running requests end; keep order.
                 Err(PoolError::Exhausted { .. }) => break,
                 Err(error) => {
-                    let pending = self.waiting.pop_front().expect("the front exists");
+                    let pending = self.waiting.pop_front(eligible).expect("the front exists");
                     self.counters.queued.fetch_sub(1, Ordering::AcqRel);
                     self.refuse(&pending, FailureKind::TooLong, error.to_string());
                     continue;
                 }
             };
-            let mut pending = self.waiting.pop_front().expect("the front exists");
+            let mut pending = self.waiting.pop_front(eligible).expect("the front exists");
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
             self.admissions += 1;
             let admitted = self.admissions;
