@@ -20,6 +20,9 @@ pub struct EngineConfig {
     /// but never finishes still fails within
     /// [`EngineConfig::handoff_deadline`].
     pub handoff_time_per_token: std::time::Duration,
+    /// How long a client's request may wait in the queue for pages or a
+    /// slot before it is refused as unavailable (503), having cost nothing.
+    pub max_queue_wait: std::time::Duration,
 }
 
 impl EngineConfig {
@@ -49,6 +52,7 @@ impl Default for EngineConfig {
             // 20 prompt tokens a second at least, queueing included: far
             // below what a busy CPU prefills.
             handoff_time_per_token: std::time::Duration::from_millis(50),
+            max_queue_wait: std::time::Duration::from_secs(300),
         }
     }
 }

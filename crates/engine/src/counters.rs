@@ -23,6 +23,8 @@ pub(crate) struct Counters {
     /// Hand-off messages from a link their grant was not sent to, dropped
     /// before the receiver saw them.
     pub(crate) handoff_misrouted: AtomicU64,
+    /// Requests refused for waiting past `max_queue_wait`.
+    pub(crate) queue_timeouts: AtomicU64,
 }
 
 impl Counters {
@@ -42,6 +44,7 @@ impl Counters {
             handoff_stale_messages: self.handoff_stale_messages.load(Ordering::Relaxed),
             handoff_checksum_failures: self.handoff_checksum_failures.load(Ordering::Relaxed),
             handoff_bytes: self.handoff_bytes.load(Ordering::Relaxed),
+            queue_timeouts: self.queue_timeouts.load(Ordering::Relaxed),
         }
     }
 
@@ -94,6 +97,9 @@ pub struct EngineStats {
     pub handoff_checksum_failures: u64,
     /// KV bytes received through hand-offs.
     pub handoff_bytes: u64,
+    /// Requests refused for waiting in the queue past `max_queue_wait`.
+    #[serde(default)]
+    pub queue_timeouts: u64,
 }
 
 /// One worker's pools and counters at one moment, named for metrics.

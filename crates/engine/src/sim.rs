@@ -277,6 +277,8 @@ impl World {
             step_tokens: [16, 48][rng.random_range(0..2)],
             handoff_timeout: HANDOFF_TIMEOUT,
             handoff_time_per_token: STEP,
+            // Past the run's end: no request waits long enough to expire.
+            max_queue_wait: DEADLINE * 2,
         };
         let node = |role, tokens, config| Node {
             role,
@@ -904,6 +906,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
         step_tokens: 16,
         handoff_timeout: HANDOFF_TIMEOUT,
         handoff_time_per_token: STEP,
+        max_queue_wait: DEADLINE * 2,
     };
     let (_inbox_tx, inbox) = mpsc::channel();
     let mut prefill = Scheduler::new(

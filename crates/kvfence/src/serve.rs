@@ -111,6 +111,11 @@ pub(crate) struct EngineArgs {
     /// of N prompt tokens fails after timeout + N × this.
     #[arg(long, default_value_t = 50)]
     pub(crate) handoff_ms_per_token: u64,
+    /// Milliseconds a request may wait in a worker's queue for pages or a
+    /// slot before it is refused with 503 (and Retry-After), having cost
+    /// nothing; its tenant's fair share decides how soon it is admitted.
+    #[arg(long, default_value_t = 300_000)]
+    pub(crate) max_queue_wait_ms: u64,
     /// Reuse the KV of prompt prefixes already computed, within a tenant
     /// (its API key) and `cache_salt` only: full pages of a prompt are
     /// sealed and shared read-only with that tenant's later requests, and
@@ -144,6 +149,7 @@ impl EngineArgs {
             step_tokens: self.step_tokens,
             handoff_timeout: Duration::from_millis(self.handoff_timeout_ms),
             handoff_time_per_token: Duration::from_millis(self.handoff_ms_per_token),
+            max_queue_wait: Duration::from_millis(self.max_queue_wait_ms),
         })
     }
 

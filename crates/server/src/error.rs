@@ -164,9 +164,27 @@ impl ApiError {
     }
 }
 
+/// Seconds a client is told to wait before retrying a 429 or a 503: the
+/// conditions behind them (a tenant's slots, a full queue, a busy or
+/// unreachable worker) clear in about that time.
+const RETRY_AFTER_SECONDS: &str = "1";
+
 impl IntoResponse for ApiError {
+    /// The envelope, with `Retry-After` on the statuses a retry can cure
+    /// (429, 503), as OpenAI's API and its clients' back-off expect.
     fn into_response(self) -> Response {
-        (self.status(), Json(self.body())).into_response()
+        let retry = matches!(
+            self.status(),
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        );
+        let mut response = (self.status(), Json(self.body())).into_response();
+        if retry {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(RETRY_AFTER_SECONDS),
+            );
+        }
+        response
     }
 }
 
@@ -226,6 +244,22 @@ impl From<EngineError> for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn busy_answers_say_when_to_retry_and_others_do_not() {
+        let retry = |error: ApiError| {
+            error
+                .into_response()
+                .headers()
+                .get(axum::http::header::RETRY_AFTER)
+                .map(|v| v.to_str().unwrap_or_default().to_string())
+        };
+        let busy = ApiError::new(ErrorType::RateLimitError, "queue_full", "full");
+        assert_eq!(retry(busy).as_deref(), Some("1"));
+        let down = ApiError::new(ErrorType::ServiceUnavailable, "worker_unavailable", "x");
+        assert_eq!(retry(down).as_deref(), Some("1"));
+        assert_eq!(retry(ApiError::invalid("n", "too many")), None);
+    }
 
     /// The same failure gets the same status in one process and behind a
     /// router: a local engine's own internal error and a remote worker's

@@ -83,7 +83,7 @@ const WORKER_GAUGES: [GaugeOf; 2] = [
     }),
 ];
 
-const WORKER_COUNTERS: [CounterOf; 16] = [
+const WORKER_COUNTERS: [CounterOf; 17] = [
     (
         "handoff_stale_writes",
         "KV writes and hand-off messages refused for a stale generation or epoch (I3).",
@@ -124,6 +124,11 @@ const WORKER_COUNTERS: [CounterOf; 16] = [
         "requests_preempted",
         "Running requests that gave their pages back when the pool ran out and were recomputed from their cached prefix later (never failed).",
         |w| w.engine.preempted,
+    ),
+    (
+        "requests_queue_timed_out",
+        "Requests refused (503) after waiting in a worker's queue past --max-queue-wait-ms.",
+        |w| w.engine.queue_timeouts,
     ),
     (
         "requests_cancelled",

@@ -198,6 +198,20 @@ impl FairQueue {
         before - self.len
     }
 
+    /// Takes out the requests `expired` says yes to, oldest first.
+    pub(crate) fn take_where(&mut self, mut expired: impl FnMut(&Pending) -> bool) -> Vec<Pending> {
+        let mut taken: Vec<(u64, Pending)> = Vec::new();
+        for ledger in self.tenants.values_mut() {
+            let (gone, kept): (VecDeque<_>, VecDeque<_>) =
+                ledger.waiting.drain(..).partition(|(_, p)| expired(p));
+            ledger.waiting = kept;
+            taken.extend(gone);
+        }
+        self.len -= taken.len();
+        taken.sort_unstable_by_key(|(stamp, _)| *stamp);
+        taken.into_iter().map(|(_, p)| p).collect()
+    }
+
     /// Empties the queue, oldest first.
     pub(crate) fn take_all(&mut self) -> Vec<Pending> {
         let mut all: Vec<(u64, Pending)> = self

@@ -7,7 +7,7 @@
 
 use std::sync::mpsc;
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
@@ -15,7 +15,7 @@ use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 use super::{Command, Pending, Role, Scheduler};
 use crate::config::EngineConfig;
 use crate::counters::Counters;
-use crate::request::{Event, GenerationRequest, RequestHandle, Share};
+use crate::request::{Event, FailureKind, GenerationRequest, RequestHandle, Share};
 
 fn model() -> Arc<LoadedModel> {
     static MODEL: OnceLock<Arc<LoadedModel>> = OnceLock::new();
@@ -32,6 +32,17 @@ struct Worker {
 /// A colocated worker over a pool of `tokens`, taking `step_tokens` a step
 /// and running `max_running` requests at once.
 fn worker(tokens: usize, step_tokens: usize, max_running: usize) -> Worker {
+    worker_with(
+        tokens,
+        EngineConfig {
+            step_tokens,
+            max_running,
+            ..EngineConfig::default()
+        },
+    )
+}
+
+fn worker_with(tokens: usize, config: EngineConfig) -> Worker {
     let model = model();
     let spec = PoolSpec::new(
         model.model.kv_shape(),
@@ -41,11 +52,6 @@ fn worker(tokens: usize, step_tokens: usize, max_running: usize) -> Worker {
     )
     .with_scrub(Scrub::Poison);
     let (inbox_tx, inbox) = mpsc::channel();
-    let config = EngineConfig {
-        step_tokens,
-        max_running,
-        ..EngineConfig::default()
-    };
     let scheduler = Scheduler::new(
         Role::Colocated,
         model,
@@ -243,4 +249,46 @@ fn i11_a_tenant_cannot_fill_the_pool_while_the_worker_knows_another() {
     // steps at least).
     assert!(waited <= 12, "the victim's prompt took {waited} steps");
     w.run_until_ended(&mut flood);
+}
+
+#[test]
+fn a_request_waiting_past_the_queue_deadline_is_refused_as_unavailable() {
+    let mut w = worker_with(
+        4_096,
+        EngineConfig {
+            max_running: 1,
+            max_queue_wait: Duration::from_millis(100),
+            ..EngineConfig::default()
+        },
+    );
+    // One slot: a's long request holds it for 60 steps, b's waits.
+    let running = w.submit(GenerationRequest {
+        max_tokens: 60,
+        ..request("a", 1, 1, 16)
+    });
+    let mut waiting = w.submit(request("b", 1, 2, 16));
+    let start = Instant::now();
+    let mut b_end = None;
+    for i in 0..60u32 {
+        w.scheduler.poll(start + Duration::from_millis(10) * i);
+        while let Ok(event) = waiting.handle.try_next() {
+            b_end.get_or_insert((event, i));
+        }
+    }
+    let Some((Event::Failed { kind, message }, at)) = b_end else {
+        panic!("the waiting request was not refused: {b_end:?}")
+    };
+    assert_eq!(kind, FailureKind::Unavailable);
+    assert!(message.contains("waited"), "{message}");
+    // Stamped at the first poll (0 ms), refused at the first poll past 100 ms.
+    assert_eq!(at, 10);
+    // The running request is untouched, and the queue's count is right.
+    assert!(running.ended_at.is_none());
+    assert_eq!(
+        w.scheduler
+            .counters
+            .queue_timeouts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
 }

@@ -241,6 +241,9 @@ pub(crate) struct Pending {
     /// A preempted request's progress, to go on from when it is admitted
     /// again.
     pub(crate) resume: Option<Box<Resume>>,
+    /// When the first poll after its arrival saw it waiting (commands
+    /// carry no clock): its queue deadline counts from here.
+    pub(crate) waiting_since: Option<Instant>,
 }
 
 /// Where a preempted request stopped: everything but its pages.
@@ -269,6 +272,7 @@ impl Pending {
             prefill,
             moved: false,
             resume: None,
+            waiting_since: None,
         };
         (pending, handle)
     }
@@ -560,6 +564,7 @@ impl Scheduler {
         self.expire_handoffs(now);
         self.report_progress(now);
         self.drop_cancelled();
+        self.expire_waits(now);
         self.admit(now);
         let stepped = self.has_work();
         if stepped {
@@ -715,6 +720,33 @@ impl Scheduler {
                 .cancelled
                 .fetch_add(dropped as u64, Ordering::Relaxed);
             debug!(dropped, "cancelled requests released");
+        }
+    }
+
+    /// Refuses (503) every client request that has waited in the queue
+    /// longer than `max_queue_wait` without being admitted: it cost nothing
+    /// yet, and its client learns to retry instead of hanging. A request
+    /// that already streamed tokens (preempted) or a prefill worker's order
+    /// (its decode worker keeps the deadlines) is never expired here.
+    fn expire_waits(&mut self, now: Instant) {
+        let limit = self.config.max_queue_wait;
+        for pending in self.waiting.iter_mut() {
+            pending.waiting_since.get_or_insert(now);
+        }
+        let expired = self.waiting.take_where(|p| {
+            matches!(p.origin, Origin::Client { .. })
+                && p.resume.is_none()
+                && p.waiting_since.is_some_and(|since| now >= since + limit)
+        });
+        for pending in expired {
+            self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+            self.counters.queue_timeouts.fetch_add(1, Ordering::Relaxed);
+            debug!(request = %pending.id, "waited past --max-queue-wait; refused");
+            let message = format!(
+                "the request waited {} s in the queue without being admitted; retry later",
+                limit.as_secs_f64()
+            );
+            self.refuse(&pending, FailureKind::Unavailable, message);
         }
     }
 

@@ -101,6 +101,7 @@ impl Scheduler {
             prefill: None,
             moved: false,
             resume: None,
+            waiting_since: None,
         });
     }
 

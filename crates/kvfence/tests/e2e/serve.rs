@@ -372,6 +372,46 @@ async fn tenant_limits_count_sequences_not_requests() {
     server.wait_for_baseline().await;
 }
 
+/// Every wait is bounded: a request that cannot be admitted within
+/// --max-queue-wait-ms is refused with 503 and `Retry-After`, counted in
+/// `/metrics`, and the request holding the slot goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_queued_past_the_wait_limit_gets_503_and_retry_after() {
+    let server = Server::start(&["--max-running", "1", "--max-queue-wait-ms", "300"]);
+    let url = server.url("/v1/completions");
+    let long = reqwest::Client::new()
+        .post(&url)
+        .json(&json!({"prompt": "go", "max_tokens": 3000, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200);
+    let queued = reqwest::Client::new()
+        .post(&url)
+        .json(&json!({"prompt": "wait", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(queued.status(), 503);
+    assert_eq!(queued.headers()["retry-after"], "1");
+    let body: serde_json::Value = queued.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("waited"),
+        "{body}"
+    );
+    assert!(
+        server
+            .metric("kvfence_requests_queue_timed_out_total")
+            .await
+            >= 1.0
+    );
+    drop(long);
+    server.wait_for_baseline().await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn i10_prompt_text_never_reaches_logs_metrics_or_error_messages() {
     let server = Server::start(&[]);
