@@ -20,6 +20,8 @@ mod request;
 mod scheduler;
 #[cfg(test)]
 mod sim;
+#[cfg(test)]
+mod testing;
 mod text;
 
 pub use config::EngineConfig;

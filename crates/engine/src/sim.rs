@@ -62,10 +62,7 @@ const CHAOS: Duration = Duration::from_millis(400);
 /// Everything must have ended by then.
 const DEADLINE: Duration = Duration::from_secs(30);
 
-fn model() -> Arc<LoadedModel> {
-    static MODEL: OnceLock<Arc<LoadedModel>> = OnceLock::new();
-    Arc::clone(MODEL.get_or_init(|| Arc::new(LoadedModel::load("builtin:tiny").unwrap())))
-}
+use crate::testing::tiny_model as model;
 
 /// What a request produces alone on a colocated engine: its text and
 /// completion tokens. Cached across seeds (requests come from a small

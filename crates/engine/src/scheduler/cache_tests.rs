@@ -6,11 +6,11 @@
 // In a test, a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
+use std::sync::Arc;
 use std::sync::mpsc;
-use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_model::{SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
 
 use super::{Command, Pending, Role, Scheduler};
@@ -20,10 +20,7 @@ use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle, Share,
 
 const PAGE: usize = 16;
 
-fn model() -> Arc<LoadedModel> {
-    static MODEL: OnceLock<Arc<LoadedModel>> = OnceLock::new();
-    Arc::clone(MODEL.get_or_init(|| Arc::new(LoadedModel::load("builtin:tiny").unwrap())))
-}
+use crate::testing::tiny_model as model;
 
 /// How the pool under test is built.
 #[derive(Clone, Copy)]

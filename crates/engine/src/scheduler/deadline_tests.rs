@@ -10,12 +10,12 @@
 // In a test, a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_model::{SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 use super::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler};
@@ -27,10 +27,7 @@ const SILENCE: Duration = Duration::from_millis(50);
 /// A 400-token grant's whole life: 50 ms + 400 × 2 ms = 850 ms.
 const PER_TOKEN: Duration = Duration::from_millis(2);
 
-fn model() -> Arc<LoadedModel> {
-    static MODEL: OnceLock<Arc<LoadedModel>> = OnceLock::new();
-    Arc::clone(MODEL.get_or_init(|| Arc::new(LoadedModel::load("builtin:tiny").unwrap())))
-}
+use crate::testing::tiny_model as model;
 
 /// A decode and a prefill scheduler joined by channels, on one virtual
 /// clock; every prefill step takes `step_time`.

@@ -5,11 +5,11 @@
 // In a test, a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
+use std::sync::Arc;
 use std::sync::mpsc;
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_model::{SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 use super::{Command, Pending, Role, Scheduler};
@@ -17,10 +17,7 @@ use crate::config::EngineConfig;
 use crate::counters::Counters;
 use crate::request::{Event, FailureKind, GenerationRequest, RequestHandle, Share};
 
-fn model() -> Arc<LoadedModel> {
-    static MODEL: OnceLock<Arc<LoadedModel>> = OnceLock::new();
-    Arc::clone(MODEL.get_or_init(|| Arc::new(LoadedModel::load("builtin:tiny").unwrap())))
-}
+use crate::testing::tiny_model as model;
 
 struct Worker {
     scheduler: Scheduler,
@@ -131,6 +128,16 @@ impl Worker {
     }
 }
 
+/// How many of the first `count` requests to end were tenant b's.
+fn b_among_first(tracked: &[Tracked], count: usize) -> usize {
+    let mut order: Vec<(usize, &str)> = tracked
+        .iter()
+        .map(|t| (t.ended_at.unwrap(), t.tenant.as_str()))
+        .collect();
+    order.sort_unstable();
+    order.iter().take(count).filter(|(_, t)| *t == "b").count()
+}
+
 #[test]
 fn i11_a_short_prompt_is_not_held_back_by_another_tenants_long_ones() {
     let mut w = worker(16_384, 64, 64);
@@ -185,18 +192,8 @@ fn i11_admission_alternates_between_tenants_when_slots_are_scarce() {
     let mut tracked: Vec<Tracked> = (0..10).map(|i| w.submit(request("a", 1, i, 32))).collect();
     tracked.extend((0..5).map(|i| w.submit(request("b", 1, 50 + i, 32))));
     w.run_until_ended(&mut tracked);
-    let mut order: Vec<(usize, &str)> = tracked
-        .iter()
-        .map(|t| (t.ended_at.unwrap(), t.tenant.as_str()))
-        .collect();
-    order.sort_unstable();
-    let first_ten: Vec<&str> = order.iter().take(10).map(|(_, t)| *t).collect();
     // b arrived behind ten of a's requests, and gets every other slot.
-    assert_eq!(
-        first_ten.iter().filter(|t| **t == "b").count(),
-        5,
-        "{first_ten:?}"
-    );
+    assert_eq!(b_among_first(&tracked, 10), 5);
 }
 
 #[test]
@@ -212,14 +209,8 @@ fn i11_an_idle_tenant_banks_no_credit() {
         .collect();
     tracked.extend((0..6).map(|i| w.submit(request("b", 1, 50 + i, 64))));
     w.run_until_ended(&mut tracked);
-    let mut order: Vec<(usize, &str)> = tracked
-        .iter()
-        .map(|t| (t.ended_at.unwrap(), t.tenant.as_str()))
-        .collect();
-    order.sort_unstable();
-    let first_six: Vec<&str> = order.iter().take(6).map(|(_, t)| *t).collect();
-    let b = first_six.iter().filter(|t| **t == "b").count();
-    assert!((2..=4).contains(&b), "{first_six:?}");
+    let b = b_among_first(&tracked, 6);
+    assert!((2..=4).contains(&b), "b ended {b} of the first six");
 }
 
 #[test]

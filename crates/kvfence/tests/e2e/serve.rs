@@ -281,20 +281,32 @@ async fn malformed_json_and_bad_parameters_get_400_in_the_openai_envelope() {
     );
 }
 
+/// A streamed completion of `n` choices and `max_tokens` each, begun and
+/// left running: it holds its slots until the response is dropped.
+async fn hold_slots(
+    url: &str,
+    key: Option<&str>,
+    n: usize,
+    max_tokens: usize,
+) -> reqwest::Response {
+    let mut request = reqwest::Client::new().post(url).json(
+        &json!({"prompt": "go", "n": n, "max_tokens": max_tokens, "ignore_eos": true, "stream": true}),
+    );
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    response
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn tenant_limits_give_429_for_concurrency_and_400_for_max_tokens() {
     let (key, lines) = tenant("small", &["--max-concurrent", "1", "--max-tokens", "4000"]);
     let file = tenants_file(&[lines]);
     let server = Server::start(&["--config", file.path().to_str().unwrap()]);
     let url = server.url("/v1/completions");
-    let long = reqwest::Client::new()
-        .post(&url)
-        .bearer_auth(&key)
-        .json(&json!({"prompt": "go", "max_tokens": 3500, "ignore_eos": true, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(long.status(), 200);
+    let long = hold_slots(&url, Some(&key), 1, 3500).await;
     let (status, body) = post(
         &url,
         Some(&key),
@@ -349,14 +361,7 @@ async fn tenant_limits_count_sequences_not_requests() {
         (400, Some("n")),
         "{body}"
     );
-    let long = reqwest::Client::new()
-        .post(&url)
-        .bearer_auth(&key)
-        .json(&json!({"prompt": "go", "n": 2, "max_tokens": 3000, "ignore_eos": true, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(long.status(), 200);
+    let long = hold_slots(&url, Some(&key), 2, 3000).await;
     // Two of three slots are taken: two more sequences do not fit now,
     // one does.
     let (status, body) = post(
@@ -379,13 +384,7 @@ async fn tenant_limits_count_sequences_not_requests() {
 async fn a_request_queued_past_the_wait_limit_gets_503_and_retry_after() {
     let server = Server::start(&["--max-running", "1", "--max-queue-wait-ms", "300"]);
     let url = server.url("/v1/completions");
-    let long = reqwest::Client::new()
-        .post(&url)
-        .json(&json!({"prompt": "go", "max_tokens": 3000, "ignore_eos": true, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(long.status(), 200);
+    let long = hold_slots(&url, None, 1, 3000).await;
     let queued = reqwest::Client::new()
         .post(&url)
         .json(&json!({"prompt": "wait", "max_tokens": 2}))
