@@ -283,3 +283,52 @@ fn a_request_waiting_past_the_queue_deadline_is_refused_as_unavailable() {
         1
     );
 }
+
+#[test]
+fn a_requests_choices_share_one_compiled_grammar_and_each_starts_fresh() {
+    let mut w = worker(4_096, 64, 64);
+    let constrained = |seed| GenerationRequest {
+        max_tokens: 12,
+        constraint: Some(kvfence_model::Grammar::Regex("[a-z]{3,8}".into())),
+        ..request("a", 1, seed, 24)
+    };
+    // Four choices of one prompt and grammar, as the server submits `n`.
+    let mut handles: Vec<RequestHandle> = (0..4).map(|_| w.submit(constrained(1)).handle).collect();
+    let mut texts = vec![String::new(); handles.len()];
+    let mut ended = vec![false; handles.len()];
+    for _ in 0..1_000 {
+        w.scheduler.poll(Instant::now());
+        for (i, handle) in handles.iter_mut().enumerate() {
+            while let Ok(event) = handle.try_next() {
+                match event {
+                    Event::Token { text, .. } => texts[i].push_str(&text),
+                    Event::Finished { .. } => ended[i] = true,
+                    Event::Failed { message, .. } => panic!("a choice failed: {message}"),
+                }
+            }
+        }
+        if ended.iter().all(|e| *e) {
+            break;
+        }
+    }
+    assert!(ended.iter().all(|e| *e));
+    // Greedy and alike: every choice matched the grammar from its start,
+    // none inherited another's progress through it.
+    assert!(texts.iter().all(|t| t == &texts[0]), "{texts:?}");
+    assert!(
+        (3..=8).contains(&texts[0].len()) && texts[0].bytes().all(|b| b.is_ascii_lowercase()),
+        "{:?}",
+        texts[0]
+    );
+    assert_eq!(
+        w.scheduler.grammars.compiled(),
+        1,
+        "compiled once for four choices"
+    );
+    let mut other = [w.submit(GenerationRequest {
+        constraint: Some(kvfence_model::Grammar::Regex("[0-9]{2}".into())),
+        ..constrained(2)
+    })];
+    w.run_until_ended(&mut other);
+    assert_eq!(w.scheduler.grammars.compiled(), 2);
+}

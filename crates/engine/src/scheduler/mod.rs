@@ -50,6 +50,7 @@ mod decode;
 mod fair;
 #[cfg(test)]
 mod fair_tests;
+mod grammar;
 mod prefill;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -61,7 +62,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use kvfence_handoff::{HandoffId, Message, Receiver, RejectReason, Streaming};
 use kvfence_model::{
-    Constraint, DrawContext, Grammars, LoadedModel, Logits, Sampler, Sequence, TokenLogprobs,
+    Constraint, DrawContext, LoadedModel, Logits, Sampler, Sequence, TokenLogprobs,
 };
 use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{Lease, Pool, PoolError, RequestId, Window, WindowKey};
@@ -75,6 +76,7 @@ use crate::request::{
 };
 use crate::text::TextStream;
 use fair::{FairQueue, split_budget};
+use grammar::GrammarCache;
 
 /// What a scheduler does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -473,8 +475,8 @@ pub(crate) struct Scheduler {
     one_sided: bool,
     /// Requests admitted so far (each admission's order).
     admissions: u64,
-    /// Compiles requests' grammars; built at the first one.
-    grammars: Option<Grammars>,
+    /// Compiles requests' grammars, once for a request's choices.
+    grammars: GrammarCache,
 }
 
 impl Scheduler {
@@ -501,7 +503,7 @@ impl Scheduler {
             next_local_id: 1,
             one_sided: false,
             admissions: 0,
-            grammars: None,
+            grammars: GrammarCache::default(),
         }
     }
 
@@ -1289,22 +1291,11 @@ impl Scheduler {
         &mut self,
         request: &GenerationRequest,
     ) -> Result<Option<Constraint>, kvfence_model::ModelError> {
-        let Some(grammar) = &request.constraint else {
-            return Ok(None);
-        };
-        let grammars = match &self.grammars {
-            Some(grammars) => grammars,
-            None => {
-                let config = self.model.model.config();
-                let grammars = Grammars::new(
-                    &self.model.tokenizer,
-                    config.vocab_size,
-                    &config.eos_token_ids,
-                )?;
-                self.grammars.insert(grammars)
-            }
-        };
-        grammars.compile(grammar).map(Some)
+        request
+            .constraint
+            .as_ref()
+            .map(|grammar| self.grammars.constraint(&self.model, grammar))
+            .transpose()
     }
 
     /// Samples the next token of one request and acts on it.
