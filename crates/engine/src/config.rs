@@ -9,6 +9,10 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Tokens one forward pass may process (decode tokens plus prefill chunks).
     pub step_tokens: usize,
+    /// Tokens one forward pass may process once the worker serves more than
+    /// one tenant (I11): a short step bounds how long a newly arrived
+    /// request waits for the step in flight and for its own.
+    pub shared_step_tokens: usize,
     /// How long a decode worker waits without hearing from the prefill
     /// worker filling a grant — no chunk, no progress report — before it
     /// aborts the grant and fails the request (503). A prefill worker
@@ -48,6 +52,7 @@ impl Default for EngineConfig {
             max_running: 64,
             max_queue: 256,
             step_tokens: 256,
+            shared_step_tokens: 64,
             handoff_timeout: std::time::Duration::from_secs(30),
             // 20 prompt tokens a second at least, queueing included: far
             // below what a busy CPU prefills.

@@ -272,6 +272,7 @@ impl World {
             max_running: [2, 4, 8][rng.random_range(0..3)],
             max_queue: 64,
             step_tokens: [16, 48][rng.random_range(0..2)],
+            shared_step_tokens: 16,
             handoff_timeout: HANDOFF_TIMEOUT,
             handoff_time_per_token: STEP,
             // Past the run's end: no request waits long enough to expire.
@@ -901,6 +902,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
         max_running: 1,
         max_queue: 2,
         step_tokens: 16,
+        shared_step_tokens: 16,
         handoff_timeout: HANDOFF_TIMEOUT,
         handoff_time_per_token: STEP,
         max_queue_wait: DEADLINE * 2,

@@ -98,6 +98,12 @@ pub(crate) struct EngineArgs {
     /// Tokens per forward pass (decode steps plus prefill chunks).
     #[arg(long, default_value_t = 256)]
     pub(crate) step_tokens: usize,
+    /// Tokens per forward pass once the worker serves more than one tenant:
+    /// a request waits for the step in flight and its own, so shorter steps
+    /// keep one tenant's long prompts from delaying another's first token
+    /// (measured in docs/performance.md).
+    #[arg(long, default_value_t = 64)]
+    pub(crate) shared_step_tokens: usize,
     /// Milliseconds a decode worker waits without a word from the prefill
     /// worker filling a grant (no KV chunk, no progress report) before
     /// aborting it and failing the request (503). Prefill workers report
@@ -140,13 +146,17 @@ pub(crate) enum Switch {
 impl EngineArgs {
     pub(crate) fn config(&self) -> anyhow::Result<EngineConfig> {
         anyhow::ensure!(
-            self.max_running > 0 && self.step_tokens > 0 && self.page_size > 0,
-            "--max-running, --step-tokens and --page-size must be positive"
+            self.max_running > 0
+                && self.step_tokens > 0
+                && self.shared_step_tokens > 0
+                && self.page_size > 0,
+            "--max-running, --step-tokens, --shared-step-tokens and --page-size must be positive"
         );
         Ok(EngineConfig {
             max_running: self.max_running,
             max_queue: self.max_queue,
             step_tokens: self.step_tokens,
+            shared_step_tokens: self.shared_step_tokens,
             handoff_timeout: Duration::from_millis(self.handoff_timeout_ms),
             handoff_time_per_token: Duration::from_millis(self.handoff_ms_per_token),
             max_queue_wait: Duration::from_millis(self.max_queue_wait_ms),

@@ -332,3 +332,26 @@ fn a_requests_choices_share_one_compiled_grammar_and_each_starts_fresh() {
     w.run_until_ended(&mut other);
     assert_eq!(w.scheduler.grammars.compiled(), 2);
 }
+
+#[test]
+fn i11_steps_are_short_once_the_worker_serves_more_than_one_tenant() {
+    let mut w = worker_with(
+        16_384,
+        EngineConfig {
+            step_tokens: 256,
+            shared_step_tokens: 32,
+            ..EngineConfig::default()
+        },
+    );
+    let written = |w: &Worker| -> usize { w.scheduler.active.iter().map(|a| a.written).sum() };
+    let mut tracked = vec![w.submit(request("a", 1, 1, 2_000))];
+    w.step(&mut tracked);
+    // Alone, a tenant's prompt goes at the full step.
+    assert_eq!(written(&w), 256);
+    tracked.push(w.submit(request("b", 1, 2, 2_000)));
+    w.step(&mut tracked);
+    // Two tenants: 32 tokens in all, 16 each.
+    assert_eq!(written(&w), 256 + 32);
+    assert!(w.scheduler.active.iter().all(|a| a.written % 16 == 0));
+    w.run_until_ended(&mut tracked);
+}
