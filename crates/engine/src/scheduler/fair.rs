@@ -89,15 +89,13 @@ impl FairQueue {
             .map(|(_, ledger)| ledger.vtime)
             .min();
         let idle = !running(&share.tenant);
+        let stamp = self.next_back;
+        self.next_back += 1;
         let ledger = self.ledger(share);
         if idle && ledger.waiting.is_empty() {
             ledger.vtime = ledger.vtime.max(floor.unwrap_or(0));
         }
-        let stamp = self.next_back;
-        self.next_back += 1;
-        self.ledger(&pending.request.share.clone())
-            .waiting
-            .push_back((stamp, pending));
+        ledger.waiting.push_back((stamp, pending));
         self.len += 1;
     }
 
@@ -107,7 +105,7 @@ impl FairQueue {
     pub(crate) fn push_front(&mut self, pending: Pending) {
         let stamp = self.next_front;
         self.next_front -= 1;
-        self.ledger(&pending.request.share.clone())
+        self.ledger(&pending.request.share)
             .waiting
             .push_front((stamp, pending));
         self.len += 1;
