@@ -97,7 +97,27 @@ enum TenantCommand {
         /// work: compute and admission are split in proportion to weights.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(kvfence_engine::Share::MAX_WEIGHT)))]
         weight: u32,
+        /// Requests the tenant may start per minute (a minute's worth may
+        /// come at once). No limit if not given.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        requests_per_minute: Option<u64>,
+        /// Tokens the tenant may use per minute: each request is charged
+        /// its prompts and max_tokens for every choice before it runs, and
+        /// gets back what it did not generate. No limit if not given.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        tokens_per_minute: Option<u64>,
+        /// Highest priority the tenant's requests may ask for (the
+        /// `priority` field, or the gateway's objective); any negative
+        /// priority (sheddable work) is always allowed.
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        max_priority: i32,
     },
+    /// A new API key for an existing tenant: prints the key once and its
+    /// SHA-256 to add to the tenant's `key_sha256` list. The server reads
+    /// the tenants file again on SIGHUP and when it changes, so keys
+    /// rotate without a restart: add the new key, move clients to it,
+    /// then remove the old one.
+    Key,
 }
 
 #[derive(Subcommand, Debug)]
@@ -182,12 +202,30 @@ fn main() -> anyhow::Result<()> {
             max_concurrent,
             max_tokens,
             weight,
+            requests_per_minute,
+            tokens_per_minute,
+            max_priority,
         }) => {
             anyhow::ensure!(max_concurrent > 0, "--max-concurrent must be at least 1");
-            let (key, lines) =
-                kvfence_server::new_tenant(&name, max_concurrent, max_tokens, weight);
+            let limits = kvfence_server::Limits {
+                max_concurrent,
+                max_tokens,
+                requests_per_minute,
+                tokens_per_minute,
+                max_priority,
+            };
+            let (key, lines) = kvfence_server::new_tenant(&name, &limits, weight);
             println!("API key for {name} (shown once; store it now):\n\n    {key}\n");
             println!("Add to the tenants file passed to `kvfence serve --config`:\n\n{lines}");
+            Ok(())
+        }
+        Command::Tenant(TenantCommand::Key) => {
+            let (key, hash) = kvfence_server::new_key();
+            println!("New API key (shown once; store it now):\n\n    {key}\n");
+            println!(
+                "Add its digest to the tenant's key_sha256 list in the tenants file:\n\n    \"{hash}\"\n"
+            );
+            println!("The server picks the change up within seconds (or at once on SIGHUP).");
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),

@@ -107,6 +107,10 @@ pub struct ApiError {
     pub param: Option<String>,
     /// A stable machine-readable code.
     pub code: Option<String>,
+    /// When a retry can succeed, where the server knows (a rate limit's
+    /// refill); other 429s and 503s say [`RETRY_AFTER_SECONDS`].
+    #[serde(skip)]
+    pub retry_after: Option<std::time::Duration>,
 }
 
 impl ApiError {
@@ -117,6 +121,15 @@ impl ApiError {
             kind,
             param: None,
             code: Some(code.to_string()),
+            retry_after: None,
+        }
+    }
+
+    /// The same error, telling the client a retry succeeds after `wait`.
+    pub fn retry_after(self, wait: std::time::Duration) -> Self {
+        ApiError {
+            retry_after: Some(wait),
+            ..self
         }
     }
 
@@ -167,7 +180,7 @@ impl ApiError {
 /// Seconds a client is told to wait before retrying a 429 or a 503: the
 /// conditions behind them (a tenant's slots, a full queue, a busy or
 /// unreachable worker) clear in about that time.
-const RETRY_AFTER_SECONDS: &str = "1";
+const RETRY_AFTER_SECONDS: u64 = 1;
 
 impl IntoResponse for ApiError {
     /// The envelope, with `Retry-After` on the statuses a retry can cure
@@ -179,9 +192,14 @@ impl IntoResponse for ApiError {
         );
         let mut response = (self.status(), Json(self.body())).into_response();
         if retry {
+            // Whole seconds, rounded up: a client that waits that long
+            // finds what it was missing.
+            let seconds = self.retry_after.map_or(RETRY_AFTER_SECONDS, |wait| {
+                wait.as_secs() + u64::from(wait.subsec_nanos() > 0)
+            });
             response.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from_static(RETRY_AFTER_SECONDS),
+                axum::http::HeaderValue::from(seconds.max(1)),
             );
         }
         response

@@ -30,7 +30,7 @@ pub use error::{ApiError, ErrorType, ServerError};
 pub use metrics::Metrics;
 pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse, SHARED_FIELDS};
 pub use redact::Redacted;
-pub use tenants::{Tenant, Tenants, new_tenant};
+pub use tenants::{Admission, Limits, Reload, Tenant, Tenants, new_key, new_tenant};
 
 /// Everything the handlers share.
 #[derive(Debug)]
@@ -176,6 +176,11 @@ impl AppState {
             })
     }
 
+    /// Who may call.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
     /// The engine behind the API.
     pub fn engine(&self) -> &dyn Backend {
         self.engine.as_ref()
@@ -281,6 +286,10 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// How often the tenants file is looked at for changes (SIGHUP reads it at
+/// once).
+const TENANTS_FILE_POLL: Duration = Duration::from_secs(2);
+
 /// Serves until `shutdown` resolves, then stops accepting connections and
 /// lets in-flight requests finish for up to `grace`; after that the engine
 /// fails what is left, so every client still gets an answer (an error).
@@ -290,7 +299,8 @@ impl Default for ConnectionLimits {
 /// that) and `max_connections` that have, and headers that do not arrive
 /// within `header_timeout` close the connection, so a stranger holding
 /// sockets open costs a bounded amount for a bounded time, and cannot keep
-/// a tenant's new connection out.
+/// a tenant's new connection out. The tenants file stays in force while it
+/// serves ([`Tenants::watch`]).
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
@@ -301,6 +311,10 @@ pub async fn serve(
     let limits = state.limits;
     let app = router(Arc::clone(&state));
     let connections = connections::Connections::new(limits.max_strangers, limits.max_connections);
+    let tenants = tokio::spawn({
+        let state = Arc::clone(&state);
+        async move { state.tenants.watch(TENANTS_FILE_POLL).await }
+    });
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
     for serial in 0u64.. {
@@ -346,6 +360,7 @@ pub async fn serve(
         }
     }
     drop(listener);
+    tenants.abort();
     let drained = graceful.shutdown();
     tokio::pin!(drained);
     if tokio::time::timeout(grace, &mut drained).await.is_err() {

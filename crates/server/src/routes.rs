@@ -21,7 +21,6 @@ use kvfence_engine::{
 };
 use kvfence_model::TokenLogprobs;
 use serde_json::{Value, json};
-use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, info};
 
 use crate::AppState;
@@ -33,7 +32,7 @@ use crate::openai::{
 };
 use crate::redact::Redacted;
 use crate::responses::{self, RESPONSES_FIELDS};
-use crate::tenants::Tenant;
+use crate::tenants::{Admission, Tenant};
 use crate::tools::{Call, StreamSplit, Tools};
 
 /// Which OpenAI endpoint a request came through; decides the body shapes.
@@ -464,6 +463,23 @@ async fn handle(
         Ok(tenant) => tenant,
         Err(error) => return refuse_unread(&state, "-", endpoint, error, body),
     };
+    let mut response =
+        handle_tenant(state, &tenant, ticket, headers, body, endpoint, started).await;
+    // Every answer to a tenant with rates says where it stands (OpenAI's
+    // `x-ratelimit-*`), refusals included.
+    tenant.rate_headers(response.headers_mut());
+    response
+}
+
+async fn handle_tenant(
+    state: Arc<AppState>,
+    tenant: &Arc<Tenant>,
+    ticket: Option<Extension<Ticket>>,
+    headers: HeaderMap,
+    body: Body,
+    endpoint: Endpoint,
+    started: Instant,
+) -> Response {
     // The connection is known from now on: no stranger's socket can close
     // it to make room (I11). (Routers built without `serve` carry none.)
     if let Some(Extension(ticket)) = &ticket
@@ -471,24 +487,20 @@ async fn handle(
     {
         return refuse_unread(&state, &tenant.name, endpoint, error, body);
     }
-    // The tenant's slot before any work: a tenant at its limit costs no
-    // body, no template and no tokenizer.
-    let mut permit = match tenant.admit() {
-        Ok(permit) => permit,
+    // The tenant's slot and request before any work: a tenant at its limit
+    // costs no body, no template and no tokenizer.
+    let mut admission = match tenant.admit() {
+        Ok(admission) => admission,
         Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
     };
     let body = match read_body(&state, &headers, body).await {
         Ok(body) => body,
         Err(error) => return refuse(&state, &tenant.name, endpoint, error),
     };
-    let prepared = match prepare_off_runtime(&state, &tenant, body, endpoint).await {
+    let prepared = match prepare_off_runtime(&state, tenant, body, endpoint).await {
         Ok(prepared) => prepared,
         Err(error) => return refuse(&state, &tenant.name, endpoint, error),
     };
-    // The limit counts sequences: `n` choices of every prompt (I11).
-    if let Err(error) = tenant.admit_sequences(&mut permit, prepared.choices.len()) {
-        return refuse(&state, &tenant.name, endpoint, error);
-    }
     let prompt_tokens: usize = prepared
         .choices
         .iter()
@@ -496,6 +508,15 @@ async fn handle(
         .map(|c| c.request.prompt.len())
         .sum();
     let max_tokens = prepared.choices[0].request.max_tokens;
+    // The limit counts sequences: `n` choices of every prompt; the rate
+    // counts every prompt and the most each choice may generate (I11).
+    let most_tokens = prompt_tokens + max_tokens * prepared.choices.len();
+    if let Err(error) = tenant
+        .admit_sequences(&mut admission, prepared.choices.len())
+        .and_then(|()| tenant.charge(&mut admission, most_tokens as u64))
+    {
+        return refuse(&state, &tenant.name, endpoint, error);
+    }
     debug!(
         tenant = %tenant.name,
         endpoint = endpoint.label(),
@@ -510,7 +531,7 @@ async fn handle(
     info!(request = %choices[0].handle.id(), tenant = %tenant.name, endpoint = endpoint.label(), prompt_tokens, max_tokens, choices = choices.len(), stream = prepared.stream, "request admitted");
     let reply = Reply {
         state,
-        tenant,
+        tenant: Arc::clone(tenant),
         endpoint,
         choices,
         tools: prepared.tools,
@@ -520,7 +541,7 @@ async fn handle(
         streamed: String::new(),
         n: prepared.n,
         logprobs: prepared.logprobs,
-        _permit: permit,
+        admission,
         started,
         id: endpoint.id(),
         created: unix_now(),
@@ -777,10 +798,10 @@ fn prepare(
             // to what this tenant and the context allow, never a refusal.
             None => state
                 .default_max_tokens
-                .min(tenant.max_tokens.unwrap_or(usize::MAX))
+                .min(tenant.limits().max_tokens.unwrap_or(usize::MAX))
                 .min(max_context.saturating_sub(prompt.len()).max(1)),
         };
-        if let Some(limit) = tenant.max_tokens
+        if let Some(limit) = tenant.limits().max_tokens
             && max_tokens > limit
         {
             return Err(ApiError::invalid(
@@ -898,7 +919,9 @@ struct Reply {
     /// Choices per prompt.
     n: usize,
     logprobs: bool,
-    _permit: OwnedSemaphorePermit,
+    /// The tenant's sequences and the tokens charged, until the reply
+    /// ends (unused tokens go back then).
+    admission: Admission,
     started: Instant,
     id: String,
     created: u64,
@@ -1004,6 +1027,12 @@ impl Reply {
 
     fn log_end(&self, status: u16, usage: Option<Usage>) {
         self.ended.set(true);
+        // A failed request's partial usage is unknown here: it keeps its
+        // whole charge, as a client that leaves does.
+        if let Some(usage) = usage {
+            self.admission
+                .settle((usage.prompt_tokens + usage.completion_tokens) as u64);
+        }
         self.state.metrics.request(
             &self.tenant.name,
             self.endpoint.label(),

@@ -20,3 +20,4 @@ mod openai_client;
 mod prefix_cache;
 mod serve;
 mod smollm2;
+mod tenancy;

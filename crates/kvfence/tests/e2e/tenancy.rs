@@ -1,0 +1,215 @@
+//! Tenants over time (I11), end to end: rates with OpenAI's headers, keys
+//! that rotate without a restart, priorities and shedding.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::common::*;
+
+fn header(response: &reqwest::Response, name: &str) -> String {
+    response
+        .headers()
+        .get(name)
+        .unwrap_or_else(|| panic!("no {name} header"))
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+async fn complete(url: &str, key: &str, body: serde_json::Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(url)
+        .bearer_auth(key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rate_limits_answer_429_with_retry_after_and_openai_headers() {
+    let (key, lines) = tenant(
+        "metered",
+        &["--requests-per-minute", "3", "--tokens-per-minute", "100"],
+    );
+    let file = tenants_file(&[lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let url = server.url("/v1/completions");
+    let prompt: Vec<u32> = vec![5; 10];
+
+    // 10 prompt tokens + 20 at most: 30 charged, what went unused given back.
+    let first = complete(
+        &url,
+        &key,
+        json!({"prompt": prompt, "max_tokens": 20, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(header(&first, "x-ratelimit-limit-requests"), "3");
+    assert_eq!(header(&first, "x-ratelimit-remaining-requests"), "2");
+    assert_eq!(header(&first, "x-ratelimit-limit-tokens"), "100");
+    let left: u64 = header(&first, "x-ratelimit-remaining-tokens")
+        .parse()
+        .unwrap();
+    assert!((69..=71).contains(&left), "30 tokens used: {left} left");
+    assert!(header(&first, "x-ratelimit-reset-tokens").ends_with('s'));
+
+    // More than a minute's tokens can never pass: 400, and no request spent.
+    let never = complete(&url, &key, json!({"prompt": prompt, "max_tokens": 95})).await;
+    assert_eq!(never.status(), 400);
+    assert_eq!(header(&never, "x-ratelimit-remaining-requests"), "1");
+    let body: serde_json::Value = never.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "max_tokens");
+
+    // 80 tokens do not fit in the ~70 left: 429 saying when they will.
+    let later = complete(&url, &key, json!({"prompt": prompt, "max_tokens": 70})).await;
+    assert_eq!(later.status(), 429);
+    let wait: u64 = header(&later, "retry-after").parse().unwrap();
+    assert!(
+        (1..=10).contains(&wait),
+        "about 10 tokens short at 100 a minute: {wait} s"
+    );
+    assert_eq!(header(&later, "x-ratelimit-remaining-requests"), "0");
+
+    // The request rate is spent: even a tiny request waits ~20 s.
+    let spent = complete(&url, &key, json!({"prompt": prompt, "max_tokens": 1})).await;
+    assert_eq!(spent.status(), 429);
+    let wait: u64 = header(&spent, "retry-after").parse().unwrap();
+    assert!(
+        (15..=20).contains(&wait),
+        "one request back in 20 s: {wait}"
+    );
+    let body: serde_json::Value = spent.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+}
+
+fn new_key() -> (String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args(["tenant", "key"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let word = |prefix: &str| {
+        text.split_whitespace()
+            .find(|w| w.starts_with(prefix))
+            .unwrap()
+            .trim_matches('"')
+            .to_string()
+    };
+    let key = word("kvf-");
+    let hash = text
+        .split_whitespace()
+        .map(|w| w.trim_matches('"'))
+        .find(|w| w.len() == 64 && w.chars().all(|c| c.is_ascii_hexdigit()))
+        .unwrap()
+        .to_string();
+    (key, hash)
+}
+
+/// Polls until `key`'s status on a models listing is `status`.
+async fn wait_for_status(server: &Server, key: &str, status: u16) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = reqwest::Client::new()
+            .get(server.url("/v1/models"))
+            .bearer_auth(key)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16();
+        if got == status {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "key still answers {got}, not {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keys_rotate_without_a_restart_and_a_bad_file_changes_nothing() {
+    let ((old, old_hash), (new, new_hash)) = (new_key(), new_key());
+    let file = |keys: &str| format!("[[tenants]]\nname = \"rotating\"\nkey_sha256 = [{keys}]\n");
+    let tenants = tenants_file(&[file(&format!("\"{old_hash}\""))]);
+    let server = Server::start(&["--config", tenants.path().to_str().unwrap()]);
+    let url = server.url("/v1/completions");
+    wait_for_status(&server, &new, 401).await;
+
+    // Both keys for a while: clients move without an outage.
+    std::fs::write(
+        tenants.path(),
+        file(&format!("\"{old_hash}\", \"{new_hash}\"")),
+    )
+    .unwrap();
+    wait_for_status(&server, &new, 200).await;
+    wait_for_status(&server, &old, 200).await;
+
+    // A request started with the old key outlives the key.
+    let mut in_flight = reqwest::Client::new()
+        .post(&url)
+        .bearer_auth(&old)
+        .json(&json!({"prompt": "go", "max_tokens": 400, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(in_flight.status(), 200);
+    std::fs::write(tenants.path(), file(&format!("\"{new_hash}\""))).unwrap();
+    // SIGHUP reads it at once (the file watch would within seconds).
+    let hup = Command::new("kill")
+        .args(["-HUP", &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    wait_for_status(&server, &old, 401).await;
+    let mut streamed = String::new();
+    while let Some(chunk) = in_flight.chunk().await.unwrap() {
+        streamed.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(
+        streamed.ends_with("data: [DONE]\n\n"),
+        "the old key's request finished"
+    );
+    assert!(!streamed.contains("\"error\""));
+
+    // A file that does not parse leaves the one in force, and the log says why.
+    std::fs::write(tenants.path(), "[[tenants]]\nname = ").unwrap();
+    server.wait_for_log("tenants file not reloaded");
+    wait_for_status(&server, &new, 200).await;
+    wait_for_status(&server, &old, 401).await;
+    assert!(!server.log().contains(&new), "keys never reach the log");
+}
+
+#[test]
+fn the_official_client_waits_out_a_rate_limit() {
+    let (key, lines) = tenant("metered", &["--requests-per-minute", "60"]);
+    let file = tenants_file(&[lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = venv_python(
+        "openai-venv",
+        &manifest.join("tests/openai/requirements.txt"),
+    );
+    let out = Command::new(&python)
+        .arg(manifest.join("tests/openai/rate_limits.py"))
+        .env("KVFENCE_BASE_URL", &server.base)
+        .env("KVFENCE_MODEL", "builtin:tiny")
+        .env("KVFENCE_KEY", &key)
+        .output()
+        .expect("the script runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let passed: Vec<String> = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(passed.len(), 3, "{passed:?}");
+}
