@@ -25,6 +25,8 @@ pub(crate) struct Counters {
     pub(crate) handoff_misrouted: AtomicU64,
     /// Requests refused for waiting past `max_queue_wait`.
     pub(crate) queue_timeouts: AtomicU64,
+    /// Sheddable requests refused to make way for others.
+    pub(crate) shed: AtomicU64,
 }
 
 impl Counters {
@@ -45,6 +47,7 @@ impl Counters {
             handoff_checksum_failures: self.handoff_checksum_failures.load(Ordering::Relaxed),
             handoff_bytes: self.handoff_bytes.load(Ordering::Relaxed),
             queue_timeouts: self.queue_timeouts.load(Ordering::Relaxed),
+            shed: self.shed.load(Ordering::Relaxed),
         }
     }
 
@@ -100,6 +103,9 @@ pub struct EngineStats {
     /// Requests refused for waiting in the queue past `max_queue_wait`.
     #[serde(default)]
     pub queue_timeouts: u64,
+    /// Sheddable requests (negative priority) refused under pressure.
+    #[serde(default)]
+    pub shed: u64,
 }
 
 /// One worker's pools and counters at one moment, named for metrics.

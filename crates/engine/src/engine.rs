@@ -375,13 +375,23 @@ impl Engine {
                 capacity,
             });
         }
-        let bound = self.config.max_queue;
+        // Sheddable work may fill half the queue: the rest stays for
+        // work that is not, which a full queue would refuse.
+        let bound = match request.share.sheddable() {
+            true => self.config.max_queue / 2,
+            false => self.config.max_queue,
+        };
         self.counters
             .queued
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
                 (q < bound).then_some(q + 1)
             })
-            .map_err(|_| EngineError::QueueFull { capacity: bound })?;
+            .map_err(|_| {
+                if request.share.sheddable() {
+                    self.counters.shed.fetch_add(1, Ordering::Relaxed);
+                }
+                EngineError::QueueFull { capacity: bound }
+            })?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (pending, handle) = Pending::for_client(id, request, prefill);
         if self

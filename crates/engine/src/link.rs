@@ -99,6 +99,7 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
             // Whose share of the prefill worker it counts against (I11).
             put_name(&mut out, &order.request.share.tenant);
             out.extend_from_slice(&order.request.share.weight().to_le_bytes());
+            out.extend_from_slice(&order.request.share.priority().to_le_bytes());
             Some((ORDER, Cow::Owned(out)))
         }
         // Local-only commands never cross a link.
@@ -220,7 +221,8 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
                 _ => return Err(malformed("unknown cache scope")),
             };
             let tenant = c.name()?;
-            let share = Share::new(tenant, c.u32()?);
+            let weight = c.u32()?;
+            let share = Share::new(tenant, weight).with_priority(c.u32()?.cast_signed());
             if !c.0.is_empty() {
                 return Err(malformed("trailing bytes"));
             }
@@ -430,7 +432,7 @@ mod tests {
             ignore_eos: false,
             cache: Some(CacheScope::tenant("tenant-a", Some("salt".into()))),
             constraint: Some(Grammar::Regex("[a-z]+".into())),
-            share: Share::new("tenant-a", 3),
+            share: Share::new("tenant-a", 3).with_priority(-2),
         };
         let sent = Command::Prefill {
             peer: PeerId(1),
@@ -454,7 +456,10 @@ mod tests {
             order.request.cache,
             Some(CacheScope::tenant("tenant-a", Some("salt".into())))
         );
-        assert_eq!(order.request.share, Share::new("tenant-a", 3));
+        assert_eq!(
+            order.request.share,
+            Share::new("tenant-a", 3).with_priority(-2)
+        );
         for cache in [
             None,
             Some(CacheScope::tenant("b", None)),

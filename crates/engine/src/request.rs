@@ -36,12 +36,19 @@ pub struct GenerationRequest {
 /// the weight the operator gave it. Workers split admission and every
 /// step's compute between tenants with work in proportion to their
 /// weights.
+///
+/// A request's priority, within what its tenant may use, picks its band:
+/// a worker admits the highest band with work first, and shares within a
+/// band by weight. Negative priorities are sheddable: under pressure such
+/// work is refused first.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Share {
     /// The tenant's name (the empty name: work of no tenant, such as the
     /// engine's own start-up requests).
     pub tenant: String,
     weight: u32,
+    #[serde(default)]
+    priority: i32,
 }
 
 impl Share {
@@ -54,7 +61,24 @@ impl Share {
         Share {
             tenant: tenant.into(),
             weight: weight.clamp(1, Self::MAX_WEIGHT),
+            priority: 0,
         }
+    }
+
+    /// The same share, for a request at `priority` (0 unless given).
+    pub fn with_priority(self, priority: i32) -> Share {
+        Share { priority, ..self }
+    }
+
+    /// The request's priority: higher bands are admitted first.
+    pub fn priority(&self) -> i32 {
+        self.priority
+    }
+
+    /// Whether the request is sheddable work (a negative priority),
+    /// refused first under pressure.
+    pub fn sheddable(&self) -> bool {
+        self.priority < 0
     }
 
     /// The tenant's weight, `1..=MAX_WEIGHT` (a peer's out-of-range value

@@ -83,7 +83,7 @@ const WORKER_GAUGES: [GaugeOf; 2] = [
     }),
 ];
 
-const WORKER_COUNTERS: [CounterOf; 17] = [
+const WORKER_COUNTERS: [CounterOf; 18] = [
     (
         "handoff_stale_writes",
         "KV writes and hand-off messages refused for a stale generation or epoch (I3).",
@@ -129,6 +129,11 @@ const WORKER_COUNTERS: [CounterOf; 17] = [
         "requests_queue_timed_out",
         "Requests refused (503) after waiting in a worker's queue past --max-queue-wait-ms.",
         |w| w.engine.queue_timeouts,
+    ),
+    (
+        "requests_shed",
+        "Sheddable requests (negative priority) refused (503, or 429 at a half-full queue) to make way for others.",
+        |w| w.engine.shed,
     ),
     (
         "requests_cancelled",

@@ -49,6 +49,8 @@ pub const SHARED_FIELDS: &[(&str, FieldUse)] = &[
     ("logit_bias", FieldUse::Honoured),
     ("ignore_eos", FieldUse::Honoured),
     ("cache_salt", FieldUse::Honoured),
+    ("priority", FieldUse::Honoured),
+    ("service_tier", FieldUse::Honoured),
     ("user", FieldUse::Metadata),
     ("metadata", FieldUse::Metadata),
     ("store", FieldUse::Metadata),
@@ -68,7 +70,6 @@ pub const CHAT_FIELDS: &[(&str, FieldUse)] = &[
     ("response_format", FieldUse::Honoured),
     ("tools", FieldUse::Honoured),
     ("tool_choice", FieldUse::Honoured),
-    ("service_tier", FieldUse::Metadata),
     ("safety_identifier", FieldUse::Metadata),
     ("prompt_cache_key", FieldUse::Metadata),
     ("parallel_tool_calls", FieldUse::Metadata),
@@ -208,6 +209,51 @@ pub struct CommonParams {
     /// prefixes only with requests of the same tenant and the same salt.
     /// It can never reach another tenant's cache (vLLM's field).
     pub cache_salt: Option<String>,
+    /// Scheduling priority (extension): higher is admitted sooner,
+    /// negative is sheddable; at most what the tenant may use.
+    pub priority: Option<i64>,
+    /// OpenAI's processing tier: `flex` is sheddable work, `priority` asks
+    /// for priority 1 where the tenant may use it, `auto` and `default`
+    /// ask for nothing.
+    pub service_tier: Option<String>,
+}
+
+impl CommonParams {
+    /// The priorities the body asks for, each with the field that asked.
+    pub fn priorities(&self, max_priority: i32) -> Result<Vec<(i32, &'static str)>, ApiError> {
+        let mut asked = Vec::new();
+        if let Some(priority) = self.priority {
+            let range = crate::tenants::PRIORITY_RANGE;
+            let value = i32::try_from(priority)
+                .ok()
+                .filter(|p| range.contains(p))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "priority",
+                        format!(
+                            "priority must be between {} and {}",
+                            range.start(),
+                            range.end()
+                        ),
+                    )
+                })?;
+            asked.push((value, "priority"));
+        }
+        match self.service_tier.as_deref() {
+            None | Some("auto" | "default") => {}
+            Some("flex") => asked.push((-1, "service_tier")),
+            // Priority processing where the tenant may have it; the
+            // default tier otherwise, as OpenAI serves an account without it.
+            Some("priority") => asked.push((max_priority.clamp(0, 1), "service_tier")),
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "service_tier",
+                    "service_tier must be auto, default, flex or priority",
+                ));
+            }
+        }
+        Ok(asked)
+    }
 }
 
 /// Longest `cache_salt` accepted.

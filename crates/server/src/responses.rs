@@ -24,7 +24,6 @@ pub const RESPONSES_FIELDS: &[(&str, FieldUse)] = &[
     ("tools", FieldUse::Honoured),
     ("tool_choice", FieldUse::Honoured),
     ("text", FieldUse::Honoured),
-    ("service_tier", FieldUse::Metadata),
     ("safety_identifier", FieldUse::Metadata),
     ("prompt_cache_key", FieldUse::Metadata),
     ("parallel_tool_calls", FieldUse::Metadata),

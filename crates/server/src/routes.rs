@@ -426,6 +426,7 @@ async fn prepare_off_runtime(
     tenant: &Arc<Tenant>,
     body: Bytes,
     endpoint: Endpoint,
+    objective: Option<i32>,
 ) -> Result<Prepared, ApiError> {
     let internal = || {
         ApiError::new(
@@ -439,9 +440,10 @@ async fn prepare_off_runtime(
         .await
         .map_err(|_| internal())?;
     let (state, tenant) = (Arc::clone(state), Arc::clone(tenant));
-    let prepared = tokio::task::spawn_blocking(move || prepare(&state, &tenant, &body, endpoint))
-        .await
-        .map_err(|_| internal())?;
+    let prepared =
+        tokio::task::spawn_blocking(move || prepare(&state, &tenant, &body, endpoint, objective))
+            .await
+            .map_err(|_| internal())?;
     match endpoint {
         // Errors about the chat request it became name the Responses field.
         Endpoint::Responses => prepared.map_err(responses::rename_param),
@@ -487,6 +489,12 @@ async fn handle_tenant(
     {
         return refuse_unread(&state, &tenant.name, endpoint, error, body);
     }
+    // The gateway's inference objective names a priority (I11); a name
+    // the tenants file does not define is refused before the body.
+    let objective = match objective_priority(&state, &headers) {
+        Ok(objective) => objective,
+        Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
+    };
     // The tenant's slot and request before any work: a tenant at its limit
     // costs no body, no template and no tokenizer.
     let mut admission = match tenant.admit() {
@@ -497,7 +505,7 @@ async fn handle_tenant(
         Ok(body) => body,
         Err(error) => return refuse(&state, &tenant.name, endpoint, error),
     };
-    let prepared = match prepare_off_runtime(&state, tenant, body, endpoint).await {
+    let prepared = match prepare_off_runtime(&state, tenant, body, endpoint, objective).await {
         Ok(prepared) => prepared,
         Err(error) => return refuse(&state, &tenant.name, endpoint, error),
     };
@@ -633,11 +641,30 @@ fn refuse(state: &AppState, tenant: &str, endpoint: Endpoint, error: ApiError) -
     error.into_response()
 }
 
+/// The header a Gateway API inference gateway names a request's
+/// InferenceObjective in.
+const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+
+/// The priority of the objective the request's headers name, if any.
+fn objective_priority(state: &AppState, headers: &HeaderMap) -> Result<Option<i32>, ApiError> {
+    let Some(value) = headers.get(OBJECTIVE_HEADER) else {
+        return Ok(None);
+    };
+    let name = value.to_str().map_err(|_| {
+        ApiError::invalid(
+            OBJECTIVE_HEADER,
+            "the inference objective is not visible ASCII",
+        )
+    })?;
+    state.tenants.objective(name).map(Some)
+}
+
 fn prepare(
     state: &AppState,
     tenant: &Tenant,
     body: &[u8],
     endpoint: Endpoint,
+    objective: Option<i32>,
 ) -> Result<Prepared, ApiError> {
     let mut echo = Value::Null;
     let object = match endpoint {
@@ -772,7 +799,10 @@ fn prepare(
     ));
     // Its share of the workers is the same tenant's, at the weight the
     // operator gave it (I11).
-    let share = Share::new(tenant.name.clone(), tenant.weight);
+    let mut asked = params.priorities(tenant.limits().max_priority)?;
+    asked.extend(objective.map(|p| (p, OBJECTIVE_HEADER)));
+    let share =
+        Share::new(tenant.name.clone(), tenant.weight).with_priority(tenant.priority(&asked)?);
     let vocab = state.model.config.vocab_size;
     let max_context = state.capacity.max_context;
     let first_seed = params.seed.map_or_else(rand::random, |s| s as u64);

@@ -17,6 +17,11 @@
 //! one token per running request and always run; they are charged to their
 //! tenants' virtual times like prefill tokens.
 //!
+//! Priorities come first: a request's priority (within what its tenant may
+//! use) picks its band, the highest band with work is admitted first, and
+//! fair shares hold within a band. A tenant's own queue is kept in band
+//! order, arrival order within a band.
+//!
 //! Pages are shared too: while a worker knows more than one tenant, no
 //! tenant is admitted more once it holds [`MAX_POOL_SHARE`] of a pool, so
 //! another tenant's request always finds room without waiting for the
@@ -26,6 +31,7 @@
 //! The queue is bounded by the engine's `max_queue` before anything is
 //! pushed; the ledger keeps one entry per tenant this worker has seen.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, VecDeque};
 
 use super::Pending;
@@ -95,7 +101,14 @@ impl FairQueue {
         if idle && ledger.waiting.is_empty() {
             ledger.vtime = ledger.vtime.max(floor.unwrap_or(0));
         }
-        ledger.waiting.push_back((stamp, pending));
+        // Behind every request of its band or a higher one.
+        let band = priority(&pending);
+        let at = ledger
+            .waiting
+            .iter()
+            .position(|(_, p)| priority(p) < band)
+            .unwrap_or(ledger.waiting.len());
+        ledger.waiting.insert(at, (stamp, pending));
         self.len += 1;
     }
 
@@ -105,9 +118,14 @@ impl FairQueue {
     pub(crate) fn push_front(&mut self, pending: Pending) {
         let stamp = self.next_front;
         self.next_front -= 1;
-        self.ledger(&pending.request.share)
-            .waiting
-            .push_front((stamp, pending));
+        let band = priority(&pending);
+        let waiting = &mut self.ledger(&pending.request.share).waiting;
+        // Ahead of every request of its band, behind higher bands.
+        let at = waiting
+            .iter()
+            .position(|(_, p)| priority(p) <= band)
+            .unwrap_or(waiting.len());
+        waiting.insert(at, (stamp, pending));
         self.len += 1;
     }
 
@@ -126,16 +144,19 @@ impl FairQueue {
         ledger
     }
 
-    /// The tenant whose request is admitted next: the lowest virtual time
-    /// among tenants with requests waiting that `eligible` allows, the
-    /// oldest request on a tie.
+    /// The tenant whose request is admitted next: among tenants with
+    /// requests waiting that `eligible` allows, the highest band first,
+    /// then the lowest virtual time, then the oldest request.
     fn next_tenant(&self, eligible: impl Fn(&str) -> bool) -> Option<&str> {
         self.tenants
             .iter()
             .filter(|(name, _)| eligible(name))
             .filter_map(|(name, ledger)| {
-                let (stamp, _) = ledger.waiting.front()?;
-                Some(((ledger.vtime, *stamp), name.as_str()))
+                let (stamp, front) = ledger.waiting.front()?;
+                Some((
+                    (Reverse(priority(front)), ledger.vtime, *stamp),
+                    name.as_str(),
+                ))
             })
             .min()
             .map(|(_, name)| name)
@@ -221,6 +242,10 @@ impl FairQueue {
         self.len = 0;
         all.into_iter().map(|(_, p)| p).collect()
     }
+}
+
+fn priority(pending: &Pending) -> i32 {
+    pending.request.share.priority()
 }
 
 /// Splits `budget` tokens between claimants of `(weight, demand)` by

@@ -752,6 +752,34 @@ impl Scheduler {
         }
     }
 
+    /// Under pressure — the next request to admit waits for room — every
+    /// sheddable client request still waiting (negative priority, none of
+    /// its tokens sent yet) is refused with 503 if the one that waits is
+    /// not sheddable itself: bands keep them behind it, and their clients
+    /// learn at once to retry later or elsewhere instead of holding queue
+    /// places. Sheddable work waits only behind other sheddable work.
+    fn shed_for(&mut self, blocked_is_sheddable: bool) {
+        if blocked_is_sheddable {
+            return;
+        }
+        let shed = self.waiting.take_where(|p| {
+            p.request.share.sheddable()
+                && matches!(p.origin, Origin::Client { .. })
+                && p.resume.is_none()
+        });
+        for pending in shed {
+            self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+            self.counters.shed.fetch_add(1, Ordering::Relaxed);
+            debug!(request = %pending.id, priority = pending.request.share.priority(), "sheddable request shed");
+            self.refuse(
+                &pending,
+                FailureKind::Unavailable,
+                "the worker is full and this request is sheddable (negative priority); retry later"
+                    .into(),
+            );
+        }
+    }
+
     /// What a request leases when it is admitted: its context so far (the
     /// prompt, or after a preemption the prompt and what it generated but
     /// its last token) and, where it decodes, one page of room to grow. A
@@ -876,12 +904,16 @@ impl Scheduler {
         let pass_hits = Mutation::ForeignCachedCount
             .active()
             .then(|| self.pool.stats().cache_hit_tokens);
-        while self.active.len() < self.config.max_running {
+        loop {
             let capped = self.tenants_at_their_cap();
             let eligible = |tenant: &str| !capped.contains(tenant);
             let Some(pending) = self.waiting.front(eligible) else {
                 break;
             };
+            if self.active.len() >= self.config.max_running {
+                self.shed_for(pending.request.share.sheddable());
+                break;
+            }
             if let Some(message) = self.can_never_fit(pending) {
                 let pending = self.waiting.pop_front(eligible).expect("the front exists");
                 self.counters.queued.fetch_sub(1, Ordering::AcqRel);
@@ -890,6 +922,7 @@ impl Scheduler {
             }
             let page_size = self.pool.geometry().page_size;
             if !self.leaves_room_to_grow(self.first_lease(pending).0.div_ceil(page_size)) {
+                self.shed_for(pending.request.share.sheddable());
                 break;
             }
             // A preempted request comes back to this worker's own pages and
@@ -911,7 +944,10 @@ impl Scheduler {
             let lease = match self.lease_for(pending) {
                 Ok(lease) => lease,
                 // Pages will come back as running requests end; keep order.
-                Err(PoolError::Exhausted { .. }) => break,
+                Err(PoolError::Exhausted { .. }) => {
+                    self.shed_for(pending.request.share.sheddable());
+                    break;
+                }
                 Err(error) => {
                     let pending = self.waiting.pop_front(eligible).expect("the front exists");
                     self.counters.queued.fetch_sub(1, Ordering::AcqRel);

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::common::{Server, post, sse, tenant, tenants_file};
+use crate::common::{Server, hold_slots, post, sse, tenant, tenants_file};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -279,25 +279,6 @@ async fn malformed_json_and_bad_parameters_get_400_in_the_openai_envelope() {
         (status, answer["error"]["code"].as_str()),
         (404, Some("model_not_found"))
     );
-}
-
-/// A streamed completion of `n` choices and `max_tokens` each, begun and
-/// left running: it holds its slots until the response is dropped.
-async fn hold_slots(
-    url: &str,
-    key: Option<&str>,
-    n: usize,
-    max_tokens: usize,
-) -> reqwest::Response {
-    let mut request = reqwest::Client::new().post(url).json(
-        &json!({"prompt": "go", "n": n, "max_tokens": max_tokens, "ignore_eos": true, "stream": true}),
-    );
-    if let Some(key) = key {
-        request = request.bearer_auth(key);
-    }
-    let response = request.send().await.unwrap();
-    assert_eq!(response.status(), 200);
-    response
 }
 
 #[tokio::test(flavor = "multi_thread")]

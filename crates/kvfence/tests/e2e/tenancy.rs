@@ -213,3 +213,113 @@ fn the_official_client_waits_out_a_rate_limit() {
     let passed: Vec<String> = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(passed.len(), 3, "{passed:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn priorities_are_the_tenants_to_use_and_objectives_name_them() {
+    let (key, lines) = tenant("capped", &["--max-priority", "2"]);
+    let objectives = "[objectives]\nrealtime = 10\nbatch = -1\nstandard = 0\n\n".to_string();
+    let file = tenants_file(&[objectives, lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let url = server.url("/v1/completions");
+    let send = |objective: Option<&'static str>, extra: serde_json::Value| {
+        let (url, key) = (url.clone(), key.clone());
+        async move {
+            let mut body = json!({"prompt": "hi", "max_tokens": 1});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let mut request = reqwest::Client::new()
+                .post(&url)
+                .bearer_auth(&key)
+                .json(&body);
+            if let Some(objective) = objective {
+                request = request.header("x-gateway-inference-objective", objective);
+            }
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            let body: serde_json::Value = response.json().await.unwrap();
+            (status, body["error"]["param"].as_str().map(str::to_string))
+        }
+    };
+    assert_eq!(send(None, json!({"priority": 2})).await.0, 200);
+    assert_eq!(send(None, json!({"priority": -5})).await.0, 200);
+    assert_eq!(send(Some("standard"), json!({})).await.0, 200);
+    assert_eq!(send(Some("batch"), json!({"priority": 2})).await.0, 200);
+    // OpenAI's tiers: flex is sheddable, priority is served where allowed.
+    assert_eq!(send(None, json!({"service_tier": "flex"})).await.0, 200);
+    assert_eq!(send(None, json!({"service_tier": "priority"})).await.0, 200);
+    let refused = [
+        (send(None, json!({"priority": 3})).await, "priority"),
+        (send(None, json!({"priority": 1e12})).await, "priority"),
+        (
+            send(Some("realtime"), json!({})).await,
+            "x-gateway-inference-objective",
+        ),
+        (
+            send(Some("unknown"), json!({})).await,
+            "x-gateway-inference-objective",
+        ),
+        (
+            send(None, json!({"service_tier": "scale-ish"})).await,
+            "service_tier",
+        ),
+    ];
+    for ((status, param), expected) in refused {
+        assert_eq!((status, param.as_deref()), (400, Some(expected)));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sheddable_requests_make_way_with_503_when_others_wait() {
+    let server = Server::start(&["--max-running", "1"]);
+    let url = server.url("/v1/completions");
+    // The only slot is taken for a while.
+    let long = hold_slots(&url, None, 1, 3000).await;
+    let sheddable = tokio::spawn({
+        let url = url.clone();
+        async move {
+            reqwest::Client::new()
+                .post(&url)
+                .json(&json!({"prompt": "later", "max_tokens": 2, "service_tier": "flex"}))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    // Queued, not shed: nothing else waits for room.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !sheddable.is_finished(),
+        "sheddable work waits while nothing else does"
+    );
+    let urgent = tokio::spawn({
+        let url = url.clone();
+        async move {
+            reqwest::Client::new()
+                .post(&url)
+                .json(&json!({"prompt": "now", "max_tokens": 2}))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    let shed = sheddable.await.unwrap();
+    assert_eq!(shed.status(), 503);
+    assert_eq!(shed.headers()["retry-after"], "1");
+    let body: serde_json::Value = shed.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("sheddable"),
+        "{body}"
+    );
+    assert!(
+        !urgent.is_finished(),
+        "the urgent request waits for the slot"
+    );
+    drop(long);
+    assert_eq!(urgent.await.unwrap().status(), 200);
+    assert_eq!(server.metric("kvfence_requests_shed_total").await, 1.0);
+    server.wait_for_baseline().await;
+}

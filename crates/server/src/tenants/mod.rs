@@ -22,6 +22,7 @@ use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use crate::error::{ApiError, ErrorType, ServerError};
+pub(crate) use file::PRIORITY_RANGE;
 use file::TenantsFile;
 pub use spend::{Admission, Limits};
 use spend::{Gate, Spent};
@@ -80,11 +81,15 @@ impl Tenant {
         self.gate().rate_headers(headers, Instant::now());
     }
 
-    /// The priority a request runs at: what it asked for (0 if nothing),
-    /// or 400 naming `param` if above what the tenant may use. Negative
-    /// priorities (sheddable work) are always allowed.
-    pub fn priority(&self, asked: Option<i32>, param: &str) -> Result<i32, ApiError> {
-        let priority = asked.unwrap_or(0);
+    /// The priority a request runs at: the lowest of what was `asked`
+    /// (each with the field or header that asked) — so work the gateway
+    /// marks sheddable stays sheddable whatever the body says —, 0 if
+    /// nothing was; 400 naming what asked if above what the tenant may
+    /// use. Negative priorities (sheddable work) are always allowed.
+    pub fn priority(&self, asked: &[(i32, &str)]) -> Result<i32, ApiError> {
+        let Some(&(priority, param)) = asked.iter().min_by_key(|(p, _)| *p) else {
+            return Ok(0);
+        };
         if priority > self.limits.max_priority {
             return Err(ApiError::invalid(
                 param,
@@ -560,10 +565,12 @@ mod tests {
         assert_eq!(tenants.objective("batch").unwrap(), -1);
         assert_eq!(tenants.objective("other").unwrap_err().status(), 400);
         let tenant = tenants.authenticate(Some(&bearer(&key))).unwrap();
-        assert_eq!(tenant.priority(None, "priority").unwrap(), 0);
-        assert_eq!(tenant.priority(Some(-7), "priority").unwrap(), -7);
-        assert_eq!(tenant.priority(Some(5), "priority").unwrap(), 5);
-        let over = tenant.priority(Some(10), "priority").unwrap_err();
+        assert_eq!(tenant.priority(&[]).unwrap(), 0);
+        assert_eq!(tenant.priority(&[(-7, "priority")]).unwrap(), -7);
+        assert_eq!(tenant.priority(&[(5, "priority")]).unwrap(), 5);
+        // The gateway marked it sheddable: the body cannot raise it.
+        assert_eq!(tenant.priority(&[(5, "priority"), (-1, "x")]).unwrap(), -1);
+        let over = tenant.priority(&[(10, "priority")]).unwrap_err();
         assert_eq!(
             (over.status().as_u16(), over.param.as_deref()),
             (400, Some("priority"))

@@ -319,6 +319,25 @@ pub async fn sse(url: &str, key: Option<&str>, body: serde_json::Value) -> (u16,
     (status, data)
 }
 
+/// A streamed completion of `n` choices and `max_tokens` each, begun and
+/// left running: it holds its slots until the response is dropped.
+pub async fn hold_slots(
+    url: &str,
+    key: Option<&str>,
+    n: usize,
+    max_tokens: usize,
+) -> reqwest::Response {
+    let mut request = reqwest::Client::new().post(url).json(
+        &serde_json::json!({"prompt": "go", "n": n, "max_tokens": max_tokens, "ignore_eos": true, "stream": true}),
+    );
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    response
+}
+
 /// Creates a tenant with `kvfence tenant add`; returns (key, config lines).
 pub fn tenant(name: &str, extra: &[&str]) -> (String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvfence"))
