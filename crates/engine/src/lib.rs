@@ -25,7 +25,7 @@ mod testing;
 mod text;
 
 pub use config::EngineConfig;
-pub use counters::{EngineStats, WorkerSnapshot};
+pub use counters::{EngineStats, QUEUE_WAIT_BOUNDS, WaitHistogram, WorkerSnapshot};
 pub use engine::{Engine, PrefillPeer};
 pub use error::EngineError;
 pub use kvfence_handoff::tls;

@@ -4,10 +4,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use kvfence_engine::WorkerSnapshot;
+use kvfence_engine::{WaitHistogram, WorkerSnapshot};
 use kvfence_pool::PoolStats;
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet,
+};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
@@ -66,6 +68,33 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Debug, Default)]
 struct WorkerMetrics {
     latest: Mutex<Vec<WorkerSnapshot>>,
+    /// Label queue waits with tenant names (else one series per worker).
+    tenant_labels: bool,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerTenantLabels {
+    worker: String,
+    tenant: String,
+}
+
+/// A histogram a worker counted, encoded as it reported it.
+#[derive(Debug)]
+struct ReportedHistogram(WaitHistogram);
+
+impl EncodeMetric for ReportedHistogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_histogram::<NoLabelSet>(
+            self.0.sum_seconds(),
+            self.0.count(),
+            &self.0.buckets(),
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
 }
 
 /// A counter every worker reports: its name, help and value.
@@ -222,6 +251,33 @@ impl Collector for WorkerMetrics {
             let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
             for w in &workers {
                 ConstCounter::new(value(w)).encode(family.encode_family(&label(w))?)?;
+            }
+        }
+        {
+            let mut family = encoder.encode_descriptor(
+                "queue_wait_seconds",
+                "Time client requests waited in a worker's queue before admission, by worker (and tenant with --metrics-tenant-labels).",
+                None,
+                MetricType::Histogram,
+            )?;
+            for w in &workers {
+                let mut by_tenant: std::collections::BTreeMap<&str, WaitHistogram> =
+                    std::collections::BTreeMap::new();
+                for (tenant, waits) in &w.engine.queue_waits {
+                    let shown = if self.tenant_labels {
+                        tenant.as_str()
+                    } else {
+                        ""
+                    };
+                    by_tenant.entry(shown).or_default().merge(waits);
+                }
+                for (tenant, waits) in by_tenant {
+                    let labels = WorkerTenantLabels {
+                        worker: w.worker.clone(),
+                        tenant: tenant.into(),
+                    };
+                    ReportedHistogram(waits).encode(family.encode_family(&labels)?)?;
+                }
             }
         }
         if let Some(gauges) = ProcessGauges::of(&workers) {
@@ -419,7 +475,10 @@ impl Metrics {
             "1 if --max-context was lowered to the real capacity",
             context_clamped.clone(),
         );
-        let workers = Arc::new(WorkerMetrics::default());
+        let workers = Arc::new(WorkerMetrics {
+            latest: Mutex::default(),
+            tenant_labels,
+        });
         registry.register_collector(Box::new(Arc::clone(&workers)));
 
         max_context.set(capacity.max_context as i64);

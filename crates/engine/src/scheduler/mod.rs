@@ -957,6 +957,15 @@ impl Scheduler {
             };
             let mut pending = self.waiting.pop_front(eligible).expect("the front exists");
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+            if matches!(pending.origin, Origin::Client { .. }) && pending.resume.is_none() {
+                let waited = pending
+                    .waiting_since
+                    .map_or(std::time::Duration::ZERO, |since| {
+                        now.saturating_duration_since(since)
+                    });
+                self.counters
+                    .queue_wait(&pending.request.share.tenant, waited);
+            }
             self.admissions += 1;
             let admitted = self.admissions;
             if let Some(resume) = pending.resume.take() {

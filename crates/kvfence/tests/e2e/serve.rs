@@ -754,5 +754,18 @@ async fn i9_tenant_mode_metrics_are_off_the_api_and_name_no_tenant_by_default() 
             labels,
             "tenant names only when asked: {scrape}"
         );
+        // The request's wait in the queue, per tenant only when asked.
+        let tenant = format!(
+            "tenant=\"{}\"",
+            if labels { "secret-customer-name" } else { "" }
+        );
+        assert!(
+            scrape
+                .lines()
+                .any(|l| l.starts_with("kvfence_queue_wait_seconds_count")
+                    && l.contains(&tenant)
+                    && l.ends_with(" 1")),
+            "{scrape}"
+        );
     }
 }
