@@ -38,8 +38,8 @@ pub use remote::fleet::Fleet;
 pub use remote::prefill::{MAX_DECODE_LINKS, PrefillWorker};
 pub use remote::wire::{Hello, ModelFingerprint};
 pub use request::{
-    CacheScope, Canceller, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle,
-    Share, TenantScope, Usage,
+    CacheScope, Canceller, Constrained, Event, FailureKind, FinishReason, GenerationRequest,
+    RequestHandle, Share, TenantScope, Usage,
 };
 pub use scheduler::Role;
 pub use text::{Pushed, TextStream};

@@ -76,7 +76,7 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
             // the grammar, as JSON (both ends are the same build).
             let shaping = serde_json::to_vec(&Shaping {
                 sampling: order.request.sampling.clone(),
-                constraint: order.request.constraint.clone(),
+                constraint: order.request.constraint.as_ref().map(|c| c.grammar.clone()),
             })
             .expect("sampling parameters and grammars always serialise");
             out.extend_from_slice(&(shaping.len() as u32).to_le_bytes());
@@ -234,7 +234,7 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
                 stop: StopStrings::default(),
                 ignore_eos: false,
                 cache,
-                constraint,
+                constraint: constraint.map(Into::into),
                 share,
             };
             Ok(Command::Prefill {
@@ -431,7 +431,7 @@ mod tests {
             stop: StopStrings::default(),
             ignore_eos: false,
             cache: Some(CacheScope::tenant("tenant-a", Some("salt".into()))),
-            constraint: Some(Grammar::Regex("[a-z]+".into())),
+            constraint: Some(Grammar::Regex("[a-z]+".into()).into()),
             share: Share::new("tenant-a", 3).with_priority(-2),
         };
         let sent = Command::Prefill {
@@ -449,7 +449,7 @@ mod tests {
         assert_eq!(order.request.prompt, vec![1, 2, 300]);
         assert_eq!(order.request.sampling, shaped());
         assert_eq!(
-            order.request.constraint,
+            order.request.constraint.as_ref().map(|c| c.grammar.clone()),
             Some(Grammar::Regex("[a-z]+".into()))
         );
         assert_eq!(

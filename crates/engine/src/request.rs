@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvfence_model::{Grammar, SamplingParams, StopStrings, TokenLogprobs};
+use kvfence_model::{Constraint, Grammar, SamplingParams, StopStrings, TokenLogprobs};
 use kvfence_pool::RequestId;
 use tokio::sync::mpsc;
 
@@ -26,9 +26,57 @@ pub struct GenerationRequest {
     pub cache: Option<CacheScope>,
     /// What the completion must match (structured outputs); every token is
     /// drawn from what the grammar allows next.
-    pub constraint: Option<Grammar>,
+    pub constraint: Option<Constrained>,
     /// Whose share of the worker its work counts against (I11).
     pub share: Share,
+}
+
+/// What a request's output must match: its grammar and, where the front
+/// door compiled it in this process, the compiled start state (its first
+/// mask computed), so no worker compiles it again on the scheduler thread
+/// every tenant shares — a large JSON schema takes seconds. A request that
+/// crosses a link carries the grammar alone, and its worker compiles it.
+#[derive(Clone)]
+pub struct Constrained {
+    /// The grammar.
+    pub grammar: Grammar,
+    /// Its start state, never advanced: each use takes a copy.
+    start: Option<Constraint>,
+}
+
+impl Constrained {
+    /// `grammar`, compiled: `start` is its constraint in its start state.
+    pub fn compiled(grammar: Grammar, start: Constraint) -> Constrained {
+        Constrained {
+            grammar,
+            start: Some(start),
+        }
+    }
+
+    /// A fresh copy of the compiled start state, if there is one.
+    pub(crate) fn start(&self) -> Option<Constraint> {
+        self.start.clone()
+    }
+}
+
+impl From<Grammar> for Constrained {
+    /// A grammar the worker compiles itself.
+    fn from(grammar: Grammar) -> Constrained {
+        Constrained {
+            grammar,
+            start: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Constrained {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The grammar's kind and size only (I10).
+        f.debug_struct("Constrained")
+            .field("grammar", &self.grammar)
+            .field("compiled", &self.start.is_some())
+            .finish()
+    }
 }
 
 /// Whose share of a worker a request's work counts against (I11): the

@@ -189,7 +189,7 @@ fn constraints_penalties_and_logprobs_equal_colocated_bit_for_bit() {
             r.sampling.logit_bias = vec![(u32::from(b'b'), 3.0)];
             r.sampling.logprobs = Some(3);
             if i % 3 != 2 {
-                r.constraint = Some(Grammar::Regex("[a-d]{3,9}-[0-9]{2}".into()));
+                r.constraint = Some(Grammar::Regex("[a-d]{3,9}-[0-9]{2}".into()).into());
             }
             r
         })

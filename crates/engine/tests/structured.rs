@@ -121,7 +121,7 @@ fn generate(schema: &Value, sampling: SamplingParams) -> (String, Event) {
         stop: StopStrings::default(),
         ignore_eos: false,
         cache: None,
-        constraint: Some(Grammar::JsonSchema(schema.clone())),
+        constraint: Some(Grammar::JsonSchema(schema.clone()).into()),
         share: Share::default(),
     };
     let mut handle = engine().submit(request).unwrap();

@@ -83,6 +83,12 @@ fn compact_json(mut schema: serde_json::Value) -> serde_json::Value {
     schema
 }
 
+/// Lexer states one constraint may build (llguidance's default is
+/// 250,000 at 1–2 kB each: up to half a gigabyte for one request). Large
+/// real schemas stay far below it; a grammar that needs more is refused
+/// at the front door, whose first mask builds most of them.
+pub const MAX_LEXER_STATES: usize = 50_000;
+
 /// Compiles grammars for one tokenizer: its token trie is built once and
 /// shared by every request's constraint.
 #[derive(Clone)]
@@ -138,7 +144,9 @@ impl Grammars {
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| fail(e.to_string()))?;
         factory.quiet();
         *factory.limits_mut() = ParserLimits {
+            // Errors that quote neither the grammar nor the tokens (I10).
             verbose_errors: false,
+            max_lexer_states: MAX_LEXER_STATES,
             ..ParserLimits::default()
         };
         Ok(Grammars {

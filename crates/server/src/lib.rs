@@ -12,6 +12,7 @@ mod redact;
 mod responses;
 mod routes;
 mod tenants;
+mod text_work;
 mod tools;
 
 use std::future::Future;
@@ -44,9 +45,10 @@ pub struct AppState {
     default_max_tokens: usize,
     limits: ConnectionLimits,
     metrics_on_api: bool,
-    /// Template and tokenizer work at once, off the async runtime: bounded,
-    /// so big prompts queue here instead of filling the blocking pool.
-    text_work: Arc<tokio::sync::Semaphore>,
+    /// Template, tokenizer and grammar work at once, off the async
+    /// runtime: bounded, so big prompts queue here instead of filling the
+    /// blocking pool, and shared between tenants.
+    text_work: text_work::TextWork,
     created: u64,
     /// Identifies this build and model in every answer (OpenAI's
     /// `system_fingerprint`): the same value means the same weights and code.
@@ -127,9 +129,9 @@ impl AppState {
             default_max_tokens: options.default_max_tokens,
             limits: options.limits,
             metrics_on_api: options.metrics_on_api,
-            text_work: Arc::new(tokio::sync::Semaphore::new(
+            text_work: text_work::TextWork::new(
                 std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
-            )),
+            ),
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),

@@ -17,7 +17,8 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures_util::stream::{self, Stream, StreamExt};
 use kvfence_engine::{
-    CacheScope, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle, Share, Usage,
+    CacheScope, Constrained, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle,
+    Share, Usage,
 };
 use kvfence_model::TokenLogprobs;
 use serde_json::{Value, json};
@@ -418,9 +419,10 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     }
 }
 
-/// Template and tokenizer work for one request, on a blocking thread and
-/// at most `text_work` at once: a big prompt never stalls the async
-/// runtime (and with it `/health` and every stream).
+/// Template, tokenizer and grammar work for one request, on a blocking
+/// thread in one of the tenant's text-work slots: a big prompt or schema
+/// never stalls the async runtime (and with it `/health` and every
+/// stream), nor another tenant's requests.
 async fn prepare_off_runtime(
     state: &Arc<AppState>,
     tenant: &Arc<Tenant>,
@@ -435,10 +437,11 @@ async fn prepare_off_runtime(
             "the request could not be prepared",
         )
     };
-    let _slot = Arc::clone(&state.text_work)
-        .acquire_owned()
+    let _slot = state
+        .text_work
+        .slot(&tenant.name)
         .await
-        .map_err(|_| internal())?;
+        .ok_or_else(internal)?;
     let (state, tenant) = (Arc::clone(state), Arc::clone(tenant));
     let prepared =
         tokio::task::spawn_blocking(move || prepare(&state, &tenant, &body, endpoint, objective))
@@ -780,16 +783,25 @@ fn prepare(
         (Some(tools), None) => tools.grammar(),
         (None, grammar) => grammar,
     };
-    if let Some(grammar) = &constraint {
-        // Compiled here once so a bad grammar is a 400 before any work,
-        // not a failure on a worker.
-        state.grammars()?.compile(grammar).map_err(|e| {
-            ApiError::invalid(
-                "response_format",
-                format!("the grammar cannot be used: {e}"),
-            )
-        })?;
-    }
+    // Compiled here, once per request, on this blocking thread: a bad
+    // grammar — or one past the compiler's limits at its first mask — is a
+    // 400 before any work, and the workers in this process start every
+    // choice from a copy of this start state instead of compiling it again
+    // on the scheduler thread all tenants share.
+    let constraint = match constraint {
+        Some(grammar) => {
+            let cannot = |e: kvfence_model::ModelError| {
+                ApiError::invalid(
+                    "response_format",
+                    format!("the grammar cannot be used: {e}"),
+                )
+            };
+            let mut start = state.grammars()?.compile(&grammar).map_err(cannot)?;
+            start.mask().map_err(cannot)?;
+            Some(Constrained::compiled(grammar, start))
+        }
+        None => None,
+    };
     let stop = params.stop_strings()?;
     // The namespace is the tenant the key named (I9); the body may only
     // subdivide it.

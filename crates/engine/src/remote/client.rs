@@ -270,7 +270,7 @@ impl RemoteEngine {
             stop: request.stop.strings().to_vec(),
             ignore_eos: request.ignore_eos,
             cache,
-            constraint: request.constraint,
+            constraint: request.constraint.map(|c| c.grammar),
             share: request.share,
             prefill,
         };

@@ -378,7 +378,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                     stop,
                     ignore_eos,
                     cache: cache.map(CacheScope::Tenant),
-                    constraint,
+                    constraint: constraint.map(Into::into),
                     share,
                 };
                 match engine.submit_to(request, prefill) {

@@ -289,7 +289,7 @@ fn a_requests_choices_share_one_compiled_grammar_and_each_starts_fresh() {
     let mut w = worker(4_096, 64, 64);
     let constrained = |seed| GenerationRequest {
         max_tokens: 12,
-        constraint: Some(kvfence_model::Grammar::Regex("[a-z]{3,8}".into())),
+        constraint: Some(kvfence_model::Grammar::Regex("[a-z]{3,8}".into()).into()),
         ..request("a", 1, seed, 24)
     };
     // Four choices of one prompt and grammar, as the server submits `n`.
@@ -326,11 +326,42 @@ fn a_requests_choices_share_one_compiled_grammar_and_each_starts_fresh() {
         "compiled once for four choices"
     );
     let mut other = [w.submit(GenerationRequest {
-        constraint: Some(kvfence_model::Grammar::Regex("[0-9]{2}".into())),
+        constraint: Some(kvfence_model::Grammar::Regex("[0-9]{2}".into()).into()),
         ..constrained(2)
     })];
     w.run_until_ended(&mut other);
     assert_eq!(w.scheduler.grammars.compiled(), 2);
+
+    // Compiled where the request was made (the front door, off this
+    // thread): the scheduler only copies it.
+    let model = model();
+    let config = model.model.config();
+    let grammars =
+        kvfence_model::Grammars::new(&model.tokenizer, config.vocab_size, &config.eos_token_ids)
+            .unwrap();
+    let grammar = kvfence_model::Grammar::Regex("[x-z]{4}".into());
+    let start = grammars.compile(&grammar).unwrap();
+    let mut handle = w
+        .submit(GenerationRequest {
+            constraint: Some(crate::Constrained::compiled(grammar, start)),
+            ..constrained(3)
+        })
+        .handle;
+    let mut text = String::new();
+    for _ in 0..1_000 {
+        w.scheduler.poll(Instant::now());
+        match handle.try_next() {
+            Ok(Event::Token { text: delta, .. }) => text.push_str(&delta),
+            Ok(Event::Finished { .. }) => break,
+            Ok(Event::Failed { message, .. }) => panic!("{message}"),
+            Err(_) => {}
+        }
+    }
+    assert!(
+        text.len() == 4 && text.bytes().all(|b| (b'x'..=b'z').contains(&b)),
+        "{text:?}"
+    );
+    assert_eq!(w.scheduler.grammars.compiled(), 2, "not compiled again");
 }
 
 #[test]

@@ -1345,16 +1345,23 @@ impl Scheduler {
         }
     }
 
-    /// A fresh constraint for `request`'s grammar, if it has one.
+    /// A fresh constraint for `request`'s grammar, if it has one: a copy
+    /// of the start state the front door compiled, or — for a request
+    /// that came over a link — compiled here.
     fn constraint_for(
         &mut self,
         request: &GenerationRequest,
     ) -> Result<Option<Constraint>, kvfence_model::ModelError> {
-        request
-            .constraint
-            .as_ref()
-            .map(|grammar| self.grammars.constraint(&self.model, grammar))
-            .transpose()
+        let Some(constrained) = &request.constraint else {
+            return Ok(None);
+        };
+        match constrained.start() {
+            Some(start) => Ok(Some(start)),
+            None => self
+                .grammars
+                .constraint(&self.model, &constrained.grammar)
+                .map(Some),
+        }
     }
 
     /// Samples the next token of one request and acts on it.
