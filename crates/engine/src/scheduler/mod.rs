@@ -1258,6 +1258,7 @@ impl Scheduler {
             self.model.model.forward_each(&mut batch)
         };
         self.counters.steps.fetch_add(1, Ordering::Relaxed);
+        self.compute_masks(&work);
         let mut ended: Vec<(usize, End)> = Vec::new();
         for (w, row) in work.iter().zip(result) {
             let row = match row {
@@ -1310,6 +1311,32 @@ impl Scheduler {
         ended.sort_unstable_by_key(|(index, _)| *index);
         for (index, end) in ended.into_iter().rev() {
             self.end(index, end);
+        }
+    }
+
+    /// The token masks this step's draws need, computed together on the
+    /// compute pool rather than one after another on this thread: a large
+    /// schema's mask takes milliseconds, and every row of the batch waits
+    /// for the last. A mask that fails is computed again, and its error
+    /// reported, where the request draws.
+    fn compute_masks(&mut self, work: &[Work]) {
+        let drawing: BTreeSet<usize> = work
+            .iter()
+            .filter(|w| w.logits == Logits::Last)
+            .map(|w| w.index)
+            .collect();
+        let constraints: Vec<&mut Constraint> = self
+            .active
+            .iter_mut()
+            .enumerate()
+            .filter(|(index, _)| drawing.contains(index))
+            .filter_map(|(_, active)| active.constraint.as_mut())
+            .collect();
+        if constraints.len() > 1 {
+            use rayon::prelude::*;
+            constraints.into_par_iter().for_each(|constraint| {
+                let _ = constraint.mask();
+            });
         }
     }
 
