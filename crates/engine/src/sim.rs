@@ -977,3 +977,58 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
     assert_eq!(rejected, vec![(4, RejectReason::Busy)]);
     assert!(links[1].try_recv().is_err(), "link 2's order was taken");
 }
+
+/// A fleet without faults where two tenants of weights 1 and 2 each send
+/// 24 prompt-heavy requests at once, the lighter tenant's first: halfway
+/// through, the heavier tenant has had about twice the lighter one's
+/// share on every worker together (I11), not the arrival order's none.
+#[test]
+fn i11_a_fleet_shares_its_workers_between_tenants_by_weight() {
+    for seed in 0..8 {
+        let mut world = World::new(seed);
+        world.faults.clear();
+        world.faulty = false;
+        let client = |tenant: &str, weight: u32, i: usize, arrives: u64| Client {
+            request: GenerationRequest {
+                prompt: (0..40).map(|j| ((j * 11 + i * 37) % 256) as u32).collect(),
+                max_tokens: 1,
+                share: Share::new(tenant, weight),
+                cache: Some(CacheScope::tenant(tenant, None)),
+                ..request_from(&mut ChaCha8Rng::seed_from_u64(0))
+            },
+            arrives: Duration::from_micros(arrives),
+            abort_at: None,
+            on: None,
+            handle: None,
+            text: String::new(),
+            tokens: 0,
+            ended: None,
+            cacheable: 0,
+        };
+        world.clients = (0..24)
+            .map(|i| client("light", 1, i, 0))
+            .chain((0..24).map(|i| client("heavy", 2, 100 + i, 1)))
+            .collect();
+        let finished = |world: &World, tenant: &str| {
+            world
+                .clients
+                .iter()
+                .filter(|c| c.request.share.tenant == tenant && c.ended == Some(Ending::Finished))
+                .count()
+        };
+        let (light, heavy) = loop {
+            world.round().unwrap();
+            let (light, heavy) = (finished(&world, "light"), finished(&world, "heavy"));
+            if light + heavy >= 24 {
+                break (light, heavy);
+            }
+            world.t = world.next_due().expect("work left");
+            assert!(world.t < DEADLINE, "seed {seed}: stuck");
+        };
+        assert!(
+            (12..=20).contains(&heavy),
+            "seed {seed}: of the first {} requests done, {heavy} were the heavier tenant's and {light} the lighter's",
+            light + heavy
+        );
+    }
+}

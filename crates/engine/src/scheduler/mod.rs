@@ -1032,6 +1032,12 @@ impl Scheduler {
                 match granted {
                     Ok((grant, window)) => {
                         let peer = prefill.expect("a decode worker chose a prefill worker");
+                        // Its prompt is computed for this worker's tenant
+                        // elsewhere: charged here, or this worker's
+                        // admission — which decides whose prompts the
+                        // prefill workers get — would see only decode
+                        // rows and admit in arrival order (I11).
+                        self.waiting.charge(&pending.request.share, prompt);
                         self.send_order(peer, grant, &pending.request, window);
                         Kv::Awaited(Awaiting {
                             prefill: peer,
