@@ -234,6 +234,11 @@ pub(crate) struct HttpArgs {
     /// sockets cannot keep a tenant out.
     #[arg(long, default_value_t = 256)]
     max_unauthenticated_connections: usize,
+    /// Of those, from one client address; past it that address's oldest
+    /// is closed, so one address cannot push out another's. (Behind a
+    /// load balancer every client shares its address: raise it there.)
+    #[arg(long, default_value_t = 64)]
+    max_unauthenticated_connections_per_address: usize,
     /// Milliseconds a client has to send a request's headers (also the idle
     /// limit of a kept-alive connection); slower connections are closed.
     #[arg(long, default_value_t = 10_000)]
@@ -300,13 +305,15 @@ impl HttpArgs {
         anyhow::ensure!(
             self.max_connections > 0
                 && self.max_unauthenticated_connections > 0
+                && self.max_unauthenticated_connections_per_address > 0
                 && self.header_timeout_ms > 0
                 && self.body_timeout_ms > 0,
-            "--max-connections, --max-unauthenticated-connections, --header-timeout-ms and --body-timeout-ms must be positive"
+            "--max-connections, --max-unauthenticated-connections(-per-address), --header-timeout-ms and --body-timeout-ms must be positive"
         );
         Ok(kvfence_server::ConnectionLimits {
             max_connections: self.max_connections,
             max_strangers: self.max_unauthenticated_connections,
+            max_strangers_per_address: self.max_unauthenticated_connections_per_address,
             header_timeout: Duration::from_millis(self.header_timeout_ms),
             body_timeout: Duration::from_millis(self.body_timeout_ms),
             max_body_bytes: self.max_body_bytes,

@@ -266,6 +266,9 @@ pub struct ConnectionLimits {
     /// Connections that have not authenticated yet, open at once; past it
     /// the oldest of them is closed to make room (I11).
     pub max_strangers: usize,
+    /// Of those, from one address; past it that address's oldest is
+    /// closed, so one address's sockets never push out another's.
+    pub max_strangers_per_address: usize,
     /// A request's headers must arrive within this (including the wait for
     /// the next request on a kept-alive connection).
     pub header_timeout: Duration,
@@ -281,6 +284,7 @@ impl Default for ConnectionLimits {
         ConnectionLimits {
             max_connections: 1024,
             max_strangers: 256,
+            max_strangers_per_address: 64,
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
             max_body_bytes: 2 << 20,
@@ -312,7 +316,11 @@ pub async fn serve(
     use hyper_util::rt::{TokioIo, TokioTimer};
     let limits = state.limits;
     let app = router(Arc::clone(&state));
-    let connections = connections::Connections::new(limits.max_strangers, limits.max_connections);
+    let connections = connections::Connections::new(
+        limits.max_strangers,
+        limits.max_strangers_per_address,
+        limits.max_connections,
+    );
     let tenants = tokio::spawn({
         let state = Arc::clone(&state);
         async move { state.tenants.watch(TENANTS_FILE_POLL).await }
@@ -320,9 +328,9 @@ pub async fn serve(
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
     for serial in 0u64.. {
-        let tcp = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
+                Ok(accepted) => accepted,
                 Err(error) => {
                     // Out of file descriptors, most likely: wait, do not spin.
                     tracing::warn!(%error, "accept failed");
@@ -353,7 +361,7 @@ pub async fn serve(
             let _ = connection.await;
             registry.closed(serial);
         });
-        if let Some(oldest) = connections.accepted(serial, task.abort_handle()) {
+        if let Some(oldest) = connections.accepted(serial, peer.ip(), task.abort_handle()) {
             tracing::debug!(
                 max = limits.max_strangers,
                 "too many unauthenticated connections; closed the oldest"
