@@ -89,6 +89,10 @@ fn compact_json(mut schema: serde_json::Value) -> serde_json::Value {
 /// at the front door, whose first mask builds most of them.
 pub const MAX_LEXER_STATES: usize = 50_000;
 
+/// Earley items one row of a constraint's parse may hold: as many as one
+/// mask may create (llguidance's `step_max_items`).
+pub const MAX_ITEMS_IN_ROW: usize = 50_000;
+
 /// Compiles grammars for one tokenizer: its token trie is built once and
 /// shared by every request's constraint.
 #[derive(Clone)]
@@ -147,6 +151,11 @@ impl Grammars {
             // Errors that quote neither the grammar nor the tokens (I10).
             verbose_errors: false,
             max_lexer_states: MAX_LEXER_STATES,
+            // A row's items grow with an object's properties (a schema of
+            // 5,800 optional fields has 22,819 after `{"`); llguidance's
+            // 2,000 refused such schemas at their second token, after the
+            // prefill. Each mask's work stays bounded by `step_max_items`.
+            max_items_in_row: MAX_ITEMS_IN_ROW,
             ..ParserLimits::default()
         };
         Ok(Grammars {
@@ -305,6 +314,28 @@ mod tests {
             "{text}"
         );
         assert_eq!(value.as_object().map(|o| o.len()), Some(1), "{text}");
+    }
+
+    #[test]
+    fn an_object_of_thousands_of_optional_fields_can_be_generated_into() {
+        let (tokenizer, grammars) = grammars();
+        let properties: serde_json::Map<String, serde_json::Value> = (0..3000)
+            .map(|i| {
+                (
+                    format!("field_{i}"),
+                    serde_json::json!({ "type": "integer" }),
+                )
+            })
+            .collect();
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": properties,
+            "additionalProperties": false,
+        });
+        let mut constraint = grammars.compile(&Grammar::JsonSchema(schema)).unwrap();
+        // The lowest byte after `{` opens a key: every field is a choice.
+        let text = tokenizer.decode(&walk(&mut constraint, 40)).unwrap();
+        assert!(text.starts_with("{\"field_"), "{text}");
     }
 
     #[test]
