@@ -460,3 +460,55 @@ fn sheddable_work_is_refused_when_other_work_waits_and_only_then() {
     w.run_until_ended(&mut urgent);
     w.scheduler.check_counts();
 }
+
+#[test]
+fn i11_growth_preempts_the_tenant_over_its_share_not_the_newcomer() {
+    let mut w = worker(4_096, 256, 64);
+    // b has used this worker before: the worker knows two tenants.
+    let mut earlier = [w.submit(request("b", 1, 98, 20))];
+    w.run_until_ended(&mut earlier);
+    // a's two long requests hold 178 of the 256 pages once prefilled, under
+    // its three-quarter cap (192), and grow a page every 16 tokens.
+    let long = |seed| GenerationRequest {
+        max_tokens: 900,
+        ..request("a", 1, seed, 1_400)
+    };
+    let mut tracked = vec![w.submit(long(1)), w.submit(long(2))];
+    for _ in 0..12 {
+        w.step(&mut tracked);
+    }
+    // b's request arrives last and fills the rest of the pool.
+    let newcomer = w.submit(GenerationRequest {
+        max_tokens: 400,
+        ..request("b", 1, 99, 900)
+    });
+    let b_id = RequestId(w.next_id - 1);
+    tracked.push(newcomer);
+    let preempted = |w: &Worker| {
+        w.scheduler
+            .counters
+            .preempted
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    for _ in 0..2_000 {
+        w.step(&mut tracked);
+        if preempted(&w) > 0 {
+            break;
+        }
+    }
+    assert!(preempted(&w) > 0, "the pool never ran out");
+    // a holds three quarters of the pool, over its half; its newest
+    // request gave its pages back, and b's — the most recently admitted —
+    // kept running.
+    assert!(
+        w.scheduler.active.iter().any(|a| a.pending.id == b_id),
+        "b's request was preempted"
+    );
+    assert!(
+        w.scheduler
+            .waiting
+            .iter()
+            .all(|p| p.request.share.tenant == "a")
+    );
+    w.run_until_ended(&mut tracked);
+}

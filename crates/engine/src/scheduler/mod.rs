@@ -53,6 +53,7 @@ mod fair_tests;
 mod grammar;
 mod prefill;
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -876,6 +877,29 @@ impl Scheduler {
     /// [`fair::MAX_POOL_SHARE`] of this worker's pool while it knows other
     /// tenants (I11). Held pages count by capacity; a grant awaiting its
     /// hand-off by its prompt.
+    /// Tenants holding more of the pool than their weighted share of it
+    /// among the tenants holding pages (none while only one does).
+    fn tenants_over_their_share(&self) -> BTreeSet<String> {
+        let mut held: BTreeMap<&str, (u32, usize)> = BTreeMap::new();
+        for a in &self.active {
+            if let Some(lease) = a.kv.lease() {
+                let share = &a.pending.request.share;
+                let entry = held.entry(share.tenant.as_str()).or_default();
+                entry.0 = share.weight();
+                entry.1 += lease.capacity_tokens();
+            }
+        }
+        if held.len() < 2 {
+            return BTreeSet::new();
+        }
+        let weights: u64 = held.values().map(|(w, _)| u64::from(*w)).sum();
+        let pool = self.pool.capacity_tokens() as u64;
+        held.into_iter()
+            .filter(|(_, (weight, tokens))| *tokens as u64 * weights > pool * u64::from(*weight))
+            .map(|(tenant, _)| tenant.to_string())
+            .collect()
+    }
+
     fn tenants_at_their_cap(&self) -> BTreeSet<String> {
         if self.waiting.named_tenants() < 2 {
             return BTreeSet::new();
@@ -1071,19 +1095,24 @@ impl Scheduler {
     }
 
     /// Gives every decoding request room for the position its next token
-    /// writes. One that cannot grow takes the pages of the most recently
-    /// admitted request holding pages — or, if that is itself, steps back
-    /// itself: a running request is preempted, never failed, for lack of
-    /// pages, and the oldest requests keep going.
+    /// writes, higher priorities and older requests first. One that cannot
+    /// grow takes the pages of another request holding pages — the lowest
+    /// priority, then one of a tenant over its weighted share of the pool,
+    /// then the most recently admitted — or, if that is itself, steps back itself:
+    /// a running request is preempted, never failed, for lack of pages,
+    /// and the oldest requests keep going.
     fn make_room(&mut self) {
-        let mut order: Vec<(u64, RequestId)> = self
+        let mut order: Vec<(Reverse<i32>, u64, RequestId)> = self
             .active
             .iter()
             .filter(|a| a.kv.lease().is_some() && a.prefill_done())
-            .map(|a| (a.admitted, a.pending.id))
+            .map(|a| {
+                let priority = a.pending.request.share.priority();
+                (Reverse(priority), a.admitted, a.pending.id)
+            })
             .collect();
         order.sort_unstable();
-        for (_, id) in order {
+        for (_, _, id) in order {
             while let Some(index) = self.position(id) {
                 let active = &mut self.active[index];
                 let need = active.written + 1;
@@ -1091,12 +1120,23 @@ impl Scheduler {
                 if lease.capacity_tokens() >= need || lease.grow(1).is_ok() {
                     break;
                 }
+                // The lowest priority first, then a tenant holding more
+                // than its weighted share of the pool (I11: growth must
+                // not let one tenant push another out), then the newest.
+                let over_share = self.tenants_over_their_share();
                 let victim = self
                     .active
                     .iter()
                     .enumerate()
                     .filter(|(_, a)| a.kv.lease().is_some())
-                    .max_by_key(|(_, a)| a.admitted)
+                    .max_by_key(|(_, a)| {
+                        let share = &a.pending.request.share;
+                        (
+                            Reverse(share.priority()),
+                            over_share.contains(&share.tenant),
+                            a.admitted,
+                        )
+                    })
                     .map(|(i, _)| i)
                     .expect("the request itself holds a lease");
                 self.preempt(victim);
