@@ -1,5 +1,5 @@
 //! The fenced KV hand-off between a prefill and a decode worker
-//! (DESIGN.md §5), written sans-IO: [`Receiver`] and [`send_kv`] consume and
+//! (`docs/architecture.md`, "The KV hand-off"), written sans-IO: [`Receiver`] and [`send_kv`] consume and
 //! produce [`Message`]s; transports only move frames.
 //!
 //! The guarantees, each a checked fact rather than an assumption:

@@ -71,7 +71,7 @@ impl RejectReason {
 /// alternatives' (OpenAI's largest `top_logprobs`).
 pub const MAX_FIRST_LOGPROBS: usize = 21;
 
-/// One protocol message (DESIGN.md §5).
+/// One protocol message (`docs/architecture.md`, "The KV hand-off").
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
     /// decode → prefill: pages reserved for exactly `tokens` prompt tokens.

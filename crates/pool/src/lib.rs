@@ -10,7 +10,7 @@
 //! sealed into a prefix cache, where later leases of the same [`Namespace`]
 //! read them and nobody writes them again.
 //!
-//! Invariants enforced here (see DESIGN.md §2): I1 single owner, I2 written
+//! Invariants enforced here (stated in `docs/architecture.md`): I1 single owner, I2 written
 //! before read, I3 fenced writes, I4 drain before reuse, I8 no leak, and I9's
 //! walls around cached prefixes.
 

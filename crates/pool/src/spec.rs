@@ -73,7 +73,7 @@ pub enum Scrub {
 }
 
 impl Scrub {
-    /// Poison in debug builds (tests), off in release builds, as DESIGN.md §4 asks.
+    /// Poison in debug builds (tests), off in release builds, so tests catch a read of unwritten KV (I2).
     pub fn default_for_build() -> Scrub {
         if cfg!(debug_assertions) {
             Scrub::Poison

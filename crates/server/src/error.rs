@@ -1,6 +1,6 @@
 //! Errors of the server crate: [`ServerError`] for start-up and
 //! configuration, [`ApiError`] for HTTP answers. The mapping from failure to
-//! HTTP status (DESIGN.md §8) lives here and nowhere else.
+//! HTTP status (`docs/api.md`, "Errors") lives here and nowhere else.
 
 use axum::Json;
 use axum::http::StatusCode;

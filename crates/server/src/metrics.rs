@@ -1,4 +1,4 @@
-//! Prometheus metrics (DESIGN.md §9): names start with `kvfence_`, carry
+//! Prometheus metrics (`docs/architecture.md`): names start with `kvfence_`, carry
 //! their unit, counters end in `_total`. Labels are tenant names, reasons and
 //! states — never request text (I10).
 
