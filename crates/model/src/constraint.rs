@@ -93,6 +93,56 @@ pub const MAX_LEXER_STATES: usize = 50_000;
 /// mask may create (llguidance's `step_max_items`).
 pub const MAX_ITEMS_IN_ROW: usize = 50_000;
 
+/// Why llguidance refused a grammar (or, with none, a constraint's step),
+/// in words of our own: its messages quote the client's schema keys,
+/// types, references and regexes even without verbose errors, and a
+/// grammar is client content (I10). Positions are numbers, kept.
+fn refusal(grammar: Option<&Grammar>, message: &str) -> ModelError {
+    let limits = [
+        "max is",
+        "limit",
+        "too large",
+        "fuel",
+        "too many",
+        "exceeded",
+    ];
+    let reason = if limits.iter().any(|l| message.contains(l)) {
+        format!(
+            "the grammar is past this server's limits (at most {MAX_LEXER_STATES} lexer states \
+             and {MAX_ITEMS_IN_ROW} parser items at one point, and a bounded grammar size)"
+        )
+    } else {
+        match grammar {
+            None => "the grammar allows no way to go on".to_string(),
+            Some(Grammar::Regex(_)) => {
+                "the regular expression does not parse, or uses a feature that is not supported (such as look-around or back-references)".to_string()
+            }
+            Some(Grammar::Lark(_)) => match lark_position(message) {
+                Some((line, column)) => {
+                    format!("the Lark grammar does not parse (line {line}, column {column})")
+                }
+                None => "the Lark grammar does not parse, or uses a feature that is not supported".to_string(),
+            },
+            Some(Grammar::JsonSchema(_) | Grammar::JsonObject) => {
+                if message.contains("regex") {
+                    "a pattern in the JSON schema does not parse, or uses a feature that is not supported".to_string()
+                } else {
+                    "the JSON schema uses a type, format, keyword or reference that is not supported, or one that does not resolve".to_string()
+                }
+            }
+        }
+    };
+    ModelError::Constraint { reason }
+}
+
+/// The `LINE(COLUMN)` llguidance's Lark errors begin with.
+fn lark_position(message: &str) -> Option<(u32, u32)> {
+    let text = message.strip_prefix("at ").unwrap_or(message);
+    let (line, rest) = text.split_once('(')?;
+    let (column, _) = rest.split_once(')')?;
+    Some((line.trim().parse().ok()?, column.trim().parse().ok()?))
+}
+
 /// Compiles grammars for one tokenizer: its token trie is built once and
 /// shared by every request's constraint.
 #[derive(Clone)]
@@ -170,12 +220,10 @@ impl Grammars {
         let parser = self
             .factory
             .create_parser(grammar.top_level())
-            .map_err(|e| ModelError::Constraint {
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| refusal(Some(grammar), &e.to_string()))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(reason) = matcher.get_error() {
-            return Err(ModelError::Constraint { reason });
+            return Err(refusal(Some(grammar), &reason));
         }
         Ok(Constraint {
             matcher,
@@ -229,9 +277,7 @@ impl Constraint {
             let mask = self
                 .matcher
                 .compute_mask_or_eos()
-                .map_err(|e| ModelError::Constraint {
-                    reason: e.to_string(),
-                })?;
+                .map_err(|e| refusal(None, &e.to_string()))?;
             self.mask = Some(TokenMask(mask));
         }
         Ok(self.mask.as_ref().expect("computed just above"))
@@ -243,9 +289,7 @@ impl Constraint {
         self.mask = None;
         self.matcher
             .consume_token(token)
-            .map_err(|e| ModelError::Constraint {
-                reason: e.to_string(),
-            })
+            .map_err(|e| refusal(None, &e.to_string()))
     }
 
     /// Whether the grammar is complete and allows nothing more but the end.
@@ -355,6 +399,27 @@ mod tests {
             ))
             .unwrap_err();
         assert!(matches!(error, ModelError::Constraint { .. }));
+        assert!(!error.to_string().contains(secret), "{error}");
+        for bad in [
+            Grammar::Regex(format!("({secret}")),
+            Grammar::Lark(format!("start: {secret} ::= ")),
+            Grammar::JsonSchema(serde_json::json!({
+                "type": "object",
+                "properties": { secret: { "type": secret } },
+            })),
+            Grammar::JsonSchema(serde_json::json!({ "$ref": format!("#/defs/{secret}") })),
+            Grammar::JsonSchema(
+                serde_json::json!({ "type": "string", "pattern": format!("({secret}") }),
+            ),
+            Grammar::JsonSchema(serde_json::json!({ "type": "string", "format": secret })),
+        ] {
+            let error = grammars.compile(&bad).unwrap_err().to_string();
+            assert!(!error.contains(secret), "{error}");
+        }
+        let lark = grammars
+            .compile(&Grammar::Lark(format!("start: {secret} ::= ")))
+            .unwrap_err();
+        assert!(lark.to_string().contains("line 1, column 27"), "{lark}");
         let debug = format!("{:?}", Grammar::Regex(secret.into()));
         assert!(!debug.contains(secret), "{debug}");
     }

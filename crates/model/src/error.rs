@@ -140,8 +140,7 @@ pub enum ModelError {
     /// A grammar could not be compiled, or its constraint could not go on.
     #[error("the output constraint failed: {reason}")]
     Constraint {
-        /// llguidance's reason; it quotes no part of the grammar (built
-        /// without verbose errors).
+        /// Why, in words that quote no part of the grammar (I10).
         reason: String,
     },
     /// The KV pool refused a read or write.

@@ -325,6 +325,10 @@ impl Sampler {
     }
 }
 
+/// The log-probability reported for a token of (numerically) no
+/// probability, as OpenAI's API reports it.
+pub const LOGPROB_FLOOR: f32 = -9999.0;
+
 /// `token`'s log-probability and the `top` most likely tokens' under
 /// softmax(`logits` / `temperature`).
 fn token_logprobs(logits: &[f32], temperature: f32, token: u32, top: usize) -> TokenLogprobs {
@@ -335,7 +339,16 @@ fn token_logprobs(logits: &[f32], temperature: f32, token: u32, top: usize) -> T
         .map(|&l| f64::from((l - max) / temperature).exp())
         .sum();
     let log_total = total.ln() as f32;
-    let logprob = |l: f32| (l - max) / temperature - log_total;
+    // A tiny temperature sends every other token's to minus infinity,
+    // which JSON cannot carry: such a token gets OpenAI's floor instead.
+    let logprob = |l: f32| {
+        let logprob = (l - max) / temperature - log_total;
+        if logprob.is_finite() {
+            logprob.max(LOGPROB_FLOOR)
+        } else {
+            LOGPROB_FLOOR
+        }
+    };
     let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
     if top > 0 {
         for (id, &l) in (0u32..).zip(logits) {
@@ -574,6 +587,18 @@ mod tests {
         let big = "x".repeat(MAX_STOP_BYTES / 2 + 1);
         assert!(StopStrings::new(vec![big.clone()]).is_ok());
         assert!(StopStrings::new(vec![big.clone(), big]).is_err());
+    }
+
+    #[test]
+    fn a_tiny_temperature_gives_finite_log_probabilities() {
+        let logits = [1.0, 0.5, -3.0, 2.0];
+        let logprobs = token_logprobs(&logits, 1e-40, 3, 4);
+        assert_eq!(logprobs.logprob, 0.0);
+        assert!(
+            logprobs.top.iter().all(|(_, l)| l.is_finite()),
+            "{logprobs:?}"
+        );
+        assert_eq!(logprobs.top[1].1, LOGPROB_FLOOR);
     }
 
     fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {

@@ -409,7 +409,14 @@ fn is_neutral(key: &str, value: &Value) -> bool {
         Value::String(s) => {
             s == "none" && matches!(key, "tool_choice" | "function_call" | "reasoning_effort")
                 || s == "disabled" && key == "truncation"
+                // OpenAI's own default: the model answers as it does.
+                || s == "medium" && key == "verbosity"
         }
+        // Responses' `reasoning` with nothing set (what SDKs send by
+        // default) asks for no reasoning.
+        Value::Object(settings) if key == "reasoning" => settings
+            .iter()
+            .all(|(name, value)| value.is_null() || (name == "effort" && value == "none")),
         Value::Array(items) => {
             key == "modalities" && items.iter().all(|m| m.as_str() == Some("text"))
         }
@@ -461,6 +468,14 @@ impl CommonParams {
     }
 
     /// The requested `max_tokens`, if any, checked to be positive.
+    /// The field the request gave its completion limit in.
+    pub fn max_tokens_field(&self) -> &'static str {
+        match self.max_completion_tokens {
+            Some(_) => "max_completion_tokens",
+            None => "max_tokens",
+        }
+    }
+
     pub fn max_tokens(&self) -> Result<Option<usize>, ApiError> {
         let (param, value) = match (self.max_completion_tokens, self.max_tokens) {
             (Some(n), _) => ("max_completion_tokens", n),
@@ -655,7 +670,8 @@ impl ChatFields {
         };
         match (self.logprobs.unwrap_or(false), top) {
             (true, top) => Ok(Some(top.unwrap_or(0))),
-            (false, None) => Ok(None),
+            // No alternatives without log-probabilities asks for nothing.
+            (false, None | Some(0)) => Ok(None),
             (false, Some(_)) => Err(ApiError::invalid(
                 "top_logprobs",
                 "top_logprobs needs logprobs set to true",
@@ -802,6 +818,10 @@ mod tests {
         // Neutral values and metadata pass.
         chat(r#"{"messages": [], "tools": [], "tool_choice": "none", "user": "u", "metadata": {"a": "b"}, "modalities": ["text"], "stream": null}"#)
             .unwrap();
+        // OpenAI's default verbosity asks for nothing; another does.
+        chat(r#"{"messages": [], "verbosity": "medium"}"#).unwrap();
+        let error = chat(r#"{"messages": [], "verbosity": "low"}"#).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("verbosity"));
     }
 
     #[test]
@@ -842,6 +862,13 @@ mod tests {
                 .logprobs()
                 .unwrap(),
             Some(3)
+        );
+        assert_eq!(
+            fields(r#"{"messages": [], "top_logprobs": 0}"#)
+                .logprobs()
+                .unwrap(),
+            None,
+            "zero alternatives and no logprobs ask for nothing"
         );
         let error = fields(r#"{"messages": [], "top_logprobs": 3}"#)
             .logprobs()

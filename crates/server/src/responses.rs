@@ -73,8 +73,31 @@ pub fn to_chat(object: &Map<String, Value>) -> Result<(Map<String, Value>, Value
     if let Some(choice) = object.get("tool_choice").filter(|c| !c.is_null()) {
         chat.insert("tool_choice".into(), chat_tool_choice(choice)?);
     }
-    if let Some(format) = object.get("text").and_then(|t| t.get("format")) {
-        chat.insert("response_format".into(), response_format(format)?);
+    if let Some(text) = object.get("text").filter(|t| !t.is_null()) {
+        let Value::Object(settings) = text else {
+            return Err(ApiError::invalid("text", "text must be an object"));
+        };
+        for (name, value) in settings {
+            match name.as_str() {
+                "format" => {
+                    chat.insert("response_format".into(), response_format(value)?);
+                }
+                // Honoured as chat's `verbosity` is: its default only.
+                "verbosity" if value.is_null() || value == "medium" => {}
+                "verbosity" => {
+                    return Err(ApiError::invalid(
+                        "text.verbosity",
+                        "text.verbosity other than medium is not supported by this server",
+                    ));
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        "text",
+                        "unrecognized field in text; it takes format and verbosity",
+                    ));
+                }
+            }
+        }
     }
     let mut echo = Map::new();
     for &field in ECHOED {
@@ -368,6 +391,7 @@ pub fn response_object(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::openai::parse_object;
 
     fn object(value: Value) -> Map<String, Value> {
         value.as_object().unwrap().clone()
@@ -395,6 +419,29 @@ mod tests {
         assert_eq!(messages[3]["role"], "tool");
         assert_eq!(chat["max_completion_tokens"], 9);
         assert_eq!(chat["response_format"]["type"], "json_schema");
+    }
+
+    #[test]
+    fn text_settings_are_honoured_or_refused_and_empty_reasoning_passes() {
+        let (chat, _) = to_chat(&object(json!({
+            "input": "x",
+            "text": {"format": {"type": "text"}, "verbosity": "medium"},
+        })))
+        .unwrap();
+        assert_eq!(chat["response_format"], json!({"type": "text"}));
+        for (text, param) in [
+            (json!({"verbosity": "high"}), "text.verbosity"),
+            (json!({"format": {"type": "text"}, "colour": "red"}), "text"),
+            (json!("plain"), "text"),
+        ] {
+            let error = to_chat(&object(json!({"input": "x", "text": text}))).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some(param));
+        }
+        let fields = |body: &str| parse_object(body.as_bytes(), RESPONSES_FIELDS);
+        fields(r#"{"input": "x", "reasoning": {}}"#).unwrap();
+        fields(r#"{"input": "x", "reasoning": {"effort": null, "summary": null}}"#).unwrap();
+        let error = fields(r#"{"input": "x", "reasoning": {"effort": "high"}}"#).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("reasoning"));
     }
 
     #[test]

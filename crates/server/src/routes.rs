@@ -255,11 +255,24 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
 }
 
 /// Any other path: 404 in OpenAI's error envelope.
+/// `text` up to `max` bytes (at a character boundary), marked if cut.
+fn shortened(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &text[..end], text.len())
+}
+
 pub async fn not_found(uri: axum::http::Uri) -> Response {
     ApiError::new(
         ErrorType::NotFoundError,
         "not_found",
-        format!("no route for {}", uri.path()),
+        // The path is the client's: named up to a length, never echoed whole.
+        format!("no route for {}", shortened(uri.path(), 128)),
     )
     .into_response()
 }
@@ -846,9 +859,10 @@ fn prepare(
         if let Some(limit) = tenant.limits().max_tokens
             && max_tokens > limit
         {
+            let field = params.max_tokens_field();
             return Err(ApiError::invalid(
-                "max_tokens",
-                format!("max_tokens {max_tokens} exceeds this tenant's limit of {limit}"),
+                field,
+                format!("{field} {max_tokens} exceeds this tenant's limit of {limit}"),
             ));
         }
         if prompt.len() + max_tokens > max_context {

@@ -691,3 +691,66 @@ async fn the_responses_api_answers_streams_and_calls_tools_in_every_mode() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn errors_name_the_clients_own_field_and_echo_nothing_long() {
+    let (key, lines) = crate::common::tenant("capped", &["--max-tokens", "8"]);
+    let file = crate::common::tenants_file(&[lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let url = server.url("/v1/chat/completions");
+    // The limit is named by the field the client used.
+    let (status, body) = post(
+        &url,
+        Some(&key),
+        with(
+            chat("hi", 1),
+            json!({"max_tokens": null, "max_completion_tokens": 9}),
+        ),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "max_completion_tokens");
+    // A 60 KB path is not echoed back.
+    let long = format!("/v1/{}", "x".repeat(60_000));
+    let response = reqwest::Client::new()
+        .get(server.url(&long))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 404);
+    let text = response.text().await.unwrap();
+    assert!(text.len() < 600, "{} bytes", text.len());
+    // OpenAI's defaults and neutral values pass; the scheme is any case.
+    let response = reqwest::Client::new()
+        .post(&url)
+        .header("authorization", format!("bearer {key}"))
+        .json(&with(
+            chat("hi", 2),
+            json!({"verbosity": "medium", "top_logprobs": 0}),
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    // A tiny temperature: every log-probability is a number.
+    let (status, body) = post(
+        &url,
+        Some(&key),
+        with(
+            chat("hi", 3),
+            json!({"temperature": 1e-40, "logprobs": true, "top_logprobs": 5}),
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    for token in body["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+    {
+        assert!(token["logprob"].is_number(), "{token}");
+        for alternative in token["top_logprobs"].as_array().unwrap() {
+            assert!(alternative["logprob"].is_number(), "{alternative}");
+        }
+    }
+}
