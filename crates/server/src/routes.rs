@@ -1262,8 +1262,8 @@ impl Reply {
                                "logprobs": logprobs, "finish_reason": null});
             events.push(self.chunk(json!([delta]), None));
         }
-        let end =
-            json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": "tool_calls"});
+        let end = json!({"index": index, "delta": {}, "logprobs": null,
+                         "finish_reason": tool_finish(reason)});
         events.push(self.chunk(json!([end]), None));
         events
     }
@@ -1290,8 +1290,18 @@ fn tool_choice_json(
             "tool_calls": calls.iter().map(Call::json).collect::<Vec<_>>(),
         },
         "logprobs": logprobs,
-        "finish_reason": "tool_calls",
+        "finish_reason": tool_finish(finish),
     })
+}
+
+/// The finish of an answer that made calls: `tool_calls`, or `length` if
+/// `max_tokens` cut it (its last call's arguments cut with it), as OpenAI
+/// reports it.
+fn tool_finish(finish: Option<FinishReason>) -> &'static str {
+    match finish {
+        Some(FinishReason::Length) => "length",
+        _ => "tool_calls",
+    }
 }
 
 /// The Responses API's answers.

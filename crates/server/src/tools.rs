@@ -132,7 +132,8 @@ pub struct Call {
     pub id: String,
     /// The function.
     pub name: String,
-    /// Its arguments, a JSON object as a string.
+    /// Its arguments, a JSON object as a string (cut short when the
+    /// answer was: then not a whole object).
     pub arguments: String,
 }
 
@@ -146,6 +147,15 @@ impl std::fmt::Debug for Call {
 }
 
 impl Call {
+    /// A call of `name` with a fresh id.
+    fn new(name: &str, arguments: String) -> Call {
+        Call {
+            id: format!("call_{:024x}", rand::random::<u128>() >> 32),
+            name: name.to_string(),
+            arguments,
+        }
+    }
+
     /// The call as `message.tool_calls[i]`.
     pub fn json(&self) -> Value {
         json!({
@@ -324,7 +334,11 @@ impl Tools {
     }
 
     /// The calls in a finished answer, and the text before the first; no
-    /// calls if it holds none this request's tools allow.
+    /// calls if a complete one is not a call this request's tools allow
+    /// (the answer is then text). A call cut off by the end of the answer
+    /// (`max_tokens`) is never text: it becomes a call with the arguments
+    /// written so far, as OpenAI returns one, if its function's name was
+    /// written whole and is a known one, and is dropped otherwise.
     pub fn parse(&self, text: &str) -> (String, Vec<Call>) {
         let Some(first) = text.find(OPEN) else {
             return (text.to_string(), Vec::new());
@@ -333,10 +347,11 @@ impl Tools {
         let mut rest = &text[first..];
         while let Some(start) = rest.find(OPEN) {
             let body = &rest[start + OPEN.len()..];
-            let (json_text, after) = match body.find(CLOSE) {
-                Some(end) => (&body[..end], &body[end + CLOSE.len()..]),
-                None => (body, ""),
+            let Some(end) = body.find(CLOSE) else {
+                calls.extend(self.cut_call(body));
+                break;
             };
+            let (json_text, after) = (&body[..end], &body[end + CLOSE.len()..]);
             let Ok(value) = serde_json::from_str::<Value>(json_text.trim()) else {
                 return (text.to_string(), Vec::new());
             };
@@ -349,14 +364,36 @@ impl Tools {
             if !self.tools.iter().any(|t| t.name == name) {
                 return (text.to_string(), Vec::new());
             }
-            calls.push(Call {
-                id: format!("call_{:024x}", rand::random::<u128>() >> 32),
-                name: name.to_string(),
-                arguments: arguments.to_string(),
-            });
+            calls.push(Call::new(name, arguments.to_string()));
             rest = after;
         }
         (text[..first].trim_end().to_string(), calls)
+    }
+
+    /// A call whose end never came: `{"name": "NAME", "arguments": ...`
+    /// up to where the answer stopped.
+    fn cut_call(&self, body: &str) -> Option<Call> {
+        let rest = body.trim_start().strip_prefix('{')?.trim_start();
+        let rest = rest
+            .strip_prefix("\"name\"")?
+            .trim_start()
+            .strip_prefix(':')?
+            .trim_start();
+        let rest = rest.strip_prefix('"')?;
+        // The name's closing quote: names are `[A-Za-z0-9_-]`, no escapes.
+        let (name, rest) = rest.split_once('"')?;
+        if !self.tools.iter().any(|t| t.name == name) {
+            return None;
+        }
+        let arguments = rest
+            .trim_start()
+            .strip_prefix(',')
+            .map(str::trim_start)
+            .and_then(|r| r.strip_prefix("\"arguments\""))
+            .map(str::trim_start)
+            .and_then(|r| r.strip_prefix(':'))
+            .map_or("", str::trim);
+        Some(Call::new(name, arguments.to_string()))
     }
 }
 
@@ -445,12 +482,43 @@ mod tests {
         for text in [
             "<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tool_call>",
             "<tool_call>\n{\"name\": \"now\", \"arguments\": \"x\"}\n</tool_call>",
-            "<tool_call> not json",
             "plain answer",
         ] {
             assert!(t.parse(text).1.is_empty(), "{text}");
             assert_eq!(t.parse(text).0, text);
         }
+    }
+
+    #[test]
+    fn a_call_cut_off_is_a_call_with_what_was_written_never_markup() {
+        let t = tools(None).unwrap();
+        // A whole call, then one cut inside its arguments: both are calls,
+        // the second with its arguments so far (as OpenAI returns one).
+        let (content, calls) = t.parse(
+            "Checking.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par",
+        );
+        assert_eq!(content, "Checking.");
+        let names: Vec<&str> = calls.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["now", "get_weather"]);
+        assert_eq!(calls[1].arguments, r#"{"city": "Par"#);
+        // Cut before the name was whole, or naming no known function: no
+        // call, and none of the markup in the content.
+        for cut in [
+            "Hm.\n<tool_call>\n{\"name\": \"get_wea",
+            "Hm.\n<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {",
+            "Hm.\n<tool_call> not json",
+            "Hm.\n<tool_call>",
+        ] {
+            let (content, calls) = t.parse(cut);
+            assert!(calls.is_empty(), "{cut}");
+            assert_eq!(content, "Hm.", "{cut}");
+        }
+        // Cut right after the name: a call with no arguments yet.
+        let (_, calls) = t.parse("<tool_call>\n{\"name\": \"now\"");
+        assert_eq!(
+            (calls[0].name.as_str(), calls[0].arguments.as_str()),
+            ("now", "")
+        );
     }
 
     #[test]

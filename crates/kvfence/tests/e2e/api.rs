@@ -754,3 +754,39 @@ async fn errors_name_the_clients_own_field_and_echo_nothing_long() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_cut_by_max_tokens_is_a_call_never_markup() {
+    let server = Server::start(&[]);
+    let url = server.url("/v1/chat/completions");
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    // builtin:tiny's tokens are bytes: 50 of them end inside the arguments
+    // of `<tool_call>\n{"name": "get_weather", "arguments": {...`.
+    let ask = with(
+        chat("weather in Paris?", 50),
+        json!({"tools": weather_tools(), "tool_choice": named, "temperature": 0.8, "seed": 2}),
+    );
+    let (status, answer) = post(&url, None, ask.clone()).await;
+    assert_eq!(status, 200, "{answer}");
+    let reply = &answer["choices"][0];
+    assert_eq!(reply["finish_reason"], "length", "{answer}");
+    assert!(reply["message"]["content"].is_null(), "{answer}");
+    let call = &reply["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{answer}");
+    let arguments = call["arguments"].as_str().unwrap();
+    assert!(arguments.starts_with('{') && serde_json::from_str::<Value>(arguments).is_err());
+    // Streamed: tool-call deltas, no content, the same finish.
+    let (status, data) = sse(&url, None, with(ask, json!({"stream": true}))).await;
+    assert_eq!(status, 200);
+    assert!(!data.iter().any(|d| d.contains("tool_call>")), "{data:?}");
+    let chunks = chunks(&data);
+    let names: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"][0]["function"].get("name"))
+        .collect();
+    assert_eq!(names, [&json!("get_weather")], "{data:?}");
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+}
