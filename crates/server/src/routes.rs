@@ -475,108 +475,156 @@ async fn handle(
     endpoint: Endpoint,
 ) -> Response {
     let started = Instant::now();
+    // This server's name for the request, on every answer and log line
+    // about it. A client's own `x-request-id` is logged beside it, never
+    // used as a key: one client cannot name, and so reach, another's
+    // request.
+    let request_id = format!("req_{:024x}", rand::random::<u128>() >> 32);
+    if let Some(theirs) = headers.get("x-request-id") {
+        info!(request_id, client_request_id = %client_label(theirs.as_bytes()), "request received");
+    }
     // Who is asking, from the headers alone: a stranger is refused before
     // a byte of the body is read.
-    let tenant = match authenticate(&state, &headers) {
-        Ok(tenant) => tenant,
-        Err(error) => return refuse_unread(&state, "-", endpoint, error, body),
+    let mut response = match authenticate(&state, &headers) {
+        Ok(tenant) => {
+            let call = Admitting {
+                state,
+                tenant: &tenant,
+                ticket,
+                headers,
+                endpoint,
+                started,
+                request_id: &request_id,
+            };
+            let mut response = call.handle(body).await;
+            // Every answer to a tenant with rates says where it stands
+            // (OpenAI's `x-ratelimit-*`), refusals included.
+            tenant.rate_headers(response.headers_mut());
+            response
+        }
+        Err(error) => refuse_unread(&state, "-", endpoint, error, body),
     };
-    let mut response =
-        handle_tenant(state, &tenant, ticket, headers, body, endpoint, started).await;
-    // Every answer to a tenant with rates says where it stands (OpenAI's
-    // `x-ratelimit-*`), refusals included.
-    tenant.rate_headers(response.headers_mut());
+    if let Ok(value) = axum::http::HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
     response
 }
 
-async fn handle_tenant(
+/// A client's label for its request, as a log may show it: up to 64
+/// characters of `[A-Za-z0-9._:-]`, anything else as `?`.
+fn client_label(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .take(64)
+        .map(|&b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b':' | b'-' => b as char,
+            _ => '?',
+        })
+        .collect()
+}
+
+/// An authenticated tenant's request, on its way through admission.
+struct Admitting<'a> {
     state: Arc<AppState>,
-    tenant: &Arc<Tenant>,
+    tenant: &'a Arc<Tenant>,
     ticket: Option<Extension<Ticket>>,
     headers: HeaderMap,
-    body: Body,
     endpoint: Endpoint,
     started: Instant,
-) -> Response {
-    // The connection is known from now on: no stranger's socket can close
-    // it to make room (I11). (Routers built without `serve` carry none.)
-    if let Some(Extension(ticket)) = &ticket
-        && let Err(error) = ticket.authenticated()
-    {
-        return refuse_unread(&state, &tenant.name, endpoint, error, body);
-    }
-    // The gateway's inference objective names a priority (I11); a name
-    // the tenants file does not define is refused before the body.
-    let objective = match objective_priority(&state, &headers) {
-        Ok(objective) => objective,
-        Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
-    };
-    // The tenant's slot and request before any work: a tenant at its limit
-    // costs no body, no template and no tokenizer.
-    let mut admission = match tenant.admit() {
-        Ok(admission) => admission,
-        Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
-    };
-    let body = match read_body(&state, &headers, body).await {
-        Ok(body) => body,
-        Err(error) => return refuse(&state, &tenant.name, endpoint, error),
-    };
-    let prepared = match prepare_off_runtime(&state, tenant, body, endpoint, objective).await {
-        Ok(prepared) => prepared,
-        Err(error) => return refuse(&state, &tenant.name, endpoint, error),
-    };
-    let prompt_tokens: usize = prepared
-        .choices
-        .iter()
-        .step_by(prepared.n)
-        .map(|c| c.request.prompt.len())
-        .sum();
-    let max_tokens = prepared.choices[0].request.max_tokens;
-    // The limit counts sequences: `n` choices of every prompt; the rate
-    // counts every prompt and the most each choice may generate (I11).
-    let most_tokens = prompt_tokens + max_tokens * prepared.choices.len();
-    if let Err(error) = tenant
-        .admit_sequences(&mut admission, prepared.choices.len())
-        .and_then(|()| tenant.charge(&mut admission, most_tokens as u64))
-    {
-        return refuse(&state, &tenant.name, endpoint, error);
-    }
-    debug!(
-        tenant = %tenant.name,
-        endpoint = endpoint.label(),
-        prompt_tokens,
-        choices = prepared.choices.len(),
-        "request prepared"
-    );
-    let choices = match submit_choices(&state, prepared.choices, prepared.n).await {
-        Ok(choices) => choices,
-        Err(error) => return refuse(&state, &tenant.name, endpoint, error),
-    };
-    info!(request = %choices[0].handle.id(), tenant = %tenant.name, endpoint = endpoint.label(), prompt_tokens, max_tokens, choices = choices.len(), stream = prepared.stream, "request admitted");
-    let reply = Reply {
-        state,
-        tenant: Arc::clone(tenant),
-        endpoint,
-        choices,
-        tools: prepared.tools,
-        echo: prepared.echo,
-        output: Vec::new(),
-        sequence: 0,
-        streamed: String::new(),
-        n: prepared.n,
-        logprobs: prepared.logprobs,
-        admission,
-        started,
-        id: endpoint.id(),
-        created: unix_now(),
-        ended: std::cell::Cell::new(false),
-        first_token_seen: false,
-    };
-    match (endpoint, prepared.stream) {
-        (Endpoint::Responses, true) => reply.response_stream(),
-        (Endpoint::Responses, false) => reply.response().await,
-        (_, true) => reply.stream(prepared.include_usage),
-        (_, false) => reply.collect().await,
+    request_id: &'a str,
+}
+
+impl Admitting<'_> {
+    async fn handle(self, body: Body) -> Response {
+        let Admitting {
+            state,
+            tenant,
+            ticket,
+            headers,
+            endpoint,
+            started,
+            request_id,
+        } = self;
+        // The connection is known from now on: no stranger's socket can close
+        // it to make room (I11). (Routers built without `serve` carry none.)
+        if let Some(Extension(ticket)) = &ticket
+            && let Err(error) = ticket.authenticated()
+        {
+            return refuse_unread(&state, &tenant.name, endpoint, error, body);
+        }
+        // The gateway's inference objective names a priority (I11); a name
+        // the tenants file does not define is refused before the body.
+        let objective = match objective_priority(&state, &headers) {
+            Ok(objective) => objective,
+            Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
+        };
+        // The tenant's slot and request before any work: a tenant at its limit
+        // costs no body, no template and no tokenizer.
+        let mut admission = match tenant.admit() {
+            Ok(admission) => admission,
+            Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
+        };
+        let body = match read_body(&state, &headers, body).await {
+            Ok(body) => body,
+            Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+        };
+        let prepared = match prepare_off_runtime(&state, tenant, body, endpoint, objective).await {
+            Ok(prepared) => prepared,
+            Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+        };
+        let prompt_tokens: usize = prepared
+            .choices
+            .iter()
+            .step_by(prepared.n)
+            .map(|c| c.request.prompt.len())
+            .sum();
+        let max_tokens = prepared.choices[0].request.max_tokens;
+        // The limit counts sequences: `n` choices of every prompt; the rate
+        // counts every prompt and the most each choice may generate (I11).
+        let most_tokens = prompt_tokens + max_tokens * prepared.choices.len();
+        if let Err(error) = tenant
+            .admit_sequences(&mut admission, prepared.choices.len())
+            .and_then(|()| tenant.charge(&mut admission, most_tokens as u64))
+        {
+            return refuse(&state, &tenant.name, endpoint, error);
+        }
+        debug!(
+            tenant = %tenant.name,
+            endpoint = endpoint.label(),
+            prompt_tokens,
+            choices = prepared.choices.len(),
+            "request prepared"
+        );
+        let choices = match submit_choices(&state, prepared.choices, prepared.n).await {
+            Ok(choices) => choices,
+            Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+        };
+        info!(request_id, request = %choices[0].handle.id(), tenant = %tenant.name, endpoint = endpoint.label(), prompt_tokens, max_tokens, choices = choices.len(), stream = prepared.stream, "request admitted");
+        let reply = Reply {
+            state,
+            tenant: Arc::clone(tenant),
+            endpoint,
+            choices,
+            tools: prepared.tools,
+            echo: prepared.echo,
+            output: Vec::new(),
+            sequence: 0,
+            streamed: String::new(),
+            n: prepared.n,
+            logprobs: prepared.logprobs,
+            admission,
+            started,
+            id: endpoint.id(),
+            created: unix_now(),
+            ended: std::cell::Cell::new(false),
+            first_token_seen: false,
+        };
+        match (endpoint, prepared.stream) {
+            (Endpoint::Responses, true) => reply.response_stream(),
+            (Endpoint::Responses, false) => reply.response().await,
+            (_, true) => reply.stream(prepared.include_usage),
+            (_, false) => reply.collect().await,
+        }
     }
 }
 

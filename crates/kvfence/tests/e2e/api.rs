@@ -790,3 +790,37 @@ async fn a_call_cut_by_max_tokens_is_a_call_never_markup() {
         "length"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_answer_carries_the_servers_own_request_id() {
+    let (key, lines) = crate::common::tenant("ids", &[]);
+    let file = crate::common::tenants_file(&[lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let url = server.url("/v1/chat/completions");
+    let send = |key: Option<String>| {
+        let url = url.clone();
+        async move {
+            let mut request = reqwest::Client::new()
+                .post(&url)
+                .header("x-request-id", "mine-1")
+                .json(&chat("hi", 1));
+            if let Some(key) = key {
+                request = request.bearer_auth(key);
+            }
+            let response = request.send().await.unwrap();
+            let id = response.headers()["x-request-id"].to_str().unwrap().to_string();
+            (response.status().as_u16(), id)
+        }
+    };
+    let (ok, first) = send(Some(key.clone())).await;
+    let (_, second) = send(Some(key)).await;
+    let (refused, stranger) = send(None).await;
+    assert_eq!((ok, refused), (200, 401));
+    for id in [&first, &second, &stranger] {
+        assert!(id.starts_with("req_") && id.len() == 28, "{id}");
+    }
+    assert!(first != second && second != stranger, "one id per request");
+    // The client's own label is in the log beside the server's id.
+    server.wait_for_log("client_request_id=mine-1");
+    assert!(server.log().contains(&first));
+}
