@@ -834,15 +834,9 @@ fn prepare(
             ),
         ));
     }
-    let constraint = match (&tools, params.grammar()?) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                "response_format cannot be combined with tools; a required or named tool_choice constrains the arguments to the function's schema",
-            ));
-        }
-        (Some(tools), None) => tools.grammar(),
-        (None, grammar) => grammar,
+    let constraint = match &tools {
+        Some(tools) => tools.grammar(params.grammar()?)?,
+        None => params.grammar()?,
     };
     // Compiled here, once per request, on this blocking thread: a bad
     // grammar — or one past the compiler's limits at its first mask — is a

@@ -166,6 +166,24 @@ impl Call {
     }
 }
 
+/// `schema` written on one line with fixed separators, unless it sets its
+/// own layout: free whitespace lets a small model pad forever.
+fn with_layout(mut schema: Value) -> Value {
+    if let Some(object) = schema.as_object_mut()
+        && !object.contains_key("x-guidance")
+    {
+        object.insert(
+            "x-guidance".into(),
+            json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            }),
+        );
+    }
+    schema
+}
+
 fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
         && name
@@ -300,13 +318,48 @@ impl Tools {
         text
     }
 
-    /// The grammar a `required` or named choice constrains the answer to:
-    /// one call of an allowed function, with arguments valid against its
-    /// schema. `None` for `auto`.
-    pub fn grammar(&self) -> Option<kvfence_model::Grammar> {
+    /// The grammar the answer is constrained to, given the request's
+    /// `response_format` grammar (`format`): with a `required` or named
+    /// choice, one call of an allowed function with arguments valid
+    /// against its schema (the format is for a text answer, and there is
+    /// none); with `auto`, such a call of any of the tools *or* an answer
+    /// in the format — the Agents SDK's tools with a structured output —,
+    /// or nothing to constrain without a format. A regex or Lark format
+    /// cannot be joined to calls: 400.
+    pub fn grammar(
+        &self,
+        format: Option<kvfence_model::Grammar>,
+    ) -> Result<Option<kvfence_model::Grammar>, ApiError> {
+        use kvfence_model::Grammar;
+        if self.choice != ToolChoice::Auto {
+            return Ok(Some(self.calls_grammar("start")));
+        }
+        let answer = match format {
+            None => return Ok(None),
+            Some(Grammar::JsonObject) => json!({ "type": "object" }),
+            Some(Grammar::JsonSchema(schema)) => schema,
+            Some(Grammar::Regex(_) | Grammar::Lark(_)) => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "a regex or grammar response_format cannot be combined with tools; use json_schema or json_object",
+                ));
+            }
+        };
+        let answer = with_layout(answer);
+        let calls = self.calls_grammar("call");
+        let Grammar::Lark(calls) = calls else {
+            unreachable!("calls_grammar writes Lark")
+        };
+        Ok(Some(Grammar::Lark(format!(
+            "start: call | answer\n{calls}answer: %json {answer}\n"
+        ))))
+    }
+
+    /// A Lark grammar whose rule `rule` is one call of an allowed function
+    /// (any, for `auto`).
+    fn calls_grammar(&self, rule: &str) -> kvfence_model::Grammar {
         let allowed: Vec<&Tool> = match &self.choice {
-            ToolChoice::Auto => return None,
-            ToolChoice::Required => self.tools.iter().collect(),
+            ToolChoice::Auto | ToolChoice::Required => self.tools.iter().collect(),
             ToolChoice::Named(name) => self.tools.iter().filter(|t| &t.name == name).collect(),
         };
         let calls: Vec<Value> = allowed
@@ -320,17 +373,10 @@ impl Tools {
                 })
             })
             .collect();
-        let schema = json!({
-            "anyOf": calls,
-            "x-guidance": {
-                "whitespace_flexible": false,
-                "item_separator": ", ",
-                "key_separator": ": ",
-            },
-        });
-        Some(kvfence_model::Grammar::Lark(format!(
-            "start: \"{OPEN}\\n\" call \"\\n{CLOSE}\"\ncall: %json {schema}\n"
-        )))
+        let schema = with_layout(json!({ "anyOf": calls }));
+        kvfence_model::Grammar::Lark(format!(
+            "{rule}: \"{OPEN}\\n\" arguments \"\\n{CLOSE}\"\narguments: %json {schema}\n"
+        ))
     }
 
     /// The calls in a finished answer, and the text before the first; no
@@ -545,7 +591,7 @@ mod tests {
 
     #[test]
     fn required_and_named_choices_compile_to_a_grammar_auto_does_not() {
-        assert!(tools(None).unwrap().grammar().is_none());
+        assert!(tools(None).unwrap().grammar(None).unwrap().is_none());
         let tokenizer = kvfence_model::Tokenizer::byte_level(260).unwrap();
         let grammars = kvfence_model::Grammars::new(&tokenizer, 260, &[256]).unwrap();
         for choice in [
@@ -557,12 +603,55 @@ mod tests {
                 },
             },
         ] {
-            let grammar = tools(Some(choice)).unwrap().grammar().unwrap();
+            let grammar = tools(Some(choice)).unwrap().grammar(None).unwrap().unwrap();
             let mut constraint = grammars.compile(&grammar).unwrap();
             let mask = constraint.mask().unwrap();
             assert!(mask.allows(u32::from(b'<')));
             assert!(!mask.allows(u32::from(b'x')));
         }
+    }
+
+    #[test]
+    fn auto_with_a_structured_output_is_a_call_or_an_answer_in_the_format() {
+        use kvfence_model::Grammar;
+        let tokenizer = kvfence_model::Tokenizer::byte_level(260).unwrap();
+        let grammars = kvfence_model::Grammars::new(&tokenizer, 260, &[256]).unwrap();
+        let format = Grammar::JsonSchema(json!({
+            "type": "object",
+            "properties": {"answer": {"type": "string"}},
+            "required": ["answer"],
+        }));
+        let grammar = tools(None).unwrap().grammar(Some(format)).unwrap().unwrap();
+        let mut constraint = grammars.compile(&grammar).unwrap();
+        let mask = constraint.mask().unwrap();
+        // A call begins with `<`, an answer with `{`; nothing else.
+        assert!(mask.allows(u32::from(b'<')) && mask.allows(u32::from(b'{')));
+        assert!(!mask.allows(u32::from(b'x')) && !mask.allows(u32::from(b'[')));
+        // Walk the answer side: the format's JSON, then the end.
+        let mut text = String::new();
+        for byte in br#"{"answer": "hi"}"# {
+            assert!(
+                constraint.mask().unwrap().allows(u32::from(*byte)),
+                "{text}"
+            );
+            constraint.accept(u32::from(*byte)).unwrap();
+            text.push(char::from(*byte));
+        }
+        assert!(constraint.mask().unwrap().allows(256), "the answer may end");
+        // A regex format cannot be joined to calls.
+        let error = tools(None)
+            .unwrap()
+            .grammar(Some(Grammar::Regex("x+".into())))
+            .unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("response_format"));
+        // A required call ignores the format: there is no text answer.
+        let required = tools(Some(ToolChoiceIn::Mode("required".into()))).unwrap();
+        let grammar = required
+            .grammar(Some(Grammar::JsonObject))
+            .unwrap()
+            .unwrap();
+        let mut constraint = grammars.compile(&grammar).unwrap();
+        assert!(!constraint.mask().unwrap().allows(u32::from(b'{')));
     }
 
     #[test]

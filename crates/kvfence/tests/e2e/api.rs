@@ -808,7 +808,10 @@ async fn every_answer_carries_the_servers_own_request_id() {
                 request = request.bearer_auth(key);
             }
             let response = request.send().await.unwrap();
-            let id = response.headers()["x-request-id"].to_str().unwrap().to_string();
+            let id = response.headers()["x-request-id"]
+                .to_str()
+                .unwrap()
+                .to_string();
             (response.status().as_u16(), id)
         }
     };
@@ -823,4 +826,57 @@ async fn every_answer_carries_the_servers_own_request_id() {
     // The client's own label is in the log beside the server's id.
     server.wait_for_log("client_request_id=mine-1");
     assert!(server.log().contains(&first));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tools_with_a_structured_output_give_a_call_or_an_answer_in_the_format() {
+    let server = Server::start(&[]);
+    let url = server.url("/v1/chat/completions");
+    let format = json!({"type": "json_schema", "json_schema": {"name": "verdict", "schema": {
+        "type": "object", "additionalProperties": false,
+        "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}});
+    let (mut calls, mut answers) = (0, 0);
+    // A random model picks either side; every answer is one or the other.
+    for seed in 0..12 {
+        let (status, answer) = post(
+            &url,
+            None,
+            with(
+                chat("weather in Paris?", 120),
+                json!({"tools": weather_tools(), "tool_choice": "auto",
+                       "response_format": format, "temperature": 1.0, "seed": seed}),
+            ),
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+        let message = &answer["choices"][0]["message"];
+        match message["tool_calls"].as_array() {
+            Some(list) => {
+                calls += 1;
+                let name = list[0]["function"]["name"].as_str().unwrap();
+                assert!(["get_weather", "get_time"].contains(&name), "{answer}");
+            }
+            None => {
+                answers += 1;
+                let content: Value =
+                    serde_json::from_str(message["content"].as_str().unwrap()).unwrap();
+                assert!(content["ok"].is_boolean(), "{content}");
+            }
+        }
+    }
+    assert_eq!(calls + answers, 12);
+    assert!(calls > 0 && answers > 0, "{calls} calls, {answers} answers");
+    // A regex format cannot be joined to calls.
+    let (status, answer) = post(
+        &url,
+        None,
+        with(
+            chat("hi", 4),
+            json!({"tools": weather_tools(),
+                   "response_format": {"type": "regex", "regex": "[a-z]+"}}),
+        ),
+    )
+    .await;
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(answer["error"]["param"], "response_format");
 }
