@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use kvfence_model::{Grammar, MAX_TOP_LOGPROBS, SamplingParams, StopStrings};
 use serde::Deserialize;
-use serde::de::DeserializeOwned;
+use serde::de::{DeserializeOwned, IgnoredAny};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
@@ -138,14 +138,24 @@ pub struct StreamOptions {
 /// `response_format.json_schema`. Its `name` and `description` are
 /// metadata, and `strict` changes nothing: the schema is always enforced.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct JsonSchemaFormat {
     /// The schema; absent means any JSON object.
     pub schema: Option<RedactedJson>,
+    /// Metadata.
+    #[serde(default, rename = "name")]
+    _name: Option<IgnoredAny>,
+    /// Metadata.
+    #[serde(default, rename = "description")]
+    _description: Option<IgnoredAny>,
+    /// Always honoured as true.
+    #[serde(default, rename = "strict")]
+    _strict: Option<IgnoredAny>,
 }
 
 /// `response_format`.
 #[derive(Debug, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ResponseFormat {
     /// Free text (the default).
     Text,
@@ -279,8 +289,12 @@ pub struct ContentPart {
     pub text: Option<Redacted>,
 }
 
-/// One chat message.
+/// One chat message. Fields OpenAI's own answers carry, which clients
+/// send back with the conversation, are metadata; an `audio` or
+/// `function_call` that asks for something is refused; anything else is
+/// an unknown field.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MessageIn {
     /// `system`, `developer`, `user`, `assistant`, `tool`.
     pub role: String,
@@ -289,6 +303,23 @@ pub struct MessageIn {
     pub content: Option<Content>,
     /// The calls an earlier assistant turn made.
     pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// A participant's name (metadata).
+    #[serde(default, rename = "name")]
+    _name: Option<IgnoredAny>,
+    /// Which call a tool result answers (metadata: results match by order).
+    #[serde(default, rename = "tool_call_id")]
+    _tool_call_id: Option<IgnoredAny>,
+    /// An earlier answer's refusal and annotations (metadata).
+    #[serde(default, rename = "refusal")]
+    _refusal: Option<IgnoredAny>,
+    #[serde(default, rename = "annotations")]
+    _annotations: Option<IgnoredAny>,
+    /// Audio in or out: only null.
+    #[serde(default)]
+    pub audio: Option<Value>,
+    /// The pre-`tools` call: only null.
+    #[serde(default)]
+    pub function_call: Option<Value>,
 }
 
 /// The fields only `/v1/chat/completions` has.
@@ -434,8 +465,13 @@ pub fn typed<T: DeserializeOwned>(object: &Map<String, Value>) -> Result<T, ApiE
             path
         };
         let inner = error.into_inner();
-        let message = if inner.to_string().starts_with("missing field") {
+        let text = inner.to_string();
+        // The path ends in the key the client sent: cut, never echoed whole.
+        let param = key_param(&param).to_string();
+        let message = if text.starts_with("missing field") {
             "a required field is missing".to_string()
+        } else if text.starts_with("unknown field") {
+            "unrecognized request argument; see docs/api.md for the fields it may hold".to_string()
         } else {
             format!("{param} has the wrong type or value")
         };
@@ -717,6 +753,14 @@ impl ChatFields {
             .iter()
             .enumerate()
             .map(|(i, m)| {
+                for (field, value) in [("audio", &m.audio), ("function_call", &m.function_call)] {
+                    if value.as_ref().is_some_and(|v| !v.is_null()) {
+                        return Err(ApiError::invalid(
+                            &format!("messages[{i}].{field}"),
+                            format!("messages[].{field} is not supported by this server"),
+                        ));
+                    }
+                }
                 let content = match &m.content {
                     None => String::new(),
                     Some(Content::Text(t)) => t.expose().to_string(),
@@ -822,6 +866,53 @@ mod tests {
         chat(r#"{"messages": [], "verbosity": "medium"}"#).unwrap();
         let error = chat(r#"{"messages": [], "verbosity": "low"}"#).unwrap_err();
         assert_eq!(error.param.as_deref(), Some("verbosity"));
+    }
+
+    #[test]
+    fn unknown_nested_fields_are_refused_and_what_openai_sends_back_passes() {
+        let fields = |body: &str| -> Result<ChatFields, ApiError> { typed(&chat(body)?) };
+        let params = |body: &str| -> Result<CommonParams, ApiError> { typed(&chat(body)?) };
+        // An assistant message as OpenAI's SDK dumps it, sent back.
+        let echoed = r#"{"messages": [{"role": "assistant", "content": "hi", "refusal": null,
+            "annotations": [], "audio": null, "function_call": null, "name": "bot",
+            "tool_calls": [{"id": "call_1", "type": "function", "index": 0,
+                            "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "ok"}],
+            "tools": [{"type": "function", "function": {"name": "f", "strict": true,
+                        "parameters": {"type": "object"}}}],
+            "response_format": {"type": "json_schema", "json_schema":
+                {"name": "x", "strict": true, "schema": {"type": "object"}}}}"#;
+        fields(echoed).unwrap().messages(None).unwrap();
+        params(echoed).unwrap();
+        for (body, param) in [
+            (
+                r#"{"messages": [{"role": "user", "content": "x", "colour": 1}]}"#,
+                "messages[0].colour",
+            ),
+            (
+                r#"{"messages": [], "tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}"#,
+                "tools[0].function.extra",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}", "x": 1}}]}]}"#,
+                "messages[0].tool_calls[0].function.x",
+            ),
+        ] {
+            let error = fields(body).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some(param), "{body}");
+            assert!(error.message.contains("unrecognized"), "{}", error.message);
+        }
+        let error = params(r#"{"messages": [], "response_format": {"type": "regex", "regex": "a+", "flags": "i"}}"#)
+            .unwrap_err();
+        // Inside a tagged object serde names the object, not the key.
+        assert_eq!(error.param.as_deref(), Some("response_format"));
+        assert!(error.message.contains("unrecognized"), "{}", error.message);
+        let audio =
+            fields(r#"{"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}"#)
+                .unwrap()
+                .messages(None)
+                .unwrap_err();
+        assert_eq!(audio.param.as_deref(), Some("messages[0].audio"));
     }
 
     #[test]

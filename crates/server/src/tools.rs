@@ -29,6 +29,7 @@ pub const MAX_TOOLS: usize = 128;
 
 /// One entry of `tools`.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ToolIn {
     /// Only `function`.
     #[serde(rename = "type")]
@@ -37,8 +38,10 @@ pub struct ToolIn {
     pub function: FunctionIn,
 }
 
-/// A function the model may call.
+/// A function the model may call. `strict` is honoured whatever it says:
+/// a constrained call's arguments always match the schema.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FunctionIn {
     /// `[A-Za-z0-9_-]{1,64}`.
     pub name: String,
@@ -46,6 +49,8 @@ pub struct FunctionIn {
     pub description: Option<Redacted>,
     /// A JSON schema of its arguments (an object); absent means none.
     pub parameters: Option<RedactedJson>,
+    #[serde(default, rename = "strict")]
+    _strict: Option<bool>,
 }
 
 /// `tool_choice`.
@@ -74,13 +79,22 @@ pub struct NamedFunction {
 /// A call in an earlier assistant message. Its `id` and `type` are
 /// metadata: the model sees calls, and their results, in order.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ToolCallIn {
     /// What was called.
     pub function: CalledFunction,
+    #[serde(default, rename = "id")]
+    _id: Option<serde::de::IgnoredAny>,
+    #[serde(default, rename = "type")]
+    _kind: Option<serde::de::IgnoredAny>,
+    /// A streamed call's position, left by clients that assembled it.
+    #[serde(default, rename = "index")]
+    _index: Option<serde::de::IgnoredAny>,
 }
 
 /// The function and arguments of an earlier call.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CalledFunction {
     /// Its name.
     pub name: String,
