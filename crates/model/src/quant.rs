@@ -40,10 +40,22 @@ pub enum QuantFormat {
     Q4_0,
     /// 32 weights: f16 scale and minimum, 4-bit values.
     Q4_1,
+    /// 32 weights: f16 scale, 5-bit values offset by 16 (a 32-bit mask
+    /// holds the fifth bits).
+    Q5_0,
+    /// 32 weights: f16 scale and minimum, 5-bit values.
+    Q5_1,
     /// 32 weights: f16 scale, 8-bit values.
     Q8_0,
+    /// 256 weights in 16 sub-blocks with 4-bit scales and minimums, 2-bit values.
+    Q2_K,
+    /// 256 weights in 16 sub-blocks with 6-bit scales, 3-bit values (a
+    /// mask holds the third bits).
+    Q3_K,
     /// 256 weights in 8 sub-blocks with 6-bit scales and minimums, 4-bit values.
     Q4_K,
+    /// 256 weights in 8 sub-blocks with 6-bit scales and minimums, 5-bit values.
+    Q5_K,
     /// 256 weights in 16 sub-blocks with 8-bit scales, 6-bit values.
     Q6_K,
 }
@@ -56,8 +68,13 @@ impl QuantFormat {
             1 => QuantFormat::F16,
             2 => QuantFormat::Q4_0,
             3 => QuantFormat::Q4_1,
+            6 => QuantFormat::Q5_0,
+            7 => QuantFormat::Q5_1,
             8 => QuantFormat::Q8_0,
+            10 => QuantFormat::Q2_K,
+            11 => QuantFormat::Q3_K,
             12 => QuantFormat::Q4_K,
+            13 => QuantFormat::Q5_K,
             14 => QuantFormat::Q6_K,
             30 => QuantFormat::BF16,
             _ => return None,
@@ -71,8 +88,13 @@ impl QuantFormat {
             QuantFormat::F16 => 1,
             QuantFormat::Q4_0 => 2,
             QuantFormat::Q4_1 => 3,
+            QuantFormat::Q5_0 => 6,
+            QuantFormat::Q5_1 => 7,
             QuantFormat::Q8_0 => 8,
+            QuantFormat::Q2_K => 10,
+            QuantFormat::Q3_K => 11,
             QuantFormat::Q4_K => 12,
+            QuantFormat::Q5_K => 13,
             QuantFormat::Q6_K => 14,
             QuantFormat::BF16 => 30,
         }
@@ -82,8 +104,16 @@ impl QuantFormat {
     pub fn block_elements(self) -> usize {
         match self {
             QuantFormat::F32 | QuantFormat::F16 | QuantFormat::BF16 => 1,
-            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 => 32,
-            QuantFormat::Q4_K | QuantFormat::Q6_K => 256,
+            QuantFormat::Q4_0
+            | QuantFormat::Q4_1
+            | QuantFormat::Q5_0
+            | QuantFormat::Q5_1
+            | QuantFormat::Q8_0 => 32,
+            QuantFormat::Q2_K
+            | QuantFormat::Q3_K
+            | QuantFormat::Q4_K
+            | QuantFormat::Q5_K
+            | QuantFormat::Q6_K => 256,
         }
     }
 
@@ -94,8 +124,13 @@ impl QuantFormat {
             QuantFormat::F16 | QuantFormat::BF16 => 2,
             QuantFormat::Q4_0 => 18,
             QuantFormat::Q4_1 => 20,
+            QuantFormat::Q5_0 => 22,
+            QuantFormat::Q5_1 => 24,
             QuantFormat::Q8_0 => 34,
+            QuantFormat::Q2_K => 84,
+            QuantFormat::Q3_K => 110,
             QuantFormat::Q4_K => 144,
+            QuantFormat::Q5_K => 176,
             QuantFormat::Q6_K => 210,
         }
     }
@@ -202,6 +237,69 @@ pub fn dequantize_row(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+            for (b, o) in blocks {
+                let d = half_at(b, 0);
+                let (m, rest) = match format {
+                    QuantFormat::Q5_1 => (Some(half_at(b, 2)), &b[4..]),
+                    _ => (None, &b[2..]),
+                };
+                let qh = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+                let qs = &rest[4..20];
+                for (j, o) in o.iter_mut().enumerate() {
+                    let nibble = (qs[j % 16] >> (4 * (j / 16))) & 0x0F;
+                    let q = nibble | (((qh >> j) & 1) as u8) << 4;
+                    *o = match m {
+                        Some(m) => d * f32::from(q) + m,
+                        None => d * f32::from(q as i8 - 16),
+                    };
+                }
+            }
+        }
+        QuantFormat::Q2_K => {
+            for (b, o) in blocks {
+                let (scales, qs) = (&b[..16], &b[16..80]);
+                let (d, dmin) = (half_at(b, 80), half_at(b, 82));
+                for (k, o) in o.iter_mut().enumerate() {
+                    let sc = scales[k / 16];
+                    let dl = d * f32::from(sc & 0x0F);
+                    let ml = dmin * f32::from(sc >> 4);
+                    let q = (qs[k / 128 * 32 + k % 32] >> (2 * (k % 128 / 32))) & 3;
+                    *o = dl * f32::from(q) - ml;
+                }
+            }
+        }
+        QuantFormat::Q3_K => {
+            for (b, o) in blocks {
+                let (hmask, qs, scales) = (&b[..32], &b[32..96], &b[96..108]);
+                let d = half_at(b, 108);
+                // Sixteen 6-bit scales: low four bits in bytes 0..8 (two
+                // per byte), high two in bytes 8..12 (four per byte).
+                let scale = |i: usize| {
+                    let low = (scales[i % 8] >> (4 * (i / 8))) & 0x0F;
+                    let high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+                    f32::from((low | high << 4) as i8 - 32)
+                };
+                for (k, o) in o.iter_mut().enumerate() {
+                    let low = (qs[k / 128 * 32 + k % 32] >> (2 * (k % 128 / 32))) & 3;
+                    let high = (hmask[k % 32] >> (k / 32)) & 1;
+                    let q = low as i8 - if high == 0 { 4 } else { 0 };
+                    *o = d * scale(k / 16) * f32::from(q);
+                }
+            }
+        }
+        QuantFormat::Q5_K => {
+            for (b, o) in blocks {
+                let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+                let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+                for (k, o) in o.iter_mut().enumerate() {
+                    let (sc, m) = k_scale_min(k / 32, scales);
+                    let low = (qs[k / 64 * 32 + k % 32] >> (4 * (k % 64 / 32))) & 0x0F;
+                    let high = (qh[k % 32] >> (k / 32)) & 1;
+                    *o = d * sc * f32::from(low | high << 4) - dmin * m;
+                }
+            }
+        }
         QuantFormat::Q6_K => {
             for (b, o) in blocks {
                 let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
@@ -277,7 +375,46 @@ pub fn quantize_row(format: QuantFormat, row: &[f32]) -> Option<Vec<u8>> {
                 out.extend(block.iter().map(|&v| (v * id).round() as i8 as u8));
             }
         }
-        QuantFormat::Q4_K | QuantFormat::Q6_K => return None,
+        QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+            for block in row.chunks_exact(32) {
+                // Q5_0: the signed extreme maps to -16; Q5_1: the range
+                // from the minimum over 31 steps.
+                let (d, min) = if format == QuantFormat::Q5_0 {
+                    let extreme = block
+                        .iter()
+                        .copied()
+                        .fold(0.0f32, |e, v| if v.abs() > e.abs() { v } else { e });
+                    (extreme / -16.0, None)
+                } else {
+                    let min = block.iter().copied().fold(f32::INFINITY, f32::min);
+                    let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    ((max - min) / 31.0, Some(min))
+                };
+                let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                let q = |v: f32| match min {
+                    Some(min) => (((v - min) * id + 0.5) as u8).min(31),
+                    None => ((v * id + 16.5) as i8).min(31) as u8,
+                };
+                if let Some(min) = min {
+                    out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+                }
+                let mut qh = 0u32;
+                let mut qs = [0u8; 16];
+                for j in 0..16 {
+                    let (low, high) = (q(block[j]), q(block[j + 16]));
+                    qs[j] = (low & 0x0F) | (high & 0x0F) << 4;
+                    qh |= u32::from(low >> 4) << j | u32::from(high >> 4) << (j + 16);
+                }
+                out.extend_from_slice(&qh.to_le_bytes());
+                out.extend_from_slice(&qs);
+            }
+        }
+        QuantFormat::Q2_K
+        | QuantFormat::Q3_K
+        | QuantFormat::Q4_K
+        | QuantFormat::Q5_K
+        | QuantFormat::Q6_K => return None,
     }
     Some(out)
 }
@@ -687,6 +824,119 @@ mod tests {
                     i * 17
                 );
             }
+        }
+    }
+
+    /// Four blocks of `format`: bytes `(37 i + 11 b) mod 251`, the f16
+    /// scale fields set to finite values (block `b`'s scaled by `b + 1`).
+    fn reference_blocks(format: QuantFormat, scales: &[(usize, f32)]) -> Vec<u8> {
+        let size = format.block_bytes();
+        (0..4)
+            .flat_map(|b| {
+                let mut block: Vec<u8> =
+                    (0..size).map(|i| ((i * 37 + b * 11) % 251) as u8).collect();
+                for &(at, value) in scales {
+                    let scaled = f16::from_f32(value * (b + 1) as f32);
+                    block[at..at + 2].copy_from_slice(&scaled.to_le_bytes());
+                }
+                block
+            })
+            .collect()
+    }
+
+    /// Every format read from GGUF files decodes bit for bit as llama.cpp's
+    /// reference does: the SHA-256 of the f32 values the `gguf` Python
+    /// package (0.x, `gguf.quants.dequantize`) gives for the same bytes.
+    #[test]
+    fn every_read_format_decodes_bit_exactly_as_the_reference() {
+        use sha2::{Digest, Sha256};
+        let cases = [
+            (
+                QuantFormat::Q5_0,
+                &[(0, 0.01)][..],
+                "c10f8795364e0acb7599c46e3f638525c2fa48db5ec4dc8d3b06b76baa140c25",
+            ),
+            (
+                QuantFormat::Q5_1,
+                &[(0, 0.01), (2, -0.3)][..],
+                "4ea76871beccd57c07952d682aff1bb02de5db42aa917cbfff4814bf7d327738",
+            ),
+            (
+                QuantFormat::Q2_K,
+                &[(80, 0.01), (82, 0.02)][..],
+                "503adb428b35b8fdfa3e39362a8d9dc36c6c6a12e66eadf0c93bda1d647b833f",
+            ),
+            (
+                QuantFormat::Q3_K,
+                &[(108, 0.01)][..],
+                "b4035c5cc47986f479b239eceee6076016424be8dba2370d9ecb99d35ecb5c0e",
+            ),
+            (
+                QuantFormat::Q4_K,
+                &[(0, 0.01), (2, 0.02)][..],
+                "03f7799a66226a3c59aa36be9d6edbbac5e41f563a3020892b819d78b895d026",
+            ),
+            (
+                QuantFormat::Q5_K,
+                &[(0, 0.01), (2, 0.02)][..],
+                "6bb1b7f0852aa5e52195847f15f8472b4a6a7461e0aa59c7e3c7a5542c84ddad",
+            ),
+            (
+                QuantFormat::Q6_K,
+                &[(208, 0.01)][..],
+                "a2f795fa09cc3347c5895802cacfeafbe657848c280d8bca21d041a66ac8f8bf",
+            ),
+        ];
+        for (format, scales, expected) in cases {
+            let bytes = reference_blocks(format, scales);
+            let mut out = vec![0.0f32; 4 * format.block_elements()];
+            dequantize_row(format, &bytes, &mut out);
+            let digest = Sha256::digest(
+                out.iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            );
+            let got: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(got, expected, "{format:?}: first values {:?}", &out[..3]);
+        }
+    }
+
+    /// The encoders round as llama.cpp's reference does: the SHA-256 of
+    /// the bytes `gguf.quants.quantize` gives for the same row.
+    #[test]
+    fn encoders_write_the_reference_bytes() {
+        use sha2::{Digest, Sha256};
+        let row: Vec<f32> = (0..64)
+            .map(|i| (((i * 37) % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        for (format, expected) in [
+            (
+                QuantFormat::Q5_0,
+                "b895970bc38d5a7d39e8b172379d95869069e028134b5fbe12964aeba29c21fa",
+            ),
+            (
+                QuantFormat::Q5_1,
+                "78cccc37e99d65dd43ee815c2db85b0ffe9c4d3a7c132ffa77f5234c62ad6647",
+            ),
+            (
+                QuantFormat::Q4_0,
+                "682e02a16ce0aa8e1bdfa9e06070e14a646e4356e37bef4a817bbb7e0e8dd564",
+            ),
+            (
+                QuantFormat::Q4_1,
+                "85db1b1818b0f5bcc00df37a2aee532dce043e1f4b4c3c28e22d71decbc8834a",
+            ),
+            (
+                QuantFormat::Q8_0,
+                "d434dbaba3d15a78bb8dff3a0a923c8eb60645e03087ff84c85641c3addba8c3",
+            ),
+        ] {
+            let bytes = quantize_row(format, &row).unwrap();
+            let got: String = Sha256::digest(&bytes)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            assert_eq!(got, expected, "{format:?}");
         }
     }
 

@@ -217,6 +217,8 @@ fn quantized_ggufs_stay_close_to_the_original() {
         (QuantFormat::F16, 0.01),
         (QuantFormat::BF16, 0.05),
         (QuantFormat::Q8_0, 0.05),
+        (QuantFormat::Q5_1, 0.2),
+        (QuantFormat::Q5_0, 0.2),
         (QuantFormat::Q4_1, 0.3),
         (QuantFormat::Q4_0, 0.3),
     ] {
