@@ -63,7 +63,7 @@ use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::IsaCap;
+use crate::isa::IsaCap;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -540,11 +540,11 @@ fn simd_kernel(hd: usize) -> Option<avx512::Cpu> {
     avx512::Cpu::detect().filter(|_| avx512::handles(hd) && wide_enough(IsaCap::Avx512))
 }
 
-/// Whether [`crate::kernels::widest_isa`] allows hand-written kernels of
+/// Whether [`crate::isa::widest_isa`] allows hand-written kernels of
 /// `isa`.
 #[cfg(target_arch = "x86_64")]
 fn wide_enough(isa: IsaCap) -> bool {
-    crate::kernels::widest_isa() >= isa
+    crate::isa::widest_isa() >= isa
 }
 
 #[cfg(not(target_arch = "x86_64"))]

@@ -24,6 +24,7 @@ mod error;
 pub mod fetch;
 pub mod forward;
 pub mod gguf;
+mod isa;
 pub mod kernels;
 pub mod loader;
 mod qtile;

@@ -399,11 +399,11 @@ fn tile_with<const M: usize, const R: usize, W: Source>(
 }
 
 /// The fastest implementation this CPU runs, within
-/// [`crate::kernels::widest_isa`].
+/// [`crate::isa::widest_isa`].
 fn best_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::kernels::{IsaCap, widest_isa};
+        use crate::isa::{IsaCap, widest_isa};
         let cap = widest_isa();
         if let Some(cpu) = avx512::Cpu::detect().filter(|_| cap >= IsaCap::Avx512) {
             return Isa::Avx512(cpu);

@@ -19,7 +19,7 @@ use serde::de::{DeserializeOwned, IgnoredAny};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
-use crate::redact::Redacted;
+use crate::redact::{Redacted, RedactedJson};
 use crate::tools::{ToolCallIn, ToolChoiceIn, ToolIn, Tools, render_calls};
 
 /// How a field of a request body is treated.
@@ -104,18 +104,6 @@ pub const MAX_CHOICES: usize = 16;
 
 /// Most log-probability alternatives `/v1/completions` returns (OpenAI's).
 pub const MAX_COMPLETION_LOGPROBS: i64 = 5;
-
-/// JSON the client sent as content — a schema — shown by `Debug` only as
-/// its size (I10).
-#[derive(Clone, PartialEq, Deserialize)]
-#[serde(transparent)]
-pub struct RedactedJson(pub Value);
-
-impl std::fmt::Debug for RedactedJson {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "<redacted JSON {} bytes>", self.0.to_string().len())
-    }
-}
 
 /// `stop`: one string or a list.
 #[derive(Debug, Deserialize)]

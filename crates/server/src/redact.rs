@@ -1,7 +1,8 @@
 //! [`Redacted`]: request text that logs, metrics and error messages cannot
 //! print. Its `Debug` and `Display` show only the length (I10); the text is
 //! reachable only through [`Redacted::expose`], at the few places that must
-//! hand it to the tokenizer.
+//! hand it to the tokenizer. [`RedactedJson`] is the same for JSON the
+//! client sent as content (schemas).
 
 use serde::Deserialize;
 
@@ -41,6 +42,18 @@ impl std::fmt::Debug for Redacted {
 impl std::fmt::Display for Redacted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         std::fmt::Debug::fmt(self, f)
+    }
+}
+
+/// JSON the client sent as content — a schema — shown by `Debug` only as
+/// its size (I10).
+#[derive(Clone, PartialEq, Deserialize)]
+#[serde(transparent)]
+pub struct RedactedJson(pub serde_json::Value);
+
+impl std::fmt::Debug for RedactedJson {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "<redacted JSON {} bytes>", self.0.to_string().len())
     }
 }
 

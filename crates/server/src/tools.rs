@@ -18,8 +18,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
-use crate::openai::RedactedJson;
-use crate::redact::Redacted;
+use crate::redact::{Redacted, RedactedJson};
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
