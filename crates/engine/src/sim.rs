@@ -200,6 +200,24 @@ struct Client {
     cacheable: usize,
 }
 
+impl Client {
+    /// A client that sends `request` at `arrives` (and aborts it at
+    /// `abort_at`), not yet routed.
+    fn new(request: GenerationRequest, arrives: Duration, abort_at: Option<Duration>) -> Client {
+        Client {
+            request,
+            arrives,
+            abort_at,
+            on: None,
+            handle: None,
+            text: String::new(),
+            tokens: 0,
+            ended: None,
+            cacheable: 0,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 enum Ending {
     Finished,
@@ -315,18 +333,13 @@ impl World {
             }
         }
         let clients = (0..rng.random_range(4..=12))
-            .map(|_| Client {
-                request: request_from(&mut rng),
-                arrives: Duration::from_micros(rng.random_range(0..CHAOS.as_micros() as u64)),
-                abort_at: rng
+            .map(|_| {
+                let request = request_from(&mut rng);
+                let arrives = Duration::from_micros(rng.random_range(0..CHAOS.as_micros() as u64));
+                let abort_at = rng
                     .random_bool(0.15)
-                    .then(|| Duration::from_micros(rng.random_range(0..CHAOS.as_micros() as u64))),
-                on: None,
-                handle: None,
-                text: String::new(),
-                tokens: 0,
-                ended: None,
-                cacheable: 0,
+                    .then(|| Duration::from_micros(rng.random_range(0..CHAOS.as_micros() as u64)));
+                Client::new(request, arrives, abort_at)
             })
             .collect();
         let faulty = rng.random_bool(0.7);
@@ -988,22 +1001,15 @@ fn i11_a_fleet_shares_its_workers_between_tenants_by_weight() {
         let mut world = World::new(seed);
         world.faults.clear();
         world.faulty = false;
-        let client = |tenant: &str, weight: u32, i: usize, arrives: u64| Client {
-            request: GenerationRequest {
+        let client = |tenant: &str, weight: u32, i: usize, arrives: u64| {
+            let request = GenerationRequest {
                 prompt: (0..40).map(|j| ((j * 11 + i * 37) % 256) as u32).collect(),
                 max_tokens: 1,
                 share: Share::new(tenant, weight),
                 cache: Some(CacheScope::tenant(tenant, None)),
                 ..request_from(&mut ChaCha8Rng::seed_from_u64(0))
-            },
-            arrives: Duration::from_micros(arrives),
-            abort_at: None,
-            on: None,
-            handle: None,
-            text: String::new(),
-            tokens: 0,
-            ended: None,
-            cacheable: 0,
+            };
+            Client::new(request, Duration::from_micros(arrives), None)
         };
         world.clients = (0..24)
             .map(|i| client("light", 1, i, 0))

@@ -22,28 +22,37 @@ fn python() -> PathBuf {
     )
 }
 
+/// Runs `tests/openai/SCRIPT` with the official client against `server`
+/// (and `env`); returns the names of the checks it printed as passed.
+pub fn client_checks(script: &str, server: &Server, env: &[(&str, &str)]) -> Vec<String> {
+    let out = Command::new(python())
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/openai")
+                .join(script),
+        )
+        .env("KVFENCE_BASE_URL", &server.base)
+        .env("KVFENCE_MODEL", "builtin:tiny")
+        .envs(env.iter().copied())
+        .output()
+        .expect("the script runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{script}: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap()
+}
+
 #[test]
 fn the_official_python_client_works() {
-    let python = python();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/client_suite.py");
     for mode in [
         &[][..],
         &["--mode", "disaggregated", "--handoff", "tcp"][..],
     ] {
         let server = Server::start(mode);
-        let out = Command::new(&python)
-            .arg(&script)
-            .env("KVFENCE_BASE_URL", &server.base)
-            .env("KVFENCE_MODEL", "builtin:tiny")
-            .output()
-            .expect("the suite runs");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{mode:?}: {stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let passed: Vec<String> = serde_json::from_str(stdout.trim()).unwrap();
+        let passed = client_checks("client_suite.py", &server, &[]);
         assert_eq!(passed.len(), 12, "{passed:?}");
     }
 }

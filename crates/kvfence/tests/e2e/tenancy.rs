@@ -192,25 +192,11 @@ fn the_official_client_waits_out_a_rate_limit() {
     let (key, lines) = tenant("metered", &["--requests-per-minute", "60"]);
     let file = tenants_file(&[lines]);
     let server = Server::start(&["--config", file.path().to_str().unwrap()]);
-    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let python = venv_python(
-        "openai-venv",
-        &manifest.join("tests/openai/requirements.txt"),
+    let passed = crate::openai_client::client_checks(
+        "rate_limits.py",
+        &server,
+        &[("KVFENCE_KEY", key.as_str())],
     );
-    let out = Command::new(&python)
-        .arg(manifest.join("tests/openai/rate_limits.py"))
-        .env("KVFENCE_BASE_URL", &server.base)
-        .env("KVFENCE_MODEL", "builtin:tiny")
-        .env("KVFENCE_KEY", &key)
-        .output()
-        .expect("the script runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let passed: Vec<String> = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(passed.len(), 3, "{passed:?}");
 }
 
