@@ -107,9 +107,10 @@ enum TenantCommand {
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         tokens_per_minute: Option<u64>,
         /// Highest priority the tenant's requests may ask for (the
-        /// `priority` field, or the gateway's objective); any negative
-        /// priority (sheddable work) is always allowed.
-        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        /// `priority` field, `service_tier`, or the gateway's objective);
+        /// below 0, the tenant's requests are sheddable by default.
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true,
+              value_parser = clap::value_parser!(i32).range(-1_000_000..=1_000_000))]
         max_priority: i32,
     },
     /// A new API key for an existing tenant: prints the key once and its

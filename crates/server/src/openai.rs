@@ -239,10 +239,11 @@ impl CommonParams {
         }
         match self.service_tier.as_deref() {
             None | Some("auto" | "default") => {}
-            Some("flex") => asked.push((-1, "service_tier")),
+            // Sheddable, at the tenant's own priority where that is lower.
+            Some("flex") => asked.push((max_priority.min(-1), "service_tier")),
             // Priority processing where the tenant may have it; the
-            // default tier otherwise, as OpenAI serves an account without it.
-            Some("priority") => asked.push((max_priority.clamp(0, 1), "service_tier")),
+            // tenant's best otherwise, as OpenAI serves an account without it.
+            Some("priority") => asked.push((max_priority.min(1), "service_tier")),
             Some(_) => {
                 return Err(ApiError::invalid(
                     "service_tier",

@@ -83,12 +83,13 @@ impl Tenant {
 
     /// The priority a request runs at: the lowest of what was `asked`
     /// (each with the field or header that asked) — so work the gateway
-    /// marks sheddable stays sheddable whatever the body says —, 0 if
-    /// nothing was; 400 naming what asked if above what the tenant may
-    /// use. Negative priorities (sheddable work) are always allowed.
+    /// marks sheddable stays sheddable whatever the body says —, or if
+    /// nothing was, 0 (the tenant's `max_priority` where that is lower: a
+    /// tenant kept to sheddable work sends it by default); 400 naming what
+    /// asked if above what the tenant may use.
     pub fn priority(&self, asked: &[(i32, &str)]) -> Result<i32, ApiError> {
         let Some(&(priority, param)) = asked.iter().min_by_key(|(p, _)| *p) else {
-            return Ok(0);
+            return Ok(self.limits.max_priority.min(0));
         };
         if priority > self.limits.max_priority {
             return Err(ApiError::invalid(
@@ -574,6 +575,15 @@ mod tests {
         assert_eq!(
             (over.status().as_u16(), over.param.as_deref()),
             (400, Some("priority"))
+        );
+        // A tenant kept to sheddable work sends it by default.
+        let batch = format!("{lines}max_priority = -1\n");
+        let tenants = Tenants::from_toml(&batch, "t").unwrap();
+        let tenant = tenants.authenticate(Some(&bearer(&key))).unwrap();
+        assert_eq!(tenant.priority(&[]).unwrap(), -1);
+        assert_eq!(
+            tenant.priority(&[(0, "priority")]).unwrap_err().status(),
+            400
         );
         let huge = format!("[objectives]\nx = 9999999999\n\n{lines}");
         assert!(Tenants::from_toml(&huge, "t").is_err());
