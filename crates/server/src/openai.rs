@@ -19,7 +19,7 @@ use serde::de::{DeserializeOwned, IgnoredAny};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
-use crate::redact::{Redacted, RedactedJson};
+use crate::redact::{Redacted, RedactedJson, clipped};
 use crate::tools::{ToolCallIn, ToolChoiceIn, ToolIn, Tools, render_calls};
 
 /// How a field of a request body is treated.
@@ -393,7 +393,7 @@ pub fn parse_object(
         match known {
             None => {
                 return Err(ApiError::invalid(
-                    key_param(key),
+                    clipped(key),
                     "unrecognized request argument; see docs/api.md for the fields this endpoint takes",
                 ));
             }
@@ -407,16 +407,6 @@ pub fn parse_object(
         }
     }
     Ok(object)
-}
-
-/// A key as a `param`: names are short in every real client; a long one
-/// is cut rather than echoed whole.
-fn key_param(key: &str) -> &str {
-    let mut end = key.len().min(64);
-    while !key.is_char_boundary(end) {
-        end -= 1;
-    }
-    &key[..end]
 }
 
 /// Whether a refused field's value asks for nothing.
@@ -456,7 +446,7 @@ pub fn typed<T: DeserializeOwned>(object: &Map<String, Value>) -> Result<T, ApiE
         let inner = error.into_inner();
         let text = inner.to_string();
         // The path ends in the key the client sent: cut, never echoed whole.
-        let param = key_param(&param).to_string();
+        let param = clipped(&param).to_string();
         let message = if text.starts_with("missing field") {
             "a required field is missing".to_string()
         } else if text.starts_with("unknown field") {

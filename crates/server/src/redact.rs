@@ -45,6 +45,17 @@ impl std::fmt::Display for Redacted {
     }
 }
 
+/// Client text named in an answer or a log (a key, a path, a model id):
+/// at most 64 bytes of it, cut at a character boundary — never more than a
+/// name's worth of what a client or a stranger sent.
+pub fn clipped(text: &str) -> &str {
+    let mut end = text.len().min(64);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 /// JSON the client sent as content — a schema — shown by `Debug` only as
 /// its size (I10).
 #[derive(Clone, PartialEq, Deserialize)]

@@ -31,7 +31,7 @@ use crate::openai::{
     CHAT_FIELDS, COMPLETION_FIELDS, ChatFields, CommonParams, CompletionFields, MAX_CHOICES,
     PromptField, parse_object, typed,
 };
-use crate::redact::Redacted;
+use crate::redact::{Redacted, clipped};
 use crate::responses::{self, RESPONSES_FIELDS};
 use crate::tenants::{Admission, Tenant};
 use crate::tools::{Call, StreamSplit, Tools};
@@ -255,24 +255,11 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
 }
 
 /// Any other path: 404 in OpenAI's error envelope.
-/// `text` up to `max` bytes (at a character boundary), marked if cut.
-fn shortened(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_string();
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}… ({} bytes)", &text[..end], text.len())
-}
-
 pub async fn not_found(uri: axum::http::Uri) -> Response {
     ApiError::new(
         ErrorType::NotFoundError,
         "not_found",
-        // The path is the client's: named up to a length, never echoed whole.
-        format!("no route for {}", shortened(uri.path(), 128)),
+        format!("no route for {}", clipped(uri.path())),
     )
     .into_response()
 }
@@ -332,21 +319,11 @@ pub async fn model(
         return ApiError::new(
             ErrorType::NotFoundError,
             "model_not_found",
-            format!("the model {:?} is not served here", key_text(&id)),
+            format!("the model {:?} is not served here", clipped(&id)),
         )
         .into_response();
     }
     Json(model_object(&state)).into_response()
-}
-
-/// A path's text in an error, cut short: never more than a name's worth
-/// of what a stranger sent.
-fn key_text(text: &str) -> &str {
-    let mut end = text.len().min(64);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
 }
 
 /// A known path with the wrong method: 405 in OpenAI's error envelope.
@@ -354,7 +331,7 @@ pub async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Respons
     ApiError::new(
         ErrorType::MethodNotAllowed,
         "method_not_allowed",
-        format!("{method} is not allowed on {}", key_text(uri.path())),
+        format!("{method} is not allowed on {}", clipped(uri.path())),
     )
     .into_response()
 }
@@ -829,7 +806,7 @@ fn prepare(
             "model_not_found",
             format!(
                 "model {:?} is not served here; this server serves {:?}",
-                key_text(model),
+                clipped(model),
                 state.model_id
             ),
         ));
