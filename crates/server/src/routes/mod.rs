@@ -1,0 +1,695 @@
+//! HTTP handlers. Every request goes: authenticate (401) → parse and
+//! validate (400) → template and tokenize → admission against the real
+//! context (400 `context_length_exceeded`, before any page is leased, I6) →
+//! tenant slot (429) → engine queue (429) → answer or stream. Validation
+//! ends before a stream opens; a failure after that is an SSE error event,
+//! never a normal finish (I5, I7).
+//!
+//! This module holds the handlers and admission; `prepare` turns a body
+//! into engine requests (a pure function of the request and the server's
+//! model and limits), `reply` renders chat and completions answers and
+//! their streams, `respond` the Responses API's.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use futures_util::stream::{self, Stream, StreamExt};
+use kvfence_engine::{
+    CacheScope, Constrained, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle,
+    Share, Usage,
+};
+use kvfence_model::TokenLogprobs;
+use serde_json::{Value, json};
+use tracing::{debug, info};
+
+use crate::AppState;
+use crate::connections::Ticket;
+use crate::error::{ApiError, ErrorType};
+use crate::openai::{
+    CHAT_FIELDS, COMPLETION_FIELDS, ChatFields, CommonParams, CompletionFields, MAX_CHOICES,
+    PromptField, parse_object, typed,
+};
+use crate::redact::{Redacted, clipped};
+use crate::responses::{self, RESPONSES_FIELDS};
+use crate::tenants::{Admission, Tenant};
+use crate::tools::{Call, StreamSplit, Tools};
+
+mod prepare;
+mod reply;
+mod respond;
+
+use prepare::{objective_priority, prepare};
+use reply::{Choice, Reply};
+
+/// Which OpenAI endpoint a request came through; decides the body shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completions,
+    /// The Responses API: a chat request underneath, its own shapes out.
+    Responses,
+}
+
+impl Endpoint {
+    fn label(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat_completions",
+            Endpoint::Completions => "completions",
+            Endpoint::Responses => "responses",
+        }
+    }
+
+    fn id(self) -> String {
+        let prefix = match self {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completions => "cmpl",
+            Endpoint::Responses => return responses::item_id("resp"),
+        };
+        format!("{prefix}-{:024x}", rand::random::<u128>() >> 32)
+    }
+
+    fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Responses, _) => "response",
+        }
+    }
+
+    fn choice(
+        self,
+        index: usize,
+        text: &str,
+        logprobs: Option<Value>,
+        finish: Option<FinishReason>,
+    ) -> Value {
+        match self {
+            Endpoint::Chat | Endpoint::Responses => json!({
+                "index": index,
+                "message": { "role": "assistant", "content": text, "refusal": null },
+                "logprobs": logprobs,
+                "finish_reason": finish.map(finish_name),
+            }),
+            Endpoint::Completions => json!({
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish.map(finish_name),
+            }),
+        }
+    }
+
+    fn delta(
+        self,
+        index: usize,
+        text: Option<&str>,
+        role: bool,
+        logprobs: Option<Value>,
+        finish: Option<FinishReason>,
+    ) -> Value {
+        match self {
+            Endpoint::Chat | Endpoint::Responses => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(text) = text {
+                    delta.insert("content".into(), text.into());
+                }
+                json!({ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish.map(finish_name) })
+            }
+            Endpoint::Completions => {
+                json!({ "index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish.map(finish_name) })
+            }
+        }
+    }
+
+    /// Log-probabilities of `tokens` in this endpoint's shape; `offset` is
+    /// where the first token's text begins in the choice's text.
+    fn logprobs(self, state: &AppState, tokens: &[TokenLogprobs], offset: usize) -> Value {
+        match self {
+            Endpoint::Chat | Endpoint::Responses => {
+                let entry = |token: u32, logprob: f32| {
+                    let bytes = state.token_bytes(token);
+                    json!({
+                        "token": String::from_utf8_lossy(bytes),
+                        "logprob": logprob,
+                        "bytes": bytes,
+                    })
+                };
+                let content: Vec<Value> = tokens
+                    .iter()
+                    .map(|t| {
+                        let mut item = entry(t.token, t.logprob);
+                        item["top_logprobs"] =
+                            t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+                        item
+                    })
+                    .collect();
+                json!({ "content": content, "refusal": null })
+            }
+            Endpoint::Completions => {
+                let text = |id: u32| String::from_utf8_lossy(state.token_bytes(id)).into_owned();
+                let mut offsets = Vec::with_capacity(tokens.len());
+                let mut at = offset;
+                for t in tokens {
+                    offsets.push(at);
+                    at += text(t.token).chars().count();
+                }
+                json!({
+                    "tokens": tokens.iter().map(|t| text(t.token)).collect::<Vec<_>>(),
+                    "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": tokens
+                        .iter()
+                        .map(|t| t.top.iter().map(|&(id, lp)| (text(id), json!(lp))).collect::<serde_json::Map<_, _>>())
+                        .collect::<Vec<_>>(),
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+}
+
+fn finish_name(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+fn usage_json(usage: Usage) -> Value {
+    json!({
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": usage.cached_tokens },
+    })
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A prompt's tokens, and its text if `echo` puts it before the completion.
+type Prompt = (Vec<u32>, Option<String>);
+
+/// One choice of a request, ready for the engine.
+struct ChoiceRequest {
+    request: GenerationRequest,
+    /// The prompt's text, put before the completion (`echo`).
+    echo: Option<String>,
+}
+
+/// A validated request, ready for the engine: `n` choices per prompt, in
+/// choice order (prompt by prompt).
+struct Prepared {
+    choices: Vec<ChoiceRequest>,
+    /// The functions the model may call (chat).
+    tools: Option<Arc<Tools>>,
+    /// The request fields a response object repeats (Responses).
+    echo: Value,
+    n: usize,
+    stream: bool,
+    include_usage: bool,
+    logprobs: bool,
+}
+
+/// `GET /health`.
+pub async fn health() -> impl IntoResponse {
+    Json(json!({ "status": "ok" }))
+}
+
+/// `GET /ready`: 200 while this process can take work — it admits, and
+/// the workers it depends on are linked — else 503, so an orchestrator or
+/// a load balancer sends traffic elsewhere. `/health` answers whether the
+/// process is alive at all.
+pub async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.engine.is_ready() {
+        Json(json!({ "status": "ready" })).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "not ready" })),
+        )
+            .into_response()
+    }
+}
+
+/// `GET /metrics`: Prometheus text. Holds counts, states and tenant names;
+/// never request text (I10).
+pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    // A remote engine answers over the network: keep it off the async workers.
+    let snapshot = {
+        let state = Arc::clone(&state);
+        tokio::task::spawn_blocking(move || state.engine.snapshot()).await
+    };
+    let body = match snapshot {
+        Ok(workers) => state.metrics.render(&workers),
+        Err(_) => String::new(),
+    };
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+}
+
+/// Any other path: 404 in OpenAI's error envelope.
+pub async fn not_found(uri: axum::http::Uri) -> Response {
+    ApiError::new(
+        ErrorType::NotFoundError,
+        "not_found",
+        format!("no route for {}", clipped(uri.path())),
+    )
+    .into_response()
+}
+
+/// The request's one `Authorization` header. Two or more are refused: a
+/// proxy and a client that each add one must not leave it to chance which
+/// tenant the request runs as.
+fn authorization(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let first = values.next();
+    if values.next().is_some() {
+        return Err(ApiError::new(
+            ErrorType::AuthenticationError,
+            "invalid_api_key",
+            "more than one Authorization header: send exactly one",
+        ));
+    }
+    Ok(first.and_then(|v| v.to_str().ok()))
+}
+
+fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<Arc<Tenant>, ApiError> {
+    state.tenants.authenticate(authorization(headers)?)
+}
+
+/// The served model as `/v1/models` lists it: its honest context (I6).
+fn model_object(state: &AppState) -> Value {
+    json!({
+        "id": state.model_id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "kvfence",
+        "max_model_len": state.capacity.max_context,
+        "context_length": state.capacity.max_context,
+    })
+}
+
+/// `GET /v1/models`: the served model and its honest context (I6).
+pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(error) = authenticate(&state, &headers) {
+        state.metrics.rejection(error.reason());
+        return error.into_response();
+    }
+    Json(json!({ "object": "list", "data": [model_object(&state)] })).into_response()
+}
+
+/// `GET /v1/models/{id}`: the served model, or 404 for any other id.
+pub async fn model(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(error) = authenticate(&state, &headers) {
+        state.metrics.rejection(error.reason());
+        return error.into_response();
+    }
+    if id != state.model_id {
+        return ApiError::new(
+            ErrorType::NotFoundError,
+            "model_not_found",
+            format!("the model {:?} is not served here", clipped(&id)),
+        )
+        .into_response();
+    }
+    Json(model_object(&state)).into_response()
+}
+
+/// A known path with the wrong method: 405 in OpenAI's error envelope.
+pub async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Response {
+    ApiError::new(
+        ErrorType::MethodNotAllowed,
+        "method_not_allowed",
+        format!("{method} is not allowed on {}", clipped(uri.path())),
+    )
+    .into_response()
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(
+    State(state): State<Arc<AppState>>,
+    ticket: Option<Extension<Ticket>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(state, ticket, headers, body, Endpoint::Chat).await
+}
+
+/// `POST /v1/responses`.
+pub async fn responses(
+    State(state): State<Arc<AppState>>,
+    ticket: Option<Extension<Ticket>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(state, ticket, headers, body, Endpoint::Responses).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    ticket: Option<Extension<Ticket>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(state, ticket, headers, body, Endpoint::Completions).await
+}
+
+/// Reads a request's body, bounded in size and in time. Called only once
+/// its headers were authenticated and its tenant admitted, so a stranger
+/// never makes the server hold a body.
+async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let max = state.limits.max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            ErrorType::TooLarge,
+            "request_too_large",
+            format!("the request body is larger than {max} bytes"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > max as u64) {
+        return Err(too_large());
+    }
+    match tokio::time::timeout(state.limits.body_timeout, axum::body::to_bytes(body, max)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(error)) => {
+            let inner = error.into_inner();
+            if inner.is::<http_body_util::LengthLimitError>() {
+                Err(too_large())
+            } else {
+                Err(ApiError::invalid(
+                    "body",
+                    "the request body could not be read",
+                ))
+            }
+        }
+        Err(_) => Err(ApiError::new(
+            ErrorType::Timeout,
+            "request_timeout",
+            format!(
+                "the request body did not arrive within {} s",
+                state.limits.body_timeout.as_secs()
+            ),
+        )),
+    }
+}
+
+/// Template, tokenizer and grammar work for one request, on a blocking
+/// thread in one of the tenant's text-work slots: a big prompt or schema
+/// never stalls the async runtime (and with it `/health` and every
+/// stream), nor another tenant's requests.
+async fn prepare_off_runtime(
+    state: &Arc<AppState>,
+    tenant: &Arc<Tenant>,
+    body: Bytes,
+    endpoint: Endpoint,
+    objective: Option<i32>,
+) -> Result<Prepared, ApiError> {
+    let internal = || {
+        ApiError::new(
+            ErrorType::ServerError,
+            "internal_error",
+            "the request could not be prepared",
+        )
+    };
+    let _slot = state
+        .text_work
+        .slot(&tenant.name)
+        .await
+        .ok_or_else(internal)?;
+    let (state, tenant) = (Arc::clone(state), Arc::clone(tenant));
+    let prepared =
+        tokio::task::spawn_blocking(move || prepare(&state, &tenant, &body, endpoint, objective))
+            .await
+            .map_err(|_| internal())?;
+    match endpoint {
+        // Errors about the chat request it became name the Responses field.
+        Endpoint::Responses => prepared.map_err(responses::rename_param),
+        _ => prepared,
+    }
+}
+
+async fn handle(
+    state: Arc<AppState>,
+    ticket: Option<Extension<Ticket>>,
+    headers: HeaderMap,
+    body: Body,
+    endpoint: Endpoint,
+) -> Response {
+    let started = Instant::now();
+    // This server's name for the request, on every answer and log line
+    // about it. A client's own `x-request-id` is logged beside it, never
+    // used as a key: one client cannot name, and so reach, another's
+    // request.
+    let request_id = format!("req_{:024x}", rand::random::<u128>() >> 32);
+    if let Some(theirs) = headers.get("x-request-id") {
+        info!(request_id, client_request_id = %client_label(theirs.as_bytes()), "request received");
+    }
+    // Who is asking, from the headers alone: a stranger is refused before
+    // a byte of the body is read.
+    let mut response = match authenticate(&state, &headers) {
+        Ok(tenant) => {
+            let call = Admitting {
+                state,
+                tenant: &tenant,
+                ticket,
+                headers,
+                endpoint,
+                started,
+                request_id: &request_id,
+            };
+            let mut response = call.handle(body).await;
+            // Every answer to a tenant with rates says where it stands
+            // (OpenAI's `x-ratelimit-*`), refusals included.
+            tenant.rate_headers(response.headers_mut());
+            response
+        }
+        Err(error) => refuse_unread(&state, "-", endpoint, error, body),
+    };
+    if let Ok(value) = axum::http::HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
+}
+
+/// A client's label for its request, as a log may show it: up to 64
+/// characters of `[A-Za-z0-9._:-]`, anything else as `?`.
+fn client_label(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .take(64)
+        .map(|&b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b':' | b'-' => b as char,
+            _ => '?',
+        })
+        .collect()
+}
+
+/// An authenticated tenant's request, on its way through admission.
+struct Admitting<'a> {
+    state: Arc<AppState>,
+    tenant: &'a Arc<Tenant>,
+    ticket: Option<Extension<Ticket>>,
+    headers: HeaderMap,
+    endpoint: Endpoint,
+    started: Instant,
+    request_id: &'a str,
+}
+
+impl Admitting<'_> {
+    async fn handle(self, body: Body) -> Response {
+        let Admitting {
+            state,
+            tenant,
+            ticket,
+            headers,
+            endpoint,
+            started,
+            request_id,
+        } = self;
+        // The connection is known from now on: no stranger's socket can close
+        // it to make room (I11). (Routers built without `serve` carry none.)
+        if let Some(Extension(ticket)) = &ticket
+            && let Err(error) = ticket.authenticated()
+        {
+            return refuse_unread(&state, &tenant.name, endpoint, error, body);
+        }
+        // The gateway's inference objective names a priority (I11); a name
+        // the tenants file does not define is refused before the body.
+        let objective = match objective_priority(&state, &headers) {
+            Ok(objective) => objective,
+            Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
+        };
+        // The tenant's slot and request before any work: a tenant at its limit
+        // costs no body, no template and no tokenizer.
+        let mut admission = match tenant.admit() {
+            Ok(admission) => admission,
+            Err(error) => return refuse_unread(&state, &tenant.name, endpoint, error, body),
+        };
+        let body = match read_body(&state, &headers, body).await {
+            Ok(body) => body,
+            Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+        };
+        let prepared = match prepare_off_runtime(&state, tenant, body, endpoint, objective).await {
+            Ok(prepared) => prepared,
+            Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+        };
+        let prompt_tokens: usize = prepared
+            .choices
+            .iter()
+            .step_by(prepared.n)
+            .map(|c| c.request.prompt.len())
+            .sum();
+        let max_tokens = prepared.choices[0].request.max_tokens;
+        // The limit counts sequences: `n` choices of every prompt; the rate
+        // counts every prompt and the most each choice may generate (I11).
+        let most_tokens = prompt_tokens + max_tokens * prepared.choices.len();
+        if let Err(error) = tenant
+            .admit_sequences(&mut admission, prepared.choices.len())
+            .and_then(|()| tenant.charge(&mut admission, most_tokens as u64))
+        {
+            return refuse(&state, &tenant.name, endpoint, error);
+        }
+        debug!(
+            tenant = %tenant.name,
+            endpoint = endpoint.label(),
+            prompt_tokens,
+            choices = prepared.choices.len(),
+            "request prepared"
+        );
+        let choices = match submit_choices(&state, prepared.choices, prepared.n).await {
+            Ok(choices) => choices,
+            Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+        };
+        info!(request_id, request = %choices[0].handle.id(), tenant = %tenant.name, endpoint = endpoint.label(), prompt_tokens, max_tokens, choices = choices.len(), stream = prepared.stream, "request admitted");
+        let reply = Reply {
+            state,
+            tenant: Arc::clone(tenant),
+            endpoint,
+            choices,
+            tools: prepared.tools,
+            echo: prepared.echo,
+            output: Vec::new(),
+            sequence: 0,
+            streamed: String::new(),
+            n: prepared.n,
+            logprobs: prepared.logprobs,
+            admission,
+            started,
+            id: endpoint.id(),
+            created: unix_now(),
+            ended: std::cell::Cell::new(false),
+            first_token_seen: false,
+        };
+        match (endpoint, prepared.stream) {
+            (Endpoint::Responses, true) => reply.response_stream(),
+            (Endpoint::Responses, false) => reply.response().await,
+            (_, true) => reply.stream(prepared.include_usage),
+            (_, false) => reply.collect().await,
+        }
+    }
+}
+
+/// Submits every choice. With `n` > 1 the first choice of each prompt goes
+/// first, and the others once it has its first event: by then its prompt
+/// is sealed in the tenant's prefix cache, so the other choices read it
+/// instead of computing it again. If any submission is refused, the ones
+/// made are cancelled (their handles dropped) and the refusal answers.
+async fn submit_choices(
+    state: &AppState,
+    requests: Vec<ChoiceRequest>,
+    n: usize,
+) -> Result<Vec<Choice>, ApiError> {
+    let mut choices: Vec<Option<Choice>> = (0..requests.len()).map(|_| None).collect();
+    let mut later = Vec::new();
+    for (index, ChoiceRequest { request, echo }) in requests.into_iter().enumerate() {
+        if index % n != 0 {
+            later.push((index, request, echo));
+            continue;
+        }
+        let mut handle = state.engine.submit(request).await.map_err(ApiError::from)?;
+        let first = if n > 1 { handle.next().await } else { None };
+        choices[index] = Some(Choice::new(index, handle, echo, first));
+    }
+    for (index, request, echo) in later {
+        let handle = state.engine.submit(request).await.map_err(ApiError::from)?;
+        choices[index] = Some(Choice::new(index, handle, echo, None));
+    }
+    Ok(choices
+        .into_iter()
+        .map(|c| c.expect("every choice was submitted"))
+        .collect())
+}
+
+/// A refusal sent before the request's body was read. The body is read and
+/// thrown away in the background — nothing kept, at most `max_body_bytes`,
+/// for at most the header deadline — so a client still sending it gets to
+/// read the answer instead of a broken pipe; then the connection closes.
+fn refuse_unread(
+    state: &Arc<AppState>,
+    tenant: &str,
+    endpoint: Endpoint,
+    error: ApiError,
+    body: Body,
+) -> Response {
+    let mut response = refuse(state, tenant, endpoint, error);
+    response.headers_mut().insert(
+        header::CONNECTION,
+        axum::http::HeaderValue::from_static("close"),
+    );
+    let (limit, deadline) = (state.limits.max_body_bytes, state.limits.header_timeout);
+    tokio::spawn(tokio::time::timeout(deadline, async move {
+        use futures_util::StreamExt;
+        let mut chunks = body.into_data_stream();
+        let mut seen = 0;
+        while let Some(Ok(chunk)) = chunks.next().await {
+            seen += chunk.len();
+            if seen > limit {
+                break;
+            }
+        }
+    }));
+    response
+}
+
+fn refuse(state: &AppState, tenant: &str, endpoint: Endpoint, error: ApiError) -> Response {
+    state.metrics.rejection(error.reason());
+    state
+        .metrics
+        .request(tenant, endpoint.label(), error.status().as_str());
+    info!(
+        tenant,
+        endpoint = endpoint.label(),
+        status = error.status().as_u16(),
+        code = error.reason(),
+        "request refused"
+    );
+    error.into_response()
+}

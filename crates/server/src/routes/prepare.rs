@@ -1,0 +1,260 @@
+//! A request's body, parsed, checked and tokenized into engine requests:
+//! everything that can refuse it with a 400 happens here, before any work.
+
+use super::*;
+
+/// The header a Gateway API inference gateway names a request's
+/// InferenceObjective in.
+pub(super) const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+
+/// The priority of the objective the request's headers name, if any.
+pub(super) fn objective_priority(
+    state: &AppState,
+    headers: &HeaderMap,
+) -> Result<Option<i32>, ApiError> {
+    let Some(value) = headers.get(OBJECTIVE_HEADER) else {
+        return Ok(None);
+    };
+    let name = value.to_str().map_err(|_| {
+        ApiError::invalid(
+            OBJECTIVE_HEADER,
+            "the inference objective is not visible ASCII",
+        )
+    })?;
+    state.tenants.objective(name).map(Some)
+}
+
+pub(super) fn prepare(
+    state: &AppState,
+    tenant: &Tenant,
+    body: &[u8],
+    endpoint: Endpoint,
+    objective: Option<i32>,
+) -> Result<Prepared, ApiError> {
+    let mut echo = Value::Null;
+    let object = match endpoint {
+        Endpoint::Chat => parse_object(body, CHAT_FIELDS)?,
+        Endpoint::Completions => parse_object(body, COMPLETION_FIELDS)?,
+        Endpoint::Responses => {
+            let (chat, repeated) = responses::to_chat(&parse_object(body, RESPONSES_FIELDS)?)?;
+            echo = repeated;
+            chat
+        }
+    };
+    let params: CommonParams = typed(&object)?;
+    let n = params.n()?;
+    // Prompts, with the text `echo` puts before each completion.
+    let mut tools = None;
+    let (prompts, logprobs): (Vec<Prompt>, Option<usize>) = match endpoint {
+        Endpoint::Chat | Endpoint::Responses => {
+            let chat: ChatFields = typed(&object)?;
+            tools = chat.tools()?;
+            let template = state.model.chat_template.as_ref().ok_or_else(|| {
+                ApiError::invalid(
+                    "messages",
+                    "this model has no chat template; use /v1/completions",
+                )
+            })?;
+            // The template's markers become control tokens; what the
+            // messages say never does (I9).
+            let ids = template
+                .encode(
+                    &state.model.tokenizer,
+                    &chat.messages(tools.as_ref())?,
+                    true,
+                )
+                .map_err(|e| match e {
+                    kvfence_model::ModelError::Tokenizer { .. } => {
+                        ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string())
+                    }
+                    _ => ApiError::invalid("messages", e.to_string()),
+                })?;
+            (vec![(ids, None)], chat.logprobs()?)
+        }
+        Endpoint::Completions => {
+            let completion: CompletionFields = typed(&object)?;
+            completion.check(n)?;
+            let echo = completion.echo.unwrap_or(false);
+            let texts: Vec<&str>;
+            let prompts: Vec<Prompt> = match &completion.prompt {
+                PromptField::Text(text) => vec![(encode_prompt(state, text.expose())?, None)],
+                PromptField::Texts(list) => {
+                    texts = list.iter().map(Redacted::expose).collect();
+                    texts
+                        .iter()
+                        .map(|t| Ok((encode_prompt(state, t)?, None)))
+                        .collect::<Result<_, ApiError>>()?
+                }
+                PromptField::Tokens(ids) => vec![(ids.clone(), None)],
+                PromptField::TokenBatches(batch) => {
+                    batch.iter().map(|ids| (ids.clone(), None)).collect()
+                }
+            };
+            if prompts.is_empty() {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "prompt must not be an empty list",
+                ));
+            }
+            let prompts = if echo {
+                prompts
+                    .into_iter()
+                    .map(|(ids, _)| {
+                        let text = state.model.tokenizer.decode(&ids).map_err(|e| {
+                            ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string())
+                        })?;
+                        Ok((ids, Some(text)))
+                    })
+                    .collect::<Result<_, ApiError>>()?
+            } else {
+                prompts
+            };
+            (prompts, completion.logprobs()?)
+        }
+    };
+    if prompts.len() * n > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "{} prompts with n = {n} ask for {} choices; at most {MAX_CHOICES} are served per request",
+                prompts.len(),
+                prompts.len() * n
+            ),
+        ));
+    }
+    if let Some(model) = &params.model
+        && model != &state.model_id
+    {
+        return Err(ApiError::new(
+            ErrorType::NotFoundError,
+            "model_not_found",
+            format!(
+                "model {:?} is not served here; this server serves {:?}",
+                clipped(model),
+                state.model_id
+            ),
+        ));
+    }
+    let constraint = match &tools {
+        Some(tools) => tools.grammar(params.grammar()?)?,
+        None => params.grammar()?,
+    };
+    // Compiled here, once per request, on this blocking thread: a bad
+    // grammar — or one past the compiler's limits at its first mask — is a
+    // 400 before any work, and the workers in this process start every
+    // choice from a copy of this start state instead of compiling it again
+    // on the scheduler thread all tenants share.
+    let constraint = match constraint {
+        Some(grammar) => {
+            let cannot = |e: kvfence_model::ModelError| {
+                ApiError::invalid(
+                    "response_format",
+                    format!("the grammar cannot be used: {e}"),
+                )
+            };
+            let mut start = state.grammars()?.compile(&grammar).map_err(cannot)?;
+            start.mask().map_err(cannot)?;
+            Some(Constrained::compiled(grammar, start))
+        }
+        None => None,
+    };
+    let stop = params.stop_strings()?;
+    // The namespace is the tenant the key named (I9); the body may only
+    // subdivide it.
+    let cache = Some(CacheScope::tenant(
+        tenant.name.clone(),
+        params.cache_salt()?,
+    ));
+    // Its share of the workers is the same tenant's, at the weight the
+    // operator gave it (I11).
+    let mut asked = params.priorities(tenant.limits().max_priority)?;
+    asked.extend(objective.map(|p| (p, OBJECTIVE_HEADER)));
+    let share =
+        Share::new(tenant.name.clone(), tenant.weight).with_priority(tenant.priority(&asked)?);
+    let vocab = state.model.config.vocab_size;
+    let max_context = state.capacity.max_context;
+    let first_seed = params.seed.map_or_else(rand::random, |s| s as u64);
+    let mut choices = Vec::with_capacity(prompts.len() * n);
+    for (prompt, echo) in prompts {
+        let param = if endpoint == Endpoint::Completions {
+            "prompt"
+        } else {
+            "messages"
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::invalid(param, "the prompt encodes to no tokens"));
+        }
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        let max_tokens = match params.max_tokens()? {
+            Some(n) => n,
+            // No max_tokens (what most chat UIs send): the default, lowered
+            // to what this tenant and the context allow, never a refusal.
+            None => state
+                .default_max_tokens
+                .min(tenant.limits().max_tokens.unwrap_or(usize::MAX))
+                .min(max_context.saturating_sub(prompt.len()).max(1)),
+        };
+        if let Some(limit) = tenant.limits().max_tokens
+            && max_tokens > limit
+        {
+            let field = params.max_tokens_field();
+            return Err(ApiError::invalid(
+                field,
+                format!("{field} {max_tokens} exceeds this tenant's limit of {limit}"),
+            ));
+        }
+        if prompt.len() + max_tokens > max_context {
+            return Err(ApiError::context_length(
+                param,
+                max_context,
+                prompt.len(),
+                max_tokens,
+            ));
+        }
+        for j in 0..n {
+            // Choice j draws from its own seed: n choices are n samples.
+            let seed = first_seed.wrapping_add(j as u64);
+            choices.push(ChoiceRequest {
+                request: GenerationRequest {
+                    prompt: prompt.clone(),
+                    max_tokens,
+                    sampling: params.sampling(seed, logprobs, vocab)?,
+                    stop: stop.clone(),
+                    ignore_eos: params.ignore_eos.unwrap_or(false),
+                    cache: cache.clone(),
+                    constraint: constraint.clone(),
+                    share: share.clone(),
+                },
+                echo: echo.clone(),
+            });
+        }
+    }
+    Ok(Prepared {
+        choices,
+        tools: tools.map(Arc::new),
+        echo,
+        n,
+        stream: params.stream(),
+        include_usage: params.include_usage(),
+        logprobs: logprobs.is_some(),
+    })
+}
+
+pub(super) fn encode_prompt(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    let mut ids = state
+        .model
+        .tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string()))?;
+    if let Some(bos) = state.model.config.bos_token_id
+        && ids.first() != Some(&bos)
+    {
+        ids.insert(0, bos);
+    }
+    Ok(ids)
+}
