@@ -877,18 +877,27 @@ impl Scheduler {
     /// [`fair::MAX_POOL_SHARE`] of this worker's pool while it knows other
     /// tenants (I11). Held pages count by capacity; a grant awaiting its
     /// hand-off by its prompt.
+    /// Pool tokens each tenant's running requests hold (a grant awaiting
+    /// its KV holds its prompt's pages), with the tenant's weight.
+    fn held_by_tenant(&self) -> BTreeMap<&str, (u32, usize)> {
+        let mut held: BTreeMap<&str, (u32, usize)> = BTreeMap::new();
+        for a in &self.active {
+            let tokens = match &a.kv {
+                Kv::Held(lease) => lease.capacity_tokens(),
+                Kv::Awaited(_) => a.pending.request.prompt.len(),
+            };
+            let share = &a.pending.request.share;
+            let entry = held.entry(share.tenant.as_str()).or_default();
+            entry.0 = share.weight();
+            entry.1 += tokens;
+        }
+        held
+    }
+
     /// Tenants holding more of the pool than their weighted share of it
     /// among the tenants holding pages (none while only one does).
     fn tenants_over_their_share(&self) -> BTreeSet<String> {
-        let mut held: BTreeMap<&str, (u32, usize)> = BTreeMap::new();
-        for a in &self.active {
-            if let Some(lease) = a.kv.lease() {
-                let share = &a.pending.request.share;
-                let entry = held.entry(share.tenant.as_str()).or_default();
-                entry.0 = share.weight();
-                entry.1 += lease.capacity_tokens();
-            }
-        }
+        let held = self.held_by_tenant();
         if held.len() < 2 {
             return BTreeSet::new();
         }
@@ -900,24 +909,17 @@ impl Scheduler {
             .collect()
     }
 
+    /// Tenants admitted no more while the worker knows another: those
+    /// holding [`fair::MAX_POOL_SHARE`] of the pool.
     fn tenants_at_their_cap(&self) -> BTreeSet<String> {
         if self.waiting.named_tenants() < 2 {
             return BTreeSet::new();
         }
-        let mut held: BTreeMap<&str, usize> = BTreeMap::new();
-        for a in &self.active {
-            let tokens = match &a.kv {
-                Kv::Held(lease) => lease.capacity_tokens(),
-                Kv::Awaited(_) => a.pending.request.prompt.len(),
-            };
-            *held
-                .entry(a.pending.request.share.tenant.as_str())
-                .or_default() += tokens;
-        }
         let (num, den) = fair::MAX_POOL_SHARE;
         let cap = self.pool.capacity_tokens() * num / den;
-        held.into_iter()
-            .filter(|&(_, tokens)| tokens >= cap)
+        self.held_by_tenant()
+            .into_iter()
+            .filter(|&(_, (_, tokens))| tokens >= cap)
             .map(|(tenant, _)| tenant.to_string())
             .collect()
     }
