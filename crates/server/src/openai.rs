@@ -117,10 +117,15 @@ pub enum StopField {
 
 /// `stream_options`.
 #[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send a last chunk with token usage.
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// Pad stream chunks against length side channels: not done, so only
+    /// `false` (or null) is accepted.
+    #[serde(default)]
+    pub include_obfuscation: Option<bool>,
 }
 
 /// `response_format.json_schema`. Its `name` and `description` are
@@ -268,14 +273,24 @@ pub enum Content {
     Parts(Vec<ContentPart>),
 }
 
-/// One content part.
+/// One content part. Parts other than text are refused by their type;
+/// a `cache_control` hint is metadata (prefixes are cached anyway).
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ContentPart {
     /// Part type; only `text` is supported.
     #[serde(rename = "type")]
     pub kind: String,
     /// The text of a `text` part.
     pub text: Option<Redacted>,
+    #[serde(default, rename = "image_url")]
+    _image_url: Option<IgnoredAny>,
+    #[serde(default, rename = "input_audio")]
+    _input_audio: Option<IgnoredAny>,
+    #[serde(default, rename = "file")]
+    _file: Option<IgnoredAny>,
+    #[serde(default, rename = "cache_control")]
+    _cache_control: Option<IgnoredAny>,
 }
 
 /// One chat message. Fields OpenAI's own answers carry, which clients
@@ -661,12 +676,19 @@ impl CommonParams {
         })
     }
 
-    /// Whether the last stream chunk should carry usage.
-    pub fn include_usage(&self) -> bool {
-        self.stream_options
-            .as_ref()
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false)
+    /// Whether the last stream chunk should carry usage; 400 for
+    /// obfuscated chunks, which this server does not send.
+    pub fn include_usage(&self) -> Result<bool, ApiError> {
+        let Some(options) = &self.stream_options else {
+            return Ok(false);
+        };
+        if options.include_obfuscation == Some(true) {
+            return Err(ApiError::invalid(
+                "stream_options.include_obfuscation",
+                "obfuscated stream chunks are not supported by this server; send false",
+            ));
+        }
+        Ok(options.include_usage.unwrap_or(false))
     }
 }
 
@@ -841,6 +863,30 @@ mod tests {
         // Neutral values and metadata pass.
         chat(r#"{"messages": [], "tools": [], "tool_choice": "none", "user": "u", "metadata": {"a": "b"}, "modalities": ["text"], "stream": null}"#)
             .unwrap();
+        // Nested: stream options and content parts take their own keys.
+        let params = |body: &str| -> Result<CommonParams, ApiError> { typed(&chat(body)?) };
+        let error =
+            params(r#"{"messages": [], "stream_options": {"include_usage": true, "x": 1}}"#)
+                .unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("stream_options.x"));
+        let obfuscated =
+            params(r#"{"messages": [], "stream_options": {"include_obfuscation": true}}"#)
+                .unwrap()
+                .include_usage()
+                .unwrap_err();
+        assert_eq!(
+            obfuscated.param.as_deref(),
+            Some("stream_options.include_obfuscation")
+        );
+        let parts = |part: &str| -> Result<ChatFields, ApiError> {
+            typed(&chat(&format!(
+                r#"{{"messages": [{{"role": "user", "content": [{part}]}}]}}"#
+            ))?)
+        };
+        parts(r#"{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}"#).unwrap();
+        let error = parts(r#"{"type": "text", "text": "hi", "detail": "high"}"#).unwrap_err();
+        // Inside an untagged choice serde names the field that holds it.
+        assert_eq!(error.param.as_deref(), Some("messages[0].content"));
         // OpenAI's default verbosity asks for nothing; another does.
         chat(r#"{"messages": [], "verbosity": "medium"}"#).unwrap();
         let error = chat(r#"{"messages": [], "verbosity": "low"}"#).unwrap_err();

@@ -240,7 +240,7 @@ pub(super) fn prepare(
         echo,
         n,
         stream: params.stream(),
-        include_usage: params.include_usage(),
+        include_usage: params.include_usage()?,
         logprobs: logprobs.is_some(),
     })
 }
