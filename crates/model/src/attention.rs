@@ -5,11 +5,13 @@
 //!
 //! # What every row computes, bit for bit
 //!
-//! For a query head `q` of a row at position `p` (it attends to `0..=p`):
+//! For a query head `q` of a row at position `p` (it attends to `0..=p`, or
+//! on a sliding-window layer of window `w` to `p + 1 − w..=p`):
 //!
 //! 1. `q' = q · (1/√head_dim)`, element by element.
 //! 2. Positions are cut into chunks of [`CHUNK`] by absolute position. In
-//!    each chunk `c` that holds positions `≤ p`, over those positions `j`:
+//!    each chunk `c` that holds positions the row attends to, over those
+//!    positions `j`:
 //!    `s_j` is the fused multiply-add chain of `q'[d] · k_j[d]` over `d`
 //!    ascending, from zero; `m_c = max s_j`; `e_j = exp(s_j − m_c)` with
 //!    this module's [`exp`]; `l_c` is the 8-lane sum of the `e_j`; and
@@ -167,6 +169,8 @@ struct State {
     max: Vec<f32>,
     den: Vec<f32>,
     num: Vec<f32>,
+    /// Whether head `h` has folded a chunk yet: its first is taken as is.
+    seen: Vec<bool>,
 }
 
 impl State {
@@ -175,15 +179,17 @@ impl State {
             max: vec![0.0; heads],
             den: vec![0.0; heads],
             num: vec![0.0; heads * head_dim],
+            seen: vec![false; heads],
         }
     }
 
     /// Folds a later chunk's head `h` into this state's head `h`, or takes
-    /// it as is when `first`.
-    fn fold(&mut self, h: usize, first: bool, max: f32, den: f32, num: &[f32]) {
+    /// it as is when it is the head's first.
+    fn fold(&mut self, h: usize, max: f32, den: f32, num: &[f32]) {
         let hd = num.len();
         let dst = &mut self.num[h * hd..(h + 1) * hd];
-        if first {
+        if !self.seen[h] {
+            self.seen[h] = true;
             self.max[h] = max;
             self.den[h] = den;
             dst.copy_from_slice(num);
@@ -301,6 +307,8 @@ pub fn attend<E: KvValue>(
     let hd = config.head_dim;
     let group = config.num_heads / config.num_kv_heads;
     let q_dim = config.q_dim();
+    let window = config.attention_window(layer).unwrap_or(usize::MAX);
+    assert!(window > 0, "a row always sees its own position");
     assert_eq!(
         out.len(),
         rows_of.iter().sum::<usize>() * q_dim,
@@ -321,11 +329,14 @@ pub fn attend<E: KvValue>(
         let single_tile = part.rows <= TILE_ROWS;
         for row in (0..part.rows).step_by(TILE_ROWS) {
             let rows = TILE_ROWS.min(part.rows - row);
-            let chunks = (part.past + row + rows).div_ceil(CHUNK);
-            macs += rows * (part.past + row + rows) * q_dim * 2;
+            let end = part.past + row + rows;
+            // Chunks wholly before the tile's first row's window are skipped.
+            let first = visible(part.past + row, window).start / CHUNK;
+            let chunks = end.div_ceil(CHUNK);
+            macs += rows * (end - first * CHUNK).min(window) * q_dim * 2;
             for kv_head in 0..config.num_kv_heads {
-                if single_tile && chunks > 1 {
-                    tasks.extend((0..chunks).map(|c| Task {
+                if single_tile && chunks > first + 1 {
+                    tasks.extend((first..chunks).map(|c| Task {
                         seq,
                         row,
                         rows,
@@ -338,7 +349,7 @@ pub fn attend<E: KvValue>(
                         row,
                         rows,
                         kv_head,
-                        chunks: (0, chunks),
+                        chunks: (first, chunks),
                     });
                 }
             }
@@ -385,13 +396,12 @@ pub fn attend<E: KvValue>(
         {
             let start = later.chunks.0 * CHUNK;
             for r in 0..task.rows {
-                if start > part.past + task.row + r {
+                if !sees_chunk(part.past + task.row + r, window, start) {
                     continue;
                 }
                 for h in r * group..(r + 1) * group {
                     state.fold(
                         h,
-                        false,
                         chunk_state.max[h],
                         chunk_state.den[h],
                         &chunk_state.num[h * hd..(h + 1) * hd],
@@ -428,6 +438,7 @@ fn run_task<E: KvValue>(
     let hd = config.head_dim;
     let group = config.num_heads / config.num_kv_heads;
     let heads = task.rows * group;
+    let window = config.attention_window(layer).unwrap_or(usize::MAX);
     let scale = 1.0 / (hd as f32).sqrt();
     for r in 0..task.rows {
         let line = &part.queries[(task.row + r) * part.stride..];
@@ -481,6 +492,7 @@ fn run_task<E: KvValue>(
             cols: len.next_multiple_of(KEY_STEP),
             start,
             first_row_end: part.past + task.row + 1,
+            window,
             len,
         };
         // One kernel call per chunk; a macro because the two kernels take
@@ -513,15 +525,13 @@ fn run_task<E: KvValue>(
             _ => chunk_kernel(data!(&values[..]), shape),
         }
         for r in 0..task.rows {
-            let upto = part.past + task.row + r + 1;
-            if start >= upto {
+            if !sees_chunk(part.past + task.row + r, window, start) {
                 continue;
             }
             for g in 0..group {
                 let h = r * group + g;
                 state.fold(
                     h,
-                    c == task.chunks.0,
                     chunk_max[h],
                     chunk_den[h],
                     &chunk_out[h * hd..(h + 1) * hd],
@@ -530,6 +540,19 @@ fn run_task<E: KvValue>(
         }
     }
     state
+}
+
+/// The positions a row at `position` attends to with a window of `window`
+/// positions (`usize::MAX`: all before it).
+fn visible(position: usize, window: usize) -> std::ops::Range<usize> {
+    (position + 1).saturating_sub(window)..position + 1
+}
+
+/// Whether a row at `position` attends to any position of the chunk that
+/// starts at `start`.
+fn sees_chunk(position: usize, window: usize, start: usize) -> bool {
+    let seen = visible(position, window);
+    start < seen.end && seen.start < start + CHUNK
 }
 
 /// The hand-written AVX-512 chunk kernel, where the CPU has it and it
@@ -669,6 +692,8 @@ struct ChunkShape {
     /// The tile's first row sees positions `< first_row_end`; row `r`, `r`
     /// more.
     first_row_end: usize,
+    /// Each row sees only the last `window` of those (`usize::MAX`: all).
+    window: usize,
     /// Staged positions.
     len: usize,
 }
@@ -722,6 +747,7 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
         cols,
         start,
         first_row_end,
+        window,
         len,
     } = shape;
     // Scores: up to QUERY_STEP heads × KEY_STEP keys in registers.
@@ -740,17 +766,22 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
         }
         h += step;
     }
-    // Softmax within the chunk, per head over the positions its row sees.
+    // Softmax within the chunk, per head over the positions its row sees;
+    // positions before its window weigh exactly zero.
     for h in 0..heads {
-        let n = (first_row_end + h / group).saturating_sub(start).min(len);
-        if n == 0 {
+        let (lo, n) = seen_in_chunk(first_row_end + h / group, window, start, len);
+        if lo == n {
             continue;
         }
         let row = &mut scores[h * CHUNK..(h + 1) * CHUNK];
-        let max = row[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        for s in &mut row[..n] {
+        let max = row[lo..n]
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max);
+        for s in &mut row[lo..n] {
             *s = exp(*s - max);
         }
+        row[..lo].fill(0.0);
         let padded = n.next_multiple_of(SUM_LANES);
         row[n..padded].fill(0.0);
         let mut lanes = [0.0f32; SUM_LANES];
@@ -764,22 +795,20 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
     }
     // Weighted values. Heads that see the same positions share each loaded
     // value row: every head of the tile when the whole chunk lies before
-    // its first row, else the heads of one row.
+    // its first row (and within its last row's window), else the heads of
+    // one row.
     let rows = heads / group;
-    let runs: Vec<(usize, usize, usize)> = if first_row_end >= start + len {
+    let runs: Vec<(usize, usize, usize)> = if whole_chunk(shape) {
         vec![(0, heads, len)]
     } else {
         (0..rows)
-            .map(|r| {
-                let n = (first_row_end + r).saturating_sub(start).min(len);
-                (r * group, (r + 1) * group, n)
+            .filter_map(|r| {
+                let (lo, n) = seen_in_chunk(first_row_end + r, window, start, len);
+                (lo < n).then_some((r * group, (r + 1) * group, n))
             })
             .collect()
     };
     for (first, end, n) in runs {
-        if n == 0 {
-            continue;
-        }
         let mut h = first;
         while h < end {
             let step = QUERY_STEP.min(end - h);
@@ -796,6 +825,26 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
             h += step;
         }
     }
+}
+
+/// Of a chunk's `len` staged positions from `start`, the range `lo..n` a
+/// row that sees positions below `upto` with a window of `window` attends
+/// to, relative to the chunk; empty when it sees none of them.
+#[inline(always)]
+fn seen_in_chunk(upto: usize, window: usize, start: usize, len: usize) -> (usize, usize) {
+    let n = upto.saturating_sub(start).min(len);
+    let lo = upto.saturating_sub(window).saturating_sub(start).min(n);
+    (lo, n)
+}
+
+/// Whether every row of the tile attends to every position of the chunk
+/// it stages, or to ones before them that weigh zero — one weighted sum
+/// over all `len` positions serves all its heads.
+#[inline(always)]
+fn whole_chunk(shape: ChunkShape) -> bool {
+    let last_row_end = shape.first_row_end + shape.heads / shape.group - 1;
+    shape.first_row_end >= shape.start + shape.len
+        && last_row_end.saturating_sub(shape.window) < shape.start + shape.len
 }
 
 /// Scores of `Q` heads against every staged key column: each the fused
@@ -978,7 +1027,13 @@ mod tests {
         );
         (0..shape.heads)
             .map(|h| {
-                let sees = shape.first_row_end + h / shape.group > shape.start;
+                let (lo, n) = seen_in_chunk(
+                    shape.first_row_end + h / shape.group,
+                    shape.window,
+                    shape.start,
+                    shape.len,
+                );
+                let sees = lo < n;
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 let head_out = &out[h * hd..(h + 1) * hd];
                 if !sees {
@@ -1012,6 +1067,7 @@ mod tests {
             seed in proptest::prelude::any::<u64>(),
             poison in 0usize..4,
             half_values in proptest::prelude::any::<bool>(),
+            window in 1usize..400,
         ) {
             let Some(cpu) = avx512::Cpu::detect() else { return Ok(()) };
             let hd = 16 * dims;
@@ -1040,7 +1096,9 @@ mod tests {
                 keys[d * CHUNK + len..d * CHUNK + cols].fill(0.0);
             }
             let values: Vec<f32> = (0..len * hd).map(|_| next()).collect();
-            let shape = ChunkShape { heads, group, head_dim: hd, cols, start, first_row_end, len };
+            // Half the cases slide a window over the chunk, the rest see all.
+            let window = if window < 200 { window } else { usize::MAX };
+            let shape = ChunkShape { heads, group, head_dim: hd, cols, start, first_row_end, window, len };
             // Page runs as `stage` cuts them: the chunk starts mid-page.
             let cut = |all_len: usize| {
                 let mut ends = Vec::new();

@@ -61,6 +61,7 @@ impl Builtin {
             rms_norm_eps: 1e-5,
             rope_theta: 10_000.0,
             rope_scaling: None,
+            sliding_window: None,
             max_position_embeddings: 4096,
             tie_word_embeddings: false,
             qkv_bias: false,
@@ -140,6 +141,9 @@ pub fn weights_for(c: &ModelConfig, seed: u64) -> TensorMap {
     };
     let h = c.hidden_size;
     let proj = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    // Gemma's norms scale by `1 + w` (Hugging Face's convention): centred on 0.
+    let gemma = c.architecture == crate::Architecture::Gemma3;
+    let norm_centre = if gemma { 0.0 } else { 1.0 };
     add(
         "model.embed_tokens.weight".into(),
         vec![c.vocab_size, h],
@@ -148,7 +152,11 @@ pub fn weights_for(c: &ModelConfig, seed: u64) -> TensorMap {
     );
     for i in 0..c.num_layers {
         let p = |s: &str| format!("model.layers.{i}.{s}");
-        add(p("input_layernorm.weight"), vec![h], 1.0, 0.1);
+        add(p("input_layernorm.weight"), vec![h], norm_centre, 0.1);
+        if c.architecture.qk_norm() {
+            add(p("self_attn.q_norm.weight"), vec![c.head_dim], norm_centre, 0.1);
+            add(p("self_attn.k_norm.weight"), vec![c.head_dim], norm_centre, 0.1);
+        }
         add(
             p("self_attn.q_proj.weight"),
             vec![c.q_dim(), h],
@@ -178,7 +186,11 @@ pub fn weights_for(c: &ModelConfig, seed: u64) -> TensorMap {
             0.0,
             proj(c.q_dim()),
         );
-        add(p("post_attention_layernorm.weight"), vec![h], 1.0, 0.1);
+        add(p("post_attention_layernorm.weight"), vec![h], norm_centre, 0.1);
+        if c.architecture.post_norms() {
+            add(p("pre_feedforward_layernorm.weight"), vec![h], norm_centre, 0.1);
+            add(p("post_feedforward_layernorm.weight"), vec![h], norm_centre, 0.1);
+        }
         add(
             p("mlp.gate_proj.weight"),
             vec![c.intermediate_size, h],
@@ -198,7 +210,7 @@ pub fn weights_for(c: &ModelConfig, seed: u64) -> TensorMap {
             proj(c.intermediate_size),
         );
     }
-    add("model.norm.weight".into(), vec![h], 1.0, 0.1);
+    add("model.norm.weight".into(), vec![h], norm_centre, 0.1);
     if !c.tie_word_embeddings {
         add("lm_head.weight".into(), vec![c.vocab_size, h], 0.0, proj(h));
     }

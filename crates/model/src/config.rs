@@ -17,6 +17,34 @@ pub enum Architecture {
     Mistral,
     /// `Qwen2ForCausalLM`: biases on the Q, K and V projections.
     Qwen2,
+    /// Gemma 3 (`gemma3` in GGUF): queries and keys RMS-normalised per
+    /// head, attention and MLP outputs normalised again before the
+    /// residual, a tanh-GELU gate, embeddings scaled by √hidden, and
+    /// sliding-window layers interleaved with global ones.
+    Gemma3,
+}
+
+/// The MLP's gate activation: `down(act(gate(x)) · up(x))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · σ(x)` (SwiGLU).
+    Silu,
+    /// GELU, tanh approximation (GeGLU), as ggml and `gelu_pytorch_tanh` compute it.
+    GeluTanh,
+}
+
+/// Layers that attend only to the most recent positions.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions a local layer's row sees: its own and the `window − 1`
+    /// before it (llama.cpp's "standard" window).
+    pub window: usize,
+    /// Layer `i` is local unless `i % period == period − 1` (global); `0`
+    /// makes every layer local. Gemma 3 has five local layers per global
+    /// one (`period` 6), as llama.cpp defines it.
+    pub period: usize,
+    /// RoPE base of the local layers (global layers use the model's).
+    pub local_rope_theta: f32,
 }
 
 impl Architecture {
@@ -26,7 +54,48 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
+    }
+
+    /// The name GGUF files use (`general.architecture`) and the prefix of
+    /// their hyper-parameter keys.
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Architecture::Llama | Architecture::Mistral | Architecture::Qwen2 => "llama",
+            Architecture::Gemma3 => "gemma3",
+        }
+    }
+
+    /// Whether queries and keys are RMS-normalised per head before RoPE.
+    pub fn qk_norm(self) -> bool {
+        self == Architecture::Gemma3
+    }
+
+    /// Whether the attention and MLP outputs are RMS-normalised before
+    /// they join the residual stream.
+    pub fn post_norms(self) -> bool {
+        self == Architecture::Gemma3
+    }
+
+    /// The MLP's gate activation.
+    pub fn activation(self) -> Activation {
+        match self {
+            Architecture::Gemma3 => Activation::GeluTanh,
+            _ => Activation::Silu,
+        }
+    }
+
+    /// Whether token embeddings are multiplied by √hidden before the first layer.
+    pub fn scales_embeddings(self) -> bool {
+        self == Architecture::Gemma3
+    }
+
+    /// Whether llama.cpp's converter reordered each head's Q and K rows
+    /// for its pairwise RoPE (the `llama` family); Gemma's files keep
+    /// Hugging Face's order, rotated by halves as this runtime does.
+    pub fn gguf_permutes_rope(self) -> bool {
+        self != Architecture::Gemma3
     }
 }
 
@@ -68,6 +137,8 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     /// Optional Llama-3 RoPE scaling.
     pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Sliding-window attention, if some layers use it.
+    pub sliding_window: Option<SlidingWindow>,
     /// Longest context the model supports.
     pub max_position_embeddings: usize,
     /// Whether `lm_head` shares the embedding matrix.
@@ -165,6 +236,7 @@ impl ModelConfig {
             rms_norm_eps: hf.rms_norm_eps,
             rope_theta: hf.rope_theta,
             rope_scaling,
+            sliding_window: None,
             max_position_embeddings: hf.max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings,
             qkv_bias: architecture == Architecture::Qwen2 || hf.attention_bias,
@@ -175,24 +247,28 @@ impl ModelConfig {
         Ok(config)
     }
 
-    /// Reads and checks the hyper-parameters of a llama-architecture GGUF
-    /// file from its metadata.
+    /// Reads and checks the hyper-parameters of a `llama` or `gemma3` GGUF
+    /// file from its metadata, as llama.cpp's loader reads them.
     pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig, ModelError> {
         let path = file.path();
         let arch = file.str("general.architecture")?;
-        if arch != "llama" {
-            return Err(ModelError::UnsupportedArchitecture {
-                path: path.into(),
-                architecture: format!("{arch} (GGUF; supported: llama)"),
-            });
-        }
+        let architecture = match arch {
+            "llama" => Architecture::Llama,
+            "gemma3" => Architecture::Gemma3,
+            _ => {
+                return Err(ModelError::UnsupportedArchitecture {
+                    path: path.into(),
+                    architecture: format!("{arch} (GGUF; supported: llama, gemma3)"),
+                });
+            }
+        };
         if file.has_tensor("rope_freqs.weight") {
             return Err(ModelError::gguf(
                 path,
                 "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling) are not supported",
             ));
         }
-        let key = |name: &str| format!("llama.{name}");
+        let key = |name: &str| format!("{arch}.{name}");
         let count = |name: &str| -> Result<usize, ModelError> {
             usize::try_from(file.u64(&key(name))?)
                 .map_err(|_| ModelError::config(path, format!("{name} does not fit in memory")))
@@ -230,9 +306,38 @@ impl ModelConfig {
             .iter()
             .filter_map(|name| token(name))
             .collect();
+        if architecture == Architecture::Gemma3 {
+            // Gemma ends a turn with `<end_of_turn>`, which llama.cpp
+            // recognises by its text as an end of generation.
+            let tokens = file.strings("tokenizer.ggml.tokens")?;
+            eos_token_ids.extend(
+                tokens
+                    .iter()
+                    .position(|t| *t == "<end_of_turn>")
+                    .and_then(|id| u32::try_from(id).ok()),
+            );
+        }
         eos_token_ids.dedup();
+        let sliding_window = match architecture {
+            Architecture::Gemma3 => {
+                if let Some(factor) = file.get(&key("rope.scaling.factor")).and_then(Value::as_f64)
+                    && factor != 1.0
+                {
+                    return Err(ModelError::gguf(
+                        path,
+                        format!("RoPE scaling (factor {factor}) is not supported for gemma3"),
+                    ));
+                }
+                Some(SlidingWindow {
+                    window: count("attention.sliding_window")?,
+                    period: 6,
+                    local_rope_theta: 10_000.0,
+                })
+            }
+            _ => None,
+        };
         let config = ModelConfig {
-            architecture: Architecture::Llama,
+            architecture,
             vocab_size,
             hidden_size,
             intermediate_size: count("feed_forward_length")?,
@@ -249,6 +354,7 @@ impl ModelConfig {
                 None => default_theta(),
             },
             rope_scaling: None,
+            sliding_window,
             max_position_embeddings: count("context_length")?,
             tie_word_embeddings: !file.has_tensor("output.weight"),
             qkv_bias: file.has_tensor("blk.0.attn_q.bias"),
@@ -297,6 +403,11 @@ impl ModelConfig {
         if !(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0) {
             return fail("rms_norm_eps and rope_theta must be positive".into());
         }
+        if let Some(sliding) = &self.sliding_window
+            && !(sliding.window > 0 && sliding.local_rope_theta > 0.0)
+        {
+            return fail("a sliding window and its RoPE base must be positive".into());
+        }
         if let Some(&bad) = self
             .eos_token_ids
             .iter()
@@ -315,6 +426,7 @@ impl ModelConfig {
                 Architecture::Llama => "llama",
                 Architecture::Mistral => "mistral",
                 Architecture::Qwen2 => "qwen2",
+                Architecture::Gemma3 => "gemma3_text",
             },
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -342,6 +454,15 @@ impl ModelConfig {
             });
         }
         serde_json::to_string_pretty(&json).expect("a JSON value always serialises")
+    }
+
+    /// How many positions a row of `layer` attends to, counting its own:
+    /// the window for a sliding-window layer, `None` (all of them) for a
+    /// global one.
+    pub fn attention_window(&self, layer: usize) -> Option<usize> {
+        let sliding = self.sliding_window.as_ref()?;
+        let global = sliding.period > 0 && layer % sliding.period == sliding.period - 1;
+        (!global).then_some(sliding.window)
     }
 
     /// Output width of the Q projection.

@@ -10,7 +10,7 @@ use half::{bf16, f16};
 use kvfence_pool::{ElemType, KvShape, Lease, ReadView};
 
 use crate::attention::{self, KvValue, SequenceQueries};
-use crate::config::ModelConfig;
+use crate::config::{Activation, Architecture, ModelConfig};
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
 use crate::kernels::{self, Matrix, PackedMatrix, Rope};
@@ -44,6 +44,12 @@ pub struct Sequence<'a> {
 
 struct Layer {
     attn_norm: Vec<f32>,
+    /// Per-head RMSNorm weights of queries and keys (`[head_dim]` each),
+    /// for architectures that normalise them (Gemma 3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// RMSNorm weights of the attention and MLP outputs, for architectures
+    /// that normalise them before the residual add (Gemma 3).
+    post_norms: Option<(Vec<f32>, Vec<f32>)>,
     /// Q, K and V projections stacked: `[q_dim + 2 * kv_dim][hidden]`.
     qkv: Matrix,
     qkv_bias: Option<Vec<f32>>,
@@ -83,6 +89,8 @@ pub struct Model {
     norm: Vec<f32>,
     lm_head: Matrix,
     rope: Rope,
+    /// RoPE of the sliding-window layers, when their base differs.
+    local_rope: Option<Rope>,
 }
 
 impl std::fmt::Debug for Model {
@@ -99,6 +107,17 @@ fn stack(parts: &[&[f32]]) -> Vec<f32> {
 
 fn dense(w: &[f32], n: usize, k: usize) -> Matrix {
     Matrix::Dense(PackedMatrix::from_rows(w, n, k))
+}
+
+/// The RoPE tables of global layers and, when the sliding-window layers
+/// rotate with another base, theirs.
+fn ropes(c: &ModelConfig) -> (Rope, Option<Rope>) {
+    let global = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref());
+    let local = c
+        .sliding_window
+        .filter(|s| s.local_rope_theta != c.rope_theta)
+        .map(|s| Rope::new(c.head_dim, s.local_rope_theta, None));
+    (global, local)
 }
 
 /// llama.cpp's converter reorders each head's Q and K rows so that RoPE
@@ -130,11 +149,43 @@ impl Model {
             .get("model.embed_tokens.weight", &[c.vocab_size, h])?
             .data
             .clone();
+        let gemma = c.architecture == Architecture::Gemma3;
+        // Hugging Face's Gemma norms scale by `1 + w`; llama.cpp's converter
+        // adds the one when it writes GGUF, so the runtime multiplies by `w`.
+        let norm = |name: &str, len: usize| -> Result<Vec<f32>, ModelError> {
+            let w = &tensors.get(name, &[len])?.data;
+            Ok(if gemma {
+                w.iter().map(|v| v + 1.0).collect()
+            } else {
+                w.clone()
+            })
+        };
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let name = |suffix: &str| format!("model.layers.{i}.{suffix}");
             let weight = |suffix: &str, shape: &[usize]| -> Result<&[f32], ModelError> {
                 Ok(&tensors.get(&name(suffix), shape)?.data)
+            };
+            let qk_norm = if c.architecture.qk_norm() {
+                Some((
+                    norm(&name("self_attn.q_norm.weight"), c.head_dim)?,
+                    norm(&name("self_attn.k_norm.weight"), c.head_dim)?,
+                ))
+            } else {
+                None
+            };
+            // Gemma names the MLP's input norm `pre_feedforward_layernorm`
+            // and uses `post_attention_layernorm` for the attention output.
+            let (mlp_norm, post_norms) = if c.architecture.post_norms() {
+                (
+                    norm(&name("pre_feedforward_layernorm.weight"), h)?,
+                    Some((
+                        norm(&name("post_attention_layernorm.weight"), h)?,
+                        norm(&name("post_feedforward_layernorm.weight"), h)?,
+                    )),
+                )
+            } else {
+                (norm(&name("post_attention_layernorm.weight"), h)?, None)
             };
             let q = weight("self_attn.q_proj.weight", &[c.q_dim(), h])?;
             let k = weight("self_attn.k_proj.weight", &[c.kv_dim(), h])?;
@@ -151,7 +202,9 @@ impl Model {
             let gate = weight("mlp.gate_proj.weight", &[c.intermediate_size, h])?;
             let up = weight("mlp.up_proj.weight", &[c.intermediate_size, h])?;
             layers.push(Layer {
-                attn_norm: weight("input_layernorm.weight", &[h])?.to_vec(),
+                attn_norm: norm(&name("input_layernorm.weight"), h)?,
+                qk_norm,
+                post_norms,
                 qkv: dense(&stack(&[q, k, v]), c.q_dim() + 2 * c.kv_dim(), h),
                 qkv_bias,
                 o: dense(
@@ -159,7 +212,7 @@ impl Model {
                     h,
                     c.q_dim(),
                 ),
-                mlp_norm: weight("post_attention_layernorm.weight", &[h])?.to_vec(),
+                mlp_norm,
                 gate_up: dense(&stack(&[gate, up]), 2 * c.intermediate_size, h),
                 down: dense(
                     weight("mlp.down_proj.weight", &[h, c.intermediate_size])?,
@@ -177,9 +230,11 @@ impl Model {
                 h,
             )
         };
+        let (rope, local_rope) = ropes(c);
         Ok(Model {
-            norm: tensors.get("model.norm.weight", &[h])?.data.clone(),
-            rope: Rope::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref()),
+            norm: norm("model.norm.weight", h)?,
+            rope,
+            local_rope,
             embed: Embedding::Dense(embed),
             layers,
             lm_head,
@@ -199,6 +254,9 @@ impl Model {
             Ok(QuantMatrix::new(info.format, out, inp, data.to_vec()))
         };
         let rope_rows = |name: &str, heads: usize| -> Result<QuantMatrix, ModelError> {
+            if !c.architecture.gguf_permutes_rope() {
+                return matrix(name, heads * c.head_dim, h);
+            }
             let (info, data) = file.tensor(name, &[h, heads * c.head_dim])?;
             let row_bytes = info.format.row_bytes(h);
             let data = unpermute_rope_rows(data, heads, c.head_dim, row_bytes);
@@ -222,8 +280,26 @@ impl Model {
             } else {
                 None
             };
+            let qk_norm = if c.architecture.qk_norm() {
+                Some((
+                    vector(&name("attn_q_norm.weight"), c.head_dim)?,
+                    vector(&name("attn_k_norm.weight"), c.head_dim)?,
+                ))
+            } else {
+                None
+            };
+            let post_norms = if c.architecture.post_norms() {
+                Some((
+                    vector(&name("post_attention_norm.weight"), h)?,
+                    vector(&name("post_ffw_norm.weight"), h)?,
+                ))
+            } else {
+                None
+            };
             layers.push(Layer {
                 attn_norm: vector(&name("attn_norm.weight"), h)?,
+                qk_norm,
+                post_norms,
                 qkv: Matrix::Quant(QuantMatrix::stack(vec![
                     rope_rows(&name("attn_q.weight"), c.num_heads)?,
                     rope_rows(&name("attn_k.weight"), c.num_kv_heads)?,
@@ -245,9 +321,11 @@ impl Model {
         } else {
             embed.clone()
         };
+        let (rope, local_rope) = ropes(c);
         Ok(Model {
             norm: vector("output_norm.weight", h)?,
-            rope: Rope::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref()),
+            rope,
+            local_rope,
             embed: Embedding::Quant(embed),
             layers,
             lm_head: Matrix::Quant(lm_head),
@@ -370,7 +448,8 @@ impl Model {
         for seq in batch.iter() {
             positions.extend(seq.past..seq.past + seq.tokens.len());
         }
-        let (cos, sin) = self.rope.tables(&positions);
+        let global_tables = self.rope.tables(&positions);
+        let local_tables = self.local_rope.as_ref().map(|r| r.tables(&positions));
         let half = hd / 2;
 
         let mut x = Vec::with_capacity(total * h);
@@ -384,6 +463,11 @@ impl Model {
                 }
             }
         }
+        if c.architecture.scales_embeddings() {
+            // As llama.cpp rounds it: √hidden in f32, one multiply.
+            let scale = (h as f32).sqrt();
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
         let mut normed = vec![0.0; total * h];
         let mut qkv = vec![0.0; total * qkv_width];
         let mut attn = vec![0.0; total * q_dim];
@@ -391,12 +475,26 @@ impl Model {
         let mut gate_up = vec![0.0; total * 2 * c.intermediate_size];
         let mut act = vec![0.0; total * c.intermediate_size];
 
+        let mut head = vec![0.0; hd];
         for (layer_index, layer) in self.layers.iter().enumerate() {
+            let (cos, sin) = match (&local_tables, c.attention_window(layer_index)) {
+                (Some(local), Some(_)) => local,
+                _ => &global_tables,
+            };
             kernels::rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
             layer.qkv.matmul(&normed, total, &mut qkv);
             for (r, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
                 if let Some(bias) = &layer.qkv_bias {
                     row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+                }
+                if let Some((q_norm, k_norm)) = &layer.qk_norm {
+                    let (queries, keys) = row[..q_dim + kv_dim].split_at_mut(q_dim);
+                    for (heads, weight) in [(queries, q_norm), (keys, k_norm)] {
+                        for one in heads.chunks_exact_mut(hd) {
+                            head.copy_from_slice(one);
+                            kernels::rms_norm(&head, weight, c.rms_norm_eps, one);
+                        }
+                    }
                 }
                 let (cos, sin) = (
                     &cos[r * half..(r + 1) * half],
@@ -407,13 +505,16 @@ impl Model {
             self.store_kv::<E>(batch, layer_index, &qkv, &mut failed);
             self.attention::<E>(batch, layer_index, &qkv, &mut attn, &mut failed);
             layer.o.matmul(&attn, total, &mut proj);
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            self.add_residual(&mut x, &mut proj, layer.post_norms.as_ref().map(|n| &n.0));
 
             kernels::rms_norm(&x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
             layer.gate_up.matmul(&normed, total, &mut gate_up);
-            kernels::silu_mul(&gate_up, c.intermediate_size, &mut act);
+            match c.architecture.activation() {
+                Activation::Silu => kernels::silu_mul(&gate_up, c.intermediate_size, &mut act),
+                Activation::GeluTanh => kernels::gelu_mul(&gate_up, c.intermediate_size, &mut act),
+            }
             layer.down.matmul(&act, total, &mut proj);
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            self.add_residual(&mut x, &mut proj, layer.post_norms.as_ref().map(|n| &n.1));
         }
         let rows = self.logits(batch, &x);
         rows.into_iter()
@@ -423,6 +524,17 @@ impl Model {
                 None => Ok(row),
             })
             .collect()
+    }
+
+    /// `x += out`, or `x += rms_norm(out)` for architectures that normalise
+    /// a block's output first (`out` is then scratch).
+    fn add_residual(&self, x: &mut [f32], out: &mut [f32], post_norm: Option<&Vec<f32>>) {
+        if let Some(weight) = post_norm {
+            let mut normed = vec![0.0; out.len()];
+            kernels::rms_norm(out, weight, self.config.rms_norm_eps, &mut normed);
+            out.copy_from_slice(&normed);
+        }
+        x.iter_mut().zip(out.iter()).for_each(|(a, b)| *a += b);
     }
 
     /// Writes each sequence's new K and V rows of one layer into its lease;

@@ -253,6 +253,24 @@ pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
     }
 }
 
+/// `gate_up` rows are `[gate | up]`; writes `gelu(gate) * up` into `out`,
+/// GELU in its tanh approximation (ggml's `gelu`, Hugging Face's
+/// `gelu_pytorch_tanh`).
+pub fn gelu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044_715;
+    for (row, dst) in gate_up
+        .chunks_exact(2 * width)
+        .zip(out.chunks_exact_mut(width))
+    {
+        let (gate, up) = row.split_at(width);
+        for ((d, &g), &u) in dst.iter_mut().zip(gate).zip(up) {
+            let inner = SQRT_2_OVER_PI * g * (1.0 + COEF_A * g * g);
+            *d = 0.5 * g * (1.0 + inner.tanh()) * u;
+        }
+    }
+}
+
 /// Rotary position embedding frequencies (Hugging Face's rotate-half form).
 #[derive(Debug, Clone)]
 pub struct Rope {

@@ -35,7 +35,7 @@ pub mod tokenizer;
 
 pub use builtin::Builtin;
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::{Architecture, ModelConfig};
+pub use config::{Activation, Architecture, ModelConfig, SlidingWindow};
 pub use constraint::{Constraint, Grammar, Grammars, TokenMask};
 pub use error::ModelError;
 pub use fetch::{KnownModel, ModelCache};

@@ -170,6 +170,18 @@ fn block32_scale_offset(format: QuantFormat, b: &[u8]) -> (f32, f32) {
     }
 }
 
+/// The 32 weights of a Q5_0 block as signed bytes `q − 16` (five bits:
+/// a nibble of `qs` and a bit of `qh`), in order.
+fn q5_0_bytes(b: &[u8]) -> [u8; 32] {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qs = &b[6..22];
+    std::array::from_fn(|j| {
+        let nibble = (qs[j % 16] >> (4 * (j / 16))) & 0x0F;
+        let q = nibble | (((qh >> j) & 1) as u8) << 4;
+        (q as i8 - 16) as u8
+    })
+}
+
 /// Decodes one block of a 32-weight format through the same definitions
 /// the matmul kernels use, so both produce the same bits.
 #[inline(always)]
@@ -453,6 +465,12 @@ impl Storage {
             }
             QuantFormat::Q8_0 => Storage::Bytes {
                 quants: blocks().flat_map(|b| &b[2..34]).copied().collect(),
+                scales: scale_offsets().map(|(s, _)| s).collect(),
+            },
+            // Q5_0 weights are `d · (q − 16)` with `q` in 0..32: signed
+            // bytes and a scale, Q8_0's form, so its kernels serve it too.
+            QuantFormat::Q5_0 => Storage::Bytes {
+                quants: blocks().flat_map(q5_0_bytes).collect(),
                 scales: scale_offsets().map(|(s, _)| s).collect(),
             },
             _ => Storage::File(data),
@@ -974,8 +992,15 @@ mod tests {
             let k = blocks * 32;
             let x = values(seed, m * k);
             let w = values(seed ^ 0x9e37, n * k);
-            // Rows from four formats stacked, as Q, K and V may be.
-            let formats = [QuantFormat::Q4_1, QuantFormat::Q4_0, QuantFormat::F16, QuantFormat::Q8_0];
+            // Rows from six formats stacked, as Q, K and V may be.
+            let formats = [
+                QuantFormat::Q4_1,
+                QuantFormat::Q4_0,
+                QuantFormat::F16,
+                QuantFormat::Q5_0,
+                QuantFormat::Q8_0,
+                QuantFormat::Q5_1,
+            ];
             let format_of = |c: usize| formats[c * formats.len() / n];
             let file_row = |c: usize| quantize_row(format_of(c), &w[c * k..(c + 1) * k]).unwrap();
             let matrix = QuantMatrix::stack(

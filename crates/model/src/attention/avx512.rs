@@ -138,6 +138,7 @@ unsafe fn chunk_avx512<E: Widen16>(data: ChunkData<'_, [&[E]]>, shape: ChunkShap
         cols,
         start,
         first_row_end,
+        window,
         len,
     } = shape;
     // Scores: QUERY_STEP heads × KEY_BLOCKS key blocks at a time.
@@ -162,28 +163,28 @@ unsafe fn chunk_avx512<E: Widen16>(data: ChunkData<'_, [&[E]]>, shape: ChunkShap
     }
     // Softmax within the chunk, per head over the positions its row sees.
     for h in 0..heads {
-        let n = (first_row_end + h / group).saturating_sub(start).min(len);
-        if n == 0 {
+        let (lo, n) = super::seen_in_chunk(first_row_end + h / group, window, start, len);
+        if lo == n {
             continue;
         }
         let row = &mut scores[h * CHUNK..(h + 1) * CHUNK];
-        let (max, den) = softmax(row, n);
+        let (max, den) = softmax(row, lo, n);
         maxes[h] = max;
         dens[h] = den;
     }
     // Weighted values, grouped as the portable kernel groups them.
     let rows = heads / group;
-    let whole = first_row_end >= start + len;
+    let whole = super::whole_chunk(shape);
     for r in 0..if whole { 1 } else { rows } {
         let (first, end, n) = if whole {
             (0, heads, len)
         } else {
-            let n = (first_row_end + r).saturating_sub(start).min(len);
+            let (lo, n) = super::seen_in_chunk(first_row_end + r, window, start, len);
+            if lo == n {
+                continue;
+            }
             (r * group, (r + 1) * group, n)
         };
-        if n == 0 {
-            continue;
-        }
         let mut h = first;
         while h < end {
             let step = QUERY_STEP.min(end - h);
@@ -277,18 +278,27 @@ fn lanes_below(n: usize) -> __mmask16 {
     if n >= LANES { !0 } else { (1u16 << n) - 1 }
 }
 
-/// Replaces `row[..n]` by its exponentials against their maximum and
-/// returns `(maximum, denominator)`: the portable kernel's fold with
-/// `f32::max` (NaN scores ignored), [`super::exp`], and 8-lane sum.
+/// Lanes of the 16-lane block at `b` whose positions lie in `lo..n`.
+#[inline]
+fn lanes_between(lo: usize, n: usize, b: usize) -> __mmask16 {
+    lanes_below(n.saturating_sub(b)) & !lanes_below(lo.saturating_sub(b))
+}
+
+/// Replaces `row[lo..n]` by its exponentials against their maximum and
+/// `row[..lo]` by zeros, and returns `(maximum, denominator)`: the
+/// portable kernel's fold with `f32::max` (NaN scores ignored),
+/// [`super::exp`], and 8-lane sum.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn softmax(row: &mut [f32], n: usize) -> (f32, f32) {
-    assert!(n > 0 && n <= row.len() && row.len() >= n.next_multiple_of(LANES));
+fn softmax(row: &mut [f32], lo: usize, n: usize) -> (f32, f32) {
+    assert!(lo < n && n <= row.len() && row.len() >= n.next_multiple_of(LANES));
     let floor = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut top = floor;
     for b in (0..n).step_by(LANES) {
         // SAFETY: b + 16 <= row.len() (checked above).
-        let x = unsafe { _mm512_mask_loadu_ps(floor, lanes_below(n - b), row.as_ptr().add(b)) };
+        let x = unsafe {
+            _mm512_mask_loadu_ps(floor, lanes_between(lo, n, b), row.as_ptr().add(b))
+        };
         // `vmaxps` returns its second operand when either is NaN: the
         // running maximum, which never is — `f32::max`'s rule.
         top = _mm512_max_ps(x, top);
@@ -296,7 +306,7 @@ fn softmax(row: &mut [f32], n: usize) -> (f32, f32) {
     let max = _mm512_reduce_max_ps(top);
     let mut lanes = _mm256_setzero_ps();
     for b in (0..n).step_by(LANES) {
-        let keep = lanes_below(n - b);
+        let keep = lanes_between(lo, n, b);
         // SAFETY: as above.
         let s = unsafe { _mm512_loadu_ps(row.as_ptr().add(b)) };
         let e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s, _mm512_set1_ps(max))));

@@ -65,3 +65,26 @@ fn qwen2_biases_and_tied_embeddings_are_applied() {
     let model = Model::from_tensors(config.clone(), &tensors).unwrap();
     check_against_dense(&model, &config, &tensors, &prompt(9), 3);
 }
+
+/// Gemma 3's shape on a tiny model: per-head Q/K norms, post-norms, GeGLU,
+/// scaled embeddings, and sliding-window layers (window 40, every third
+/// layer global, their own RoPE base) over prompts longer than the window
+/// and than an attention chunk, prefilled whole and in pieces that cut
+/// windows and chunks anywhere.
+#[test]
+fn gemma3_windows_norms_and_geglu_match_the_dense_reference() {
+    let mut config = Builtin::Tiny.config();
+    config.architecture = kvfence_model::Architecture::Gemma3;
+    config.tie_word_embeddings = true;
+    config.num_layers = 3;
+    config.sliding_window = Some(kvfence_model::SlidingWindow {
+        window: 40,
+        period: 3,
+        local_rope_theta: 500.0,
+    });
+    let tensors = kvfence_model::builtin::weights_for(&config, 7);
+    let model = Model::from_tensors(config.clone(), &tensors).unwrap();
+    check_against_dense(&model, &config, &tensors, &prompt(9), 4);
+    check_against_dense(&model, &config, &tensors, &prompt(150), 150);
+    check_against_dense(&model, &config, &tensors, &prompt(150), 37);
+}

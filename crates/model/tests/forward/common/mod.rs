@@ -116,22 +116,45 @@ fn rope(x: &mut [f32], heads: usize, hd: usize, pos: usize, theta: f32) {
     }
 }
 
-/// Logits at every position of `tokens`, computed densely.
+fn gelu_tanh(x: f32) -> f32 {
+    let x = f64::from(x);
+    let inner = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+    (0.5 * x * (1.0 + inner.tanh())) as f32
+}
+
+/// Logits at every position of `tokens`, computed densely. Gemma 3's
+/// pieces (per-head Q/K norms, post-norms, GeGLU, √hidden embeddings,
+/// sliding windows with their own RoPE base) follow its Hugging Face
+/// definition, norms as `1 + w`.
 pub fn dense_logits(c: &ModelConfig, t: &TensorMap, tokens: &[u32]) -> Vec<Vec<f32>> {
     assert!(
         c.rope_scaling.is_none(),
         "the reference implements plain RoPE only"
     );
+    let gemma = c.architecture == kvfence_model::Architecture::Gemma3;
     let (n, h, hd) = (tokens.len(), c.hidden_size, c.head_dim);
     let w = |name: &str, shape: &[usize]| t.get(name, shape).unwrap().data.clone();
+    let norm_w = |name: &str, len: usize| -> Vec<f32> {
+        let v = w(name, &[len]);
+        if gemma { v.iter().map(|x| x + 1.0).collect() } else { v }
+    };
     let embed = w("model.embed_tokens.weight", &[c.vocab_size, h]);
     let mut x: Vec<f32> = tokens
         .iter()
         .flat_map(|&tok| embed[tok as usize * h..(tok as usize + 1) * h].to_vec())
         .collect();
+    if gemma {
+        let scale = (h as f32).sqrt();
+        x.iter_mut().for_each(|v| *v *= scale);
+    }
     for l in 0..c.num_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");
-        let hn = rms_norm(&x, &w(&p("input_layernorm.weight"), &[h]), c.rms_norm_eps);
+        let window = c.attention_window(l).unwrap_or(usize::MAX);
+        let theta = match (c.attention_window(l), c.sliding_window) {
+            (Some(_), Some(sliding)) => sliding.local_rope_theta,
+            _ => c.rope_theta,
+        };
+        let hn = rms_norm(&x, &norm_w(&p("input_layernorm.weight"), h), c.rms_norm_eps);
         let bias = |s: &str, d: usize| c.qkv_bias.then(|| w(&p(s), &[d]));
         let qb = bias("self_attn.q_proj.bias", c.q_dim());
         let kb = bias("self_attn.k_proj.bias", c.kv_dim());
@@ -157,20 +180,24 @@ pub fn dense_logits(c: &ModelConfig, t: &TensorMap, tokens: &[u32]) -> Vec<Vec<f
             c.kv_dim(),
             vb.as_deref(),
         );
+        if c.architecture.qk_norm() {
+            q = rms_norm(&q, &norm_w(&p("self_attn.q_norm.weight"), hd), c.rms_norm_eps);
+            k = rms_norm(&k, &norm_w(&p("self_attn.k_norm.weight"), hd), c.rms_norm_eps);
+        }
         for pos in 0..n {
             rope(
                 &mut q[pos * c.q_dim()..(pos + 1) * c.q_dim()],
                 c.num_heads,
                 hd,
                 pos,
-                c.rope_theta,
+                theta,
             );
             rope(
                 &mut k[pos * c.kv_dim()..(pos + 1) * c.kv_dim()],
                 c.num_kv_heads,
                 hd,
                 pos,
-                c.rope_theta,
+                theta,
             );
         }
         let group = c.num_heads / c.num_kv_heads;
@@ -179,7 +206,8 @@ pub fn dense_logits(c: &ModelConfig, t: &TensorMap, tokens: &[u32]) -> Vec<Vec<f
             for head in 0..c.num_heads {
                 let kvh = head / group;
                 let qv = &q[pos * c.q_dim() + head * hd..][..hd];
-                let scores: Vec<f64> = (0..=pos)
+                let first = (pos + 1).saturating_sub(window);
+                let scores: Vec<f64> = (first..=pos)
                     .map(|s| {
                         let kv = &k[s * c.kv_dim() + kvh * hd..][..hd];
                         qv.iter()
@@ -193,8 +221,8 @@ pub fn dense_logits(c: &ModelConfig, t: &TensorMap, tokens: &[u32]) -> Vec<Vec<f
                 let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let sum: f64 = exps.iter().sum();
                 for d in 0..hd {
-                    let val: f64 = (0..=pos)
-                        .map(|s| exps[s] * f64::from(v[s * c.kv_dim() + kvh * hd + d]))
+                    let val: f64 = (first..=pos)
+                        .map(|s| exps[s - first] * f64::from(v[s * c.kv_dim() + kvh * hd + d]))
                         .sum();
                     attn[pos * c.q_dim() + head * hd + d] = (val / sum) as f32;
                 }
@@ -207,24 +235,41 @@ pub fn dense_logits(c: &ModelConfig, t: &TensorMap, tokens: &[u32]) -> Vec<Vec<f
             h,
             None,
         );
+        let o = if gemma {
+            rms_norm(&o, &norm_w(&p("post_attention_layernorm.weight"), h), c.rms_norm_eps)
+        } else {
+            o
+        };
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-        let hn = rms_norm(
-            &x,
-            &w(&p("post_attention_layernorm.weight"), &[h]),
-            c.rms_norm_eps,
-        );
+        let mlp_norm = if gemma {
+            "pre_feedforward_layernorm.weight"
+        } else {
+            "post_attention_layernorm.weight"
+        };
+        let hn = rms_norm(&x, &norm_w(&p(mlp_norm), h), c.rms_norm_eps);
         let i = c.intermediate_size;
         let g = linear(&hn, n, &w(&p("mlp.gate_proj.weight"), &[i, h]), i, None);
         let u = linear(&hn, n, &w(&p("mlp.up_proj.weight"), &[i, h]), i, None);
         let a: Vec<f32> = g
             .iter()
             .zip(&u)
-            .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+            .map(|(&g, u)| {
+                if gemma {
+                    gelu_tanh(g) * u
+                } else {
+                    g / (1.0 + (-g).exp()) * u
+                }
+            })
             .collect();
         let d = linear(&a, n, &w(&p("mlp.down_proj.weight"), &[h, i]), h, None);
+        let d = if gemma {
+            rms_norm(&d, &norm_w(&p("post_feedforward_layernorm.weight"), h), c.rms_norm_eps)
+        } else {
+            d
+        };
         x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
     }
-    let xn = rms_norm(&x, &w("model.norm.weight", &[h]), c.rms_norm_eps);
+    let xn = rms_norm(&x, &norm_w("model.norm.weight", h), c.rms_norm_eps);
     let head = if c.tie_word_embeddings {
         embed
     } else {
