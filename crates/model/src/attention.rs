@@ -774,10 +774,7 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
             continue;
         }
         let row = &mut scores[h * CHUNK..(h + 1) * CHUNK];
-        let max = row[lo..n]
-            .iter()
-            .copied()
-            .fold(f32::NEG_INFINITY, f32::max);
+        let max = row[lo..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
         for s in &mut row[lo..n] {
             *s = exp(*s - max);
         }

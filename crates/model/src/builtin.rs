@@ -154,8 +154,18 @@ pub fn weights_for(c: &ModelConfig, seed: u64) -> TensorMap {
         let p = |s: &str| format!("model.layers.{i}.{s}");
         add(p("input_layernorm.weight"), vec![h], norm_centre, 0.1);
         if c.architecture.qk_norm() {
-            add(p("self_attn.q_norm.weight"), vec![c.head_dim], norm_centre, 0.1);
-            add(p("self_attn.k_norm.weight"), vec![c.head_dim], norm_centre, 0.1);
+            add(
+                p("self_attn.q_norm.weight"),
+                vec![c.head_dim],
+                norm_centre,
+                0.1,
+            );
+            add(
+                p("self_attn.k_norm.weight"),
+                vec![c.head_dim],
+                norm_centre,
+                0.1,
+            );
         }
         add(
             p("self_attn.q_proj.weight"),
@@ -186,10 +196,25 @@ pub fn weights_for(c: &ModelConfig, seed: u64) -> TensorMap {
             0.0,
             proj(c.q_dim()),
         );
-        add(p("post_attention_layernorm.weight"), vec![h], norm_centre, 0.1);
+        add(
+            p("post_attention_layernorm.weight"),
+            vec![h],
+            norm_centre,
+            0.1,
+        );
         if c.architecture.post_norms() {
-            add(p("pre_feedforward_layernorm.weight"), vec![h], norm_centre, 0.1);
-            add(p("post_feedforward_layernorm.weight"), vec![h], norm_centre, 0.1);
+            add(
+                p("pre_feedforward_layernorm.weight"),
+                vec![h],
+                norm_centre,
+                0.1,
+            );
+            add(
+                p("post_feedforward_layernorm.weight"),
+                vec![h],
+                norm_centre,
+                0.1,
+            );
         }
         add(
             p("mlp.gate_proj.weight"),

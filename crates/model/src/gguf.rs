@@ -378,6 +378,22 @@ impl GgufFile {
             .collect()
     }
 
+    /// A required array of floating-point numbers.
+    pub fn floats(&self, key: &str) -> Result<Vec<f32>, ModelError> {
+        let err = || self.missing(key, "an array of floats");
+        let Some(Value::Array(items)) = self.get(key) else {
+            return Err(err());
+        };
+        items
+            .iter()
+            .map(|v| match *v {
+                Value::F32(x) => Ok(x),
+                Value::F64(x) => Ok(x as f32),
+                _ => Err(err()),
+            })
+            .collect()
+    }
+
     /// A required array of integers.
     pub fn integers(&self, key: &str) -> Result<Vec<i64>, ModelError> {
         let err = || self.missing(key, "an array of integers");

@@ -1,10 +1,28 @@
 //! [`Tokenizer`]: text ⇄ token ids through the `tokenizers` crate, plus the
 //! byte-level tokenizer of the built-in models.
+//!
+//! GGUF files carry two kinds: byte-level BPE (`tokenizer.ggml.model =
+//! gpt2`: vocabulary, merges, a pre-tokenizer regex) and SentencePiece
+//! (`llama`: vocabulary with scores, byte-fallback tokens, spaces as `▁`).
+//! llama.cpp tokenizes the second by merging, again and again, the
+//! adjacent pair whose merged piece scores highest (leftmost on a tie),
+//! then spelling out in byte tokens any piece the vocabulary lacks. Here it
+//! is the `tokenizers` BPE with byte fallback and merges derived from those
+//! scores: every split of a piece into two pieces is a merge, ranked by the
+//! merged piece's score — the construction Hugging Face's own converter
+//! uses for such models. Token ids are checked against llama.cpp's
+//! (`tests/gemma3.rs`).
 
 use std::path::Path;
 
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::normalizers::{NormalizerWrapper, Prepend, Replace};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
@@ -13,16 +31,29 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer as HfTokenizer};
 
 use crate::error::ModelError;
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, Value};
 
 /// llama.cpp's pre-tokenizer regex for Llama 3 style vocabularies
 /// (`tokenizer.ggml.pre = llama-bpe`): digits in runs of up to three.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// The same for Qwen 2 (`qwen2`): every digit alone.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-/// GGUF token types that are special: control (3) and user-defined (4).
+/// GGUF token types: normal pieces (1), control tokens (3), and
+/// user-defined strings matched whole before anything else (4).
+const GGUF_NORMAL: i64 = 1;
 const GGUF_CONTROL: i64 = 3;
 const GGUF_USER_DEFINED: i64 = 4;
+/// SentencePiece's stand-in for a space.
+const SPM_SPACE: char = '\u{2581}';
+
+/// How a tokenizer's pieces spell text, which decides their bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pieces {
+    /// GPT-2's byte-to-character map.
+    ByteLevel,
+    /// SentencePiece: `▁` for a space, `<0xNN>` for a byte.
+    SentencePiece,
+}
 
 /// Special tokens of the built-in byte-level tokenizer, ids 256, 257, 258.
 pub const BUILTIN_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -45,6 +76,7 @@ fn bound_word_cache(tokenizer: &mut HfTokenizer) {
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: HfTokenizer,
+    pieces: Pieces,
     /// The same tokenizer with special-token matching off: special-token
     /// strings in the text stay characters (I9: user text never becomes a
     /// control token).
@@ -74,7 +106,11 @@ impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Tokenizer, ModelError> {
         let inner = HfTokenizer::from_file(path)
             .map_err(|e| tokenizer_error(format!("{}: {e}", path.display())))?;
-        Ok(Tokenizer::wrap(inner))
+        let pieces = match inner.get_decoder() {
+            Some(DecoderWrapper::ByteLevel(_)) | None => Pieces::ByteLevel,
+            Some(_) => Pieces::SentencePiece,
+        };
+        Ok(Tokenizer::wrap(inner, pieces))
     }
 
     /// The built-in byte-level tokenizer: ids 0..=255 are bytes, then the
@@ -98,26 +134,22 @@ impl Tokenizer {
             .map(|s| AddedToken::from(s, true))
             .collect();
         inner.add_special_tokens(&specials);
-        Ok(Tokenizer::wrap(inner))
+        Ok(Tokenizer::wrap(inner, Pieces::ByteLevel))
     }
 
-    /// The byte-level BPE tokenizer described by a GGUF file's
-    /// `tokenizer.ggml.*` metadata (`model = gpt2`): vocabulary, merges,
-    /// token types and the pre-tokenizer named by `tokenizer.ggml.pre`.
+    /// The tokenizer described by a GGUF file's `tokenizer.ggml.*`
+    /// metadata: byte-level BPE (`model = gpt2`: vocabulary, merges, token
+    /// types and the pre-tokenizer named by `tokenizer.ggml.pre`) or
+    /// SentencePiece (`model = llama`: vocabulary, scores, token types).
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, ModelError> {
         let fail = |reason: String| ModelError::Tokenizer {
             reason: format!("{}: {reason}", file.path().display()),
         };
         let model = file.str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(fail(format!(
-                "tokenizer model {model:?} is not supported (byte-level BPE, \"gpt2\", is)"
-            )));
-        }
         let tokens = file.strings("tokenizer.ggml.tokens")?;
         let types = match file.get("tokenizer.ggml.token_type") {
             Some(_) => file.integers("tokenizer.ggml.token_type")?,
-            None => vec![1; tokens.len()],
+            None => vec![GGUF_NORMAL; tokens.len()],
         };
         if types.len() != tokens.len() {
             return Err(fail(format!(
@@ -126,6 +158,124 @@ impl Tokenizer {
                 tokens.len()
             )));
         }
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(id, t)| (t.to_string(), id as u32))
+            .collect();
+        if vocab.len() != tokens.len() {
+            return Err(fail("the vocabulary repeats a token".into()));
+        }
+        match model {
+            "gpt2" => Self::byte_level_bpe(file, vocab, &tokens, &types, &fail),
+            "llama" => Self::sentencepiece(file, vocab, &tokens, &types, &fail),
+            _ => Err(fail(format!(
+                "tokenizer model {model:?} is not supported (byte-level BPE, \"gpt2\", and \
+                 SentencePiece, \"llama\", are)"
+            ))),
+        }
+    }
+
+    /// A SentencePiece vocabulary as llama.cpp tokenizes it (see the
+    /// module's docs): merges derived from the scores, byte fallback,
+    /// spaces as `▁`, a leading one when `add_space_prefix` says so.
+    fn sentencepiece(
+        file: &GgufFile,
+        vocab: Vocab,
+        tokens: &[&str],
+        types: &[i64],
+        fail: &dyn Fn(String) -> ModelError,
+    ) -> Result<Tokenizer, ModelError> {
+        let scores = file.floats("tokenizer.ggml.scores")?;
+        if scores.len() != tokens.len() {
+            return Err(fail(format!(
+                "{} scores for {} tokens",
+                scores.len(),
+                tokens.len()
+            )));
+        }
+        // Every split of a normal piece into two pieces of the vocabulary.
+        // Control, user-defined and byte pieces are never merged into:
+        // user text must not become one by merging (I9).
+        let mut candidates: Vec<(f32, u32, usize)> = Vec::new();
+        for (id, piece) in tokens.iter().enumerate() {
+            if types[id] != GGUF_NORMAL {
+                continue;
+            }
+            for (at, _) in piece.char_indices().skip(1) {
+                if vocab.contains_key(&piece[..at]) && vocab.contains_key(&piece[at..]) {
+                    candidates.push((scores[id], id as u32, at));
+                }
+            }
+        }
+        // Highest score first; splits of one piece in text order.
+        candidates.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let merges: Vec<(String, String)> = candidates
+            .into_iter()
+            .map(|(_, id, at)| {
+                let piece = tokens[id as usize];
+                (piece[..at].to_string(), piece[at..].to_string())
+            })
+            .collect();
+        let unknown = file
+            .get("tokenizer.ggml.unknown_token_id")
+            .and_then(|v| v.as_u64())
+            .and_then(|id| tokens.get(id as usize));
+        let mut bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .byte_fallback(true);
+        if let Some(unknown) = unknown {
+            bpe = bpe.unk_token(unknown.to_string());
+        }
+        let bpe = bpe.build().map_err(|e| fail(e.to_string()))?;
+        let space_prefix = matches!(
+            file.get("tokenizer.ggml.add_space_prefix"),
+            Some(Value::Bool(true))
+        );
+        let spaces = Replace::new(" ", SPM_SPACE.to_string()).map_err(|e| fail(e.to_string()))?;
+        let unspaces = DecoderWrapper::Replace(
+            Replace::new(SPM_SPACE.to_string(), " ").map_err(|e| fail(e.to_string()))?,
+        );
+        let mut normalizers = Vec::new();
+        let mut decoders = vec![
+            unspaces,
+            DecoderWrapper::ByteFallback(ByteFallback::new()),
+            DecoderWrapper::Fuse(Fuse::new()),
+        ];
+        if space_prefix {
+            normalizers.push(NormalizerWrapper::Prepend(Prepend::new(
+                SPM_SPACE.to_string(),
+            )));
+            decoders.push(DecoderWrapper::Strip(Strip::new(' ', 1, 0)));
+        }
+        normalizers.push(NormalizerWrapper::Replace(spaces));
+        let mut inner = HfTokenizer::new(bpe);
+        inner.with_normalizer(Some(tokenizers::normalizers::Sequence::new(normalizers)));
+        inner.with_decoder(Some(DecoderSequence::new(decoders)));
+        let added = |wanted: i64| -> Vec<AddedToken> {
+            tokens
+                .iter()
+                .zip(types)
+                .filter(|&(_, &t)| t == wanted)
+                // Matched in the text as written, before spaces become `▁`.
+                .map(|(token, _)| {
+                    AddedToken::from(token.to_string(), wanted == GGUF_CONTROL).normalized(false)
+                })
+                .collect()
+        };
+        inner.add_special_tokens(&added(GGUF_CONTROL));
+        inner.add_tokens(&added(GGUF_USER_DEFINED));
+        Ok(Tokenizer::wrap(inner, Pieces::SentencePiece))
+    }
+
+    /// Byte-level BPE from a GGUF file's merges and pre-tokenizer name.
+    fn byte_level_bpe(
+        file: &GgufFile,
+        vocab: Vocab,
+        tokens: &[&str],
+        types: &[i64],
+        fail: &dyn Fn(String) -> ModelError,
+    ) -> Result<Tokenizer, ModelError> {
         let merges = file
             .strings("tokenizer.ggml.merges")?
             .into_iter()
@@ -135,14 +285,6 @@ impl Tokenizer {
                     .ok_or_else(|| fail(format!("merge {m:?} is not two tokens")))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(id, t)| (t.to_string(), id as u32))
-            .collect();
-        if vocab.len() != tokens.len() {
-            return Err(fail("the vocabulary repeats a token".into()));
-        }
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
@@ -182,21 +324,25 @@ impl Tokenizer {
         let added = |wanted: i64| -> Vec<AddedToken> {
             tokens
                 .iter()
-                .zip(&types)
+                .zip(types)
                 .filter(|&(_, &t)| t == wanted)
                 .map(|(token, _)| AddedToken::from(token.to_string(), wanted == GGUF_CONTROL))
                 .collect()
         };
         inner.add_special_tokens(&added(GGUF_CONTROL));
         inner.add_tokens(&added(GGUF_USER_DEFINED));
-        Ok(Tokenizer::wrap(inner))
+        Ok(Tokenizer::wrap(inner, Pieces::ByteLevel))
     }
 
-    fn wrap(mut inner: HfTokenizer) -> Tokenizer {
+    fn wrap(mut inner: HfTokenizer, pieces: Pieces) -> Tokenizer {
         bound_word_cache(&mut inner);
         let mut as_text = inner.clone();
         as_text.set_encode_special_tokens(true);
-        Tokenizer { inner, as_text }
+        Tokenizer {
+            inner,
+            pieces,
+            as_text,
+        }
     }
 
     /// Token ids for text in which every character is a character:
@@ -245,9 +391,13 @@ impl Tokenizer {
     /// Every token's bytes, by id, as constrained decoding needs them.
     /// Special tokens are marked with a leading `0xFF` (a byte no UTF-8
     /// text holds), so no grammar over text can produce one; byte-level
-    /// BPE tokens are mapped back through GPT-2's byte table; anything
-    /// else is decoded on its own.
+    /// BPE tokens are mapped back through GPT-2's byte table, SentencePiece
+    /// ones by `▁` → space and `<0xNN>` → that byte; anything else is
+    /// decoded on its own.
     pub fn token_bytes(&self) -> Vec<Vec<u8>> {
+        if self.pieces == Pieces::SentencePiece {
+            return self.sentencepiece_bytes();
+        }
         let unmap: std::collections::HashMap<char, u8> =
             (0..=255u8).map(|b| (byte_char(b), b)).collect();
         let specials: std::collections::HashMap<u32, String> = self
@@ -271,6 +421,33 @@ impl Tokenizer {
                         .map(String::into_bytes)
                         .unwrap_or_default()
                 })
+            })
+            .collect()
+    }
+
+    fn sentencepiece_bytes(&self) -> Vec<Vec<u8>> {
+        let specials: std::collections::HashMap<u32, String> = self
+            .special_tokens()
+            .into_iter()
+            .map(|(t, id)| (id, t))
+            .collect();
+        (0..self.vocab_size() as u32)
+            .map(|id| {
+                if let Some(special) = specials.get(&id) {
+                    return [&[0xFF], special.as_bytes()].concat();
+                }
+                let Some(piece) = self.inner.id_to_token(id) else {
+                    return Vec::new();
+                };
+                if let Some(byte) = piece
+                    .strip_prefix("<0x")
+                    .and_then(|rest| rest.strip_suffix('>'))
+                    .filter(|hex| hex.len() == 2)
+                    .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+                {
+                    return vec![byte];
+                }
+                piece.replace(SPM_SPACE, " ").into_bytes()
             })
             .collect()
     }

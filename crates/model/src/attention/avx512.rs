@@ -296,9 +296,8 @@ fn softmax(row: &mut [f32], lo: usize, n: usize) -> (f32, f32) {
     let mut top = floor;
     for b in (0..n).step_by(LANES) {
         // SAFETY: b + 16 <= row.len() (checked above).
-        let x = unsafe {
-            _mm512_mask_loadu_ps(floor, lanes_between(lo, n, b), row.as_ptr().add(b))
-        };
+        let x =
+            unsafe { _mm512_mask_loadu_ps(floor, lanes_between(lo, n, b), row.as_ptr().add(b)) };
         // `vmaxps` returns its second operand when either is NaN: the
         // running maximum, which never is — `f32::max`'s rule.
         top = _mm512_max_ps(x, top);

@@ -136,7 +136,11 @@ pub fn dense_logits(c: &ModelConfig, t: &TensorMap, tokens: &[u32]) -> Vec<Vec<f
     let w = |name: &str, shape: &[usize]| t.get(name, shape).unwrap().data.clone();
     let norm_w = |name: &str, len: usize| -> Vec<f32> {
         let v = w(name, &[len]);
-        if gemma { v.iter().map(|x| x + 1.0).collect() } else { v }
+        if gemma {
+            v.iter().map(|x| x + 1.0).collect()
+        } else {
+            v
+        }
     };
     let embed = w("model.embed_tokens.weight", &[c.vocab_size, h]);
     let mut x: Vec<f32> = tokens
@@ -181,8 +185,16 @@ pub fn dense_logits(c: &ModelConfig, t: &TensorMap, tokens: &[u32]) -> Vec<Vec<f
             vb.as_deref(),
         );
         if c.architecture.qk_norm() {
-            q = rms_norm(&q, &norm_w(&p("self_attn.q_norm.weight"), hd), c.rms_norm_eps);
-            k = rms_norm(&k, &norm_w(&p("self_attn.k_norm.weight"), hd), c.rms_norm_eps);
+            q = rms_norm(
+                &q,
+                &norm_w(&p("self_attn.q_norm.weight"), hd),
+                c.rms_norm_eps,
+            );
+            k = rms_norm(
+                &k,
+                &norm_w(&p("self_attn.k_norm.weight"), hd),
+                c.rms_norm_eps,
+            );
         }
         for pos in 0..n {
             rope(
@@ -236,7 +248,11 @@ pub fn dense_logits(c: &ModelConfig, t: &TensorMap, tokens: &[u32]) -> Vec<Vec<f
             None,
         );
         let o = if gemma {
-            rms_norm(&o, &norm_w(&p("post_attention_layernorm.weight"), h), c.rms_norm_eps)
+            rms_norm(
+                &o,
+                &norm_w(&p("post_attention_layernorm.weight"), h),
+                c.rms_norm_eps,
+            )
         } else {
             o
         };
@@ -263,7 +279,11 @@ pub fn dense_logits(c: &ModelConfig, t: &TensorMap, tokens: &[u32]) -> Vec<Vec<f
             .collect();
         let d = linear(&a, n, &w(&p("mlp.down_proj.weight"), &[h, i]), h, None);
         let d = if gemma {
-            rms_norm(&d, &norm_w(&p("post_feedforward_layernorm.weight"), h), c.rms_norm_eps)
+            rms_norm(
+                &d,
+                &norm_w(&p("post_feedforward_layernorm.weight"), h),
+                c.rms_norm_eps,
+            )
         } else {
             d
         };
