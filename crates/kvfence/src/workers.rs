@@ -26,8 +26,8 @@ use kvfence_pool::Pool;
 use tracing::{info, warn};
 
 use crate::serve::{
-    EngineArgs, HttpArgs, init_logging, load_model, load_text_model, serve_http, shutdown_signal,
-    status_state, tenants,
+    EngineArgs, HttpArgs, chat_template_file, init_logging, load_model, load_text_model,
+    serve_http, shutdown_signal, status_state, tenants,
 };
 
 /// Where a process finds its TLS credentials.
@@ -253,7 +253,11 @@ pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
     let names = PeerNames::parse(&args.decode, "decode worker")?;
     let credentials = args.tls.credentials(Role::Router)?;
     let tenants = tenants(&args.http)?;
-    let model = load_text_model(&args.model)?;
+    let mut model = load_text_model(&args.model)?;
+    if let Some(path) = &args.http.chat_template {
+        let text = Arc::get_mut(&mut model).expect("a model just loaded has one owner");
+        text.chat_template = Some(chat_template_file(path, &text.config, &text.tokenizer)?);
+    }
     let fingerprint = ModelFingerprint::of_config(&model.config);
     let fleet = Fleet::start(names, &credentials, fingerprint)
         .context("connecting to the decode workers")?;

@@ -1,8 +1,8 @@
 //! kvfence's model runtime: Llama-family decoders (Llama, Mistral, Qwen2,
-//! SmolLM) whose attention reads KV only through the fenced pool's
-//! coverage-checked views.
+//! SmolLM) and Gemma 3 (sliding-window layers) whose attention reads KV
+//! only through the fenced pool's coverage-checked views.
 //!
-//! - [`config`]: hyper-parameters from `config.json`.
+//! - [`config`]: hyper-parameters from `config.json` or GGUF metadata.
 //! - [`tensors`]: safetensors in and out (sharded, f32/f16/bf16).
 //! - [`gguf`], [`quant`]: GGUF files and their quantized block formats.
 //! - [`tokenizer`], [`chat`]: text ⇄ ids, chat templates.

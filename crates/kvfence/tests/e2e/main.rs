@@ -13,6 +13,7 @@ mod failpoints;
 mod fault_matrix;
 mod fleet;
 mod front_door;
+mod gemma3;
 mod kubernetes;
 mod links;
 mod multiprocess;

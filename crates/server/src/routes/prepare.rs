@@ -52,7 +52,8 @@ pub(super) fn prepare(
             let template = state.model.chat_template.as_ref().ok_or_else(|| {
                 ApiError::invalid(
                     "messages",
-                    "this model has no chat template; use /v1/completions",
+                    "this model has no chat template; use /v1/completions (or start the server \
+                     with --chat-template FILE)",
                 )
             })?;
             // The template's markers become control tokens; what the
