@@ -170,6 +170,33 @@ fn block32_scale_offset(format: QuantFormat, b: &[u8]) -> (f32, f32) {
     }
 }
 
+/// Q4_K super-blocks as Q4_0/Q4_1's repacked form: each of a super-block's
+/// eight 32-weight blocks is `q · (d · scale) − dmin · min`, that is
+/// nibbles with an f32 scale and offset. The values are bit for bit the
+/// reference's: `d · scale` (11 × 6 bits) and `q · d · scale` (+ 4 bits)
+/// are exact in f32, so the one rounding left is the subtraction's, which
+/// the kernels' fused multiply-add performs identically.
+fn q4_k_nibbles<'a>(blocks: impl Iterator<Item = &'a [u8]>) -> Storage {
+    let (mut quants, mut scales, mut offsets) = (Vec::new(), Vec::new(), Vec::new());
+    for b in blocks {
+        let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+        let (scale_mins, qs) = (&b[4..16], &b[16..144]);
+        for j in 0..8 {
+            let (scale, min) = k_scale_min(j, scale_mins);
+            scales.push(d * scale);
+            offsets.push(-(dmin * min));
+            // Block j's weight l is nibble j % 2 of byte l of its 32-byte run.
+            let q = |l: usize| (qs[j / 2 * 32 + l] >> (4 * (j % 2))) & 0x0F;
+            quants.extend((0..16).map(|l| q(l) | q(l + 16) << 4));
+        }
+    }
+    Storage::Nibbles {
+        quants,
+        scales,
+        offsets,
+    }
+}
+
 /// The 32 weights of a Q5_0 block as signed bytes `q − 16` (five bits:
 /// a nibble of `qs` and a bit of `qh`), in order.
 fn q5_0_bytes(b: &[u8]) -> [u8; 32] {
@@ -473,6 +500,7 @@ impl Storage {
                 quants: blocks().flat_map(q5_0_bytes).collect(),
                 scales: scale_offsets().map(|(s, _)| s).collect(),
             },
+            QuantFormat::Q4_K => q4_k_nibbles(blocks()),
             _ => Storage::File(data),
         }
     }
@@ -1033,6 +1061,58 @@ mod tests {
                 let mut alone = vec![0.0; n];
                 matrix.matmul(&x[r * k..(r + 1) * k], 1, &mut alone);
                 prop_assert_eq!(&alone[..], &out[r * n..(r + 1) * n], "row {} differs alone", r);
+            }
+        }
+
+        /// Q4_K rows repacked as nibbles hold the reference decoder's exact
+        /// values, stacked after Q8_0 rows as an attention block's may be,
+        /// and their matmul is that of the decoded rows, batch-invariant.
+        #[test]
+        fn q4_k_repacked_keeps_the_reference_values(
+            m in 1usize..12, n in 1usize..20, supers in 1usize..3, seed in any::<u64>(),
+        ) {
+            let k = supers * 256;
+            let mut state = seed | 1;
+            let mut byte = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 32) as u8
+            };
+            let mut q4k: Vec<u8> = (0..n * supers * 144).map(|_| byte()).collect();
+            for (i, block) in q4k.chunks_exact_mut(144).enumerate() {
+                let d = f16::from_f32(0.001 * (1 + i % 7) as f32);
+                let dmin = f16::from_f32(0.0007 * (1 + i % 5) as f32);
+                block[0..2].copy_from_slice(&d.to_le_bytes());
+                block[2..4].copy_from_slice(&dmin.to_le_bytes());
+            }
+            let head = quantize_row(QuantFormat::Q8_0, &values(seed, k)).unwrap();
+            let matrix = QuantMatrix::stack(vec![
+                QuantMatrix::new(QuantFormat::Q8_0, 1, k, head.clone()),
+                QuantMatrix::new(QuantFormat::Q4_K, n, k, q4k.clone()),
+            ]);
+            let x = values(seed ^ 5, m * k);
+            let mut out = vec![0.0; m * (n + 1)];
+            matrix.matmul(&x, m, &mut out);
+            let (mut decoded, mut stored) = (vec![0.0; k], vec![0.0; k]);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for c in 0..n {
+                let row = &q4k[c * supers * 144..(c + 1) * supers * 144];
+                dequantize_row(QuantFormat::Q4_K, row, &mut decoded);
+                matrix.dequantize_row(c + 1, &mut stored);
+                prop_assert_eq!(bits(&stored), bits(&decoded), "row {} as stored", c);
+                for r in 0..m {
+                    let xr = &x[r * k..(r + 1) * k];
+                    let want: f32 = xr.iter().zip(&decoded).map(|(a, b)| a * b).sum();
+                    let bound: f32 = xr.iter().zip(&decoded).map(|(a, b)| (a * b).abs()).sum::<f32>() * 1e-5 + 1e-6;
+                    let got = out[r * (n + 1) + c + 1];
+                    prop_assert!((got - want).abs() <= bound, "({}, {}): {} vs {}", r, c, got, want);
+                }
+            }
+            for r in 0..m {
+                let mut alone = vec![0.0; n + 1];
+                matrix.matmul(&x[r * k..(r + 1) * k], 1, &mut alone);
+                prop_assert_eq!(bits(&alone), bits(&out[r * (n + 1)..(r + 1) * (n + 1)]), "row {} alone", r);
             }
         }
     }

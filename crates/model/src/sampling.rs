@@ -285,43 +285,85 @@ impl Sampler {
     }
 
     /// A random draw with temperature, top-k and top-p from stream `index`.
+    ///
+    /// The candidates are every allowed token, or the `top_k` best by
+    /// (logit descending, id ascending); each weighs
+    /// `exp((logit − max) / temperature)`. With `top_p < 1` the kept set
+    /// is the shortest run of candidates, best first, whose weight reaches
+    /// `top_p` of the candidates' (sums in f64); the draw walks the kept
+    /// set best first, or in id order when nothing was ranked. Only as
+    /// many candidates are ranked as the cut needs — partial selection,
+    /// not a sort of the vocabulary, which cost more than the rest of a
+    /// decode step on a 262,144-token vocabulary.
     fn pick(&self, logits: &[f32], index: u64) -> u32 {
-        let mut ranked: Vec<(u32, f32)> = (0u32..)
+        let temperature = self.params.temperature;
+        let rank = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let mut candidates: Vec<(u32, f32)> = (0u32..)
             .zip(logits.iter().copied())
             .filter(|&(_, l)| l > f32::NEG_INFINITY)
             .collect();
-        // Ties broken by id so the order, and so the draw, is reproducible.
-        ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if self.params.top_k > 0 {
-            ranked.truncate(self.params.top_k);
+        assert!(
+            !candidates.is_empty(),
+            "draw checked that some token is allowed"
+        );
+        let mut ranked = 0;
+        let k = self.params.top_k;
+        if k > 0 && k < candidates.len() {
+            candidates.select_nth_unstable_by(k - 1, rank);
+            candidates.truncate(k);
         }
-        let max = ranked[0].1;
-        let mut probs: Vec<f32> = ranked
+        if k > 0 {
+            candidates.sort_unstable_by(rank);
+            ranked = candidates.len();
+        }
+        let max = candidates
             .iter()
-            .map(|&(_, l)| ((l - max) / self.params.temperature).exp())
-            .collect();
-        let total: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-        let mut keep = probs.len();
-        let mut mass = 0.0;
-        for (i, p) in probs.iter().enumerate() {
-            mass += p;
-            if mass >= self.params.top_p {
-                keep = i + 1;
-                break;
+            .map(|&(_, l)| l)
+            .fold(f32::NEG_INFINITY, f32::max);
+        let weight = |l: f32| f64::from(((l - max) / temperature).exp());
+        let total: f64 = candidates.iter().map(|&(_, l)| weight(l)).sum();
+        let mut keep = candidates.len();
+        if self.params.top_p < 1.0 {
+            let target = f64::from(self.params.top_p) * total;
+            let mut mass = 0.0;
+            let mut next = 0;
+            // Rank a few more candidates at a time until the cut is found:
+            // usually the first few dozen.
+            'cut: loop {
+                if ranked < candidates.len() && next == ranked {
+                    let more = (ranked.max(16) * 4).min(candidates.len());
+                    if more < candidates.len() {
+                        candidates[ranked..].select_nth_unstable_by(more - ranked - 1, rank);
+                    }
+                    candidates[ranked..more].sort_unstable_by(rank);
+                    ranked = more;
+                }
+                while next < ranked {
+                    mass += weight(candidates[next].1);
+                    next += 1;
+                    if mass >= target {
+                        keep = next;
+                        break 'cut;
+                    }
+                }
+                if ranked == candidates.len() {
+                    break;
+                }
             }
         }
-        let kept: f32 = probs[..keep].iter().sum();
+        let kept = &candidates[..keep];
+        let kept_mass: f64 = kept.iter().map(|&(_, l)| weight(l)).sum();
         let mut rng = ChaCha8Rng::seed_from_u64(self.params.seed);
         rng.set_stream(index);
-        let mut draw = rng.random::<f32>() * kept;
-        for (i, p) in probs[..keep].iter().enumerate() {
-            if draw < *p {
-                return ranked[i].0;
+        let mut draw = rng.random::<f64>() * kept_mass;
+        for &(token, l) in kept {
+            let w = weight(l);
+            if draw < w {
+                return token;
             }
-            draw -= p;
+            draw -= w;
         }
-        ranked[keep - 1].0
+        kept[keep - 1].0
     }
 }
 
@@ -651,6 +693,75 @@ mod tests {
             (0..200).all(|_| p.sample(&logits).unwrap() == 0),
             "top 1 already holds 30 %"
         );
+    }
+
+    /// The set top-p keeps, by brute force: every candidate ranked, the
+    /// shortest best-first run whose f64 weight reaches `top_p` of all.
+    fn kept_by_full_sort(logits: &[f32], temperature: f32, top_p: f32) -> Vec<u32> {
+        let mut ranked: Vec<(u32, f32)> = (0u32..).zip(logits.iter().copied()).collect();
+        ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let max = ranked[0].1;
+        let weight = |l: f32| f64::from(((l - max) / temperature).exp());
+        let total: f64 = ranked.iter().map(|&(_, l)| weight(l)).sum();
+        let mut mass = 0.0;
+        let mut kept = Vec::new();
+        for &(token, l) in &ranked {
+            kept.push(token);
+            mass += weight(l);
+            if mass >= f64::from(top_p) * total {
+                break;
+            }
+        }
+        kept
+    }
+
+    #[test]
+    fn top_p_ranks_only_what_the_cut_needs_and_keeps_what_a_full_sort_keeps() {
+        // 5,000 logits, so the cut falls after several rounds of ranking.
+        let logits: Vec<f32> = (0..5000)
+            .map(|i| ((i * 7919) % 5000) as f32 / 2500.0)
+            .collect();
+        for (top_p, temperature) in [(0.3, 1.0), (0.9, 0.7), (0.999, 2.0)] {
+            let kept = kept_by_full_sort(&logits, temperature, top_p);
+            assert!(kept.len() > 64, "the cut lies past the first round");
+            let allowed: std::collections::HashSet<u32> = kept.iter().copied().collect();
+            let mut sampler = Sampler::new(params(temperature, 0, top_p, 11)).unwrap();
+            let drawn: Vec<u32> = (0..400).map(|_| sampler.sample(&logits).unwrap()).collect();
+            assert!(
+                drawn.iter().all(|t| allowed.contains(t)),
+                "top_p {top_p}: a draw outside the {} kept tokens",
+                kept.len()
+            );
+            let distinct: std::collections::HashSet<u32> = drawn.iter().copied().collect();
+            assert!(distinct.len() > 50, "draws spread over the kept set");
+        }
+    }
+
+    #[test]
+    fn draws_follow_the_distribution_with_and_without_top_k() {
+        // Weights 4 : 2 : 1 : 1 at temperature 1 (logits ln 4, ln 2, 0, 0).
+        let logits = [4f32.ln(), 2f32.ln(), 0.0, 0.0];
+        for top_k in [0, 4, 3] {
+            let mut sampler = Sampler::new(params(1.0, top_k, 1.0, 5)).unwrap();
+            let mut counts = [0usize; 4];
+            for _ in 0..8000 {
+                counts[sampler.sample(&logits).unwrap() as usize] += 1;
+            }
+            // top_k 3 keeps ids 0, 1, 2 (ties go to the lower id): 4 : 2 : 1.
+            let weights: &[f64] = if top_k == 3 {
+                &[4.0, 2.0, 1.0, 0.0]
+            } else {
+                &[4.0, 2.0, 1.0, 1.0]
+            };
+            let total: f64 = weights.iter().sum();
+            for (id, (&count, &w)) in counts.iter().zip(weights).enumerate() {
+                let expected = 8000.0 * w / total;
+                assert!(
+                    (count as f64 - expected).abs() <= 4.0 * expected.sqrt() + 1.0,
+                    "top_k {top_k}, token {id}: {count} draws, expected about {expected}"
+                );
+            }
+        }
     }
 
     fn draw(params: SamplingParams, logits: &[f32], context: DrawContext<'_>) -> Draw {
