@@ -11,6 +11,9 @@ llama.cpp comes from the llama-cpp-python sdist, built on this machine:
       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
       /tmp/lv/bin/pip install llama-cpp-python==0.3.36 numpy
     /tmp/lv/bin/python scripts/llama_cpp_fixtures.py MODEL.gguf OUT.json
+    /tmp/lv/bin/python scripts/llama_cpp_fixtures.py --seeded DIR OUT.json
+
+(the second for the seeded files `scripts/seeded_gguf.py` writes into DIR).
 
 CI never builds llama.cpp: the fixtures are committed and the tests
 compare kvfence against them.
@@ -63,7 +66,39 @@ PROMPTS = [
 STEPS = 16
 
 
+def seeded(directory, out_path):
+    """Per-position top-5 logits of a fixed token sequence through each
+    seeded file (`scripts/seeded_gguf.py`), F32 weights and F32 KV."""
+    sequence = [(i * 37 + 11) % 256 for i in range(48)]
+    files = {}
+    for arch in ["qwen2", "qwen3", "llama"]:
+        llm = Llama(
+            model_path=f"{directory}/{arch}.gguf",
+            n_ctx=256,
+            n_threads=2,
+            logits_all=True,
+            type_k=0,
+            type_v=0,
+            verbose=False,
+        )
+        llm.eval(sequence)
+        rows = []
+        for position in range(len(sequence)):
+            logits = np.array(llm.scores[position], dtype=np.float32)
+            order = np.argsort(-logits, kind="stable")[:5]
+            rows.append([[int(i), float(logits[i])] for i in order])
+        files[arch] = rows
+    json.dump(
+        {"reference": "llama.cpp (llama-cpp-python 0.3.36 sdist), CPU, F32 KV",
+         "tokens": sequence, "top5": files},
+        open(out_path, "w"),
+        indent=1,
+    )
+
+
 def main():
+    if sys.argv[1] == "--seeded":
+        return seeded(sys.argv[2], sys.argv[3])
     model_path, out_path = sys.argv[1], sys.argv[2]
     llm = Llama(
         model_path=model_path,

@@ -17,6 +17,8 @@ pub enum Architecture {
     Mistral,
     /// `Qwen2ForCausalLM`: biases on the Q, K and V projections.
     Qwen2,
+    /// `Qwen3ForCausalLM`: queries and keys RMS-normalised per head.
+    Qwen3,
     /// Gemma 3 (`gemma3` in GGUF): queries and keys RMS-normalised per
     /// head, attention and MLP outputs normalised again before the
     /// residual, a tanh-GELU gate, embeddings scaled by √hidden, and
@@ -54,6 +56,7 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
@@ -62,14 +65,16 @@ impl Architecture {
     /// their hyper-parameter keys.
     pub fn gguf_name(self) -> &'static str {
         match self {
-            Architecture::Llama | Architecture::Mistral | Architecture::Qwen2 => "llama",
+            Architecture::Llama | Architecture::Mistral => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
         }
     }
 
     /// Whether queries and keys are RMS-normalised per head before RoPE.
     pub fn qk_norm(self) -> bool {
-        self == Architecture::Gemma3
+        matches!(self, Architecture::Gemma3 | Architecture::Qwen3)
     }
 
     /// Whether the attention and MLP outputs are RMS-normalised before
@@ -92,10 +97,11 @@ impl Architecture {
     }
 
     /// Whether llama.cpp's converter reordered each head's Q and K rows
-    /// for its pairwise RoPE (the `llama` family); Gemma's files keep
-    /// Hugging Face's order, rotated by halves as this runtime does.
+    /// for its pairwise RoPE (the `llama` family); Qwen's and Gemma's
+    /// files keep Hugging Face's order, rotated by halves as this runtime
+    /// does (llama.cpp's "NEOX" RoPE).
     pub fn gguf_permutes_rope(self) -> bool {
-        self != Architecture::Gemma3
+        matches!(self, Architecture::Llama | Architecture::Mistral)
     }
 }
 
@@ -204,6 +210,7 @@ impl ModelConfig {
             "LlamaForCausalLM" => Architecture::Llama,
             "MistralForCausalLM" => Architecture::Mistral,
             "Qwen2ForCausalLM" => Architecture::Qwen2,
+            "Qwen3ForCausalLM" => Architecture::Qwen3,
             _ => {
                 return Err(ModelError::UnsupportedArchitecture {
                     path: path.into(),
@@ -247,18 +254,21 @@ impl ModelConfig {
         Ok(config)
     }
 
-    /// Reads and checks the hyper-parameters of a `llama` or `gemma3` GGUF
-    /// file from its metadata, as llama.cpp's loader reads them.
+    /// Reads and checks the hyper-parameters of a `llama`, `qwen2`,
+    /// `qwen3` or `gemma3` GGUF file from its metadata, as llama.cpp's
+    /// loader reads them.
     pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig, ModelError> {
         let path = file.path();
         let arch = file.str("general.architecture")?;
         let architecture = match arch {
             "llama" => Architecture::Llama,
+            "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
             "gemma3" => Architecture::Gemma3,
             _ => {
                 return Err(ModelError::UnsupportedArchitecture {
                     path: path.into(),
-                    architecture: format!("{arch} (GGUF; supported: llama, gemma3)"),
+                    architecture: format!("{arch} (GGUF; supported: llama, qwen2, qwen3, gemma3)"),
                 });
             }
         };
@@ -428,6 +438,7 @@ impl ModelConfig {
                 Architecture::Llama => "llama",
                 Architecture::Mistral => "mistral",
                 Architecture::Qwen2 => "qwen2",
+                Architecture::Qwen3 => "qwen3",
                 Architecture::Gemma3 => "gemma3_text",
             },
             "vocab_size": self.vocab_size,

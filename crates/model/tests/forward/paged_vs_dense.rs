@@ -88,3 +88,12 @@ fn gemma3_windows_norms_and_geglu_match_the_dense_reference() {
     check_against_dense(&model, &config, &tensors, &prompt(150), 150);
     check_against_dense(&model, &config, &tensors, &prompt(150), 37);
 }
+
+#[test]
+fn qwen3_query_and_key_norms_are_applied() {
+    let mut config = Builtin::Tiny.config();
+    config.architecture = kvfence_model::Architecture::Qwen3;
+    let tensors = kvfence_model::builtin::weights_for(&config, 17);
+    let model = Model::from_tensors(config.clone(), &tensors).unwrap();
+    check_against_dense(&model, &config, &tensors, &prompt(11), 4);
+}
