@@ -71,7 +71,7 @@ def seeded(directory, out_path):
     seeded file (`scripts/seeded_gguf.py`), F32 weights and F32 KV."""
     sequence = [(i * 37 + 11) % 256 for i in range(48)]
     files = {}
-    for arch in ["qwen2", "qwen3", "llama"]:
+    for arch in ["qwen2", "qwen3", "llama", "phi3", "llama3"]:
         llm = Llama(
             model_path=f"{directory}/{arch}.gguf",
             n_ctx=256,

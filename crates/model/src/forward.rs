@@ -296,22 +296,34 @@ impl Model {
             } else {
                 None
             };
+            // Phi-3 files fuse Q, K and V into one matrix, and the gate and
+            // up projections into `ffn_up` (gate rows first).
+            let qkv = if file.has_tensor(&name("attn_qkv.weight")) {
+                matrix(&name("attn_qkv.weight"), c.q_dim() + 2 * c.kv_dim(), h)?
+            } else {
+                QuantMatrix::stack(vec![
+                    rope_rows(&name("attn_q.weight"), c.num_heads)?,
+                    rope_rows(&name("attn_k.weight"), c.num_kv_heads)?,
+                    matrix(&name("attn_v.weight"), c.kv_dim(), h)?,
+                ])
+            };
+            let gate_up = if file.has_tensor(&name("ffn_gate.weight")) {
+                QuantMatrix::stack(vec![
+                    matrix(&name("ffn_gate.weight"), c.intermediate_size, h)?,
+                    matrix(&name("ffn_up.weight"), c.intermediate_size, h)?,
+                ])
+            } else {
+                matrix(&name("ffn_up.weight"), 2 * c.intermediate_size, h)?
+            };
             layers.push(Layer {
                 attn_norm: vector(&name("attn_norm.weight"), h)?,
                 qk_norm,
                 post_norms,
-                qkv: Matrix::Quant(QuantMatrix::stack(vec![
-                    rope_rows(&name("attn_q.weight"), c.num_heads)?,
-                    rope_rows(&name("attn_k.weight"), c.num_kv_heads)?,
-                    matrix(&name("attn_v.weight"), c.kv_dim(), h)?,
-                ])),
+                qkv: Matrix::Quant(qkv),
                 qkv_bias,
                 o: Matrix::Quant(matrix(&name("attn_output.weight"), h, c.q_dim())?),
                 mlp_norm: vector(&name("ffn_norm.weight"), h)?,
-                gate_up: Matrix::Quant(QuantMatrix::stack(vec![
-                    matrix(&name("ffn_gate.weight"), c.intermediate_size, h)?,
-                    matrix(&name("ffn_up.weight"), c.intermediate_size, h)?,
-                ])),
+                gate_up: Matrix::Quant(gate_up),
                 down: Matrix::Quant(matrix(&name("ffn_down.weight"), h, c.intermediate_size)?),
             });
         }
@@ -321,7 +333,17 @@ impl Model {
         } else {
             embed.clone()
         };
-        let (rope, local_rope) = ropes(c);
+        let (mut rope, local_rope) = ropes(c);
+        if file.has_tensor("rope_freqs.weight") {
+            let factors = vector("rope_freqs.weight", c.head_dim / 2)?;
+            if !factors.iter().all(|f| f.is_finite() && *f > 0.0) {
+                return Err(ModelError::gguf(
+                    file.path(),
+                    "rope_freqs.weight holds a factor that is not a positive number",
+                ));
+            }
+            rope = rope.with_frequency_factors(&factors);
+        }
         Ok(Model {
             norm: vector("output_norm.weight", h)?,
             rope,

@@ -309,6 +309,21 @@ impl Rope {
         Rope { inv_freq }
     }
 
+    /// Divides each frequency by its factor, as llama.cpp applies a GGUF
+    /// file's `rope_freqs.weight` (Llama 3.1's scaling, baked per
+    /// frequency by its converter).
+    pub fn with_frequency_factors(mut self, factors: &[f32]) -> Rope {
+        assert_eq!(
+            factors.len(),
+            self.inv_freq.len(),
+            "one factor per rotated pair"
+        );
+        for (f, &factor) in self.inv_freq.iter_mut().zip(factors) {
+            *f /= factor;
+        }
+        self
+    }
+
     /// `(cos, sin)` tables for `positions`, `[position][head_dim / 2]` each.
     pub fn tables(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
         let half = self.inv_freq.len();

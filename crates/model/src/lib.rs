@@ -1,5 +1,5 @@
 //! kvfence's model runtime: Llama-family decoders (Llama, Mistral, Qwen2,
-//! Qwen3, SmolLM) and Gemma 3 (sliding-window layers) whose attention reads KV
+//! Qwen3, Phi-3, SmolLM) and Gemma 3 (sliding-window layers) whose attention reads KV
 //! only through the fenced pool's coverage-checked views.
 //!
 //! - [`config`]: hyper-parameters from `config.json` or GGUF metadata.

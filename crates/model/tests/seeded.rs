@@ -1,7 +1,8 @@
 //! Architectures no reachable real model covers, checked against llama.cpp
 //! on seeded random-weight GGUF files written as llama.cpp defines them
 //! (`scripts/seeded_gguf.py`: `qwen2` with Q/K/V biases, `qwen3` with
-//! per-head Q/K norms, `llama` with its converter's Q/K row order) and
+//! per-head Q/K norms, `phi3` with fused QKV and gate/up matrices, `llama`
+//! with its converter's Q/K row order) and
 //! llama.cpp's own logits for them (`scripts/llama_cpp_fixtures.py
 //! --seeded`, F32 weights and KV): at every position of a 48-token
 //! sequence, kvfence's five best logits are llama.cpp's to 0.01 and the
@@ -94,4 +95,14 @@ fn qwen3_matches_llama_cpp() {
 #[test]
 fn llama_matches_llama_cpp() {
     check("llama", Architecture::Llama);
+}
+
+#[test]
+fn phi3_fused_matrices_match_llama_cpp() {
+    check("phi3", Architecture::Phi3);
+}
+
+#[test]
+fn llama3_frequency_factors_match_llama_cpp() {
+    check("llama3", Architecture::Llama);
 }
