@@ -1,0 +1,392 @@
+//! One step: the batch plan under the step's token budget, the forward
+//! pass, and what each row's logits mean for its request (sampling, stop
+//! conditions, the end of a request).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::Ordering;
+
+use kvfence_handoff::{Message, RejectReason};
+use kvfence_model::{Constraint, DrawContext, Logits, Sequence, TokenLogprobs};
+use kvfence_pool::Lease;
+use tracing::{trace, warn};
+
+#[cfg(feature = "failpoints")]
+use super::crash_or_stall;
+use super::fair::split_budget;
+use super::{Active, End, Origin, Pending, Role, Scheduler, Work};
+use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, Usage};
+
+impl Scheduler {
+    /// Tokens this step may process: `step_tokens`, or once this worker
+    /// serves more than one tenant the shorter `shared_step_tokens` (I11).
+    /// A tenant's request that arrives waits for the step in flight — which
+    /// may be another tenant's alone — and then its own, so their length is
+    /// its latency; measured, the shorter steps cost a few percent of
+    /// prefill throughput, and a worker of one tenant keeps the long ones.
+    pub(super) fn step_budget(&self) -> usize {
+        if self.waiting.named_tenants() > 1 {
+            self.config.shared_step_tokens.min(self.config.step_tokens)
+        } else {
+            self.config.step_tokens
+        }
+    }
+
+    /// Decode tokens first (one per decoding request), then prefill chunks
+    /// with what is left of the budget, split between the tenants with
+    /// prompt tokens to compute by weight ([`split_budget`]) and, within a
+    /// tenant, given in admission order: one tenant's long prompts cannot
+    /// hold back another's short one by more than a step. Prefill always
+    /// gets some room so a full decode batch cannot starve new requests.
+    pub(super) fn plan(&self) -> Vec<Work> {
+        let mut work = Vec::new();
+        for (index, a) in self.active.iter().enumerate() {
+            if a.kv.lease().is_some() && a.prefill_done() {
+                let last = *a
+                    .generated
+                    .last()
+                    .expect("a decoding request has sampled a token");
+                debug_assert_eq!(
+                    a.written,
+                    a.kv_target(),
+                    "a decoding request's KV is complete"
+                );
+                work.push(Work {
+                    index,
+                    past: a.written,
+                    tokens: vec![last],
+                    logits: Logits::Last,
+                });
+            }
+        }
+        let rows = work.len();
+        let budget = self.step_budget().saturating_sub(rows).max(16);
+        let mut prefilling: Vec<usize> = (0..self.active.len())
+            .filter(|&i| self.active[i].kv.lease().is_some() && !self.active[i].prefill_done())
+            .collect();
+        prefilling.sort_unstable_by_key(|&i| self.active[i].admitted);
+        let mut claims: BTreeMap<&str, (u32, usize)> = BTreeMap::new();
+        for &i in &prefilling {
+            let a = &self.active[i];
+            let share = &a.pending.request.share;
+            let claim = claims
+                .entry(share.tenant.as_str())
+                .or_insert((share.weight(), 0));
+            claim.1 += a.kv_target() - a.written;
+        }
+        let split = split_budget(budget, &claims.values().copied().collect::<Vec<_>>());
+        let mut allowance: BTreeMap<&str, usize> = claims.keys().copied().zip(split).collect();
+        for index in prefilling {
+            let a = &self.active[index];
+            let left = allowance
+                .get_mut(a.pending.request.share.tenant.as_str())
+                .expect("every prefilling request's tenant has a claim");
+            if *left == 0 {
+                continue;
+            }
+            let target = a.kv_target();
+            let take = (target - a.written).min(*left);
+            *left -= take;
+            let end = a.written + take;
+            // A fresh prompt's last chunk samples the first token; a
+            // preempted request's recomputation samples nothing (its next
+            // input is the token it had already generated).
+            let logits = if end == target && a.generated.is_empty() {
+                Logits::Last
+            } else {
+                Logits::None
+            };
+            work.push(Work {
+                index,
+                past: a.written,
+                tokens: a.context(a.written..end),
+                logits,
+            });
+        }
+        debug_assert!(
+            work.iter().map(|w| w.tokens.len()).sum::<usize>() <= rows + budget,
+            "a step stays within its token budget"
+        );
+        work
+    }
+
+    pub(super) fn step(&mut self) {
+        self.make_room();
+        let work = self.plan();
+        if work.is_empty() {
+            return;
+        }
+        trace!(
+            role = self.role.label(),
+            sequences = work.len(),
+            tokens = work.iter().map(|w| w.tokens.len()).sum::<usize>(),
+            "step"
+        );
+        if self.role == Role::Decode {
+            // Fault injection: a slow or crashing decode step.
+            fail::fail_point!("decode-step", crash_or_stall);
+        }
+        let result = {
+            let mut leases: Vec<Option<&mut Lease>> =
+                self.active.iter_mut().map(|a| a.kv.lease_mut()).collect();
+            let mut batch: Vec<Sequence<'_>> = work
+                .iter()
+                .map(|w| Sequence {
+                    lease: leases[w.index]
+                        .take()
+                        .expect("planned work has a lease, one piece per request"),
+                    past: w.past,
+                    tokens: &w.tokens,
+                    logits: w.logits,
+                })
+                .collect();
+            self.model.model.forward_each(&mut batch)
+        };
+        self.counters.steps.fetch_add(1, Ordering::Relaxed);
+        self.compute_masks(&work);
+        let mut ended: Vec<(usize, End)> = Vec::new();
+        for (w, row) in work.iter().zip(result) {
+            let row = match row {
+                Ok(row) => row,
+                Err(error) => {
+                    // Fail closed (I7), and alone: this request ends with an
+                    // error and no token from this step; the rest of the
+                    // batch goes on, its rows untouched by this one.
+                    warn!(request = %self.active[w.index].pending.id, %error, "a sequence failed its forward pass");
+                    ended.push((
+                        w.index,
+                        End::Failed(FailureKind::Internal, error.to_string()),
+                    ));
+                    continue;
+                }
+            };
+            let active = &mut self.active[w.index];
+            self.waiting
+                .charge(&active.pending.request.share, w.tokens.len());
+            let prefilling = !active.prefill_done();
+            active.written += w.tokens.len();
+            if prefilling {
+                self.counters
+                    .prompt_tokens
+                    .fetch_add(w.tokens.len() as u64, Ordering::Relaxed);
+                if active.prefill_done()
+                    && active.generated.is_empty()
+                    && let Some(lease) = active.kv.lease_mut()
+                {
+                    // The prompt's full pages serve the tenant's next
+                    // requests from now on, this one's siblings included.
+                    lease.seal(&active.pending.request.prompt);
+                }
+                if !active.prefill_done()
+                    && let Err(error) = self.ship_ready_pages(w.index)
+                {
+                    ended.push((
+                        w.index,
+                        End::Failed(FailureKind::Internal, error.to_string()),
+                    ));
+                    continue;
+                }
+            }
+            if w.logits == Logits::Last
+                && let Some(end) = self.advance(w.index, &row)
+            {
+                ended.push((w.index, end));
+            }
+        }
+        ended.sort_unstable_by_key(|(index, _)| *index);
+        for (index, end) in ended.into_iter().rev() {
+            self.end(index, end);
+        }
+    }
+
+    /// The token masks this step's draws need, computed together on the
+    /// compute pool rather than one after another on this thread: a large
+    /// schema's mask takes milliseconds, and every row of the batch waits
+    /// for the last. A mask that fails is computed again, and its error
+    /// reported, where the request draws.
+    pub(super) fn compute_masks(&mut self, work: &[Work]) {
+        let drawing: BTreeSet<usize> = work
+            .iter()
+            .filter(|w| w.logits == Logits::Last)
+            .map(|w| w.index)
+            .collect();
+        let constraints: Vec<&mut Constraint> = self
+            .active
+            .iter_mut()
+            .enumerate()
+            .filter(|(index, _)| drawing.contains(index))
+            .filter_map(|(_, active)| active.constraint.as_mut())
+            .collect();
+        if constraints.len() > 1 {
+            use rayon::prelude::*;
+            constraints.into_par_iter().for_each(|constraint| {
+                let _ = constraint.mask();
+            });
+        }
+    }
+
+    /// Removes request `index`, dropping its lease (I8), and tells whoever waits.
+    pub(super) fn end(&mut self, index: usize, end: End) {
+        let mut active = self.active.swap_remove(index);
+        self.counters.running.fetch_sub(1, Ordering::AcqRel);
+        match end {
+            End::Finished(event) => {
+                active.seal_conversation();
+                self.counters.finished.fetch_add(1, Ordering::Relaxed);
+                active.pending.send(event);
+            }
+            End::Failed(kind, message) => self.refuse(&active.pending, kind, message),
+            End::Shipped => {
+                self.counters.finished.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    pub(super) fn refuse(&self, pending: &Pending, kind: FailureKind, message: String) {
+        self.counters.failed.fetch_add(1, Ordering::Relaxed);
+        match &pending.origin {
+            Origin::Client { .. } => pending.send(Event::Failed { kind, message }),
+            Origin::Handoff { peer, id, .. } => {
+                let reason = if kind == FailureKind::TooLong {
+                    RejectReason::TooLong
+                } else {
+                    RejectReason::Failed
+                };
+                self.to_peer(*peer, &Message::Reject { id: *id, reason });
+            }
+        }
+    }
+
+    /// A fresh constraint for `request`'s grammar, if it has one: a copy
+    /// of the start state the front door compiled, or — for a request
+    /// that came over a link — compiled here.
+    pub(super) fn constraint_for(
+        &mut self,
+        request: &GenerationRequest,
+    ) -> Result<Option<Constraint>, kvfence_model::ModelError> {
+        let Some(constrained) = &request.constraint else {
+            return Ok(None);
+        };
+        match constrained.start() {
+            Some(start) => Ok(Some(start)),
+            None => self
+                .grammars
+                .constraint(&self.model, &constrained.grammar)
+                .map(Some),
+        }
+    }
+
+    /// Samples the next token of one request and acts on it.
+    pub(super) fn advance(&mut self, index: usize, logits: &[f32]) -> Option<End> {
+        let active = &mut self.active[index];
+        let mask = match active.constraint.as_mut().map(Constraint::mask).transpose() {
+            Ok(mask) => mask,
+            Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
+        };
+        let allows = mask.map(|mask| move |token: u32| mask.allows(token));
+        let context = DrawContext {
+            prompt: &active.pending.request.prompt,
+            generated: &active.generated,
+            allowed: allows.as_ref().map(|f| f as &dyn Fn(u32) -> bool),
+        };
+        let draw = match active.sampler.draw(logits, context) {
+            Ok(draw) => draw,
+            Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
+        };
+        if matches!(self.active[index].pending.origin, Origin::Handoff { .. }) {
+            return Some(self.ship(index, draw.token, draw.logprobs));
+        }
+        self.accept(index, draw.token, draw.logprobs)
+    }
+
+    /// Records a generated token, streams its text, and says whether the
+    /// request is done.
+    pub(super) fn accept(
+        &mut self,
+        index: usize,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+    ) -> Option<End> {
+        let eos = &self.model.model.config().eos_token_ids;
+        let tokenizer = &self.model.tokenizer;
+        let active = &mut self.active[index];
+        active.generated.push(token);
+        if let Some(constraint) = &mut active.constraint
+            && let Err(error) = constraint.accept(token)
+        {
+            return Some(End::Failed(FailureKind::Internal, error.to_string()));
+        }
+        self.counters
+            .generated_tokens
+            .fetch_add(1, Ordering::Relaxed);
+        let request = &active.pending.request;
+        let usage = Usage {
+            prompt_tokens: request.prompt.len(),
+            completion_tokens: active.generated.len(),
+            cached_tokens: active.cached,
+        };
+        let finish = |reason| Some(End::Finished(Event::Finished { reason, usage }));
+        let flush = |active: &mut Active| match active.text.flush(tokenizer) {
+            Ok(rest) => {
+                if !rest.is_empty() {
+                    active.pending.send(Event::Token {
+                        text: rest,
+                        logprobs: None,
+                    });
+                }
+                None
+            }
+            Err(error) => Some(End::Failed(FailureKind::Internal, error.to_string())),
+        };
+        if !request.ignore_eos && eos.contains(&token) {
+            active.pending.send(Event::Token {
+                text: String::new(),
+                logprobs: None,
+            });
+            return flush(active).or_else(|| finish(FinishReason::Stop));
+        }
+        let pushed = match active.text.push(tokenizer, token) {
+            Ok(pushed) => pushed,
+            Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
+        };
+        active.pending.send(Event::Token {
+            text: pushed.delta,
+            logprobs,
+        });
+        if pushed.stopped {
+            return finish(FinishReason::Stop);
+        }
+        if active
+            .constraint
+            .as_ref()
+            .is_some_and(Constraint::is_finished)
+        {
+            // The grammar is complete: nothing but the end may follow.
+            return flush(active).or_else(|| finish(FinishReason::Stop));
+        }
+        if active.generated.len() == active.pending.request.max_tokens {
+            return flush(active).or_else(|| finish(FinishReason::Length));
+        }
+        None
+    }
+
+    /// Ends every request queued or running with `ShuttingDown`, giving
+    /// back every page.
+    pub(crate) fn fail_everything(&mut self) {
+        let reason = || {
+            (
+                FailureKind::ShuttingDown,
+                "the server is shutting down".to_string(),
+            )
+        };
+        for pending in self.waiting.take_all() {
+            self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+            let (kind, message) = reason();
+            self.refuse(&pending, kind, message);
+        }
+        for active in std::mem::take(&mut self.active) {
+            self.counters.running.fetch_sub(1, Ordering::AcqRel);
+            let (kind, message) = reason();
+            self.refuse(&active.pending, kind, message);
+        }
+    }
+}
