@@ -340,23 +340,31 @@ pub fn dequantize_row(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
             }
         }
         QuantFormat::Q6_K => {
+            // Weight `32q + l` of a 128-weight half (quarter `q`, 0 ≤ l < 32):
+            // four low bits from `ql[l + 32 (q % 2)]` (its high nibble when
+            // q ≥ 2), two high bits `2q` up in `qh[l]`, minus 32, times
+            // `d · scale[2q + l / 16]` (its 16-weight run). Run by run, so each
+            // inner loop is 16 lanes of the same shifts (it vectorises).
             for (b, o) in blocks {
                 let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
                 let d = half_at(b, 208);
                 for half in 0..2 {
                     let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
                     let sc = &scales[8 * half..];
-                    let o = &mut o[128 * half..];
-                    for l in 0..32 {
-                        let is = l / 16;
-                        let six = |low: u8, shift: u32| {
-                            f32::from((low | (((qh[l] >> shift) & 3) << 4)) as i8 - 32)
-                        };
-                        let scale = |i: usize| d * f32::from(sc[is + i] as i8);
-                        o[l] = scale(0) * six(ql[l] & 0x0F, 0);
-                        o[l + 32] = scale(2) * six(ql[l + 32] & 0x0F, 2);
-                        o[l + 64] = scale(4) * six(ql[l] >> 4, 4);
-                        o[l + 96] = scale(6) * six(ql[l + 32] >> 4, 6);
+                    for quarter in 0..4 {
+                        let (low_at, low_shift) = (32 * (quarter % 2), 4 * (quarter / 2));
+                        for run in 0..2 {
+                            let scale = d * f32::from(sc[run + 2 * quarter] as i8);
+                            let first = 16 * run;
+                            let out = &mut o[128 * half + 32 * quarter + first..][..16];
+                            let low = &ql[low_at + first..][..16];
+                            let high = &qh[first..][..16];
+                            for ((y, &l), &h) in out.iter_mut().zip(low).zip(high) {
+                                let q =
+                                    ((l >> low_shift) & 0x0F) | (((h >> (2 * quarter)) & 3) << 4);
+                                *y = scale * f32::from(q as i8 - 32);
+                            }
+                        }
                     }
                 }
             }
