@@ -1,6 +1,34 @@
 //! Element types a pool can store, and the bit patterns used to scrub them.
 
-use crate::spec::ElemType;
+/// Element type of the K and V values stored in pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ElemType {
+    /// 32-bit IEEE float.
+    F32,
+    /// 16-bit IEEE float.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl ElemType {
+    /// The lower-case name used on command lines and in peer greetings.
+    pub fn name(self) -> &'static str {
+        match self {
+            ElemType::F32 => "f32",
+            ElemType::F16 => "f16",
+            ElemType::BF16 => "bf16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            ElemType::F32 => 4,
+            ElemType::F16 | ElemType::BF16 => 2,
+        }
+    }
+}
 
 /// A K/V element type. Implemented for `f32`, `half::f16` and `half::bf16`.
 pub trait KvElement: bytemuck::Pod + Send + Sync + 'static {

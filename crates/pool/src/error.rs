@@ -4,8 +4,8 @@
 //! caller (or an operator reading a log) can tell what was refused and why.
 //! Nothing here ever carries KV contents or request text.
 
+use crate::element::ElemType;
 use crate::page::{Generation, PageId, RequestId};
-use crate::spec::ElemType;
 
 /// Why the pool refused an operation. A refusal never changes pool state:
 /// nothing is allocated, written or released by a call that returns an error.

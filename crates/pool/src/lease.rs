@@ -17,17 +17,12 @@ use std::sync::Arc;
 
 use crate::element::KvElement;
 use crate::error::PoolError;
+use crate::ledger::{Counters, Holder, Shared};
 use crate::mutation::Mutation;
-use crate::page::{PageRef, RequestId};
-use crate::pool::{Counters, Holder, Shared};
+use crate::page::{LeaseId, PageRef, RequestId};
 use crate::prefix::{Namespace, block_hash};
 use crate::view::ReadView;
 use crate::window::Window;
-
-/// Identity of one lease, unique for the life of a pool. Pages record it so
-/// ownership checks read the page table itself, not the caller's word.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct LeaseId(pub(crate) u64);
 
 /// Pages leased to one request.
 pub struct Lease {
@@ -175,7 +170,7 @@ impl Lease {
     }
 
     /// The element type the pool stores K and V in.
-    pub fn elem(&self) -> crate::spec::ElemType {
+    pub fn elem(&self) -> crate::element::ElemType {
         self.shared.geometry.elem
     }
 
@@ -306,7 +301,7 @@ impl Lease {
     fn fenced_page(
         &self,
         page: PageRef,
-    ) -> Result<parking_lot::RwLockWriteGuard<'_, crate::pool::Page>, PoolError> {
+    ) -> Result<parking_lot::RwLockWriteGuard<'_, crate::ledger::Page>, PoolError> {
         let foreign = || {
             Counters::bump(&self.shared.counters.foreign_writes_rejected);
             PoolError::PageNotInLease {

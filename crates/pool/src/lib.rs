@@ -18,6 +18,7 @@ mod coverage;
 mod element;
 mod error;
 mod lease;
+mod ledger;
 pub mod mutation;
 mod page;
 mod pool;
@@ -27,15 +28,15 @@ mod sync;
 mod view;
 mod window;
 
-pub use element::KvElement;
+pub use element::{ElemType, KvElement};
 pub use error::PoolError;
 pub use lease::Lease;
-pub use page::{Generation, PageId, PageRef, PageState, RequestId};
+pub use page::{Generation, NamespaceId, PageId, PageRef, PageState, RequestId};
 pub use pool::{Pool, PoolStats};
-pub use prefix::{Namespace, NamespaceId};
+pub use prefix::Namespace;
 pub use spec::{
-    CacheSpec, Checks, DEFAULT_PUBLIC_MIN_TOKENS, ElemType, Geometry, KvShape, MAX_PAGE_SIZE,
-    PoolSize, PoolSpec, ReusePolicy, Scrub,
+    CacheSpec, Checks, DEFAULT_PUBLIC_MIN_TOKENS, Geometry, KvShape, MAX_PAGE_SIZE, PoolSize,
+    PoolSpec, ReusePolicy, Scrub,
 };
 pub use view::ReadView;
 pub use window::{Window, WindowKey};

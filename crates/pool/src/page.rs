@@ -77,7 +77,7 @@ pub enum PageState {
     /// evicted, so an index entry can never reach its next contents.
     Shared {
         /// The namespace whose requests may read it.
-        namespace: crate::NamespaceId,
+        namespace: NamespaceId,
         /// The generation it was written in.
         generation: Generation,
         /// Leases that include it now; evictable at zero.
@@ -91,4 +91,20 @@ pub enum PageState {
         /// The generation it had when released.
         generation: Generation,
     },
+}
+
+/// Identity of one lease, unique for the life of a pool. Pages record it so
+/// ownership checks read the page table itself, not the caller's word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct LeaseId(pub(crate) u64);
+
+/// The hash of everything a [`crate::Namespace`] is made of.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NamespaceId(pub(crate) [u8; 32]);
+
+impl std::fmt::Debug for NamespaceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ns-")?;
+        self.0[..6].iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
 }

@@ -17,12 +17,11 @@
 //! quota, so no tenant's flood can push out another's entries.
 
 use std::collections::{BTreeSet, HashMap};
-use std::fmt;
 
 use sha2::{Digest, Sha256};
 
 use crate::mutation::Mutation;
-use crate::page::{PageId, PageRef};
+use crate::page::{NamespaceId, PageId, PageRef};
 use crate::spec::Geometry;
 
 /// The wall around a set of cached prefixes: one tenant (and salt) on one
@@ -35,17 +34,6 @@ pub struct Namespace {
     /// The public namespace of the same model and layout, which a tenant's
     /// lookups read first; `None` for the public namespace itself.
     public: Option<NamespaceId>,
-}
-
-/// The hash of everything a [`Namespace`] is made of.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct NamespaceId([u8; 32]);
-
-impl fmt::Debug for NamespaceId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ns-")?;
-        self.0[..6].iter().try_for_each(|b| write!(f, "{b:02x}"))
-    }
 }
 
 /// Whose quota a shared page counts against (salts of one tenant share

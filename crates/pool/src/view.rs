@@ -11,7 +11,7 @@ use std::ops::Range;
 use parking_lot::RwLockReadGuard;
 
 use crate::element::KvElement;
-use crate::pool::Page;
+use crate::ledger::Page;
 use crate::spec::Geometry;
 
 /// Read access to positions `0..len` of some layers of one lease.

@@ -21,8 +21,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::error::PoolError;
+use crate::ledger::{Counters, Shared};
 use crate::page::{PageId, RequestId};
-use crate::pool::{Counters, Shared};
 use crate::sync::{AtomicU64, AtomicUsize, Ordering, fence};
 
 /// The revoke/drain protocol of a window, without the pages: an epoch that
