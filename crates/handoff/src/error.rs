@@ -2,7 +2,7 @@
 
 use kvfence_pool::PoolError;
 
-use crate::wire::HandoffId;
+use crate::id::{HandoffId, RejectReason};
 
 /// Why a frame could not be decoded, or a hand-off failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -106,7 +106,7 @@ pub enum HandoffError {
         /// Hand-off.
         id: HandoffId,
         /// Why.
-        reason: crate::wire::RejectReason,
+        reason: RejectReason,
     },
     /// The lease cannot hold what the grant would cover.
     #[error("hand-off {id}: a lease of {capacity} tokens cannot hold a grant of {tokens}")]

@@ -12,6 +12,7 @@
 //!   anything else fails it and frees its pages (I2, I7, I8).
 
 mod error;
+mod id;
 mod receiver;
 mod sender;
 pub mod tcp;
@@ -19,9 +20,10 @@ pub mod tls;
 mod wire;
 
 pub use error::HandoffError;
+pub use id::{Epoch, HandoffId, RejectReason};
 pub use receiver::{Committed, Outcome, Receiver, ReceiverStats};
 pub use sender::{
     AllSent, ChunkFrames, Chunks, Grant, Put, Streaming, TwoSided, WindowWrites, send_kv,
     send_kv_one_sided,
 };
-pub use wire::{Epoch, HandoffId, MAX_FRAME, Message, RejectReason};
+pub use wire::{MAX_FRAME, Message};

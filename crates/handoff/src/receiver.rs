@@ -19,8 +19,9 @@ use std::collections::HashMap;
 use kvfence_pool::{Lease, Window};
 
 use crate::error::HandoffError;
+use crate::id::{Epoch, HandoffId, RejectReason};
 use crate::sender::{chunk_checksum, digest};
-use crate::wire::{Epoch, HandoffId, Message, RejectReason};
+use crate::wire::Message;
 
 /// A hand-off whose KV is complete and verified. The lease now holds the
 /// prompt's KV; decoding may start at position `tokens`.

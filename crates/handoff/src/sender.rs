@@ -12,7 +12,8 @@ use kvfence_pool::{Lease, PageRef, Window, WindowKey};
 use twox_hash::XxHash3_64;
 
 use crate::error::HandoffError;
-use crate::wire::{Epoch, HandoffId, Message, chunk_frame};
+use crate::id::{Epoch, HandoffId};
+use crate::wire::{Message, chunk_frame};
 
 /// A grant as the sender holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]

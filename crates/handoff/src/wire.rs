@@ -11,61 +11,11 @@
 //! page's runs, and [`Message::decode_shared`] hands out the payload as a
 //! view of the received frame.
 
-use std::fmt;
-
 use bytes::Bytes;
 use kvfence_pool::{Generation, PageId, PageRef};
 
 use crate::error::HandoffError;
-
-/// Identifies one hand-off (one request) between a prefill and a decode worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct HandoffId(pub u64);
-
-impl fmt::Display for HandoffId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "h{}", self.0)
-    }
-}
-
-/// The grant's generation: bumped on abort, so messages of a revoked grant
-/// are recognisably stale.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Epoch(pub u32);
-
-/// Why a hand-off will never complete.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RejectReason {
-    /// The prompt can never fit the rejecting worker's pool.
-    TooLong,
-    /// The worker cannot take it now; a retry may succeed.
-    Busy,
-    /// The worker failed while working on it.
-    Failed,
-    /// The hand-off was aborted.
-    Aborted,
-}
-
-impl RejectReason {
-    fn code(self) -> u8 {
-        match self {
-            RejectReason::TooLong => 1,
-            RejectReason::Busy => 2,
-            RejectReason::Failed => 3,
-            RejectReason::Aborted => 4,
-        }
-    }
-
-    fn from_code(code: u8) -> Option<Self> {
-        Some(match code {
-            1 => RejectReason::TooLong,
-            2 => RejectReason::Busy,
-            3 => RejectReason::Failed,
-            4 => RejectReason::Aborted,
-            _ => return None,
-        })
-    }
-}
+use crate::id::{Epoch, HandoffId, RejectReason};
 
 /// Most log-probabilities a `Done` carries: the first token's and twenty
 /// alternatives' (OpenAI's largest `top_logprobs`).

@@ -8,7 +8,7 @@
 //! command, [`Scheduler::poll`] does what is due at the time it is given,
 //! and what it sends leaves through peers' and clients' channels.
 //! [`Scheduler::run`] is the thin shell that blocks on the inbox and reads
-//! the wall clock; the fleet simulator (`crate::sim`) runs many schedulers
+//! the wall clock; the fleet simulator (the `sim` module) runs many schedulers
 //! on one virtual clock instead.
 //!
 //! Each step it (1) takes commands — new requests, prefill orders, hand-off
