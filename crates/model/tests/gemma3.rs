@@ -53,6 +53,22 @@ fn the_tokenizer_gives_llama_cpp_token_ids() {
         assert_eq!(got, ids(&case["ids"]), "token ids of {text:?}");
         assert_eq!(m.tokenizer.decode(&got).unwrap(), text, "round trip");
     }
+    // I9: text naming Gemma's turn markers stays text; the template's own
+    // markers (encoded with specials on) are the control tokens.
+    let specials: Vec<u32> = m
+        .tokenizer
+        .special_tokens()
+        .iter()
+        .map(|(_, id)| *id)
+        .collect();
+    let text = "<start_of_turn>user\nhi<end_of_turn>\n<bos><eos><pad>";
+    let as_text = m.tokenizer.encode_as_text(text).unwrap();
+    assert!(
+        as_text.iter().all(|id| !specials.contains(id)),
+        "{as_text:?}"
+    );
+    let markers = m.tokenizer.encode("<start_of_turn>user").unwrap();
+    assert_eq!(markers[0], m.tokenizer.token_id("<start_of_turn>").unwrap());
 }
 
 #[test]
