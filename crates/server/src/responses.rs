@@ -109,6 +109,30 @@ pub fn to_chat(object: &Map<String, Value>) -> Result<(Map<String, Value>, Value
     Ok((chat, Value::Object(echo)))
 }
 
+/// The keys each kind of `input` item and content part may carry: what
+/// it means, and the metadata OpenAI's own outputs carry when a client
+/// sends them back (`id`, `status`, an output part's `annotations` and
+/// `logprobs`), which say nothing about the request.
+const MESSAGE_KEYS: &[&str] = &["type", "role", "content", "id", "status"];
+const CALL_KEYS: &[&str] = &["type", "id", "call_id", "name", "arguments", "status"];
+const OUTPUT_KEYS: &[&str] = &["type", "id", "call_id", "output", "status"];
+const PART_KEYS: &[&str] = &["type", "text", "annotations", "logprobs"];
+
+/// Refuses a key of `item` outside `allowed`, naming it under `at`: an
+/// accepted field that did nothing would be a silent lie.
+fn known_keys(item: &Value, allowed: &[&str], at: &str) -> Result<(), ApiError> {
+    let Some(unknown) = item
+        .as_object()
+        .and_then(|fields| fields.keys().find(|k| !allowed.contains(&k.as_str())))
+    else {
+        return Ok(());
+    };
+    Err(ApiError::invalid(
+        &format!("{at}.{}", crate::redact::clipped(unknown)),
+        format!("unknown field (allowed here: {})", allowed.join(", ")),
+    ))
+}
+
 /// `instructions` and `input` as chat messages: text items, earlier
 /// function calls (consecutive ones in one assistant turn) and their
 /// outputs as tool messages.
@@ -150,6 +174,7 @@ fn messages(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
             .unwrap_or("message");
         match kind {
             "message" => {
+                known_keys(item, MESSAGE_KEYS, &param(""))?;
                 let role = item.get("role").and_then(Value::as_str).ok_or_else(|| {
                     ApiError::invalid(&param(".role"), "a message item needs a role")
                 })?;
@@ -158,6 +183,7 @@ fn messages(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
                     Some(Value::Array(parts)) => {
                         let mut text = String::new();
                         for (j, part) in parts.iter().enumerate() {
+                            known_keys(part, PART_KEYS, &param(&format!(".content[{j}]")))?;
                             match (
                                 part.get("type").and_then(Value::as_str),
                                 part.get("text").and_then(Value::as_str),
@@ -185,6 +211,7 @@ fn messages(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
                 messages.push(json!({ "role": role, "content": content }));
             }
             "function_call" => {
+                known_keys(item, CALL_KEYS, &param(""))?;
                 let field = |name: &str| {
                     item.get(name)
                         .and_then(Value::as_str)
@@ -214,6 +241,7 @@ fn messages(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
                 }
             }
             "function_call_output" => {
+                known_keys(item, OUTPUT_KEYS, &param(""))?;
                 let output = match item.get("output") {
                     Some(Value::String(text)) => text.clone(),
                     Some(other) if !other.is_null() => other.to_string(),
@@ -395,6 +423,42 @@ mod tests {
 
     fn object(value: Value) -> Map<String, Value> {
         value.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn unknown_keys_of_input_items_are_refused_and_openai_metadata_passes() {
+        // What the Agents SDK sends back: output items with ids, statuses
+        // and output_text parts with annotations.
+        let echoed = json!({"input": [
+            {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+             "content": [{"type": "output_text", "text": "hi", "annotations": [], "logprobs": []}]},
+            {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f",
+             "arguments": "{}", "status": "completed"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok", "status": "completed"},
+            {"role": "user", "content": "next"},
+        ]});
+        to_chat(&object(echoed)).unwrap();
+        for (item, at) in [
+            (
+                json!({"role": "user", "content": "x", "audio": {"id": "a"}}),
+                "input[0].audio",
+            ),
+            (
+                json!({"role": "user", "content": [{"type": "input_text", "text": "x", "cache_control": {}}]}),
+                "input[0].content[0].cache_control",
+            ),
+            (
+                json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "strict": true}),
+                "input[0].strict",
+            ),
+            (
+                json!({"type": "function_call_output", "call_id": "c", "output": "o", "is_error": true}),
+                "input[0].is_error",
+            ),
+        ] {
+            let error = to_chat(&object(json!({"input": [item]}))).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some(at));
+        }
     }
 
     #[test]
