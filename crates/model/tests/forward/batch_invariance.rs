@@ -182,3 +182,65 @@ fn a_bad_sequence_fails_alone_and_the_rest_of_the_batch_is_untouched() {
         }
     }
 }
+
+/// On sliding-window layers too, a sequence's logits do not depend on
+/// where its prefill was cut — what a prefix-cache hit (prefill resumed at
+/// a page boundary) and chunked prefill rely on — nor on what shares its
+/// batch: prompts longer than the window (40) and than an attention chunk
+/// (128), cut at 1, 7, 37, 64 and 128 tokens, equal the whole prefill bit
+/// for bit, alone and beside another sequence.
+#[test]
+fn sliding_window_rows_equal_bit_for_bit_however_prefill_is_cut() {
+    let mut config = Builtin::Tiny.config();
+    config.architecture = kvfence_model::Architecture::Gemma3;
+    config.tie_word_embeddings = true;
+    config.sliding_window = Some(kvfence_model::SlidingWindow {
+        window: 40,
+        period: 2,
+        local_rope_theta: 1_000.0,
+    });
+    let tensors = kvfence_model::builtin::weights_for(&config, 23);
+    let model = Model::from_tensors(config, &tensors).unwrap();
+    let pool = pool_for(&model, 2048);
+    let long = prompt(3, 300);
+    let (whole, _) = generate(&model, &pool, 1, &long, 4, usize::MAX);
+    for chunk in [1, 7, 37, 64, 128] {
+        let (cut, _) = generate(&model, &pool, 2, &long, 4, chunk);
+        assert_eq!(cut, whole, "prefill in chunks of {chunk}");
+    }
+    // Beside another sequence's prefill in every pass.
+    let other = prompt(9, 200);
+    let mut mine = pool.lease(RequestId(10), long.len()).unwrap();
+    let mut theirs = pool.lease(RequestId(11), other.len()).unwrap();
+    let mut past = 0;
+    let mut last = Vec::new();
+    for (piece, their_piece) in long.chunks(50).zip(other.chunks(34)) {
+        let logits = if past + piece.len() == long.len() {
+            Logits::Last
+        } else {
+            Logits::None
+        };
+        let rows = model
+            .forward(&mut [
+                Sequence {
+                    lease: &mut theirs,
+                    past: past / 50 * 34,
+                    tokens: their_piece,
+                    logits: Logits::Last,
+                },
+                Sequence {
+                    lease: &mut mine,
+                    past,
+                    tokens: piece,
+                    logits,
+                },
+            ])
+            .unwrap();
+        last = rows[1].clone();
+        past += piece.len();
+    }
+    assert_eq!(
+        last, whole[0],
+        "the prompt's last row beside another sequence"
+    );
+}
