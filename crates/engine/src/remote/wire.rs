@@ -19,7 +19,7 @@ use crate::net::LinkTx;
 use crate::request::{FailureKind, FinishReason, Share, TenantScope, Usage};
 
 /// The control protocol's version; a peer speaking another is refused.
-pub(crate) const PROTOCOL: u32 = 5;
+pub(crate) const PROTOCOL: u32 = 6;
 
 /// What identifies a model for the hand-off: two workers whose
 /// fingerprints differ cannot read each other's KV.
@@ -33,6 +33,11 @@ pub struct ModelFingerprint {
     pub head_dim: usize,
     /// Vocabulary size.
     pub vocab: usize,
+    /// The first 8 bytes of the SHA-256 of every hyper-parameter
+    /// (architecture, norms, RoPE bases and scaling, sliding windows, end
+    /// tokens): two models of one KV shape that compute differently —
+    /// a Llama and a Qwen of the same size — must not read each other's KV.
+    pub config: u64,
 }
 
 impl ModelFingerprint {
@@ -43,11 +48,18 @@ impl ModelFingerprint {
 
     /// The fingerprint of a model's shape.
     pub fn of_config(c: &ModelConfig) -> ModelFingerprint {
+        use sha2::{Digest, Sha256};
+        // Debug prints every field, floats in their shortest exact form:
+        // equal configs print alike, and a new field changes the print.
+        let digest = Sha256::digest(format!("{c:?}").as_bytes());
+        let mut config = [0u8; 8];
+        config.copy_from_slice(&digest[..8]);
         ModelFingerprint {
             layers: c.num_layers,
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             vocab: c.vocab_size,
+            config: u64::from_le_bytes(config),
         }
     }
 }
@@ -370,6 +382,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 16,
             vocab: 300,
+            config: 7,
         };
         let hello = Hello {
             protocol: PROTOCOL,
@@ -389,10 +402,33 @@ mod tests {
             ..model
         };
         assert!(hello.check(other, None).is_err());
+        let computes_otherwise = ModelFingerprint { config: 8, ..model };
+        assert!(hello.check(computes_otherwise, None).is_err());
         let old = Hello {
             protocol: PROTOCOL - 1,
             ..hello
         };
         assert!(old.check(model, None).unwrap_err().contains("protocol"));
+    }
+
+    #[test]
+    fn one_shape_computed_two_ways_is_two_fingerprints() {
+        let llama = kvfence_model::Builtin::Tiny.config();
+        let qwen = ModelConfig {
+            architecture: kvfence_model::Architecture::Qwen3,
+            ..llama.clone()
+        };
+        let other_base = ModelConfig {
+            rope_theta: 500_000.0,
+            ..llama.clone()
+        };
+        let of = ModelFingerprint::of_config;
+        assert_eq!(of(&llama), of(&llama.clone()), "deterministic");
+        assert_ne!(of(&llama), of(&qwen));
+        assert_ne!(of(&llama), of(&other_base));
+        assert_eq!(
+            (of(&llama).layers, of(&llama).vocab),
+            (of(&qwen).layers, of(&qwen).vocab)
+        );
     }
 }
