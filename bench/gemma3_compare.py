@@ -10,7 +10,8 @@ not end this text within them — checked by the token count).
 (the llama.cpp side is llama-cpp-python built as
 `scripts/llama_cpp_fixtures.py` describes). Best of three runs each: the
 first token's time alone, then 129 tokens; decode per token is the
-difference over 128.
+difference over 128. Then the first token of prompts of about 512 and 2,048
+tokens (prefill), each run's prompt different so no cache answers it.
 """
 
 import json
@@ -49,12 +50,49 @@ def llama_cpp(path):
     return run
 
 
+def long_prompt(tokens):
+    """A prompt of about `tokens` tokens of plain English (one word, one
+    token, give or take); the exact count is printed with the result."""
+    words = ("the river runs past the old mill and under the stone bridge "
+             "where children wait for the evening train ").split()
+    return " ".join(words[i % len(words)] for i in range(tokens))
+
+
+def prefill_kvfence(url, prompt):
+    body = json.dumps({"model": "gemma3-270m", "prompt": prompt, "max_tokens": 1,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body,
+                                      {"content-type": "application/json"})
+    started = time.time()
+    answer = json.load(urllib.request.urlopen(request))
+    return time.time() - started, answer["usage"]["prompt_tokens"]
+
+
+def prefill_llama_cpp(llm, prompt):
+    llm.reset()
+    started = time.time()
+    answer = llm.create_completion(prompt, max_tokens=1, temperature=0)
+    return time.time() - started, answer["usage"]["prompt_tokens"]
+
+
 def main():
     which, target = sys.argv[1], sys.argv[2]
     run = kvfence(target) if which == "kvfence" else llama_cpp(target)
     first = min(run(1) for _ in range(RUNS))
     whole = min(run(129) for _ in range(RUNS))
     print(f"{which}: first token {first * 1e3:.1f} ms, decode {(whole - first) / 128 * 1e3:.2f} ms/token")
+    if which == "kvfence":
+        prefill = lambda prompt: prefill_kvfence(target, prompt)  # noqa: E731
+    else:
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=target, n_ctx=4096, n_threads=2, n_batch=512, verbose=False)
+        prefill = lambda prompt: prefill_llama_cpp(llm, prompt)  # noqa: E731
+    for tokens in (512, 2048):
+        # A different prompt each run, so no prefix cache can answer it.
+        runs = [prefill(f"{i} " + long_prompt(tokens)) for i in range(RUNS)]
+        seconds, count = min(runs)
+        print(f"{which}: first token of a {count}-token prompt {seconds * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":
