@@ -101,6 +101,19 @@ fn byte_char(byte: u8) -> char {
     char::from_u32(256 + rank).expect("256..=324 are valid code points")
 }
 
+/// A SentencePiece piece's bytes: `<0xNN>` is that byte, `▁` a space.
+fn sentencepiece_bytes(piece: &str) -> Vec<u8> {
+    let byte = piece
+        .strip_prefix("<0x")
+        .and_then(|rest| rest.strip_suffix('>'))
+        .filter(|hex| hex.len() == 2)
+        .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+    match byte {
+        Some(byte) => vec![byte],
+        None => piece.replace(SPM_SPACE, " ").into_bytes(),
+    }
+}
+
 impl Tokenizer {
     /// Loads a `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Tokenizer, ModelError> {
@@ -395,37 +408,8 @@ impl Tokenizer {
     /// ones by `▁` → space and `<0xNN>` → that byte; anything else is
     /// decoded on its own.
     pub fn token_bytes(&self) -> Vec<Vec<u8>> {
-        if self.pieces == Pieces::SentencePiece {
-            return self.sentencepiece_bytes();
-        }
         let unmap: std::collections::HashMap<char, u8> =
             (0..=255u8).map(|b| (byte_char(b), b)).collect();
-        let specials: std::collections::HashMap<u32, String> = self
-            .special_tokens()
-            .into_iter()
-            .map(|(t, id)| (id, t))
-            .collect();
-        (0..self.vocab_size() as u32)
-            .map(|id| {
-                if let Some(special) = specials.get(&id) {
-                    return [&[0xFF], special.as_bytes()].concat();
-                }
-                let Some(token) = self.inner.id_to_token(id) else {
-                    return Vec::new();
-                };
-                let bytes: Option<Vec<u8>> =
-                    token.chars().map(|c| unmap.get(&c).copied()).collect();
-                bytes.unwrap_or_else(|| {
-                    self.inner
-                        .decode(&[id], false)
-                        .map(String::into_bytes)
-                        .unwrap_or_default()
-                })
-            })
-            .collect()
-    }
-
-    fn sentencepiece_bytes(&self) -> Vec<Vec<u8>> {
         let specials: std::collections::HashMap<u32, String> = self
             .special_tokens()
             .into_iter()
@@ -439,15 +423,16 @@ impl Tokenizer {
                 let Some(piece) = self.inner.id_to_token(id) else {
                     return Vec::new();
                 };
-                if let Some(byte) = piece
-                    .strip_prefix("<0x")
-                    .and_then(|rest| rest.strip_suffix('>'))
-                    .filter(|hex| hex.len() == 2)
-                    .and_then(|hex| u8::from_str_radix(hex, 16).ok())
-                {
-                    return vec![byte];
-                }
-                piece.replace(SPM_SPACE, " ").into_bytes()
+                let spelled = match self.pieces {
+                    Pieces::ByteLevel => piece.chars().map(|c| unmap.get(&c).copied()).collect(),
+                    Pieces::SentencePiece => Some(sentencepiece_bytes(&piece)),
+                };
+                spelled.unwrap_or_else(|| {
+                    self.inner
+                        .decode(&[id], false)
+                        .map(String::into_bytes)
+                        .unwrap_or_default()
+                })
             })
             .collect()
     }
