@@ -132,8 +132,12 @@ impl Engine {
             config,
             *transport == Transport::SharedMemory,
         );
-        let (prefill_to_decode, decode_to_prefill) =
-            link::connect(transport, prefill_tx.clone(), engine.commands.clone())?;
+        let (prefill_to_decode, decode_to_prefill) = link::connect(
+            transport,
+            &model,
+            prefill_tx.clone(),
+            engine.commands.clone(),
+        )?;
         let prefill = Scheduler::new(
             Role::Prefill,
             model,

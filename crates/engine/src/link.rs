@@ -12,19 +12,19 @@
 
 use std::borrow::Cow;
 use std::net::TcpListener;
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{ClusterCa, Role as LinkRole};
-use kvfence_model::{Grammar, SamplingParams, StopStrings};
+use kvfence_model::{Grammar, LoadedModel, SamplingParams, StopStrings};
 use tracing::warn;
 
 use crate::error::EngineError;
 use crate::net::{self, Link, ListenLimits};
 
-use crate::request::{CacheScope, GenerationRequest, Share};
+use crate::request::{CacheScope, GenerationRequest, LinkGrammars, Share};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, PrefillOrder};
 
 /// How the prefill and decode workers of a pair are connected.
@@ -252,13 +252,16 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
 
 /// Bridges an authenticated link to a scheduler: returns the sender the
 /// scheduler uses to reach its peer. Frames from the peer go to `inbox`;
-/// the link's end arrives there as `Command::PeerLost`.
+/// the link's end arrives there as `Command::PeerLost`. With `grammars`
+/// (a prefill worker's end), an order's grammar is compiled by the reader,
+/// before the scheduler sees it.
 pub(crate) fn bridge(
     link: Link,
     inbox: mpsc::Sender<Command>,
     peer: PeerId,
     name: &str,
     announce: Option<(String, usize)>,
+    mut grammars: Option<LinkGrammars>,
 ) -> std::io::Result<(PeerTx, JoinHandle<()>)> {
     let Link { tx, rx, .. } = link;
     let (to_peer, outbox) = mpsc::channel::<Command>();
@@ -305,7 +308,17 @@ pub(crate) fn bridge(
         .spawn(move || {
             for frame in rx {
                 match decode(frame, peer) {
-                    Ok(command) => {
+                    Ok(mut command) => {
+                        if let (Some(grammars), Command::Prefill { order, .. }) =
+                            (grammars.as_mut(), &mut command)
+                            && let Some(constraint) = order.request.constraint.take()
+                        {
+                            // Kept bare when it fails: the scheduler then
+                            // refuses the order the way it refuses any.
+                            let kept = constraint.clone();
+                            order.request.constraint =
+                                Some(grammars.compile(constraint).unwrap_or(kept));
+                        }
                         if inbox.send(command).is_err() {
                             return;
                         }
@@ -335,6 +348,7 @@ fn kind_byte(kind: u8) -> &'static [u8] {
 /// (prefill's way to decode, decode's way to prefill).
 pub(crate) fn connect(
     transport: &Transport,
+    model: &Arc<LoadedModel>,
     prefill_inbox: mpsc::Sender<Command>,
     decode_inbox: mpsc::Sender<Command>,
 ) -> Result<(PeerTx, PeerTx), EngineError> {
@@ -374,10 +388,18 @@ pub(crate) fn connect(
                 link,
                 "kvfence-prefill-link",
                 None,
+                Some(LinkGrammars::new(Arc::clone(model))),
             )
             .map_err(io)?;
-            let (decode_to_prefill, _) =
-                bridge(decode_link, decode_inbox, link, "kvfence-decode-link", None).map_err(io)?;
+            let (decode_to_prefill, _) = bridge(
+                decode_link,
+                decode_inbox,
+                link,
+                "kvfence-decode-link",
+                None,
+                None,
+            )
+            .map_err(io)?;
             Ok((prefill_to_decode, decode_to_prefill))
         }
     }

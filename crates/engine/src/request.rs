@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvfence_model::{Constraint, Grammar, SamplingParams, StopStrings, TokenLogprobs};
+use kvfence_model::{
+    Constraint, Grammar, Grammars, LoadedModel, SamplingParams, StopStrings, TokenLogprobs,
+};
 use kvfence_pool::RequestId;
 use tokio::sync::mpsc;
 
@@ -35,7 +37,8 @@ pub struct GenerationRequest {
 /// door compiled it in this process, the compiled start state (its first
 /// mask computed), so no worker compiles it again on the scheduler thread
 /// every tenant shares — a large JSON schema takes seconds. A request that
-/// crosses a link carries the grammar alone, and its worker compiles it.
+/// crosses a link carries the grammar alone; the link's reader compiles it
+/// ([`LinkGrammars`]) before the scheduler sees it.
 #[derive(Clone)]
 pub struct Constrained {
     /// The grammar.
@@ -56,6 +59,52 @@ impl Constrained {
     /// A fresh copy of the compiled start state, if there is one.
     pub(crate) fn start(&self) -> Option<Constraint> {
         self.start.clone()
+    }
+}
+
+/// Grammars compiled where a link's frames are read — a router's link into
+/// a decode process, a decode worker's into a prefill worker — so the
+/// scheduler behind the link, which every tenant's requests share, only
+/// copies a compiled start state. A large schema then holds up that link's
+/// next message, never the batch.
+pub(crate) struct LinkGrammars {
+    model: Arc<LoadedModel>,
+    /// Built at the link's first grammar.
+    grammars: Option<Grammars>,
+}
+
+impl LinkGrammars {
+    pub(crate) fn new(model: Arc<LoadedModel>) -> LinkGrammars {
+        LinkGrammars {
+            model,
+            grammars: None,
+        }
+    }
+
+    /// Compiles `constraint`'s grammar unless it already is. The sender
+    /// compiled the same grammar for the same tokenizer before sending it;
+    /// should this fail anyway, the reason is the runtime's, never the
+    /// client's text (I10).
+    pub(crate) fn compile(&mut self, constraint: Constrained) -> Result<Constrained, String> {
+        if constraint.start.is_some() {
+            return Ok(constraint);
+        }
+        let failed = |_| "the grammar does not compile on this worker".to_string();
+        let grammars = match &mut self.grammars {
+            Some(grammars) => grammars,
+            empty => {
+                let config = self.model.model.config();
+                let built = Grammars::new(
+                    &self.model.tokenizer,
+                    config.vocab_size,
+                    &config.eos_token_ids,
+                )
+                .map_err(failed)?;
+                empty.insert(built)
+            }
+        };
+        let start = grammars.compile(&constraint.grammar).map_err(failed)?;
+        Ok(Constrained::compiled(constraint.grammar, start))
     }
 }
 

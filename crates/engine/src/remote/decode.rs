@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, Weak, mpsc};
 
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
-use kvfence_model::{Grammar, Grammars, LoadedModel, StopStrings};
+use kvfence_model::{LoadedModel, StopStrings};
 use kvfence_pool::{ElemType, Pool};
 use tracing::{info, warn};
 
@@ -35,7 +35,9 @@ use crate::engine::{PrefillDirectory, PrefillPeer};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, Link, ListenLimits};
-use crate::request::{CacheScope, Canceller, Constrained, Event, GenerationRequest, RequestHandle};
+use crate::request::{
+    CacheScope, Canceller, Event, GenerationRequest, LinkGrammars, RequestHandle,
+};
 use crate::scheduler::{Command, PeerId};
 
 /// Routers one decode worker serves at once.
@@ -250,6 +252,7 @@ impl PrefillKeeper {
                 peer,
                 "kvfence-decode-link",
                 announce,
+                None,
             ) {
                 Ok((_, reader)) => reader,
                 // The scheduler has stopped: so does this keeper.
@@ -320,39 +323,9 @@ pub(crate) fn hello(engine: &Engine) -> Hello {
     }
 }
 
-/// A router's grammars, compiled on its link's thread: the scheduler, which
-/// every tenant's requests share, then only copies the compiled start state
-/// (as it does for an in-process front door's), instead of stalling every
-/// batch for a large schema's compile.
-struct LinkGrammars {
-    /// Built at the link's first grammar.
-    grammars: Option<Grammars>,
-}
-
-impl LinkGrammars {
-    fn compile(&mut self, model: &LoadedModel, grammar: Grammar) -> Result<Constrained, String> {
-        // The router compiled the same grammar for the same tokenizer
-        // before it sent it; failing here means the two disagree. The
-        // reason is the runtime's, never the client's text (I10).
-        let failed = |_| "the grammar does not compile on this decode worker".to_string();
-        let grammars = match &mut self.grammars {
-            Some(grammars) => grammars,
-            empty => {
-                let config = model.model.config();
-                let built =
-                    Grammars::new(&model.tokenizer, config.vocab_size, &config.eos_token_ids)
-                        .map_err(failed)?;
-                empty.insert(built)
-            }
-        };
-        let start = grammars.compile(&grammar).map_err(failed)?;
-        Ok(Constrained::compiled(grammar, start))
-    }
-}
-
 fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
     let Link { tx, rx, .. } = link;
-    let mut grammars = LinkGrammars { grammars: None };
+    let mut grammars = LinkGrammars::new(Arc::clone(engine.model()));
     if !send_control(&tx, &Control::Hello(hello(engine))) {
         return Ok(());
     }
@@ -403,7 +376,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                     continue;
                 }
                 let constraint = match constraint
-                    .map(|grammar| grammars.compile(engine.model(), grammar))
+                    .map(|grammar| grammars.compile(grammar.into()))
                     .transpose()
                 {
                     Ok(constraint) => constraint,

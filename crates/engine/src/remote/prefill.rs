@@ -22,7 +22,7 @@ use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, ListenLimits};
-use crate::request::GenerationRequest;
+use crate::request::{GenerationRequest, LinkGrammars};
 use crate::scheduler::{Command, PeerId, Role, Scheduler};
 
 /// Decode workers one prefill worker serves at once.
@@ -73,6 +73,7 @@ impl PrefillWorker {
             tokens: pool.capacity_tokens(),
             prefills: Vec::new(),
         };
+        let link_model = Arc::clone(&model);
         let scheduler = Scheduler::new(
             Role::Prefill,
             model,
@@ -104,7 +105,8 @@ impl PrefillWorker {
                     let peer = PeerId(next);
                     next += 1;
                     let announce = Some((address.to_string(), 0));
-                    match bridge(link, inbox.clone(), peer, "kvfence-prefill-link", announce) {
+                    let grammars = Some(LinkGrammars::new(Arc::clone(&link_model)));
+                    match bridge(link, inbox.clone(), peer, "kvfence-prefill-link", announce, grammars) {
                         Ok((_, reader)) => {
                             info!(%address, %role, %peer, "decode worker connected");
                             count.fetch_add(1, Ordering::AcqRel);
