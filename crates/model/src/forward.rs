@@ -527,7 +527,12 @@ impl Model {
             self.store_kv::<E>(batch, layer_index, &qkv, &mut failed);
             self.attention::<E>(batch, layer_index, &qkv, &mut attn, &mut failed);
             layer.o.matmul(&attn, total, &mut proj);
-            self.add_residual(&mut x, &mut proj, layer.post_norms.as_ref().map(|n| &n.0));
+            self.add_residual(
+                &mut x,
+                &proj,
+                layer.post_norms.as_ref().map(|n| &n.0),
+                &mut normed,
+            );
 
             kernels::rms_norm(&x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
             layer.gate_up.matmul(&normed, total, &mut gate_up);
@@ -536,7 +541,12 @@ impl Model {
                 Activation::GeluTanh => kernels::gelu_mul(&gate_up, c.intermediate_size, &mut act),
             }
             layer.down.matmul(&act, total, &mut proj);
-            self.add_residual(&mut x, &mut proj, layer.post_norms.as_ref().map(|n| &n.1));
+            self.add_residual(
+                &mut x,
+                &proj,
+                layer.post_norms.as_ref().map(|n| &n.1),
+                &mut normed,
+            );
         }
         let rows = self.logits(batch, &x);
         rows.into_iter()
@@ -549,14 +559,22 @@ impl Model {
     }
 
     /// `x += out`, or `x += rms_norm(out)` for architectures that normalise
-    /// a block's output first (`out` is then scratch).
-    fn add_residual(&self, x: &mut [f32], out: &mut [f32], post_norm: Option<&Vec<f32>>) {
-        if let Some(weight) = post_norm {
-            let mut normed = vec![0.0; out.len()];
-            kernels::rms_norm(out, weight, self.config.rms_norm_eps, &mut normed);
-            out.copy_from_slice(&normed);
-        }
-        x.iter_mut().zip(out.iter()).for_each(|(a, b)| *a += b);
+    /// a block's output first (computed into `scratch`, `out`'s size).
+    fn add_residual(
+        &self,
+        x: &mut [f32],
+        out: &[f32],
+        post_norm: Option<&Vec<f32>>,
+        scratch: &mut [f32],
+    ) {
+        let out = match post_norm {
+            Some(weight) => {
+                kernels::rms_norm(out, weight, self.config.rms_norm_eps, scratch);
+                &*scratch
+            }
+            None => out,
+        };
+        x.iter_mut().zip(out).for_each(|(a, b)| *a += b);
     }
 
     /// Writes each sequence's new K and V rows of one layer into its lease;

@@ -101,6 +101,34 @@ fn byte_char(byte: u8) -> char {
     char::from_u32(256 + rank).expect("256..=324 are valid code points")
 }
 
+/// Registers a GGUF vocabulary's control tokens as special and its
+/// user-defined ones as added text tokens, both matched whole before the
+/// model splits the rest; `normalized` overrides whether they are matched
+/// after the normalizer (the library's default otherwise).
+fn add_gguf_tokens(
+    inner: &mut HfTokenizer,
+    tokens: &[&str],
+    types: &[i64],
+    normalized: Option<bool>,
+) {
+    let added = |wanted: i64| -> Vec<AddedToken> {
+        tokens
+            .iter()
+            .zip(types)
+            .filter(|&(_, &t)| t == wanted)
+            .map(|(token, _)| {
+                let token = AddedToken::from(token.to_string(), wanted == GGUF_CONTROL);
+                match normalized {
+                    Some(normalized) => token.normalized(normalized),
+                    None => token,
+                }
+            })
+            .collect()
+    };
+    inner.add_special_tokens(&added(GGUF_CONTROL));
+    inner.add_tokens(&added(GGUF_USER_DEFINED));
+}
+
 /// A SentencePiece piece's bytes: `<0xNN>` is that byte, `▁` a space.
 fn sentencepiece_bytes(piece: &str) -> Vec<u8> {
     let byte = piece
@@ -265,19 +293,8 @@ impl Tokenizer {
         let mut inner = HfTokenizer::new(bpe);
         inner.with_normalizer(Some(tokenizers::normalizers::Sequence::new(normalizers)));
         inner.with_decoder(Some(DecoderSequence::new(decoders)));
-        let added = |wanted: i64| -> Vec<AddedToken> {
-            tokens
-                .iter()
-                .zip(types)
-                .filter(|&(_, &t)| t == wanted)
-                // Matched in the text as written, before spaces become `▁`.
-                .map(|(token, _)| {
-                    AddedToken::from(token.to_string(), wanted == GGUF_CONTROL).normalized(false)
-                })
-                .collect()
-        };
-        inner.add_special_tokens(&added(GGUF_CONTROL));
-        inner.add_tokens(&added(GGUF_USER_DEFINED));
+        // Matched in the text as written, before spaces become `▁`.
+        add_gguf_tokens(&mut inner, tokens, types, Some(false));
         Ok(Tokenizer::wrap(inner, Pieces::SentencePiece))
     }
 
@@ -334,16 +351,7 @@ impl Tokenizer {
         let mut inner = HfTokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(Sequence::new(steps)));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
-        let added = |wanted: i64| -> Vec<AddedToken> {
-            tokens
-                .iter()
-                .zip(types)
-                .filter(|&(_, &t)| t == wanted)
-                .map(|(token, _)| AddedToken::from(token.to_string(), wanted == GGUF_CONTROL))
-                .collect()
-        };
-        inner.add_special_tokens(&added(GGUF_CONTROL));
-        inner.add_tokens(&added(GGUF_USER_DEFINED));
+        add_gguf_tokens(&mut inner, tokens, types, None);
         Ok(Tokenizer::wrap(inner, Pieces::ByteLevel))
     }
 
