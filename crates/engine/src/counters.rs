@@ -18,6 +18,7 @@ pub(crate) struct Counters {
     pub(crate) prompt_tokens: AtomicU64,
     pub(crate) generated_tokens: AtomicU64,
     pub(crate) steps: AtomicU64,
+    pub(crate) express_steps: AtomicU64,
     pub(crate) handoffs_committed: AtomicU64,
     pub(crate) handoffs_failed: AtomicU64,
     pub(crate) handoff_stale_messages: AtomicU64,
@@ -59,6 +60,7 @@ impl Counters {
             prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
             generated_tokens: self.generated_tokens.load(Ordering::Relaxed),
             steps: self.steps.load(Ordering::Relaxed),
+            express_steps: self.express_steps.load(Ordering::Relaxed),
             handoffs_committed: self.handoffs_committed.load(Ordering::Relaxed),
             handoffs_failed: self.handoffs_failed.load(Ordering::Relaxed),
             handoff_stale_messages: self.handoff_stale_messages.load(Ordering::Relaxed),
@@ -109,6 +111,10 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     /// Forward passes run.
     pub steps: u64,
+    /// Of those, express steps: another tenant's prompts run while a step
+    /// was paused between two layers.
+    #[serde(default)]
+    pub express_steps: u64,
     /// Hand-offs committed (decode role).
     pub handoffs_committed: u64,
     /// Hand-offs failed (decode role).

@@ -42,6 +42,45 @@ pub struct Sequence<'a> {
     pub logits: Logits,
 }
 
+/// A forward pass in progress ([`Model::begin`], [`Model::resume`]): the
+/// batch's residual stream after the layers run so far, and what every
+/// layer needs of the batch. It holds no lease: the batch is lent again to
+/// each [`Model::resume`], which checks it is the same.
+pub struct Pass {
+    /// Each sequence's `(past, tokens)`, to check the batch against.
+    shape: Vec<(usize, usize)>,
+    /// Each sequence's first error; from then on its rows are computed
+    /// from zeros and thrown away.
+    failed: Vec<Option<ModelError>>,
+    global_tables: (Vec<f32>, Vec<f32>),
+    local_tables: Option<(Vec<f32>, Vec<f32>)>,
+    /// The next layer to run.
+    next_layer: usize,
+    /// The residual stream, `[rows][hidden]`.
+    x: Vec<f32>,
+}
+
+impl Pass {
+    /// Token rows in the batch.
+    pub fn rows(&self) -> usize {
+        self.shape.iter().map(|&(_, n)| n).sum()
+    }
+
+    /// Layers already run.
+    pub fn layers_done(&self) -> usize {
+        self.next_layer
+    }
+}
+
+impl std::fmt::Debug for Pass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pass")
+            .field("shape", &self.shape)
+            .field("next_layer", &self.next_layer)
+            .finish_non_exhaustive()
+    }
+}
+
 struct Layer {
     attn_norm: Vec<f32>,
     /// Per-head RMSNorm weights of queries and keys (`[head_dim]` each),
@@ -436,44 +475,23 @@ impl Model {
     /// as they would be without it (rows never mix, so batch invariance
     /// makes this exact).
     pub fn forward_each(&self, batch: &mut [Sequence<'_>]) -> Vec<Result<Vec<f32>, ModelError>> {
-        if rayon::current_thread_index().is_some() {
-            self.forward_in_pool(batch)
-        } else {
-            rayon::scope(|_| self.forward_in_pool(batch))
-        }
+        let mut pass = self.begin(batch);
+        self.resume(&mut pass, batch, &mut || false)
+            .expect("a pass that is never asked to pause runs to its end")
     }
 
-    fn forward_in_pool(&self, batch: &mut [Sequence<'_>]) -> Vec<Result<Vec<f32>, ModelError>> {
-        // One pool serves a batch; a lease of another element type fails
-        // alone, refused by its own reads and writes.
-        match batch.first().map(|s| s.lease.elem()) {
-            None | Some(ElemType::F32) => self.forward_typed::<f32>(batch),
-            Some(ElemType::F16) => self.forward_typed::<f16>(batch),
-            Some(ElemType::BF16) => self.forward_typed::<bf16>(batch),
-        }
-    }
-
-    fn forward_typed<E: KvValue>(
-        &self,
-        batch: &mut [Sequence<'_>],
-    ) -> Vec<Result<Vec<f32>, ModelError>> {
-        // A sequence's first error; from then on its rows are computed from
-        // zeros and thrown away.
-        let mut failed: Vec<Option<ModelError>> =
+    /// Starts a forward pass over `batch` that [`Model::resume`] runs,
+    /// possibly in several goes: its activations live in the [`Pass`]
+    /// between them. Checks every sequence and embeds its tokens.
+    pub fn begin(&self, batch: &[Sequence<'_>]) -> Pass {
+        let failed: Vec<Option<ModelError>> =
             batch.iter().map(|seq| self.check(seq).err()).collect();
         let c = &self.config;
-        let (h, hd, q_dim, kv_dim) = (c.hidden_size, c.head_dim, c.q_dim(), c.kv_dim());
-        let qkv_width = q_dim + 2 * kv_dim;
-        let total: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let h = c.hidden_size;
+        let shape: Vec<(usize, usize)> = batch.iter().map(|s| (s.past, s.tokens.len())).collect();
+        let total: usize = shape.iter().map(|&(_, n)| n).sum();
         // Row r of every activation belongs to (sequence row_seq[r], position positions[r]).
-        let mut positions = Vec::with_capacity(total);
-        for seq in batch.iter() {
-            positions.extend(seq.past..seq.past + seq.tokens.len());
-        }
-        let global_tables = self.rope.tables(&positions);
-        let local_tables = self.local_rope.as_ref().map(|r| r.tables(&positions));
-        let half = hd / 2;
-
+        let positions: Vec<usize> = shape.iter().flat_map(|&(past, n)| past..past + n).collect();
         let mut x = Vec::with_capacity(total * h);
         for (seq, failure) in batch.iter().zip(&failed) {
             for &t in seq.tokens {
@@ -490,20 +508,114 @@ impl Model {
             let scale = (h as f32).sqrt();
             x.iter_mut().for_each(|v| *v *= scale);
         }
-        let mut normed = vec![0.0; total * h];
+        Pass {
+            global_tables: self.rope.tables(&positions),
+            local_tables: self.local_rope.as_ref().map(|r| r.tables(&positions)),
+            shape,
+            failed,
+            next_layer: 0,
+            x,
+        }
+    }
+
+    /// Runs `pass` on from the layer it stopped at, over the same `batch`
+    /// it began with (the same sequences at the same positions; their
+    /// leases may be borrowed anew). After each layer but the last it asks
+    /// `pause`; on `true` it returns `None`, the pass kept for a later
+    /// call — a scheduler answers a request that just arrived between two
+    /// layers instead of after the whole step. At the end it returns what
+    /// [`Model::forward_each`] returns. Every layer of a pass is computed
+    /// exactly once, so a paused pass gives the same bits as one that was
+    /// not; between the calls only `batch`'s own leases must be left alone.
+    pub fn resume(
+        &self,
+        pass: &mut Pass,
+        batch: &mut [Sequence<'_>],
+        pause: &mut (dyn FnMut() -> bool + Send),
+    ) -> Option<Vec<Result<Vec<f32>, ModelError>>> {
+        assert!(
+            pass.next_layer < self.layers.len(),
+            "a finished pass is not resumed"
+        );
+        assert!(
+            batch
+                .iter()
+                .map(|s| (s.past, s.tokens.len()))
+                .eq(pass.shape.iter().copied()),
+            "a pass resumes over the batch it began with"
+        );
+        if rayon::current_thread_index().is_some() {
+            self.resume_in_pool(pass, batch, pause)
+        } else {
+            rayon::scope(|_| self.resume_in_pool(pass, batch, pause))
+        }
+    }
+
+    fn resume_in_pool(
+        &self,
+        pass: &mut Pass,
+        batch: &mut [Sequence<'_>],
+        pause: &mut (dyn FnMut() -> bool + Send),
+    ) -> Option<Vec<Result<Vec<f32>, ModelError>>> {
+        // One pool serves a batch; a lease of another element type fails
+        // alone, refused by its own reads and writes.
+        let finished = match batch.first().map(|s| s.lease.elem()) {
+            None | Some(ElemType::F32) => self.run_layers::<f32>(pass, batch, pause),
+            Some(ElemType::F16) => self.run_layers::<f16>(pass, batch, pause),
+            Some(ElemType::BF16) => self.run_layers::<bf16>(pass, batch, pause),
+        };
+        if !finished {
+            return None;
+        }
+        let rows = self.logits(batch, &pass.x);
+        Some(
+            rows.into_iter()
+                .zip(std::mem::take(&mut pass.failed))
+                .map(|(row, failure)| match failure {
+                    Some(error) => Err(error),
+                    None => Ok(row),
+                })
+                .collect(),
+        )
+    }
+
+    /// Runs layers from `pass.next_layer` until the last or until `pause`
+    /// says stop; whether the last layer ran.
+    fn run_layers<E: KvValue>(
+        &self,
+        pass: &mut Pass,
+        batch: &mut [Sequence<'_>],
+        pause: &mut (dyn FnMut() -> bool + Send),
+    ) -> bool {
+        let c = &self.config;
+        let (hd, q_dim, kv_dim) = (c.head_dim, c.q_dim(), c.kv_dim());
+        let qkv_width = q_dim + 2 * kv_dim;
+        let total = pass.rows();
+        let half = hd / 2;
+        // Scratch of one go: sized by the batch, cheap next to its matmuls.
+        let mut normed = vec![0.0; total * c.hidden_size];
         let mut qkv = vec![0.0; total * qkv_width];
         let mut attn = vec![0.0; total * q_dim];
-        let mut proj = vec![0.0; total * h];
+        let mut proj = vec![0.0; total * c.hidden_size];
         let mut gate_up = vec![0.0; total * 2 * c.intermediate_size];
         let mut act = vec![0.0; total * c.intermediate_size];
-
         let mut head = vec![0.0; hd];
-        for (layer_index, layer) in self.layers.iter().enumerate() {
+        let Pass {
+            x,
+            failed,
+            global_tables,
+            local_tables,
+            next_layer,
+            ..
+        } = pass;
+        while *next_layer < self.layers.len() {
+            let layer_index = *next_layer;
+            let layer = &self.layers[layer_index];
             let (cos, sin) = match (&local_tables, c.attention_window(layer_index)) {
                 (Some(local), Some(_)) => local,
-                _ => &global_tables,
+                _ => &*global_tables,
             };
-            kernels::rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
+            kernels::rms_norm(x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
             layer.qkv.matmul(&normed, total, &mut qkv);
             for (r, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
                 if let Some(bias) = &layer.qkv_bias {
@@ -524,17 +636,17 @@ impl Model {
                 );
                 Rope::apply(&mut row[..q_dim + kv_dim], hd, cos, sin);
             }
-            self.store_kv::<E>(batch, layer_index, &qkv, &mut failed);
-            self.attention::<E>(batch, layer_index, &qkv, &mut attn, &mut failed);
+            self.store_kv::<E>(batch, layer_index, &qkv, failed);
+            self.attention::<E>(batch, layer_index, &qkv, &mut attn, failed);
             layer.o.matmul(&attn, total, &mut proj);
             self.add_residual(
-                &mut x,
+                x,
                 &proj,
                 layer.post_norms.as_ref().map(|n| &n.0),
                 &mut normed,
             );
 
-            kernels::rms_norm(&x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
+            kernels::rms_norm(x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
             layer.gate_up.matmul(&normed, total, &mut gate_up);
             match c.architecture.activation() {
                 Activation::Silu => kernels::silu_mul(&gate_up, c.intermediate_size, &mut act),
@@ -542,20 +654,17 @@ impl Model {
             }
             layer.down.matmul(&act, total, &mut proj);
             self.add_residual(
-                &mut x,
+                x,
                 &proj,
                 layer.post_norms.as_ref().map(|n| &n.1),
                 &mut normed,
             );
+            *next_layer += 1;
+            if *next_layer < self.layers.len() && pause() {
+                return false;
+            }
         }
-        let rows = self.logits(batch, &x);
-        rows.into_iter()
-            .zip(failed)
-            .map(|(row, failure)| match failure {
-                Some(error) => Err(error),
-                None => Ok(row),
-            })
-            .collect()
+        true
     }
 
     /// `x += out`, or `x += rms_norm(out)` for architectures that normalise

@@ -39,7 +39,7 @@ pub use config::{Activation, Architecture, ModelConfig, SlidingWindow};
 pub use constraint::{Constraint, Grammar, Grammars, TokenMask};
 pub use error::ModelError;
 pub use fetch::{KnownModel, ModelCache};
-pub use forward::{Logits, Model, Sequence};
+pub use forward::{Logits, Model, Pass, Sequence};
 pub use loader::{LoadedModel, TextModel};
 pub use sampling::{
     Draw, DrawContext, MAX_STOP_BYTES, MAX_TOP_LOGPROBS, Sampler, SamplingParams, StopMatcher,

@@ -112,7 +112,7 @@ const WORKER_GAUGES: [GaugeOf; 2] = [
     }),
 ];
 
-const WORKER_COUNTERS: [CounterOf; 18] = [
+const WORKER_COUNTERS: [CounterOf; 19] = [
     (
         "handoff_stale_writes",
         "KV writes and hand-off messages refused for a stale generation or epoch (I3).",
@@ -153,6 +153,11 @@ const WORKER_COUNTERS: [CounterOf; 18] = [
         "requests_preempted",
         "Running requests that gave their pages back when the pool ran out and were recomputed from their cached prefix later (never failed).",
         |w| w.engine.preempted,
+    ),
+    (
+        "express_steps",
+        "Steps run for newly arrived prompts of tenants with no work in the step in flight, while that step paused between two layers.",
+        |w| w.engine.express_steps,
     ),
     (
         "requests_queue_timed_out",

@@ -24,7 +24,13 @@ impl Scheduler {
             .fetch_sub(dropped_waiting, Ordering::AcqRel);
         let mut dropped_active = 0;
         for index in (0..self.active.len()).rev() {
-            if self.active[index].pending.is_cancelled() {
+            let stepping = self
+                .in_flight
+                .as_ref()
+                .is_some_and(|flight| flight.ids.contains(&self.active[index].pending.id));
+            // One in the step in flight goes when the step ends: its pass
+            // still holds positions in the batch.
+            if self.active[index].pending.is_cancelled() && !stepping {
                 let active = self.active.swap_remove(index);
                 if let Some(peer) = active.kv.awaited_from()
                     && let Some(abort) = self.receiver.abort(active.pending.handoff_id())

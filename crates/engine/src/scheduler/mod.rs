@@ -49,6 +49,8 @@ mod cache_tests;
 #[cfg(test)]
 mod deadline_tests;
 mod decode;
+#[cfg(test)]
+mod express_tests;
 mod fair;
 #[cfg(test)]
 mod fair_tests;
@@ -64,7 +66,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kvfence_handoff::{HandoffId, Message, Receiver, Streaming};
-use kvfence_model::{Constraint, LoadedModel, Logits, Sampler};
+use kvfence_model::{Constraint, LoadedModel, Logits, Pass, Sampler};
 use kvfence_pool::{Lease, Pool, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, warn};
@@ -430,6 +432,20 @@ struct Work {
     logits: Logits,
 }
 
+/// A step whose forward pass stopped between two layers for a command
+/// (see [`Scheduler::step`]). Its requests are named by id, since requests
+/// ended meanwhile move the others in `active`; none of its own is ended,
+/// preempted or aborted until it ends.
+struct InFlight {
+    pass: Pass,
+    work: Vec<Work>,
+    /// The request of each piece of `work`.
+    ids: Vec<RequestId>,
+    /// Express work run ahead of it so far, in tokens (see
+    /// [`Scheduler::step`]).
+    express_tokens: usize,
+}
+
 /// How a request ended.
 enum End {
     Finished(Event),
@@ -475,6 +491,13 @@ pub(crate) struct Scheduler {
     admissions: u64,
     /// Compiles requests' grammars, once for a request's choices.
     grammars: GrammarCache,
+    /// The step whose pass paused for a command, if one did.
+    in_flight: Option<InFlight>,
+    /// The command that paused it, taken off the inbox to see it came.
+    arrived: Option<Command>,
+    /// Commands that could end or abort a request of the step in flight,
+    /// taken when it ends.
+    held_back: Vec<Command>,
 }
 
 impl Scheduler {
@@ -502,6 +525,9 @@ impl Scheduler {
             one_sided: false,
             admissions: 0,
             grammars: GrammarCache::default(),
+            in_flight: None,
+            arrived: None,
+            held_back: Vec::new(),
         }
     }
 
@@ -534,9 +560,7 @@ impl Scheduler {
                     Err(disconnected) => self.stopping |= disconnected,
                 }
             }
-            while let Ok(command) = self.inbox.try_recv() {
-                self.handle(command);
-            }
+            self.take_commands();
             if self.stopping {
                 break;
             }
@@ -544,7 +568,8 @@ impl Scheduler {
         }
         self.fail_everything();
         // Requests that raced the shutdown.
-        while let Ok(command) = self.inbox.try_recv() {
+        let arrived = self.arrived.take().into_iter();
+        for command in arrived.chain(self.inbox.try_iter()) {
             if let Command::Submit(pending) = command {
                 self.counters.queued.fetch_sub(1, Ordering::AcqRel);
                 self.refuse(
@@ -553,6 +578,17 @@ impl Scheduler {
                     "the server is shutting down".into(),
                 );
             }
+        }
+    }
+
+    /// Feeds [`Scheduler::handle`] every command waiting in the inbox, the
+    /// one that paused the step in flight first.
+    pub(crate) fn take_commands(&mut self) {
+        if let Some(command) = self.arrived.take() {
+            self.handle(command);
+        }
+        while let Ok(command) = self.inbox.try_recv() {
+            self.handle(command);
         }
     }
 
@@ -612,6 +648,16 @@ impl Scheduler {
     /// peers' and clients' channels, which the shell or the simulator
     /// drain.
     pub(crate) fn handle(&mut self, command: Command) {
+        if self.in_flight.is_some()
+            && self.role == Role::Prefill
+            && matches!(command, Command::Frame { .. })
+        {
+            // An `Abort` is acknowledged as it is taken, promising that no
+            // write of its hand-off follows; the step in flight may still
+            // ship that order's pages when it ends. So it waits for the end.
+            self.held_back.push(command);
+            return;
+        }
         match command {
             Command::Submit(pending) => self.enqueue(*pending),
             Command::Prefill { peer, order } => self.take_order(peer, *order),

@@ -6,15 +6,21 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 
 use kvfence_handoff::{Message, RejectReason};
-use kvfence_model::{Constraint, DrawContext, Logits, Sequence, TokenLogprobs};
-use kvfence_pool::Lease;
+use kvfence_model::{Constraint, DrawContext, Logits, ModelError, Sequence, TokenLogprobs};
+use kvfence_pool::{Lease, RequestId};
 use tracing::{trace, warn};
 
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
 use super::fair::split_budget;
-use super::{Active, End, Origin, Pending, Role, Scheduler, Work};
+use super::{Active, End, InFlight, Origin, Pending, Role, Scheduler, Work};
 use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, Usage};
+
+/// What an express pass counts against the step it runs ahead of, at the
+/// least: a pass reads every weight once however few its rows, which costs
+/// as much as computing several prompt tokens, so many one-token passes must
+/// not add up to a free ride.
+const EXPRESS_PASS_MIN_TOKENS: usize = 16;
 
 impl Scheduler {
     /// Tokens this step may process: `step_tokens`, or once this worker
@@ -38,9 +44,15 @@ impl Scheduler {
     /// hold back another's short one by more than a step. Prefill always
     /// gets some room so a full decode batch cannot starve new requests.
     pub(super) fn plan(&self) -> Vec<Work> {
+        self.plan_among(|_| true, true)
+    }
+
+    /// [`Scheduler::plan`] over the requests `include` picks, with or
+    /// without their decode rows.
+    fn plan_among(&self, include: impl Fn(&Active) -> bool, decode_rows: bool) -> Vec<Work> {
         let mut work = Vec::new();
         for (index, a) in self.active.iter().enumerate() {
-            if a.kv.lease().is_some() && a.prefill_done() {
+            if decode_rows && include(a) && a.kv.lease().is_some() && a.prefill_done() {
                 let last = *a
                     .generated
                     .last()
@@ -61,7 +73,10 @@ impl Scheduler {
         let rows = work.len();
         let budget = self.step_budget().saturating_sub(rows).max(16);
         let mut prefilling: Vec<usize> = (0..self.active.len())
-            .filter(|&i| self.active[i].kv.lease().is_some() && !self.active[i].prefill_done())
+            .filter(|&i| {
+                let a = &self.active[i];
+                include(a) && a.kv.lease().is_some() && !a.prefill_done()
+            })
             .collect();
         prefilling.sort_unstable_by_key(|&i| self.active[i].admitted);
         let mut claims: BTreeMap<&str, (u32, usize)> = BTreeMap::new();
@@ -109,12 +124,55 @@ impl Scheduler {
         work
     }
 
+    /// Runs the step in flight on, or starts the next one (I11: a tenant's
+    /// short request waits a layer of another tenant's step, not the step).
+    ///
+    /// - A step's forward pass stops between two layers when a command
+    ///   arrives, so the shell takes it at once instead of after the whole
+    ///   step — a hand-off's commit and its first token, a new order — and
+    ///   the step goes on at the next poll.
+    /// - When a step pauses with prompts of tenants that have no work in
+    ///   it admitted meanwhile, those prompts get a step of their own first
+    ///   (an express step, run whole).
+    /// - Likewise, once a worker serves several tenants, a step's last
+    ///   chunks of prompts whose tenants have nothing else in it run first,
+    ///   alone: a short chat that arrives between two steps does not wait
+    ///   for another tenant's chunks to compute its first token.
+    ///
+    /// Express steps are charged to their tenants like any step, and the
+    /// ones run ahead of a step add up to at most about a step's budget
+    /// (each counted at least [`EXPRESS_PASS_MIN_TOKENS`]), so a step is
+    /// delayed by about one step at most, however many requests arrive.
     pub(super) fn step(&mut self) {
-        self.make_room();
-        let work = self.plan();
-        if work.is_empty() {
-            return;
+        let Some(flight) = &self.in_flight else {
+            self.make_room();
+            let mut work = self.plan();
+            if work.is_empty() {
+                return;
+            }
+            let express = self.finishing_apart(&mut work);
+            if work.is_empty() {
+                // Only last chunks: nothing to run them ahead of.
+                return self.start(express, Vec::new());
+            }
+            return self.start(work, express);
+        };
+        if flight.express_tokens < self.step_budget() {
+            let ids = flight.ids.clone();
+            let busy = self.tenants_of(&ids);
+            // Prefill only: decode rows would need pages to grow, and
+            // growing may preempt a request of the paused step.
+            let express = self.plan_among(
+                |a| !busy.contains(a.pending.request.share.tenant.as_str()),
+                false,
+            );
+            self.run_express(express);
         }
+        self.resume_step();
+    }
+
+    /// Begins the pass of `work` and runs it, after `express` if any.
+    fn start(&mut self, work: Vec<Work>, express: Vec<Work>) {
         trace!(
             role = self.role.label(),
             sequences = work.len(),
@@ -125,24 +183,125 @@ impl Scheduler {
             // Fault injection: a slow or crashing decode step.
             fail::fail_point!("decode-step", crash_or_stall);
         }
+        let ids = work
+            .iter()
+            .map(|w| self.active[w.index].pending.id)
+            .collect();
+        let pass = {
+            let batch = lend(&mut self.active, &work);
+            self.model.model.begin(&batch)
+        };
+        self.in_flight = Some(InFlight {
+            pass,
+            work,
+            ids,
+            express_tokens: 0,
+        });
+        self.run_express(express);
+        self.resume_step();
+    }
+
+    /// Takes out of `work` the last chunks of fresh prompts whose tenants
+    /// have no other work in it, once this worker serves several tenants.
+    fn finishing_apart(&self, work: &mut Vec<Work>) -> Vec<Work> {
+        if self.waiting.named_tenants() < 2 {
+            return Vec::new();
+        }
+        let finishing = |w: &Work| {
+            let a = &self.active[w.index];
+            !a.prefill_done() && w.logits == Logits::Last
+        };
+        let tenant = |w: &Work| self.active[w.index].pending.request.share.tenant.as_str();
+        let busy: BTreeSet<&str> = work.iter().filter(|w| !finishing(w)).map(tenant).collect();
+        let (express, rest): (Vec<Work>, Vec<Work>) = std::mem::take(work)
+            .into_iter()
+            .partition(|w| finishing(w) && !busy.contains(tenant(w)));
+        *work = rest;
+        express
+    }
+
+    /// The tenants of requests `ids`.
+    fn tenants_of(&self, ids: &[RequestId]) -> BTreeSet<String> {
+        self.active
+            .iter()
+            .filter(|a| ids.contains(&a.pending.id))
+            .map(|a| a.pending.request.share.tenant.clone())
+            .collect()
+    }
+
+    /// Runs `express` whole, ahead of the step in flight (which names its
+    /// requests by id, so the ones this ends do not confuse it), and counts
+    /// it against that step's allowance.
+    fn run_express(&mut self, express: Vec<Work>) {
+        if express.is_empty() {
+            return;
+        }
+        let tokens = express.iter().map(|w| w.tokens.len()).sum::<usize>();
+        trace!(
+            role = self.role.label(),
+            sequences = express.len(),
+            tokens,
+            "express step"
+        );
+        self.counters.express_steps.fetch_add(1, Ordering::Relaxed);
+        if let Some(flight) = &mut self.in_flight {
+            flight.express_tokens += tokens.max(EXPRESS_PASS_MIN_TOKENS);
+        }
         let result = {
-            let mut leases: Vec<Option<&mut Lease>> =
-                self.active.iter_mut().map(|a| a.kv.lease_mut()).collect();
-            let mut batch: Vec<Sequence<'_>> = work
-                .iter()
-                .map(|w| Sequence {
-                    lease: leases[w.index]
-                        .take()
-                        .expect("planned work has a lease, one piece per request"),
-                    past: w.past,
-                    tokens: &w.tokens,
-                    logits: w.logits,
-                })
-                .collect();
+            let mut batch = lend(&mut self.active, &express);
             self.model.model.forward_each(&mut batch)
         };
+        self.conclude(&express, result);
+    }
+
+    /// Runs the step in flight until its pass ends or a command arrives;
+    /// at its end, acts on its rows and takes the commands it held back.
+    fn resume_step(&mut self) {
+        let mut flight = self
+            .in_flight
+            .take()
+            .expect("a step is in flight when it is resumed");
+        for (work, id) in flight.work.iter_mut().zip(&flight.ids) {
+            // An express step may end requests, which moves others in `active`.
+            work.index =
+                self.active.iter().position(|a| a.pending.id == *id).expect(
+                    "a request of a paused step is neither ended nor preempted before it ends",
+                );
+        }
+        let result = {
+            let Scheduler {
+                active,
+                inbox,
+                arrived,
+                model,
+                ..
+            } = self;
+            let mut batch = lend(active, &flight.work);
+            // Moves the `&mut` in: a shared `&Receiver` would not be `Send`.
+            let mut pause = move || {
+                if arrived.is_none() {
+                    *arrived = inbox.try_recv().ok();
+                }
+                arrived.is_some()
+            };
+            model.model.resume(&mut flight.pass, &mut batch, &mut pause)
+        };
+        match result {
+            None => self.in_flight = Some(flight),
+            Some(result) => {
+                self.conclude(&flight.work, result);
+                for command in std::mem::take(&mut self.held_back) {
+                    self.handle(command);
+                }
+            }
+        }
+    }
+
+    /// Acts on one finished pass's rows: charges each row to its tenant,
+    /// ships or samples, and ends what is done.
+    fn conclude(&mut self, work: &[Work], result: Vec<Result<Vec<f32>, ModelError>>) {
         self.counters.steps.fetch_add(1, Ordering::Relaxed);
-        self.compute_masks(&work);
+        self.compute_masks(work);
         let mut ended: Vec<(usize, End)> = Vec::new();
         for (w, row) in work.iter().zip(result) {
             let row = match row {
@@ -372,6 +531,9 @@ impl Scheduler {
     /// Ends every request queued or running with `ShuttingDown`, giving
     /// back every page.
     pub(crate) fn fail_everything(&mut self) {
+        // A paused step holds no lease; its requests end below.
+        self.in_flight = None;
+        self.held_back.clear();
         let reason = || {
             (
                 FailureKind::ShuttingDown,
@@ -389,4 +551,19 @@ impl Scheduler {
             self.refuse(&active.pending, kind, message);
         }
     }
+}
+
+/// The batch of `work`: each request's lease, lent once, with its tokens.
+fn lend<'a>(active: &'a mut [Active], work: &'a [Work]) -> Vec<Sequence<'a>> {
+    let mut leases: Vec<Option<&mut Lease>> = active.iter_mut().map(|a| a.kv.lease_mut()).collect();
+    work.iter()
+        .map(|w| Sequence {
+            lease: leases[w.index]
+                .take()
+                .expect("planned work has a lease, one piece per request"),
+            past: w.past,
+            tokens: &w.tokens,
+            logits: w.logits,
+        })
+        .collect()
 }

@@ -6,3 +6,4 @@ mod common;
 mod isolation;
 mod long_context;
 mod paged_vs_dense;
+mod paused;
