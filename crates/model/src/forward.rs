@@ -54,8 +54,9 @@ pub struct Pass {
     failed: Vec<Option<ModelError>>,
     global_tables: (Vec<f32>, Vec<f32>),
     local_tables: Option<(Vec<f32>, Vec<f32>)>,
-    /// The next layer to run.
+    /// The next layer to run, of `layers`.
     next_layer: usize,
+    layers: usize,
     /// The residual stream, `[rows][hidden]`.
     x: Vec<f32>,
 }
@@ -69,6 +70,12 @@ impl Pass {
     /// Layers already run.
     pub fn layers_done(&self) -> usize {
         self.next_layer
+    }
+
+    /// What is left to compute, in rows of a whole pass: the rows times
+    /// the share of layers not yet run (rounded up).
+    pub fn rows_left(&self) -> usize {
+        (self.rows() * (self.layers - self.next_layer)).div_ceil(self.layers)
     }
 }
 
@@ -514,6 +521,7 @@ impl Model {
             shape,
             failed,
             next_layer: 0,
+            layers: self.layers.len(),
             x,
         }
     }

@@ -344,3 +344,21 @@ fn an_abort_that_arrives_during_a_step_is_acknowledged_after_the_step_ships() {
     );
     assert!(sent.contains(&"chunk"), "the step shipped pages: {sent:?}");
 }
+
+#[test]
+fn only_a_prompt_that_ends_within_what_is_left_of_the_paused_step_goes_express() {
+    let mut w = worker();
+    let _a = w.send(request("a", 1, 12, 50));
+    w.turn();
+    // a decodes, a row a step; b's prompt, within a step's budget but
+    // longer than a row, arrives during one of them.
+    let _b = w.send(request("b", 2, 40, 1));
+    w.poll_while_it_arrives();
+    assert!(w.paused());
+    w.turn();
+    assert_eq!(
+        w.counters.express_steps.load(Ordering::Relaxed),
+        0,
+        "a one-row step is not held up for 40 tokens"
+    );
+}

@@ -44,15 +44,22 @@ impl Scheduler {
     /// hold back another's short one by more than a step. Prefill always
     /// gets some room so a full decode batch cannot starve new requests.
     pub(super) fn plan(&self) -> Vec<Work> {
-        self.plan_among(|_| true, true)
+        let mut work = self.decode_rows();
+        let rows = work.len();
+        let budget = self.step_budget().saturating_sub(rows).max(16);
+        work.extend(self.prefill_chunks(|_| true, budget));
+        debug_assert!(
+            work.iter().map(|w| w.tokens.len()).sum::<usize>() <= rows + budget,
+            "a step stays within its token budget"
+        );
+        work
     }
 
-    /// [`Scheduler::plan`] over the requests `include` picks, with or
-    /// without their decode rows.
-    fn plan_among(&self, include: impl Fn(&Active) -> bool, decode_rows: bool) -> Vec<Work> {
+    /// The next token of every decoding request.
+    fn decode_rows(&self) -> Vec<Work> {
         let mut work = Vec::new();
         for (index, a) in self.active.iter().enumerate() {
-            if decode_rows && include(a) && a.kv.lease().is_some() && a.prefill_done() {
+            if a.kv.lease().is_some() && a.prefill_done() {
                 let last = *a
                     .generated
                     .last()
@@ -70,8 +77,13 @@ impl Scheduler {
                 });
             }
         }
-        let rows = work.len();
-        let budget = self.step_budget().saturating_sub(rows).max(16);
+        work
+    }
+
+    /// Prefill chunks of the requests `include` picks, `budget` tokens in
+    /// all, split between their tenants by weight.
+    fn prefill_chunks(&self, include: impl Fn(&Active) -> bool, budget: usize) -> Vec<Work> {
+        let mut work = Vec::new();
         let mut prefilling: Vec<usize> = (0..self.active.len())
             .filter(|&i| {
                 let a = &self.active[i];
@@ -117,10 +129,6 @@ impl Scheduler {
                 logits,
             });
         }
-        debug_assert!(
-            work.iter().map(|w| w.tokens.len()).sum::<usize>() <= rows + budget,
-            "a step stays within its token budget"
-        );
         work
     }
 
@@ -132,12 +140,15 @@ impl Scheduler {
     ///   step — a hand-off's commit and its first token, a new order — and
     ///   the step goes on at the next poll.
     /// - When a step pauses with prompts of tenants that have no work in
-    ///   it admitted meanwhile, those prompts get a step of their own first
-    ///   (an express step, run whole).
+    ///   it admitted meanwhile, those that fit whole in less than what is
+    ///   left of the paused step get a step of their own first (an express
+    ///   step, run whole): the shorter job first, so a long prompt never
+    ///   holds up a nearly finished step, nor a part of one any.
     /// - Likewise, once a worker serves several tenants, a step's last
     ///   chunks of prompts whose tenants have nothing else in it run first,
-    ///   alone: a short chat that arrives between two steps does not wait
-    ///   for another tenant's chunks to compute its first token.
+    ///   alone, when they are the shorter part: a short chat that arrives
+    ///   between two steps does not wait for another tenant's chunks to
+    ///   compute its first token.
     ///
     /// Express steps are charged to their tenants like any step, and the
     /// ones run ahead of a step add up to at most about a step's budget
@@ -157,14 +168,26 @@ impl Scheduler {
             }
             return self.start(work, express);
         };
-        if flight.express_tokens < self.step_budget() {
+        // Shorter than what is left of the paused step, and within what
+        // may still run ahead of it.
+        let budget = flight
+            .pass
+            .rows_left()
+            .min(self.step_budget().saturating_sub(flight.express_tokens));
+        if budget > 0 {
             let ids = flight.ids.clone();
             let busy = self.tenants_of(&ids);
             // Prefill only: decode rows would need pages to grow, and
             // growing may preempt a request of the paused step.
-            let express = self.plan_among(
-                |a| !busy.contains(a.pending.request.share.tenant.as_str()),
-                false,
+            // Only prompts it finishes: a part of a longer one would not
+            // bring its first token nearer.
+            let express = self.prefill_chunks(
+                |a| {
+                    !busy.contains(a.pending.request.share.tenant.as_str())
+                        && a.kv_target() - a.written <= budget
+                        && a.generated.is_empty()
+                },
+                budget,
             );
             self.run_express(express);
         }
@@ -202,7 +225,8 @@ impl Scheduler {
     }
 
     /// Takes out of `work` the last chunks of fresh prompts whose tenants
-    /// have no other work in it, once this worker serves several tenants.
+    /// have no other work in it, once this worker serves several tenants
+    /// and if they are the shorter part.
     fn finishing_apart(&self, work: &mut Vec<Work>) -> Vec<Work> {
         if self.waiting.named_tenants() < 2 {
             return Vec::new();
@@ -216,6 +240,12 @@ impl Scheduler {
         let (express, rest): (Vec<Work>, Vec<Work>) = std::mem::take(work)
             .into_iter()
             .partition(|w| finishing(w) && !busy.contains(tenant(w)));
+        let tokens = |part: &[Work]| part.iter().map(|w| w.tokens.len()).sum::<usize>();
+        if tokens(&express) > tokens(&rest) {
+            // Not the short one: nothing gained by running it first.
+            *work = rest.into_iter().chain(express).collect();
+            return Vec::new();
+        }
         *work = rest;
         express
     }
