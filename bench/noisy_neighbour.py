@@ -10,8 +10,9 @@ token is the first content chunk's arrival.
    are under way the victim sends the same R chats again.
 
 Prints the victim's TTFT p50/p90 alone and during the flood, their ratio
-(I11's figure: during ÷ alone), and the attacker's output tokens/s during
-the flood. `--n` makes each attacker request ask for `n` choices instead,
+(I11's figure: during ÷ alone), and the attacker's output tokens/s over
+its whole run (until its last request, started before the victim was
+done, ends). `--n` makes each attacker request ask for `n` choices instead,
 and `--schema-kib` adds a JSON schema of about that size (structured
 output) to each.
 
@@ -150,10 +151,12 @@ def main():
         thread.start()
     time.sleep(args.warm_up)
     during, victim_failed = victim_round(args, "during the flood")
-    elapsed = time.perf_counter() - started
     stop.set()
     for thread in threads:
         thread.join()
+    # The attacker's requests in flight when the victim is done run to
+    # their end and count: its output over its whole run.
+    elapsed = time.perf_counter() - started
 
     def row(name, values):
         return f"{name:>18}: TTFT p50 {pct(values, 50) * 1000:8.1f} ms  p90 {pct(values, 90) * 1000:8.1f} ms"
