@@ -27,6 +27,13 @@ pub struct EngineConfig {
     /// How long a client's request may wait in the queue for pages or a
     /// slot before it is refused as unavailable (503), having cost nothing.
     pub max_queue_wait: std::time::Duration,
+    /// The worker serves several tenants from its start (its server's
+    /// tenants file names more than one), so what a shared worker does —
+    /// short steps, the pool cap, prompts' last chunks ahead of other
+    /// tenants' chunks — holds from the first request, not only once a
+    /// second tenant has sent work: else the first tenant to arrive at a
+    /// fresh worker could fill its pool before anyone else is known (I11).
+    pub shared: bool,
 }
 
 impl EngineConfig {
@@ -58,6 +65,7 @@ impl Default for EngineConfig {
             // below what a busy CPU prefills.
             handoff_time_per_token: std::time::Duration::from_millis(50),
             max_queue_wait: std::time::Duration::from_secs(300),
+            shared: false,
         }
     }
 }

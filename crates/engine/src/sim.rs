@@ -295,6 +295,8 @@ impl World {
             handoff_time_per_token: STEP,
             // Past the run's end: no request waits long enough to expire.
             max_queue_wait: DEADLINE * 2,
+            // Workers learn their tenants from the work, as fleet workers do.
+            shared: false,
         };
         let node = |role, tokens, config| Node {
             role,
@@ -919,6 +921,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
         handoff_timeout: HANDOFF_TIMEOUT,
         handoff_time_per_token: STEP,
         max_queue_wait: DEADLINE * 2,
+        shared: false,
     };
     let (_inbox_tx, inbox) = mpsc::channel();
     let mut prefill = Scheduler::new(

@@ -161,6 +161,7 @@ impl EngineArgs {
             handoff_timeout: Duration::from_millis(self.handoff_timeout_ms),
             handoff_time_per_token: Duration::from_millis(self.handoff_ms_per_token),
             max_queue_wait: Duration::from_millis(self.max_queue_wait_ms),
+            shared: false,
         })
     }
 
@@ -478,7 +479,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             &loaded.tokenizer,
         )?);
     }
-    let config = args.engine.config()?;
+    let config = EngineConfig {
+        // Shared from the first request when the file names several.
+        shared: tenants.count() > 1,
+        ..args.engine.config()?
+    };
     anyhow::ensure!(
         args.public.files.is_empty() || args.engine.prefix_cache == Switch::On,
         "--public-system-prompt needs --prefix-cache on"

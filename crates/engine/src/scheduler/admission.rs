@@ -239,7 +239,7 @@ impl Scheduler {
     /// Tenants admitted no more while the worker knows another: those
     /// holding [`fair::MAX_POOL_SHARE`] of the pool.
     pub(super) fn tenants_at_their_cap(&self) -> BTreeSet<String> {
-        if self.waiting.named_tenants() < 2 {
+        if !self.shared() {
             return BTreeSet::new();
         }
         let (num, den) = fair::MAX_POOL_SHARE;

@@ -193,6 +193,14 @@ impl FairQueue {
         ledger.vtime += tokens as u128 * TOKEN / u128::from(ledger.weight);
     }
 
+    /// What `tenant` has been charged, in tokens at weight 1.
+    #[cfg(test)]
+    pub(crate) fn charged(&self, tenant: &str) -> u128 {
+        self.tenants
+            .get(tenant)
+            .map_or(0, |ledger| ledger.vtime * u128::from(ledger.weight) / TOKEN)
+    }
+
     /// Every waiting request, tenant by tenant.
     pub(crate) fn iter(&self) -> impl Iterator<Item = &Pending> {
         self.tenants

@@ -243,6 +243,70 @@ fn i11_a_tenant_cannot_fill_the_pool_while_the_worker_knows_another() {
 }
 
 #[test]
+fn i11_a_worker_told_it_is_shared_caps_the_first_tenant_before_another_arrives() {
+    let mut w = worker_with(
+        4_096,
+        EngineConfig {
+            step_tokens: 64,
+            shared: true,
+            ..EngineConfig::default()
+        },
+    );
+    // A fresh worker: a is the first tenant it ever sees, and floods it.
+    let mut flood: Vec<Tracked> = (0..8)
+        .map(|i| {
+            w.submit(GenerationRequest {
+                max_tokens: 200,
+                ..request("a", 1, i, 500)
+            })
+        })
+        .collect();
+    w.step(&mut flood);
+    let arrived = w.steps;
+    let mut victim = [w.submit(request("b", 1, 99, 300))];
+    w.run_until_ended(&mut victim);
+    let waited = victim[0].ended_at.unwrap() - arrived;
+    // Not told, the worker lets a hold the whole pool and b waits for a's
+    // first request to end (200 steps at least).
+    assert!(waited <= 12, "the victim's prompt took {waited} steps");
+    w.run_until_ended(&mut flood);
+}
+
+#[test]
+fn i11_a_tenants_grammar_masks_are_charged_to_its_share() {
+    let mut w = worker(4_096, 64, 64);
+    // Every draw under this schema walks a grammar of 200 fields, which
+    // costs far more than the tiny model's step.
+    let fields: serde_json::Map<String, serde_json::Value> = (0..200)
+        .map(|i| (format!("field_{i}"), serde_json::json!({"type": "string"})))
+        .collect();
+    let schema = serde_json::json!({"type": "object", "properties": fields});
+    let mut handle = w
+        .submit(GenerationRequest {
+            max_tokens: 16,
+            constraint: Some(kvfence_model::Grammar::JsonSchema(schema).into()),
+            ..request("a", 1, 1, 20)
+        })
+        .handle;
+    let usage = loop {
+        w.scheduler.poll(Instant::now());
+        match handle.try_next() {
+            Ok(Event::Finished { usage, .. }) => break usage,
+            Ok(Event::Failed { message, .. }) => panic!("{message}"),
+            _ => {}
+        }
+    };
+    // Its prompt and a row for every token but the last, and its masks.
+    let tokens = (usage.prompt_tokens + usage.completion_tokens - 1) as u128;
+    let charged = w.scheduler.waiting.charged("a");
+    assert!(
+        charged >= tokens + usage.completion_tokens as u128,
+        "charged {charged} for {tokens} tokens and {} masks",
+        usage.completion_tokens
+    );
+}
+
+#[test]
 fn a_request_waiting_past_the_queue_deadline_is_refused_as_unavailable() {
     let mut w = worker_with(
         4_096,

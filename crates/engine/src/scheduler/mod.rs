@@ -6,7 +6,9 @@
 //!
 //! The core is a state machine without IO: [`Scheduler::handle`] takes one
 //! command, [`Scheduler::poll`] does what is due at the time it is given,
-//! and what it sends leaves through peers' and clients' channels.
+//! and what it sends leaves through peers' and clients' channels. It reads
+//! the clock only to measure what compute cost (a grammar mask's time,
+//! charged to its tenant in tokens), never to decide what is due.
 //! [`Scheduler::run`] is the thin shell that blocks on the inbox and reads
 //! the wall clock; the fleet simulator (the `sim` module) runs many schedulers
 //! on one virtual clock instead.
@@ -444,6 +446,8 @@ struct InFlight {
     /// Express work run ahead of it so far, in tokens (see
     /// [`Scheduler::step`]).
     express_tokens: usize,
+    /// How long its pass has computed so far, pauses not counted.
+    computing: std::time::Duration,
 }
 
 /// How a request ended.
@@ -625,6 +629,12 @@ impl Scheduler {
             self.counters.queued.load(Ordering::Acquire) >= self.waiting.len(),
             "every waiting request is counted queued"
         );
+    }
+
+    /// Whether this worker serves more than one tenant: it was told so
+    /// ([`EngineConfig::shared`]) or two named tenants have sent it work.
+    fn shared(&self) -> bool {
+        self.config.shared || self.waiting.named_tenants() > 1
     }
 
     /// Whether some request holds pages to compute: `poll` would step.

@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use kvfence_handoff::{Message, RejectReason};
 use kvfence_model::{Constraint, DrawContext, Logits, ModelError, Sequence, TokenLogprobs};
@@ -30,7 +31,7 @@ impl Scheduler {
     /// its latency; measured, the shorter steps cost a few percent of
     /// prefill throughput, and a worker of one tenant keeps the long ones.
     pub(super) fn step_budget(&self) -> usize {
-        if self.waiting.named_tenants() > 1 {
+        if self.shared() {
             self.config.shared_step_tokens.min(self.config.step_tokens)
         } else {
             self.config.step_tokens
@@ -219,6 +220,7 @@ impl Scheduler {
             work,
             ids,
             express_tokens: 0,
+            computing: Duration::ZERO,
         });
         self.run_express(express);
         self.resume_step();
@@ -228,7 +230,7 @@ impl Scheduler {
     /// have no other work in it, once this worker serves several tenants
     /// and if they are the shorter part.
     fn finishing_apart(&self, work: &mut Vec<Work>) -> Vec<Work> {
-        if self.waiting.named_tenants() < 2 {
+        if !self.shared() {
             return Vec::new();
         }
         let finishing = |w: &Work| {
@@ -277,11 +279,12 @@ impl Scheduler {
         if let Some(flight) = &mut self.in_flight {
             flight.express_tokens += tokens.max(EXPRESS_PASS_MIN_TOKENS);
         }
+        let started = Instant::now();
         let result = {
             let mut batch = lend(&mut self.active, &express);
             self.model.model.forward_each(&mut batch)
         };
-        self.conclude(&express, result);
+        self.conclude(&express, result, started.elapsed());
     }
 
     /// Runs the step in flight until its pass ends or a command arrives;
@@ -306,6 +309,7 @@ impl Scheduler {
                 model,
                 ..
             } = self;
+            let started = Instant::now();
             let mut batch = lend(active, &flight.work);
             // Moves the `&mut` in: a shared `&Receiver` would not be `Send`.
             let mut pause = move || {
@@ -314,12 +318,14 @@ impl Scheduler {
                 }
                 arrived.is_some()
             };
-            model.model.resume(&mut flight.pass, &mut batch, &mut pause)
+            let result = model.model.resume(&mut flight.pass, &mut batch, &mut pause);
+            flight.computing += started.elapsed();
+            result
         };
         match result {
             None => self.in_flight = Some(flight),
             Some(result) => {
-                self.conclude(&flight.work, result);
+                self.conclude(&flight.work, result, flight.computing);
                 for command in std::mem::take(&mut self.held_back) {
                     self.handle(command);
                 }
@@ -329,9 +335,16 @@ impl Scheduler {
 
     /// Acts on one finished pass's rows: charges each row to its tenant,
     /// ships or samples, and ends what is done.
-    fn conclude(&mut self, work: &[Work], result: Vec<Result<Vec<f32>, ModelError>>) {
+    fn conclude(
+        &mut self,
+        work: &[Work],
+        result: Vec<Result<Vec<f32>, ModelError>>,
+        pass: Duration,
+    ) {
         self.counters.steps.fetch_add(1, Ordering::Relaxed);
-        self.compute_masks(work);
+        let masks = self.compute_masks(work);
+        let tokens: usize = work.iter().map(|w| w.tokens.len()).sum();
+        self.charge_masks(&masks, tokens, pass);
         let mut ended: Vec<(usize, End)> = Vec::new();
         for (w, row) in work.iter().zip(result) {
             let row = match row {
@@ -391,25 +404,43 @@ impl Scheduler {
     /// compute pool rather than one after another on this thread: a large
     /// schema's mask takes milliseconds, and every row of the batch waits
     /// for the last. A mask that fails is computed again, and its error
-    /// reported, where the request draws.
-    pub(super) fn compute_masks(&mut self, work: &[Work]) {
+    /// reported, where the request draws. Returns how long each request's
+    /// mask took, by its index.
+    pub(super) fn compute_masks(&mut self, work: &[Work]) -> Vec<(usize, Duration)> {
+        use rayon::prelude::*;
         let drawing: BTreeSet<usize> = work
             .iter()
             .filter(|w| w.logits == Logits::Last)
             .map(|w| w.index)
             .collect();
-        let constraints: Vec<&mut Constraint> = self
+        let constraints: Vec<(usize, &mut Constraint)> = self
             .active
             .iter_mut()
             .enumerate()
             .filter(|(index, _)| drawing.contains(index))
-            .filter_map(|(_, active)| active.constraint.as_mut())
+            .filter_map(|(index, active)| Some((index, active.constraint.as_mut()?)))
             .collect();
-        if constraints.len() > 1 {
-            use rayon::prelude::*;
-            constraints.into_par_iter().for_each(|constraint| {
+        constraints
+            .into_par_iter()
+            .map(|(index, constraint)| {
+                let started = Instant::now();
                 let _ = constraint.mask();
-            });
+                (index, started.elapsed())
+            })
+            .collect()
+    }
+
+    /// Charges each grammar mask of a step to its request's tenant, in the
+    /// tokens the worker could have computed meanwhile (the step computed
+    /// `tokens` in `pass`): a tenant whose schema makes every draw cost
+    /// milliseconds pays for them in its share, like for tokens (I11).
+    fn charge_masks(&mut self, masks: &[(usize, Duration)], tokens: usize, pass: Duration) {
+        for &(index, took) in masks {
+            let charge = mask_charge(took, tokens, pass);
+            if charge > 0 {
+                self.waiting
+                    .charge(&self.active[index].pending.request.share, charge);
+            }
         }
     }
 
@@ -596,4 +627,30 @@ fn lend<'a>(active: &'a mut [Active], work: &'a [Work]) -> Vec<Sequence<'a>> {
             logits: w.logits,
         })
         .collect()
+}
+
+/// What a grammar mask that took `took` costs its tenant, in tokens: what
+/// the step computed (`tokens` in `pass`) in that time, to the nearest
+/// token (a regex's microseconds cost nothing).
+fn mask_charge(took: Duration, tokens: usize, pass: Duration) -> usize {
+    if pass.is_zero() {
+        return 0;
+    }
+    // `as` saturates: a mask beyond any count of tokens costs the most.
+    (took.as_secs_f64() * tokens as f64 / pass.as_secs_f64()).round() as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mask_costs_the_tokens_the_step_computed_in_its_time() {
+        let ms = Duration::from_millis;
+        // 64 tokens in 128 ms: 2 ms a token.
+        assert_eq!(mask_charge(ms(13), 64, ms(128)), 7);
+        assert_eq!(mask_charge(Duration::from_micros(20), 64, ms(128)), 0);
+        assert_eq!(mask_charge(ms(500), 1, ms(10)), 50);
+        assert_eq!(mask_charge(ms(5), 64, Duration::ZERO), 0);
+    }
 }

@@ -231,6 +231,18 @@ impl Tenants {
         Arc::clone(&self.directory.read().unwrap_or_else(|p| p.into_inner()))
     }
 
+    /// Tenants defined (local mode is one).
+    pub fn count(&self) -> usize {
+        match &*self.current() {
+            Directory::Local(_) => 1,
+            Directory::Keyed { keys, .. } => keys
+                .values()
+                .map(|tenant| tenant.name.as_str())
+                .collect::<std::collections::BTreeSet<_>>()
+                .len(),
+        }
+    }
+
     /// Whether this is local mode.
     pub fn is_local(&self) -> bool {
         matches!(*self.current(), Directory::Local(_))
