@@ -14,8 +14,14 @@
 //! the rest of its life. The accept loop itself never waits.
 
 use std::collections::VecDeque;
+use std::io;
 use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
@@ -34,7 +40,7 @@ pub(crate) struct Connections {
 
 /// A connection that has not authenticated yet.
 struct Stranger {
-    serial: u64,
+    ticket: Ticket,
     address: IpAddr,
     task: AbortHandle,
 }
@@ -60,33 +66,46 @@ impl Connections {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A new connection from `address`, served by `task`: a stranger.
-    /// Returns the task to close if that puts the listener over a cap: the
-    /// address's oldest stranger if the address is over its own, else the
-    /// oldest of all.
+    /// A new connection from `address`, served by `task`, whose requests
+    /// carry `ticket`: a stranger, unless it authenticated already.
+    /// Returns the task to close if that puts the listener over a cap — of
+    /// the address's strangers if it is over its own, else of all: the
+    /// oldest that has not sent a byte yet, older than this one, or if
+    /// every older one has begun a request, the oldest.
     pub(crate) fn accepted(
         &self,
-        serial: u64,
+        ticket: &Ticket,
         address: IpAddr,
         task: AbortHandle,
     ) -> Option<AbortHandle> {
         let mut strangers = self.strangers();
-        if task.is_finished() {
+        // Its task runs before this: it may have ended, or authenticated
+        // already (which takes this lock after marking the ticket known,
+        // so one of the two sees the other).
+        if task.is_finished() || ticket.is_known() {
             return None;
         }
         strangers.push_back(Stranger {
-            serial,
+            ticket: ticket.clone(),
             address,
             task,
         });
         let same = strangers.iter().filter(|s| s.address == address).count();
-        let victim = if same > self.per_address {
-            strangers.iter().position(|s| s.address == address)
-        } else if strangers.len() > self.max_strangers {
-            Some(0)
-        } else {
-            None
-        };
+        let over_address = same > self.per_address;
+        if !over_address && strangers.len() <= self.max_strangers {
+            return None;
+        }
+        let eligible = |s: &Stranger| !over_address || s.address == address;
+        // A client's request arrives within milliseconds of its connection;
+        // an idle socket never speaks. So a flood of sockets reopened as
+        // fast as they are closed pushes out its own, not a connection whose
+        // request is on its way.
+        let older = strangers.len() - 1;
+        let victim = strangers
+            .iter()
+            .take(older)
+            .position(|s| eligible(s) && !s.ticket.has_spoken())
+            .or_else(|| strangers.iter().position(eligible));
         let evicted = victim
             .and_then(|index| strangers.remove(index))
             .map(|s| s.task);
@@ -96,7 +115,7 @@ impl Connections {
 
     /// The connection `serial` closed.
     pub(crate) fn closed(&self, serial: u64) {
-        self.strangers().retain(|s| s.serial != serial);
+        self.strangers().retain(|s| s.ticket.0.serial != serial);
     }
 
     /// Strangers open now.
@@ -114,6 +133,8 @@ struct TicketInner {
     serial: u64,
     connections: Arc<Connections>,
     known: Mutex<Option<OwnedSemaphorePermit>>,
+    /// The client has sent at least a byte.
+    spoke: AtomicBool,
 }
 
 impl Ticket {
@@ -122,7 +143,25 @@ impl Ticket {
             serial,
             connections,
             known: Mutex::new(None),
+            spoke: AtomicBool::new(false),
         }))
+    }
+
+    /// The client sent its first bytes ([`Watched`] says so).
+    pub(crate) fn spoke(&self) {
+        self.0.spoke.store(true, Ordering::Relaxed);
+    }
+
+    fn has_spoken(&self) -> bool {
+        self.0.spoke.load(Ordering::Relaxed)
+    }
+
+    fn is_known(&self) -> bool {
+        self.0
+            .known
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
     }
 
     /// The connection authenticated: it is no stranger any more, and holds
@@ -152,6 +191,72 @@ impl Ticket {
     }
 }
 
+/// A client's socket that marks its [`Ticket`] at its first byte: a
+/// stranger whose request has begun is not closed to make room for idle
+/// ones.
+pub(crate) struct Watched<T> {
+    inner: T,
+    ticket: Ticket,
+    spoke: bool,
+}
+
+impl<T> Watched<T> {
+    pub(crate) fn new(inner: T, ticket: Ticket) -> Watched<T> {
+        Watched {
+            inner,
+            ticket,
+            spoke: false,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if !this.spoke && buf.filled().len() > before {
+            this.spoke = true;
+            this.ticket.spoke();
+        }
+        polled
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -174,13 +279,18 @@ mod tests {
         let other = idle_task(&rt);
         assert!(
             connections
-                .accepted(0, elsewhere, other.abort_handle())
+                .accepted(
+                    &Ticket::new(0, Arc::clone(&connections)),
+                    elsewhere,
+                    other.abort_handle()
+                )
                 .is_none()
         );
         let flood: Vec<_> = (1..=5).map(|_| idle_task(&rt)).collect();
         let mut evicted = Vec::new();
         for (i, task) in flood.iter().enumerate() {
-            evicted.extend(connections.accepted(i as u64 + 1, HOME, task.abort_handle()));
+            let ticket = Ticket::new(i as u64 + 1, Arc::clone(&connections));
+            evicted.extend(connections.accepted(&ticket, HOME, task.abort_handle()));
         }
         // Five from one address against its cap of two: its three oldest
         // went, the other address's connection stayed.
@@ -206,7 +316,11 @@ mod tests {
         let tenant = idle_task(&rt);
         assert!(
             connections
-                .accepted(0, HOME, tenant.abort_handle())
+                .accepted(
+                    &Ticket::new(0, Arc::clone(&connections)),
+                    HOME,
+                    tenant.abort_handle()
+                )
                 .is_none()
         );
         Ticket::new(0, Arc::clone(&connections))
@@ -216,14 +330,22 @@ mod tests {
         for (i, s) in strangers.iter().enumerate() {
             assert!(
                 connections
-                    .accepted(i as u64 + 1, HOME, s.abort_handle())
+                    .accepted(
+                        &Ticket::new(i as u64 + 1, Arc::clone(&connections)),
+                        HOME,
+                        s.abort_handle()
+                    )
                     .is_none()
             );
         }
         // A fourth stranger closes the oldest stranger, not the tenant.
         let fourth = idle_task(&rt);
         let evicted = connections
-            .accepted(4, HOME, fourth.abort_handle())
+            .accepted(
+                &Ticket::new(4, Arc::clone(&connections)),
+                HOME,
+                fourth.abort_handle(),
+            )
             .unwrap();
         evicted.abort();
         let oldest = strangers.remove(0);
@@ -232,6 +354,85 @@ mod tests {
         });
         assert!(!tenant.is_finished());
         assert_eq!(connections.stranger_count(), 3);
+    }
+
+    #[test]
+    fn i11_a_connection_that_authenticates_before_it_is_registered_stays_known() {
+        // The accept loop spawns a connection's task, then registers it: a
+        // client fast enough authenticates in between. It must not be
+        // listed as a stranger then, or the next strangers close it in the
+        // middle of its answer (seen: a tenant's stream cut after 81 ms by
+        // 1,100 reconnecting idle sockets).
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let connections = Connections::new(2, 8, 8);
+        let tenant = idle_task(&rt);
+        let ticket = Ticket::new(0, Arc::clone(&connections));
+        ticket.authenticated().unwrap();
+        assert!(
+            connections
+                .accepted(&ticket, HOME, tenant.abort_handle())
+                .is_none()
+        );
+        assert_eq!(connections.stranger_count(), 0);
+        let strangers: Vec<_> = (1..=5).map(|_| idle_task(&rt)).collect();
+        for (i, s) in strangers.iter().enumerate() {
+            let stranger = Ticket::new(i as u64 + 1, Arc::clone(&connections));
+            if let Some(evicted) = connections.accepted(&stranger, HOME, s.abort_handle()) {
+                evicted.abort();
+            }
+        }
+        rt.block_on(tokio::task::yield_now());
+        assert!(!tenant.is_finished(), "a known connection was closed");
+        assert_eq!(connections.stranger_count(), 2);
+    }
+
+    #[test]
+    fn i11_idle_strangers_push_out_each_other_not_one_whose_request_has_begun() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let connections = Connections::new(3, 8, 8);
+        let client = idle_task(&rt);
+        let ticket = Ticket::new(0, Arc::clone(&connections));
+        assert!(
+            connections
+                .accepted(&ticket, HOME, client.abort_handle())
+                .is_none()
+        );
+        // Its first bytes arrive; then a flood of sockets that never speak,
+        // each reopened as soon as it is closed.
+        ticket.spoke();
+        let flood: Vec<_> = (1..=20).map(|_| idle_task(&rt)).collect();
+        for (i, task) in flood.iter().enumerate() {
+            let stranger = Ticket::new(i as u64 + 1, Arc::clone(&connections));
+            if let Some(evicted) = connections.accepted(&stranger, HOME, task.abort_handle()) {
+                evicted.abort();
+            }
+        }
+        rt.block_on(tokio::task::yield_now());
+        assert!(!client.is_finished(), "the client's connection was closed");
+        assert_eq!(connections.stranger_count(), 3);
+        // Once every older stranger has spoken, the oldest goes after all:
+        // the header deadline bounds how long one may take.
+        let third = Connections::new(1, 8, 8);
+        let slow = idle_task(&rt);
+        let talking = Ticket::new(0, Arc::clone(&third));
+        third.accepted(&talking, HOME, slow.abort_handle());
+        talking.spoke();
+        let newcomer = idle_task(&rt);
+        let evicted = third
+            .accepted(
+                &Ticket::new(1, Arc::clone(&third)),
+                HOME,
+                newcomer.abort_handle(),
+            )
+            .unwrap();
+        evicted.abort();
+        rt.block_on(async {
+            assert!(slow.await.unwrap_err().is_cancelled());
+        });
     }
 
     #[test]

@@ -27,6 +27,7 @@ use tokio::net::TcpListener;
 
 pub use admission::Capacity;
 pub use connections::Ticket;
+use connections::Watched;
 pub use error::{ApiError, ErrorType, ServerError};
 pub use metrics::Metrics;
 pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse, SHARED_FIELDS};
@@ -344,24 +345,32 @@ pub async fn serve(
         // Every request on the connection carries its ticket: the first
         // that authenticates makes the connection known.
         let ticket = Ticket::new(serial, Arc::clone(&connections));
+        // A client's request has usually arrived by the time a busy loop
+        // accepts its connection: it has spoken, and no idle socket's
+        // arrival can close it before its task reads the request (I11).
+        let mut first = [0u8; 1];
+        if let Ok(Ok(1..)) = tokio::time::timeout(Duration::ZERO, tcp.peek(&mut first)).await {
+            ticket.spoke();
+        }
         let app = app.clone();
+        let carried = ticket.clone();
         let service = hyper::service::service_fn(
             move |mut request: hyper::Request<hyper::body::Incoming>| {
-                request.extensions_mut().insert(ticket.clone());
+                request.extensions_mut().insert(carried.clone());
                 tower_service::Service::call(&mut app.clone(), request)
             },
         );
         let connection = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
-            .serve_connection(TokioIo::new(tcp), service);
+            .serve_connection(TokioIo::new(Watched::new(tcp, ticket.clone())), service);
         let connection = graceful.watch(connection);
         let registry = Arc::clone(&connections);
         let task = tokio::spawn(async move {
             let _ = connection.await;
             registry.closed(serial);
         });
-        if let Some(oldest) = connections.accepted(serial, peer.ip(), task.abort_handle()) {
+        if let Some(oldest) = connections.accepted(&ticket, peer.ip(), task.abort_handle()) {
             tracing::debug!(
                 max = limits.max_strangers,
                 "too many unauthenticated connections; closed the oldest"
