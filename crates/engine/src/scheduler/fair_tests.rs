@@ -222,6 +222,15 @@ fn i11_a_tenant_cannot_fill_the_pool_while_the_worker_knows_another() {
     // a's eight long requests would hold all but a few of the pool's 256
     // pages for 200 decode steps; it is admitted up to three quarters of
     // the pool and the rest of its requests wait.
+    let waited = steps_b_waits_during_a_flood(&mut w);
+    // Without the cap it would wait for a's first request to end (200
+    // steps at least).
+    assert!(waited <= 12, "the victim's prompt took {waited} steps");
+}
+
+/// Tenant a floods `w` with eight requests of 500 tokens and 200 to
+/// generate, then b sends a 300-token prompt: the steps b waits.
+fn steps_b_waits_during_a_flood(w: &mut Worker) -> usize {
     let mut flood: Vec<Tracked> = (0..8)
         .map(|i| {
             w.submit(GenerationRequest {
@@ -232,14 +241,10 @@ fn i11_a_tenant_cannot_fill_the_pool_while_the_worker_knows_another() {
         .collect();
     w.step(&mut flood);
     let arrived = w.steps;
-    // b's 300-token prompt finds room at once, and shares the steps.
     let mut victim = [w.submit(request("b", 1, 99, 300))];
     w.run_until_ended(&mut victim);
-    let waited = victim[0].ended_at.unwrap() - arrived;
-    // Without the cap it would wait for a's first request to end (200
-    // steps at least).
-    assert!(waited <= 12, "the victim's prompt took {waited} steps");
     w.run_until_ended(&mut flood);
+    victim[0].ended_at.unwrap() - arrived
 }
 
 #[test]
@@ -253,23 +258,10 @@ fn i11_a_worker_told_it_is_shared_caps_the_first_tenant_before_another_arrives()
         },
     );
     // A fresh worker: a is the first tenant it ever sees, and floods it.
-    let mut flood: Vec<Tracked> = (0..8)
-        .map(|i| {
-            w.submit(GenerationRequest {
-                max_tokens: 200,
-                ..request("a", 1, i, 500)
-            })
-        })
-        .collect();
-    w.step(&mut flood);
-    let arrived = w.steps;
-    let mut victim = [w.submit(request("b", 1, 99, 300))];
-    w.run_until_ended(&mut victim);
-    let waited = victim[0].ended_at.unwrap() - arrived;
+    let waited = steps_b_waits_during_a_flood(&mut w);
     // Not told, the worker lets a hold the whole pool and b waits for a's
     // first request to end (200 steps at least).
     assert!(waited <= 12, "the victim's prompt took {waited} steps");
-    w.run_until_ended(&mut flood);
 }
 
 #[test]
