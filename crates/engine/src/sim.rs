@@ -132,8 +132,9 @@ struct Live {
     /// Decode role: the next request id (each incarnation numbers from 1,
     /// as a real decode worker does).
     next_id: u64,
-    // Keeps the unused inbox open.
-    _inbox: mpsc::Sender<Command>,
+    /// The scheduler's inbox: the network delivers into it, and a step may
+    /// find a command there mid-pass, as a real worker's does.
+    inbox: mpsc::Sender<Command>,
 }
 
 impl Node {
@@ -155,7 +156,7 @@ impl Node {
             pool,
             counters,
             next_id: 1,
-            _inbox: inbox_tx,
+            inbox: inbox_tx,
         });
         self.restart_at = None;
     }
@@ -595,12 +596,12 @@ impl World {
             }
             if let Some(live) = self.prefills[p].live.as_mut() {
                 for command in due_prefill {
-                    live.scheduler.handle(command);
+                    let _ = live.inbox.send(command);
                 }
             }
             if let Some(live) = self.decodes[d].live.as_mut() {
                 for command in due_decode {
-                    live.scheduler.handle(command);
+                    let _ = live.inbox.send(command);
                 }
             }
         }
@@ -762,10 +763,23 @@ impl World {
         self.network();
         for node in self.prefills.iter_mut().chain(&mut self.decodes) {
             if let Some(live) = node.live.as_mut() {
+                // Half the time a busy worker's commands are still in its
+                // inbox when it polls: they arrived during its step, which
+                // pauses between layers for them (and may run an express
+                // step when they are taken).
+                if !live.scheduler.has_work() || self.rng.random_bool(0.5) {
+                    live.scheduler.take_commands();
+                }
                 live.scheduler.poll(now);
             }
         }
         self.network();
+        // What arrived by now is taken before time moves on.
+        for node in self.prefills.iter_mut().chain(&mut self.decodes) {
+            if let Some(live) = node.live.as_mut() {
+                live.scheduler.take_commands();
+            }
+        }
         self.clients()?;
         self.pools_add_up()
     }
