@@ -50,7 +50,7 @@ impl Scheduler {
         let budget = self.step_budget().saturating_sub(rows).max(16);
         work.extend(self.prefill_chunks(|_| true, budget));
         debug_assert!(
-            work.iter().map(|w| w.tokens.len()).sum::<usize>() <= rows + budget,
+            tokens(&work) <= rows + budget,
             "a step stays within its token budget"
         );
         work
@@ -163,10 +163,6 @@ impl Scheduler {
                 return;
             }
             let express = self.finishing_apart(&mut work);
-            if work.is_empty() {
-                // Only last chunks: nothing to run them ahead of.
-                return self.start(express, Vec::new());
-            }
             return self.start(work, express);
         };
         // Shorter than what is left of the paused step, and within what
@@ -200,7 +196,7 @@ impl Scheduler {
         trace!(
             role = self.role.label(),
             sequences = work.len(),
-            tokens = work.iter().map(|w| w.tokens.len()).sum::<usize>(),
+            tokens = tokens(&work),
             "step"
         );
         if self.role == Role::Decode {
@@ -228,7 +224,7 @@ impl Scheduler {
 
     /// Takes out of `work` the last chunks of fresh prompts whose tenants
     /// have no other work in it, once this worker serves several tenants
-    /// and if they are the shorter part.
+    /// and if they are the shorter part (so never all of it).
     fn finishing_apart(&self, work: &mut Vec<Work>) -> Vec<Work> {
         if !self.shared() {
             return Vec::new();
@@ -242,7 +238,6 @@ impl Scheduler {
         let (express, rest): (Vec<Work>, Vec<Work>) = std::mem::take(work)
             .into_iter()
             .partition(|w| finishing(w) && !busy.contains(tenant(w)));
-        let tokens = |part: &[Work]| part.iter().map(|w| w.tokens.len()).sum::<usize>();
         if tokens(&express) > tokens(&rest) {
             // Not the short one: nothing gained by running it first.
             *work = rest.into_iter().chain(express).collect();
@@ -268,7 +263,7 @@ impl Scheduler {
         if express.is_empty() {
             return;
         }
-        let tokens = express.iter().map(|w| w.tokens.len()).sum::<usize>();
+        let tokens = tokens(&express);
         trace!(
             role = self.role.label(),
             sequences = express.len(),
@@ -343,7 +338,7 @@ impl Scheduler {
     ) {
         self.counters.steps.fetch_add(1, Ordering::Relaxed);
         let masks = self.compute_masks(work);
-        let tokens: usize = work.iter().map(|w| w.tokens.len()).sum();
+        let tokens = tokens(work);
         self.charge_masks(&masks, tokens, pass);
         let mut ended: Vec<(usize, End)> = Vec::new();
         for (w, row) in work.iter().zip(result) {
@@ -612,6 +607,11 @@ impl Scheduler {
             self.refuse(&active.pending, kind, message);
         }
     }
+}
+
+/// Tokens computed by `work`.
+fn tokens(work: &[Work]) -> usize {
+    work.iter().map(|w| w.tokens.len()).sum()
 }
 
 /// The batch of `work`: each request's lease, lent once, with its tokens.
