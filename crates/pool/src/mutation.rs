@@ -1,7 +1,7 @@
 //! Incident replays: deliberate bugs, each a real-world way a serving engine
 //! leaked KV between requests, that the test suite must catch. They exist
 //! only in builds with the `mutations` feature, where `KVFENCE_MUTATION`
-//! (a letter, `a` to `m`) switches one on for the whole process and its
+//! (a letter, `a` to `o`) switches one on for the whole process and its
 //! children; in every other build [`Mutation::active`] is a constant
 //! `false` and the bug cannot be reached. `scripts/mutation-check` runs
 //! each one against the tests that should catch it and reports the result.
@@ -51,11 +51,21 @@ pub enum Mutation {
     /// as its system prompt: every tenant that sends the public prompt
     /// reads the first tenant's question after it (pool, I9).
     SealIntoPublic,
+    /// (n) A batch row's grammar outlives its request, as the stale
+    /// token-allowlist rows of 2026 did: the next request admitted without
+    /// a grammar of its own is constrained by the last ended request's
+    /// (engine, I9).
+    LeftoverConstraint,
+    /// (o) A batch row's penalty history is carried over, as the per-slot
+    /// token buffers left unreset were: a request's presence, frequency
+    /// and repetition penalties count the tokens of the request that ended
+    /// before it (engine, I9).
+    LeftoverHistory,
 }
 
 impl Mutation {
     /// Every mutation with its letter.
-    pub const ALL: [(char, Mutation); 13] = [
+    pub const ALL: [(char, Mutation); 15] = [
         ('a', Mutation::PlaceholderDone),
         ('b', Mutation::SkipCoverage),
         ('c', Mutation::IgnoreGenerations),
@@ -69,6 +79,8 @@ impl Mutation {
         ('k', Mutation::WriteShared),
         ('l', Mutation::ForeignCachedCount),
         ('m', Mutation::SealIntoPublic),
+        ('n', Mutation::LeftoverConstraint),
+        ('o', Mutation::LeftoverHistory),
     ];
 
     /// Whether this bug is switched on (never, without the feature).
@@ -90,7 +102,7 @@ impl Mutation {
                 .map(|&(_, m)| m);
             assert!(
                 found.is_some(),
-                "KVFENCE_MUTATION={letter:?} names no mutation (a to m)"
+                "KVFENCE_MUTATION={letter:?} names no mutation (a to o)"
             );
             found
         }) == Some(self)

@@ -352,6 +352,9 @@ impl Scheduler {
                 }
             };
             let constraint = match self.constraint_for(&pending.request) {
+                Ok(None) if Mutation::LeftoverConstraint.active() => {
+                    self.left_in_row.constraint.take()
+                }
                 Ok(constraint) => constraint,
                 Err(error) => {
                     // The front door compiled this grammar before; failing

@@ -502,6 +502,20 @@ pub(crate) struct Scheduler {
     /// Commands that could end or abort a request of the step in flight,
     /// taken when it ends.
     held_back: Vec<Command>,
+    /// Empty, always — except in a build with an incident replay of batch
+    /// rows switched on (mutations (n) and (o)), where it keeps the last
+    /// ended request's grammar and tokens as a row left unreset would.
+    /// Every row's grammar, sampler and penalty history belong to its
+    /// [`Active`], made from its own request and dropped with it.
+    left_in_row: LeftInRow,
+}
+
+/// What a planted bug keeps of an ended request: see
+/// [`Scheduler::left_in_row`].
+#[derive(Default)]
+struct LeftInRow {
+    constraint: Option<Constraint>,
+    generated: Vec<u32>,
 }
 
 impl Scheduler {
@@ -532,6 +546,7 @@ impl Scheduler {
             in_flight: None,
             arrived: None,
             held_back: Vec::new(),
+            left_in_row: LeftInRow::default(),
         }
     }
 

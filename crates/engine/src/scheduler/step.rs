@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvfence_handoff::{Message, RejectReason};
 use kvfence_model::{Constraint, DrawContext, Logits, ModelError, Sequence, TokenLogprobs};
+use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{Lease, RequestId};
 use tracing::{trace, warn};
 
@@ -443,6 +444,12 @@ impl Scheduler {
     pub(super) fn end(&mut self, index: usize, end: End) {
         let mut active = self.active.swap_remove(index);
         self.counters.running.fetch_sub(1, Ordering::AcqRel);
+        if Mutation::LeftoverConstraint.active() {
+            self.left_in_row.constraint = active.constraint.take();
+        }
+        if Mutation::LeftoverHistory.active() {
+            self.left_in_row.generated = std::mem::take(&mut active.generated);
+        }
         match end {
             End::Finished(event) => {
                 active.seal_conversation();
@@ -498,9 +505,16 @@ impl Scheduler {
             Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
         };
         let allows = mask.map(|mask| move |token: u32| mask.allows(token));
+        let carried;
+        let generated = if Mutation::LeftoverHistory.active() {
+            carried = [&self.left_in_row.generated[..], &active.generated].concat();
+            &carried
+        } else {
+            &active.generated
+        };
         let context = DrawContext {
             prompt: &active.pending.request.prompt,
-            generated: &active.generated,
+            generated,
             allowed: allows.as_ref().map(|f| f as &dyn Fn(u32) -> bool),
         };
         let draw = match active.sampler.draw(logits, context) {
