@@ -272,6 +272,23 @@ pub(crate) struct HttpArgs {
     /// default. The API key is still required on every request.
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
     cors_origins: Vec<String>,
+    /// Where the Responses API keeps answers (`store`, on by default as
+    /// OpenAI's) so `previous_response_id` can continue them and
+    /// GET/DELETE /v1/responses/{id} read or remove them: an SQLite file,
+    /// created readable by its owner only. Default
+    /// $KVFENCE_DATA_DIR/responses.sqlite, else
+    /// $XDG_DATA_HOME/kvfence/responses.sqlite, else
+    /// ~/.local/share/kvfence/responses.sqlite. `off` keeps nothing (a
+    /// request that asks to store is then refused); `memory` keeps them
+    /// until the process exits. Each router keeps its own.
+    #[arg(long, value_name = "FILE|off|memory")]
+    responses_store: Option<String>,
+    /// Hours a stored response can be read or continued.
+    #[arg(long, default_value_t = 720)]
+    responses_ttl_hours: u64,
+    /// MiB of stored responses per tenant; past it the tenant's oldest go.
+    #[arg(long, default_value_t = 100)]
+    responses_tenant_max_mib: u64,
 }
 
 /// Where tenant-mode metrics go when --metrics-listen is not given.
@@ -307,6 +324,31 @@ impl HttpArgs {
             );
         }
         Ok(Cors::Origins(self.cors_origins.clone()))
+    }
+
+    /// The response store `--responses-store` names, opened.
+    fn responses(&self) -> anyhow::Result<Option<kvfence_server::ResponseStore>> {
+        use kvfence_server::{ResponseStore, StoreLimits};
+        anyhow::ensure!(
+            self.responses_ttl_hours > 0 && self.responses_tenant_max_mib > 0,
+            "--responses-ttl-hours and --responses-tenant-max-mib must be positive"
+        );
+        let limits = StoreLimits {
+            ttl: Duration::from_secs(self.responses_ttl_hours.saturating_mul(3600)),
+            tenant_bytes: self.responses_tenant_max_mib.saturating_mul(1 << 20),
+        };
+        let path = match self.responses_store.as_deref() {
+            Some("off") => return Ok(None),
+            Some("memory") => return Ok(Some(ResponseStore::in_memory(limits)?)),
+            Some(path) => PathBuf::from(path),
+            None => ResponseStore::default_path().context(
+                "no data directory for stored responses: set KVFENCE_DATA_DIR or HOME, or pass \
+                 --responses-store FILE|off|memory",
+            )?,
+        };
+        let store = ResponseStore::open(&path, limits)?;
+        info!(path = %path.display(), "stored responses kept in this file");
+        Ok(Some(store))
     }
 
     fn limits(&self) -> anyhow::Result<kvfence_server::ConnectionLimits> {
@@ -654,6 +696,7 @@ pub(crate) fn serve_http(
         metrics_on_api: metrics_listen.is_none(),
         tenant_labels: http.metrics_tenant_labels,
         cors: http.cors()?,
+        responses: http.responses()?,
     };
     let state = AppState::new(backend, model, options);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -717,6 +760,7 @@ pub(crate) fn status_state(
         metrics_on_api: false,
         tenant_labels: false,
         cors: kvfence_server::Cors::Off,
+        responses: None,
     };
     Ok(AppState::new(backend, model, options))
 }

@@ -8,7 +8,8 @@ use axum::response::{IntoResponse, Response};
 use kvfence_engine::{EngineError, FailureKind};
 use serde::Serialize;
 
-/// Why the server could not be configured or started.
+/// Why the server could not be configured or started, or its response
+/// store failed. Never holds request or stored text (I10).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServerError {
@@ -39,6 +40,28 @@ pub enum ServerError {
         limit: usize,
         /// Which limit binds.
         why: String,
+    },
+    /// The stored-responses database could not be opened.
+    #[error("the response store {path}: {reason} (--responses-store names another file, or off)")]
+    ResponseStore {
+        /// The database file.
+        path: String,
+        /// What failed.
+        reason: String,
+    },
+    /// The response store's database failed.
+    #[error("the response store failed: {0}")]
+    StoreDatabase(#[from] rusqlite::Error),
+    /// A stored response could not be read back.
+    #[error("a stored response is damaged")]
+    StoredDamaged,
+    /// A response alone is larger than a tenant may store.
+    #[error("the response takes {bytes} bytes, more than a tenant may store ({limit})")]
+    StoredTooLarge {
+        /// Its size.
+        bytes: u64,
+        /// The tenant's limit.
+        limit: u64,
     },
     /// Local mode (no tenants file) may only listen on loopback.
     #[error(

@@ -11,6 +11,7 @@ mod openai;
 mod redact;
 mod responses;
 mod routes;
+mod stored;
 mod tenants;
 mod text_work;
 mod tools;
@@ -32,6 +33,7 @@ pub use error::{ApiError, ErrorType, ServerError};
 pub use metrics::Metrics;
 pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse, SHARED_FIELDS};
 pub use redact::Redacted;
+pub use stored::{ResponseStore, StoreLimits, Stored};
 pub use tenants::{Admission, Limits, Reload, Tenant, Tenants, new_key, new_tenant};
 
 /// Everything the handlers share.
@@ -60,6 +62,8 @@ pub struct AppState {
     grammars: std::sync::OnceLock<Result<Grammars, String>>,
     /// Origins a browser may call the API from (`--cors-origin`).
     cors: Cors,
+    /// Where `store` keeps Responses answers; `None`: nothing is kept.
+    responses: Option<stored::ResponseStore>,
 }
 
 /// Which browser origins may call the API (CORS). Off by default: a page
@@ -97,6 +101,9 @@ pub struct ApiOptions {
     pub tenant_labels: bool,
     /// Which browser origins may call the API.
     pub cors: Cors,
+    /// Where the Responses API keeps answers (`store`); `None` keeps none,
+    /// and a request that asks to store is refused.
+    pub responses: Option<ResponseStore>,
 }
 
 impl AppState {
@@ -140,6 +147,7 @@ impl AppState {
             token_bytes: std::sync::OnceLock::new(),
             grammars: std::sync::OnceLock::new(),
             cors: options.cors,
+            responses: options.responses,
         })
     }
 
@@ -200,7 +208,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(routes::model))
         .route("/v1/chat/completions", post(routes::chat))
         .route("/v1/completions", post(routes::completions))
-        .route("/v1/responses", post(routes::responses));
+        .route("/v1/responses", post(routes::responses))
+        .route(
+            "/v1/responses/{id}",
+            get(routes::stored::retrieve).delete(routes::stored::delete),
+        )
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(routes::stored::input_items),
+        );
     if state.metrics_on_api {
         routes = routes.route("/metrics", get(routes::metrics));
     }

@@ -5,9 +5,12 @@
 //! into `max_completion_tokens` — and served by the same path; the answer
 //! is rendered as a response object, or as the Responses streaming events.
 //!
-//! Responses are not stored: `previous_response_id` is refused, and
-//! `store` is metadata. Fields are checked as chat's are: honoured,
-//! metadata, or refused by name ([`RESPONSES_FIELDS`]).
+//! With `store` (on by default when the server keeps responses) the answer
+//! is kept per tenant (`crate::stored`); `previous_response_id` continues a
+//! kept one: its conversation — earlier turns, its input, its output, as
+//! input items — comes before the new input (its `instructions` do not, as
+//! OpenAI's do not). Fields are checked as chat's are: honoured, metadata,
+//! or refused by name ([`RESPONSES_FIELDS`]).
 
 use serde_json::{Map, Value, json};
 
@@ -28,7 +31,7 @@ pub const RESPONSES_FIELDS: &[(&str, FieldUse)] = &[
     ("prompt_cache_key", FieldUse::Metadata),
     ("parallel_tool_calls", FieldUse::Metadata),
     ("stream_options", FieldUse::Metadata),
-    ("previous_response_id", FieldUse::RefusedUnlessNeutral),
+    ("previous_response_id", FieldUse::Honoured),
     ("conversation", FieldUse::RefusedUnlessNeutral),
     ("include", FieldUse::RefusedUnlessNeutral),
     ("reasoning", FieldUse::RefusedUnlessNeutral),
@@ -42,6 +45,7 @@ pub const RESPONSES_FIELDS: &[(&str, FieldUse)] = &[
 /// Fields of the request a response object repeats back.
 const ECHOED: &[&str] = &[
     "instructions",
+    "previous_response_id",
     "max_output_tokens",
     "metadata",
     "parallel_tool_calls",
@@ -53,9 +57,53 @@ const ECHOED: &[&str] = &[
     "user",
 ];
 
-/// The chat request a Responses request means, and the fields its
-/// response repeats.
-pub fn to_chat(object: &Map<String, Value>) -> Result<(Map<String, Value>, Value), ApiError> {
+/// What a Responses request asks of the response store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Storing {
+    /// `store`: `Some(true)` or `Some(false)` as sent, `None` if absent
+    /// (then the server's default: kept when it keeps responses).
+    pub store: Option<bool>,
+    /// The stored response it continues.
+    pub previous: Option<String>,
+}
+
+impl Storing {
+    /// Reads `store` and `previous_response_id`.
+    pub fn of(object: &Map<String, Value>) -> Result<Storing, ApiError> {
+        let store = match object.get("store") {
+            None | Some(Value::Null) => None,
+            Some(Value::Bool(keep)) => Some(*keep),
+            Some(_) => return Err(ApiError::invalid("store", "store must be true or false")),
+        };
+        let previous = match object.get("previous_response_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(id)) => Some(id.clone()),
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "previous_response_id",
+                    "previous_response_id must be a response id",
+                ));
+            }
+        };
+        Ok(Storing { store, previous })
+    }
+}
+
+/// A Responses request as the chat request it means.
+#[derive(Debug)]
+pub struct Translated {
+    /// The chat request.
+    pub chat: Map<String, Value>,
+    /// The fields its response repeats.
+    pub echo: Value,
+    /// Its own input as input items, each with an id (what
+    /// `input_items` lists and a continuation replays).
+    pub input: Vec<Value>,
+}
+
+/// The chat request a Responses request means, after the `earlier` items
+/// of the stored conversation it continues.
+pub fn to_chat(object: &Map<String, Value>, earlier: &[Value]) -> Result<Translated, ApiError> {
     let mut chat = Map::new();
     // The shared fields mean the same on both endpoints.
     for (field, _) in SHARED_FIELDS {
@@ -66,7 +114,12 @@ pub fn to_chat(object: &Map<String, Value>) -> Result<(Map<String, Value>, Value
     if let Some(max) = object.get("max_output_tokens") {
         chat.insert("max_completion_tokens".into(), max.clone());
     }
-    chat.insert("messages".into(), Value::Array(messages(object)?));
+    let input = input_items(object)?;
+    let items: Vec<&Value> = earlier.iter().chain(&input).collect();
+    chat.insert(
+        "messages".into(),
+        Value::Array(messages(object, &items, earlier.len())?),
+    );
     if let Some(tools) = object.get("tools").filter(|t| !t.is_null()) {
         chat.insert("tools".into(), chat_tools(tools)?);
     }
@@ -106,7 +159,49 @@ pub fn to_chat(object: &Map<String, Value>) -> Result<(Map<String, Value>, Value
             object.get(field).cloned().unwrap_or(Value::Null),
         );
     }
-    Ok((chat, Value::Object(echo)))
+    Ok(Translated {
+        chat,
+        echo: Value::Object(echo),
+        input,
+    })
+}
+
+/// `input` as a list of input items, each with an id: a string is one
+/// user message; an item without an id gets one.
+fn input_items(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
+    match object.get("input") {
+        Some(Value::String(text)) => Ok(vec![json!({
+            "type": "message",
+            "id": item_id("msg"),
+            "role": "user",
+            "content": [{ "type": "input_text", "text": text }],
+        })]),
+        Some(Value::Array(items)) if !items.is_empty() => Ok(items
+            .iter()
+            .map(|item| {
+                let mut item = item.clone();
+                if let Value::Object(fields) = &mut item {
+                    let kind = fields
+                        .entry("type")
+                        .or_insert_with(|| "message".into())
+                        .as_str()
+                        .map(str::to_string);
+                    let prefix = match kind.as_deref() {
+                        Some("function_call") => "fc",
+                        Some("function_call_output") => "fco",
+                        _ => "msg",
+                    };
+                    fields.entry("id").or_insert_with(|| item_id(prefix).into());
+                }
+                item
+            })
+            .collect()),
+        None | Some(Value::Null) => Err(ApiError::invalid("input", "input is required")),
+        Some(_) => Err(ApiError::invalid(
+            "input",
+            "input must be a string or a non-empty list of items",
+        )),
+    }
 }
 
 /// The keys each kind of `input` item and content part may carry: what
@@ -133,10 +228,15 @@ fn known_keys(item: &Value, allowed: &[&str], at: &str) -> Result<(), ApiError> 
     ))
 }
 
-/// `instructions` and `input` as chat messages: text items, earlier
-/// function calls (consecutive ones in one assistant turn) and their
-/// outputs as tool messages.
-fn messages(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
+/// `instructions` and the input `items` as chat messages: text items,
+/// earlier function calls (consecutive ones in one assistant turn) and their
+/// outputs as tool messages. The first `earlier` items came from the stored
+/// response a request continues.
+fn messages(
+    object: &Map<String, Value>,
+    items: &[&Value],
+    earlier: usize,
+) -> Result<Vec<Value>, ApiError> {
     let mut messages = Vec::new();
     match object.get("instructions") {
         None | Some(Value::Null) => {}
@@ -150,24 +250,11 @@ fn messages(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
             ));
         }
     }
-    let items = match object.get("input") {
-        Some(Value::String(text)) => {
-            messages.push(json!({ "role": "user", "content": text }));
-            return Ok(messages);
-        }
-        Some(Value::Array(items)) if !items.is_empty() => items,
-        None | Some(Value::Null) => {
-            return Err(ApiError::invalid("input", "input is required"));
-        }
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "input",
-                "input must be a string or a non-empty list of items",
-            ));
-        }
-    };
     for (i, item) in items.iter().enumerate() {
-        let param = |field: &str| format!("input[{i}]{field}");
+        let param = |field: &str| match i.checked_sub(earlier) {
+            Some(i) => format!("input[{i}]{field}"),
+            None => "previous_response_id".to_string(),
+        };
         let kind = item
             .get("type")
             .and_then(Value::as_str)
@@ -437,7 +524,7 @@ mod tests {
             {"type": "function_call_output", "call_id": "c1", "output": "ok", "status": "completed"},
             {"role": "user", "content": "next"},
         ]});
-        to_chat(&object(echoed)).unwrap();
+        to_chat(&object(echoed), &[]).unwrap();
         for (item, at) in [
             (
                 json!({"role": "user", "content": "x", "audio": {"id": "a"}}),
@@ -456,14 +543,15 @@ mod tests {
                 "input[0].is_error",
             ),
         ] {
-            let error = to_chat(&object(json!({"input": [item]}))).unwrap_err();
+            let error = to_chat(&object(json!({"input": [item]})), &[]).unwrap_err();
             assert_eq!(error.param.as_deref(), Some(at));
         }
     }
 
     #[test]
     fn input_items_become_messages_and_calls_share_a_turn() {
-        let (chat, _) = to_chat(&object(json!({
+        let Translated { chat, .. } = to_chat(
+            &object(json!({
             "instructions": "be brief",
             "input": [
                 {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
@@ -473,7 +561,9 @@ mod tests {
             ],
             "max_output_tokens": 9,
             "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
-        })))
+        })),
+            &[],
+        )
         .unwrap();
         let messages = chat["messages"].as_array().unwrap();
         assert_eq!(messages.len(), 4);
@@ -487,10 +577,13 @@ mod tests {
 
     #[test]
     fn text_settings_are_honoured_or_refused_and_empty_reasoning_passes() {
-        let (chat, _) = to_chat(&object(json!({
-            "input": "x",
-            "text": {"format": {"type": "text"}, "verbosity": "medium"},
-        })))
+        let Translated { chat, .. } = to_chat(
+            &object(json!({
+                "input": "x",
+                "text": {"format": {"type": "text"}, "verbosity": "medium"},
+            })),
+            &[],
+        )
         .unwrap();
         assert_eq!(chat["response_format"], json!({"type": "text"}));
         for (text, param) in [
@@ -498,7 +591,7 @@ mod tests {
             (json!({"format": {"type": "text"}, "colour": "red"}), "text"),
             (json!("plain"), "text"),
         ] {
-            let error = to_chat(&object(json!({"input": "x", "text": text}))).unwrap_err();
+            let error = to_chat(&object(json!({"input": "x", "text": text})), &[]).unwrap_err();
             assert_eq!(error.param.as_deref(), Some(param));
         }
         let fields = |body: &str| parse_object(body.as_bytes(), RESPONSES_FIELDS);
@@ -509,15 +602,68 @@ mod tests {
     }
 
     #[test]
+    fn a_continuation_reads_the_stored_conversation_before_its_input() {
+        let first = to_chat(
+            &object(json!({"instructions": "first only", "input": "hello"})),
+            &[],
+        )
+        .unwrap();
+        let item = &first.input[0];
+        assert_eq!(item["type"], "message");
+        assert!(item["id"].as_str().unwrap().starts_with("msg_"));
+        let mut earlier = first.input.clone();
+        earlier.push(message_item("msg_out", "hi there", "completed"));
+        let next = to_chat(
+            &object(json!({"input": [{"role": "user", "content": "again"}]})),
+            &earlier,
+        )
+        .unwrap();
+        let roles: Vec<_> = next.chat["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| (m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+            .collect();
+        // The first request's instructions are not carried over.
+        assert_eq!(
+            roles,
+            [
+                ("user", "hello"),
+                ("assistant", "hi there"),
+                ("user", "again")
+            ]
+        );
+        assert_eq!(next.input.len(), 1);
+        assert!(next.input[0]["id"].as_str().unwrap().starts_with("msg_"));
+        // A damaged stored item is named as the continuation, never as
+        // this request's input.
+        let error =
+            to_chat(&object(json!({"input": "x"})), &[json!({"type": "image"})]).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("previous_response_id"));
+        let storing = |body: Value| Storing::of(&object(body));
+        assert_eq!(
+            storing(json!({"store": false, "previous_response_id": "resp_1"})).unwrap(),
+            Storing {
+                store: Some(false),
+                previous: Some("resp_1".into())
+            }
+        );
+        assert_eq!(storing(json!({})).unwrap().store, None);
+        assert!(storing(json!({"store": "yes"})).is_err());
+        assert!(storing(json!({"previous_response_id": 7})).is_err());
+    }
+
+    #[test]
     fn unsupported_items_and_tools_are_refused_by_their_place() {
-        let error = to_chat(&object(json!({"input": [{"type": "input_image"}]}))).unwrap_err();
+        let error = to_chat(&object(json!({"input": [{"type": "input_image"}]})), &[]).unwrap_err();
         assert_eq!(error.param.as_deref(), Some("input[0].type"));
-        let error = to_chat(&object(
-            json!({"input": "x", "tools": [{"type": "web_search"}]}),
-        ))
+        let error = to_chat(
+            &object(json!({"input": "x", "tools": [{"type": "web_search"}]})),
+            &[],
+        )
         .unwrap_err();
         assert_eq!(error.param.as_deref(), Some("tools[0].type"));
-        let error = to_chat(&object(json!({}))).unwrap_err();
+        let error = to_chat(&object(json!({})), &[]).unwrap_err();
         assert_eq!(error.param.as_deref(), Some("input"));
         let renamed = rename_param(ApiError::invalid("tools[0].function.name", "x"));
         assert_eq!(renamed.param.as_deref(), Some("tools[0].name"));

@@ -667,10 +667,6 @@ async fn the_responses_api_answers_streams_and_calls_tools_in_every_mode() {
         assert!(after["usage"]["input_tokens"].as_u64() > called["usage"]["input_tokens"].as_u64());
         // Fields it does not serve are refused by their own names.
         for (patch, param) in [
-            (
-                json!({"previous_response_id": "resp_1"}),
-                "previous_response_id",
-            ),
             (json!({"max_output_tokens": 0}), "max_output_tokens"),
             (json!({"input": [{"type": "input_image"}]}), "input[0].type"),
             (

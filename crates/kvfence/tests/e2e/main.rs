@@ -21,4 +21,5 @@ mod openai_client;
 mod prefix_cache;
 mod serve;
 mod smollm2;
+mod stored;
 mod tenancy;

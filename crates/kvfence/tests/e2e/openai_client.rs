@@ -2,7 +2,8 @@
 //! use it, against real servers: tools (`auto`, `required`, named,
 //! streamed, a round trip), `chat.completions.parse` with a Pydantic model,
 //! `json_object`, logprobs, `n`, penalties, `models.retrieve`, the error
-//! envelope and the Responses API (plain, streamed, a tool round trip),
+//! envelope and the Responses API (plain, streamed, a tool round trip,
+//! stored: continued, retrieved, its input items listed, deleted),
 //! colocated and disaggregated. The client is installed into a virtual
 //! environment of its own, at the versions `tests/openai/requirements.txt`
 //! pins, the first time this runs.
@@ -53,6 +54,6 @@ fn the_official_python_client_works() {
     ] {
         let server = Server::start(mode);
         let passed = client_checks("client_suite.py", &server, &[]);
-        assert_eq!(passed.len(), 12, "{passed:?}");
+        assert_eq!(passed.len(), 13, "{passed:?}");
     }
 }

@@ -272,4 +272,28 @@ def _():
     assert after.usage.input_tokens > called.usage.input_tokens
 
 
+@check("stored responses: continued, retrieved, input items listed, deleted")
+def _():
+    first = client.responses.create(
+        model=MODEL, input="hello", max_output_tokens=4, temperature=0, store=True
+    )
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text, (got, first)
+    items = client.responses.input_items.list(first.id)
+    assert [item.type for item in items.data] == ["message"], items
+    assert items.data[0].content[0].text == "hello", items
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, input="again", max_output_tokens=4,
+        temperature=0,
+    )
+    assert second.previous_response_id == first.id, second
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    client.responses.delete(first.id)
+    try:
+        client.responses.retrieve(first.id)
+        raise AssertionError("a deleted response was read")
+    except openai.NotFoundError:
+        pass
+
+
 print(json.dumps(passed))

@@ -44,6 +44,7 @@ use crate::tools::{Call, StreamSplit, Tools};
 mod prepare;
 mod reply;
 mod respond;
+pub(crate) mod stored;
 
 use prepare::{objective_priority, prepare};
 use reply::{Choice, Reply};
@@ -70,7 +71,7 @@ impl Endpoint {
         let prefix = match self {
             Endpoint::Chat => "chatcmpl",
             Endpoint::Completions => "cmpl",
-            Endpoint::Responses => return responses::item_id("resp"),
+            Endpoint::Responses => return crate::stored::new_id(),
         };
         format!("{prefix}-{:024x}", rand::random::<u128>() >> 32)
     }
@@ -218,6 +219,8 @@ struct Prepared {
     tools: Option<Arc<Tools>>,
     /// The request fields a response object repeats (Responses).
     echo: Value,
+    /// What the answer keeps in the response store (Responses, `store`).
+    to_store: Option<stored::ToStore>,
     n: usize,
     stream: bool,
     include_usage: bool,
@@ -596,6 +599,7 @@ impl Admitting<'_> {
             choices,
             tools: prepared.tools,
             echo: prepared.echo,
+            to_store: prepared.to_store,
             output: Vec::new(),
             sequence: 0,
             streamed: String::new(),

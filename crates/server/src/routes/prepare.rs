@@ -32,13 +32,16 @@ pub(super) fn prepare(
     objective: Option<i32>,
 ) -> Result<Prepared, ApiError> {
     let mut echo = Value::Null;
+    let mut to_store = None;
     let object = match endpoint {
         Endpoint::Chat => parse_object(body, CHAT_FIELDS)?,
         Endpoint::Completions => parse_object(body, COMPLETION_FIELDS)?,
         Endpoint::Responses => {
-            let (chat, repeated) = responses::to_chat(&parse_object(body, RESPONSES_FIELDS)?)?;
-            echo = repeated;
-            chat
+            let object = parse_object(body, RESPONSES_FIELDS)?;
+            let (translated, keep) = super::stored::translate(state, tenant, &object)?;
+            echo = translated.echo;
+            to_store = keep;
+            translated.chat
         }
     };
     let params: CommonParams = typed(&object)?;
@@ -239,6 +242,7 @@ pub(super) fn prepare(
         choices,
         tools: tools.map(Arc::new),
         echo,
+        to_store,
         n,
         stream: params.stream(),
         include_usage: params.include_usage()?,

@@ -55,6 +55,8 @@ pub(super) struct Reply {
     /// Responses: the request fields the response object repeats, the
     /// output items so far, and the stream's next event number.
     pub(super) echo: Value,
+    /// Responses: what the answer keeps in the store once it is done.
+    pub(super) to_store: Option<super::stored::ToStore>,
     pub(super) output: Vec<Value>,
     pub(super) sequence: u64,
     /// The message text streamed so far.

@@ -65,11 +65,9 @@ impl Reply {
         let status = self.response_status();
         let text = std::mem::take(&mut self.choices[0].text);
         let output = self.response_items(&text, status);
-        (
-            StatusCode::OK,
-            Json(self.response_body(status, output, Some(usage))),
-        )
-            .into_response()
+        let mut body = self.response_body(status, output, Some(usage));
+        self.keep(&mut body).await;
+        (StatusCode::OK, Json(body)).into_response()
     }
 
     /// One Responses streaming event.
@@ -218,7 +216,8 @@ impl Reply {
                         reply.log_end(200, Some(usage));
                         let status = reply.response_status();
                         let output = reply.output.clone();
-                        let body = reply.response_body(status, output, Some(usage));
+                        let mut body = reply.response_body(status, output, Some(usage));
+                        reply.keep(&mut body).await;
                         let kind = if status == "completed" {
                             "response.completed"
                         } else {

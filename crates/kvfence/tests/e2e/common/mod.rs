@@ -14,6 +14,9 @@ pub struct Server {
     /// What it was started with, for `restart`.
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// The data directory made for it, removed with it (a restarted
+    /// server keeps it).
+    data: Option<tempfile::TempDir>,
     pub base: String,
     /// Where `/metrics` is served: a listener of its own, or the API's.
     pub metrics_base: String,
@@ -43,10 +46,23 @@ impl Server {
     /// Starts `kvfence ARGS...` with extra environment and waits for its
     /// "listening on ADDR" line; `base` is ADDR (with `http://` for HTTP).
     pub fn start_process(args: &[&str], env: &[(&str, &str)]) -> Server {
+        // Its own data directory (stored responses), kept across
+        // `restart`, unless the test names one.
+        let mut env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let data = if env.iter().any(|(k, _)| k == "KVFENCE_DATA_DIR") {
+            None
+        } else {
+            let dir = tempfile::tempdir().unwrap();
+            env.push(("KVFENCE_DATA_DIR".into(), dir.path().display().to_string()));
+            Some(dir)
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfence"))
             .args(args)
             .env_remove("RUST_LOG")
-            .envs(env.iter().copied())
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -86,10 +102,8 @@ impl Server {
         Server {
             child,
             args: args.iter().map(|a| a.to_string()).collect(),
-            env: env
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
+            env,
+            data,
             base,
             metrics_base,
             log,
@@ -220,8 +234,9 @@ impl Server {
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
-        let fresh = Server::start_process(&args, &env);
+        let mut fresh = Server::start_process(&args, &env);
         assert_eq!(fresh.base, self.base, "restarted on the same address");
+        fresh.data = self.data.take();
         *self = fresh;
     }
 

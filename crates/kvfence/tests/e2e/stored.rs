@@ -1,0 +1,239 @@
+//! Stored responses behind tenant walls: `store`, `previous_response_id`,
+//! `GET`/`DELETE /v1/responses/{id}` and `input_items`, over HTTP against a
+//! real server — kept across a restart, a continuation reading the prefix
+//! cache, another tenant's id answered exactly as a made-up one (I9), and
+//! nothing of the stored text in the log (I10).
+
+#![allow(clippy::unwrap_used)]
+
+use serde_json::{Value, json};
+
+use crate::common::{Server, post, sse, tenant, tenants_file};
+
+/// A request with `method` on `path`, as `key`'s tenant: status and body.
+async fn call(server: &Server, method: &str, path: &str, key: &str) -> (u16, Value) {
+    let client = reqwest::Client::new();
+    let url = server.url(path);
+    let request = match method {
+        "GET" => client.get(url),
+        "DELETE" => client.delete(url),
+        _ => unreachable!("the tests use GET and DELETE"),
+    };
+    let response = request.bearer_auth(key).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+fn ask(input: &str, extra: Value) -> Value {
+    let mut body = json!({"model": "builtin:tiny", "input": input, "max_output_tokens": 6,
+                          "temperature": 0, "ignore_eos": true});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stored_responses_continue_list_and_delete_within_their_tenant_only() {
+    let (alpha, alpha_lines) = tenant("alpha", &[]);
+    let (beta, beta_lines) = tenant("beta", &[]);
+    let file = tenants_file(&[alpha_lines, beta_lines]);
+    let mut server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let url = server.url("/v1/responses");
+    let marker = "zebra-crossing-7351";
+
+    // Stored by default, as OpenAI's; read back exactly as answered.
+    let (status, first) = post(
+        &url,
+        Some(&alpha),
+        ask(&format!("remember {marker}"), json!({})),
+    )
+    .await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["store"], true);
+    let id = first["id"].as_str().unwrap().to_string();
+    assert_eq!(id.len(), "resp_".len() + 32, "128 random bits: {id}");
+    let (status, read) = call(&server, "GET", &format!("/v1/responses/{id}"), &alpha).await;
+    assert_eq!((status, &read), (200, &first));
+    let (status, items) = call(
+        &server,
+        "GET",
+        &format!("/v1/responses/{id}/input_items"),
+        &alpha,
+    )
+    .await;
+    assert_eq!(status, 200, "{items}");
+    assert_eq!(items["object"], "list");
+    let data = items["data"].as_array().unwrap();
+    assert_eq!(data.len(), 1, "{items}");
+    assert_eq!(data[0]["content"][0]["text"], format!("remember {marker}"));
+    assert_eq!(items["first_id"], data[0]["id"]);
+
+    // A continuation: the first turn and its answer come first, and their
+    // pages come from the tenant's prefix cache.
+    let (status, second) = post(
+        &url,
+        Some(&alpha),
+        ask("and now?", json!({"previous_response_id": id})),
+    )
+    .await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["previous_response_id"], id.as_str());
+    let tokens = |r: &Value, k: &str| r["usage"][k].as_u64().unwrap();
+    assert!(
+        tokens(&second, "input_tokens")
+            > tokens(&first, "input_tokens") + tokens(&first, "output_tokens"),
+        "the earlier turn is in the prompt: {first} then {second}"
+    );
+    assert!(
+        second["usage"]["input_tokens_details"]["cached_tokens"].as_u64() > Some(0),
+        "the earlier turn's pages are reused: {second}"
+    );
+    // The continuation's own input items are its own.
+    let second_id = second["id"].as_str().unwrap();
+    let (_, items) = call(
+        &server,
+        "GET",
+        &format!("/v1/responses/{second_id}/input_items?order=asc&limit=5"),
+        &alpha,
+    )
+    .await;
+    assert_eq!(
+        items["data"][0]["content"][0]["text"], "and now?",
+        "{items}"
+    );
+
+    // Another tenant: its id is exactly as absent as a made-up one.
+    let made_up = format!("resp_{:032x}", 7u128);
+    for (method, path) in [
+        ("GET", "/v1/responses/{}"),
+        ("GET", "/v1/responses/{}/input_items"),
+        ("DELETE", "/v1/responses/{}"),
+    ] {
+        let theirs = call(&server, method, &path.replace("{}", &id), &beta).await;
+        let nobody = call(&server, method, &path.replace("{}", &made_up), &beta).await;
+        assert_eq!(theirs.0, 404, "{method} {path}: {}", theirs.1);
+        assert_eq!(theirs, nobody, "{method} {path}");
+    }
+    let (status, theirs) = post(
+        &url,
+        Some(&beta),
+        ask("hi", json!({"previous_response_id": id})),
+    )
+    .await;
+    let (_, nobody) = post(
+        &url,
+        Some(&beta),
+        ask("hi", json!({"previous_response_id": made_up})),
+    )
+    .await;
+    assert_eq!(status, 404, "{theirs}");
+    assert_eq!(theirs, nobody);
+    assert_eq!(theirs["error"]["param"], "previous_response_id");
+    assert!(
+        !theirs.to_string().contains(&id),
+        "the id is not echoed: {theirs}"
+    );
+
+    // Kept across a restart.
+    server.restart();
+    let (status, read) = call(&server, "GET", &format!("/v1/responses/{id}"), &alpha).await;
+    assert_eq!((status, &read), (200, &first));
+
+    // Deleted: gone for reading and for continuing.
+    let (status, deleted) = call(&server, "DELETE", &format!("/v1/responses/{id}"), &alpha).await;
+    assert_eq!(status, 200, "{deleted}");
+    assert_eq!(
+        deleted,
+        json!({"id": id, "object": "response.deleted", "deleted": true})
+    );
+    let (status, _) = call(&server, "GET", &format!("/v1/responses/{id}"), &alpha).await;
+    assert_eq!(status, 404);
+    let (status, _) = post(
+        &url,
+        Some(&alpha),
+        ask("again", json!({"previous_response_id": id})),
+    )
+    .await;
+    assert_eq!(status, 404);
+
+    // `store: false` keeps nothing; a stream keeps its completed response.
+    let (_, unkept) = post(&url, Some(&alpha), ask("x", json!({"store": false}))).await;
+    assert_eq!(unkept["store"], false);
+    let unkept_id = unkept["id"].as_str().unwrap();
+    let (status, _) = call(
+        &server,
+        "GET",
+        &format!("/v1/responses/{unkept_id}"),
+        &alpha,
+    )
+    .await;
+    assert_eq!(status, 404);
+    let (_, events) = sse(&url, Some(&alpha), ask("y", json!({"stream": true}))).await;
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    let streamed = &last["response"];
+    let streamed_id = streamed["id"].as_str().unwrap();
+    let (status, read) = call(
+        &server,
+        "GET",
+        &format!("/v1/responses/{streamed_id}"),
+        &alpha,
+    )
+    .await;
+    assert_eq!((status, &read), (200, streamed));
+
+    // Fields and paging it does not serve are refused by name.
+    for (query, param) in [
+        ("limit=0", "limit"),
+        ("order=up", "order"),
+        ("include=x", "query"),
+    ] {
+        let (status, answer) = call(
+            &server,
+            "GET",
+            &format!("/v1/responses/{second_id}/input_items?{query}"),
+            &alpha,
+        )
+        .await;
+        assert_eq!(
+            (status, &answer["error"]["param"]),
+            (400, &json!(param)),
+            "{query}"
+        );
+    }
+
+    let log = server.log();
+    assert!(log.contains("stored responses kept in this file"), "{log}");
+    assert!(!log.contains(marker), "stored text in the log:\n{log}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_the_store_off_asking_to_store_is_refused_and_nothing_is_kept() {
+    let server = Server::start(&["--responses-store", "off"]);
+    let url = server.url("/v1/responses");
+    let (status, answer) = post(&url, None, ask("hi", json!({"store": true}))).await;
+    assert_eq!(
+        (status, &answer["error"]["param"]),
+        (400, &json!("store")),
+        "{answer}"
+    );
+    let (status, answer) = post(
+        &url,
+        None,
+        ask("hi", json!({"previous_response_id": "resp_1"})),
+    )
+    .await;
+    assert_eq!(
+        (status, &answer["error"]["param"]),
+        (400, &json!("previous_response_id")),
+        "{answer}"
+    );
+    let (status, answer) = post(&url, None, ask("hi", json!({}))).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["store"], false);
+    let id = answer["id"].as_str().unwrap();
+    let response = reqwest::get(server.url(&format!("/v1/responses/{id}")))
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 404);
+}

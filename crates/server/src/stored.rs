@@ -1,0 +1,417 @@
+//! Stored responses: what `store` keeps of a Responses API answer, so that
+//! `previous_response_id` can continue it and `GET`/`DELETE
+//! /v1/responses/{id}` and `…/input_items` can read or remove it.
+//!
+//! Every row belongs to one tenant, and every statement names the tenant
+//! beside the id: a tenant cannot read, continue or delete another's
+//! response, and asking for another tenant's id runs the same one-row
+//! primary-key lookup as asking for a made-up one — the same miss, the
+//! same 404 (I9). Ids are 128 random bits from the operating system's
+//! generator. The store is bounded: a row lives `ttl`, and a tenant's rows
+//! together at most `tenant_bytes` (its oldest go first, never another
+//! tenant's). What it holds is customer text: the file is created readable
+//! by its owner only, and nothing here logs it (I10).
+//!
+//! SQLite, one connection behind a mutex; callers are on blocking threads.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rusqlite::{Connection, OptionalExtension, params};
+use serde_json::Value;
+
+use crate::error::ServerError;
+
+/// How much the store keeps, and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreLimits {
+    /// How long a stored response can be read or continued.
+    pub ttl: Duration,
+    /// The most one tenant's stored responses may take together, in bytes
+    /// of their JSON; past it the tenant's oldest are removed.
+    pub tenant_bytes: u64,
+}
+
+impl Default for StoreLimits {
+    /// OpenAI's thirty days, and 100 MiB a tenant.
+    fn default() -> Self {
+        StoreLimits {
+            ttl: Duration::from_secs(30 * 24 * 3600),
+            tenant_bytes: 100 << 20,
+        }
+    }
+}
+
+/// One stored response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stored {
+    /// The response object, as `GET /v1/responses/{id}` returns it.
+    pub response: Value,
+    /// The input items of its request, each with an id.
+    pub input: Vec<Value>,
+    /// What a continuation starts from: the conversation before it, its
+    /// input and its output, as input items.
+    pub conversation: Vec<Value>,
+}
+
+impl Stored {
+    /// Bytes it takes in the store, as counted against the tenant.
+    fn bytes(parts: &[String; 3]) -> u64 {
+        parts.iter().map(|p| p.len() as u64).sum()
+    }
+}
+
+/// The responses of every tenant, in one SQLite database.
+pub struct ResponseStore {
+    db: Mutex<Connection>,
+    limits: StoreLimits,
+}
+
+impl std::fmt::Debug for ResponseStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseStore")
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+const SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS responses (
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        created INTEGER NOT NULL,
+        expires INTEGER NOT NULL,
+        bytes INTEGER NOT NULL,
+        response TEXT NOT NULL,
+        input TEXT NOT NULL,
+        conversation TEXT NOT NULL,
+        PRIMARY KEY (tenant, id)
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS responses_by_age ON responses (tenant, created);
+    CREATE INDEX IF NOT EXISTS responses_by_expiry ON responses (expires);
+";
+
+impl ResponseStore {
+    /// Where the store lives unless `--responses-store` says otherwise:
+    /// `$KVFENCE_DATA_DIR/responses.sqlite`, else under
+    /// `$XDG_DATA_HOME/kvfence`, else `~/.local/share/kvfence`.
+    pub fn default_path() -> Option<PathBuf> {
+        let var = |name| std::env::var_os(name).filter(|v| !v.is_empty());
+        let dir = var("KVFENCE_DATA_DIR")
+            .map(PathBuf::from)
+            .or_else(|| var("XDG_DATA_HOME").map(|d| PathBuf::from(d).join("kvfence")))
+            .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".local/share/kvfence")))?;
+        Some(dir.join("responses.sqlite"))
+    }
+
+    /// Opens (or creates, readable by its owner only) the store at `path`.
+    pub fn open(path: &Path, limits: StoreLimits) -> Result<ResponseStore, ServerError> {
+        let failed = |reason: String| ServerError::ResponseStore {
+            path: path.display().to_string(),
+            reason,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| failed(e.to_string()))?;
+        }
+        create_private(path).map_err(|e| failed(e.to_string()))?;
+        let db = Connection::open(path).map_err(|e| failed(e.to_string()))?;
+        Self::with(db, limits).map_err(|e| failed(e.to_string()))
+    }
+
+    /// A store in memory, gone with the process.
+    pub fn in_memory(limits: StoreLimits) -> Result<ResponseStore, ServerError> {
+        let db = Connection::open_in_memory().map_err(|e| ServerError::ResponseStore {
+            path: ":memory:".into(),
+            reason: e.to_string(),
+        })?;
+        Self::with(db, limits).map_err(|e| ServerError::ResponseStore {
+            path: ":memory:".into(),
+            reason: e.to_string(),
+        })
+    }
+
+    fn with(db: Connection, limits: StoreLimits) -> Result<ResponseStore, rusqlite::Error> {
+        // Several processes (a restart overlapping the old one, tools
+        // reading it) may open one file: wait for a lock instead of failing.
+        db.busy_timeout(Duration::from_secs(5))?;
+        db.pragma_update_and_check(None, "journal_mode", "WAL", |_| Ok(()))?;
+        db.pragma_update(None, "synchronous", "NORMAL")?;
+        db.execute_batch(SCHEMA)?;
+        Ok(ResponseStore {
+            db: Mutex::new(db),
+            limits,
+        })
+    }
+
+    /// The limits it keeps.
+    pub fn limits(&self) -> StoreLimits {
+        self.limits
+    }
+
+    fn db(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic while holding the lock left no half-done statement
+        // behind (each is atomic in SQLite), so the connection is usable.
+        self.db
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Stores `stored` as `tenant`'s response `id` at `now` (Unix
+    /// seconds), then removes the tenant's oldest responses until it is
+    /// within its bytes, and every tenant's expired ones.
+    pub fn put(
+        &self,
+        tenant: &str,
+        id: &str,
+        stored: &Stored,
+        now: u64,
+    ) -> Result<(), ServerError> {
+        let parts = [
+            stored.response.to_string(),
+            Value::Array(stored.input.clone()).to_string(),
+            Value::Array(stored.conversation.clone()).to_string(),
+        ];
+        let bytes = Stored::bytes(&parts);
+        let limit = self.limits.tenant_bytes;
+        if bytes > limit {
+            return Err(ServerError::StoredTooLarge { bytes, limit });
+        }
+        let expires = now.saturating_add(self.limits.ttl.as_secs());
+        let mut db = self.db();
+        let tx = db.transaction()?;
+        tx.execute(
+            "DELETE FROM responses WHERE expires <= ?1",
+            params![sql_time(now)],
+        )?;
+        tx.execute(
+            "INSERT OR REPLACE INTO responses
+                (tenant, id, created, expires, bytes, response, input, conversation)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            params![
+                tenant,
+                id,
+                sql_time(now),
+                sql_time(expires),
+                bytes as i64,
+                parts[0],
+                parts[1],
+                parts[2]
+            ],
+        )?;
+        // The tenant's own oldest make room; another tenant's rows are
+        // never touched (I9, I11).
+        loop {
+            let total: i64 = tx.query_row(
+                "SELECT COALESCE(SUM(bytes), 0) FROM responses WHERE tenant = ?1",
+                params![tenant],
+                |row| row.get(0),
+            )?;
+            if total as u64 <= limit {
+                break;
+            }
+            let removed = tx.execute(
+                "DELETE FROM responses WHERE tenant = ?1 AND id = (
+                    SELECT id FROM responses WHERE tenant = ?1 AND id != ?2
+                    ORDER BY created, id LIMIT 1)",
+                params![tenant, id],
+            )?;
+            assert_eq!(
+                removed, 1,
+                "a tenant over its bytes has a row besides the new one, which alone fits"
+            );
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// `tenant`'s response `id`, if it has one that has not expired.
+    pub fn get(&self, tenant: &str, id: &str, now: u64) -> Result<Option<Stored>, ServerError> {
+        let row = self
+            .db()
+            .query_row(
+                "SELECT response, input, conversation FROM responses
+                 WHERE tenant = ?1 AND id = ?2 AND expires > ?3",
+                params![tenant, id, sql_time(now)],
+                |row| {
+                    Ok((
+                        row.get::<_, String>(0)?,
+                        row.get::<_, String>(1)?,
+                        row.get::<_, String>(2)?,
+                    ))
+                },
+            )
+            .optional()?;
+        let Some((response, input, conversation)) = row else {
+            return Ok(None);
+        };
+        let items = |text: &str| match serde_json::from_str(text) {
+            Ok(Value::Array(items)) => Ok(items),
+            _ => Err(ServerError::StoredDamaged),
+        };
+        Ok(Some(Stored {
+            response: serde_json::from_str(&response).map_err(|_| ServerError::StoredDamaged)?,
+            input: items(&input)?,
+            conversation: items(&conversation)?,
+        }))
+    }
+
+    /// Removes `tenant`'s response `id`; whether it had one to remove.
+    pub fn delete(&self, tenant: &str, id: &str, now: u64) -> Result<bool, ServerError> {
+        let removed = self.db().execute(
+            "DELETE FROM responses WHERE tenant = ?1 AND id = ?2 AND expires > ?3",
+            params![tenant, id, sql_time(now)],
+        )?;
+        Ok(removed == 1)
+    }
+}
+
+/// Unix seconds as SQLite's integer (past 2^63 is beyond any clock).
+fn sql_time(seconds: u64) -> i64 {
+    i64::try_from(seconds).unwrap_or(i64::MAX)
+}
+
+/// Creates `path` empty and readable by its owner only, if it is not
+/// there; an existing file keeps its permissions.
+fn create_private(path: &Path) -> std::io::Result<()> {
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    match options.open(path) {
+        Ok(_) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(error) => Err(error),
+    }
+}
+
+/// A new response id: `resp_` and 128 random bits.
+pub fn new_id() -> String {
+    format!("resp_{:032x}", rand::random::<u128>())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn stored(text: &str) -> Stored {
+        Stored {
+            response: json!({"id": "r", "output": [{"type": "message", "content": text}]}),
+            input: vec![json!({"type": "message", "role": "user", "content": text})],
+            conversation: vec![json!({"type": "message", "role": "user", "content": text})],
+        }
+    }
+
+    fn store(limits: StoreLimits) -> ResponseStore {
+        ResponseStore::in_memory(limits).unwrap()
+    }
+
+    #[test]
+    fn i9_a_tenant_reads_and_deletes_only_its_own_responses() {
+        let store = store(StoreLimits::default());
+        let id = new_id();
+        store
+            .put("alpha", &id, &stored("alpha's secret"), 100)
+            .unwrap();
+        assert_eq!(
+            store.get("alpha", &id, 101).unwrap(),
+            Some(stored("alpha's secret"))
+        );
+        // Another tenant's id is as absent as one never made.
+        assert_eq!(store.get("beta", &id, 101).unwrap(), None);
+        assert_eq!(store.get("beta", &new_id(), 101).unwrap(), None);
+        assert!(!store.delete("beta", &id, 101).unwrap());
+        assert!(store.get("alpha", &id, 101).unwrap().is_some());
+        assert!(store.delete("alpha", &id, 101).unwrap());
+        assert_eq!(store.get("alpha", &id, 101).unwrap(), None);
+        assert!(!store.delete("alpha", &id, 101).unwrap());
+    }
+
+    #[test]
+    fn a_response_lives_its_ttl_and_no_longer() {
+        let store = store(StoreLimits {
+            ttl: Duration::from_secs(60),
+            ..StoreLimits::default()
+        });
+        store.put("alpha", "resp_a", &stored("a"), 1_000).unwrap();
+        assert!(store.get("alpha", "resp_a", 1_059).unwrap().is_some());
+        assert_eq!(store.get("alpha", "resp_a", 1_060).unwrap(), None);
+        assert!(!store.delete("alpha", "resp_a", 1_060).unwrap());
+        // The next write removes what expired.
+        store.put("beta", "resp_b", &stored("b"), 1_061).unwrap();
+        let rows: i64 = store
+            .db()
+            .query_row("SELECT COUNT(*) FROM responses", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(rows, 1);
+    }
+
+    #[test]
+    fn a_tenant_over_its_bytes_loses_its_own_oldest_and_never_another_s() {
+        let one = {
+            let s = stored("x");
+            let parts = [
+                s.response.to_string(),
+                Value::Array(s.input).to_string(),
+                Value::Array(s.conversation).to_string(),
+            ];
+            Stored::bytes(&parts)
+        };
+        let store = store(StoreLimits {
+            tenant_bytes: 3 * one,
+            ..StoreLimits::default()
+        });
+        store.put("beta", "resp_b", &stored("y"), 1).unwrap();
+        for (i, id) in ["resp_1", "resp_2", "resp_3", "resp_4"].iter().enumerate() {
+            store.put("alpha", id, &stored("x"), 10 + i as u64).unwrap();
+        }
+        assert_eq!(store.get("alpha", "resp_1", 20).unwrap(), None);
+        for id in ["resp_2", "resp_3", "resp_4"] {
+            assert!(store.get("alpha", id, 20).unwrap().is_some(), "{id}");
+        }
+        assert!(store.get("beta", "resp_b", 20).unwrap().is_some());
+        // One response larger than a tenant may keep is refused, not
+        // stored by emptying the tenant.
+        let big = stored(&"z".repeat(4 * one as usize));
+        assert!(matches!(
+            store.put("alpha", "resp_big", &big, 30),
+            Err(ServerError::StoredTooLarge { .. })
+        ));
+        assert!(store.get("alpha", "resp_4", 30).unwrap().is_some());
+    }
+
+    #[test]
+    fn responses_survive_a_restart_in_a_file_only_its_owner_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data/responses.sqlite");
+        {
+            let store = ResponseStore::open(&path, StoreLimits::default()).unwrap();
+            store.put("alpha", "resp_1", &stored("kept"), 5).unwrap();
+        }
+        let store = ResponseStore::open(&path, StoreLimits::default()).unwrap();
+        assert_eq!(
+            store.get("alpha", "resp_1", 6).unwrap(),
+            Some(stored("kept"))
+        );
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(mode & 0o077, 0, "{mode:o}");
+        }
+    }
+
+    #[test]
+    fn ids_are_unguessable() {
+        let a = new_id();
+        assert_eq!(a.len(), "resp_".len() + 32);
+        assert_ne!(a, new_id());
+    }
+}
