@@ -55,8 +55,10 @@ pub enum ServerError {
     /// A stored response could not be read back.
     #[error("a stored response is damaged")]
     StoredDamaged,
-    /// A response alone is larger than a tenant may store.
-    #[error("the response takes {bytes} bytes, more than a tenant may store ({limit})")]
+    /// What a tenant stores would be larger than it may store.
+    #[error(
+        "the tenant's stored responses and conversations would take {bytes} bytes, more than it may store ({limit})"
+    )]
     StoredTooLarge {
         /// Its size.
         bytes: u64,

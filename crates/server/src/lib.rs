@@ -33,7 +33,7 @@ pub use error::{ApiError, ErrorType, ServerError};
 pub use metrics::Metrics;
 pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse, SHARED_FIELDS};
 pub use redact::Redacted;
-pub use stored::{ResponseStore, StoreLimits, Stored};
+pub use stored::{Conversation, ResponseStore, StoreLimits, Stored};
 pub use tenants::{Admission, Limits, Reload, Tenant, Tenants, new_key, new_tenant};
 
 /// Everything the handlers share.
@@ -216,6 +216,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(
             "/v1/responses/{id}/input_items",
             get(routes::stored::input_items),
+        )
+        .route("/v1/conversations", post(routes::conversations::create))
+        .route(
+            "/v1/conversations/{id}",
+            get(routes::conversations::retrieve)
+                .post(routes::conversations::update)
+                .delete(routes::conversations::delete),
+        )
+        .route(
+            "/v1/conversations/{id}/items",
+            get(routes::conversations::list_items).post(routes::conversations::add_items),
+        )
+        .route(
+            "/v1/conversations/{id}/items/{item_id}",
+            get(routes::conversations::item).delete(routes::conversations::delete_item),
         );
     if state.metrics_on_api {
         routes = routes.route("/metrics", get(routes::metrics));

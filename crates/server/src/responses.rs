@@ -32,7 +32,7 @@ pub const RESPONSES_FIELDS: &[(&str, FieldUse)] = &[
     ("parallel_tool_calls", FieldUse::Metadata),
     ("stream_options", FieldUse::Metadata),
     ("previous_response_id", FieldUse::Honoured),
-    ("conversation", FieldUse::RefusedUnlessNeutral),
+    ("conversation", FieldUse::Honoured),
     ("include", FieldUse::RefusedUnlessNeutral),
     ("reasoning", FieldUse::RefusedUnlessNeutral),
     ("background", FieldUse::RefusedUnlessNeutral),
@@ -65,6 +65,8 @@ pub struct Storing {
     pub store: Option<bool>,
     /// The stored response it continues.
     pub previous: Option<String>,
+    /// The stored conversation it continues and joins.
+    pub conversation: Option<String>,
 }
 
 impl Storing {
@@ -85,7 +87,32 @@ impl Storing {
                 ));
             }
         };
-        Ok(Storing { store, previous })
+        let conversation = match object.get("conversation") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(id)) => Some(id.clone()),
+            Some(Value::Object(fields)) if fields.len() == 1 => match fields.get("id") {
+                Some(Value::String(id)) => Some(id.clone()),
+                _ => None,
+            },
+            Some(_) => None,
+        };
+        if object.get("conversation").is_some_and(|c| !c.is_null()) && conversation.is_none() {
+            return Err(ApiError::invalid(
+                "conversation",
+                "conversation must be a conversation id or {\"id\": ...}",
+            ));
+        }
+        if conversation.is_some() && previous.is_some() {
+            return Err(ApiError::invalid(
+                "conversation",
+                "conversation and previous_response_id cannot be used together",
+            ));
+        }
+        Ok(Storing {
+            store,
+            previous,
+            conversation,
+        })
     }
 }
 
@@ -164,6 +191,28 @@ pub fn to_chat(object: &Map<String, Value>, earlier: &[Value]) -> Result<Transla
         echo: Value::Object(echo),
         input,
     })
+}
+
+/// A Conversations API `items` list checked as input items (at most 20, as
+/// OpenAI's), each given an id if it has none; errors name `items[i]`.
+pub fn conversation_items(items: &Value) -> Result<Vec<Value>, ApiError> {
+    let rename = |mut error: ApiError| {
+        error.param = error.param.map(|p| p.replacen("input", "items", 1));
+        error
+    };
+    match items.as_array() {
+        Some(list) if list.len() > 20 => {
+            return Err(ApiError::invalid("items", "at most 20 items at once"));
+        }
+        Some(_) => {}
+        None => return Err(ApiError::invalid("items", "items must be a list")),
+    }
+    let mut object = Map::new();
+    object.insert("input".into(), items.clone());
+    let items = input_items(&object).map_err(rename)?;
+    let refs: Vec<&Value> = items.iter().collect();
+    messages(&Map::new(), &refs, 0).map_err(rename)?;
+    Ok(items)
 }
 
 /// `input` as a list of input items, each with an id: a string is one
@@ -645,12 +694,29 @@ mod tests {
             storing(json!({"store": false, "previous_response_id": "resp_1"})).unwrap(),
             Storing {
                 store: Some(false),
-                previous: Some("resp_1".into())
+                previous: Some("resp_1".into()),
+                conversation: None,
             }
         );
         assert_eq!(storing(json!({})).unwrap().store, None);
         assert!(storing(json!({"store": "yes"})).is_err());
         assert!(storing(json!({"previous_response_id": 7})).is_err());
+        assert_eq!(
+            storing(json!({"conversation": {"id": "conv_1"}}))
+                .unwrap()
+                .conversation,
+            Some("conv_1".into())
+        );
+        for bad in [
+            json!({"conversation": 3}),
+            json!({"conversation": {"id": "conv_1", "x": 1}}),
+            json!({"conversation": "conv_1", "previous_response_id": "resp_1"}),
+        ] {
+            assert_eq!(
+                storing(bad).unwrap_err().param.as_deref(),
+                Some("conversation")
+            );
+        }
     }
 
     #[test]

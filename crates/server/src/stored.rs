@@ -62,6 +62,20 @@ impl Stored {
     }
 }
 
+/// One stored conversation (the Conversations API): items that responses
+/// naming it read before their input and add their input and output to.
+/// Conversations do not expire (as OpenAI's do not); they count against
+/// their tenant's bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conversation {
+    /// When it was made (Unix seconds).
+    pub created: u64,
+    /// The client's metadata object.
+    pub metadata: Value,
+    /// Its items, oldest first, each with an id.
+    pub items: Vec<Value>,
+}
+
 /// The responses of every tenant, in one SQLite database.
 pub struct ResponseStore {
     db: Mutex<Connection>,
@@ -90,6 +104,15 @@ const SCHEMA: &str = "
     ) WITHOUT ROWID;
     CREATE INDEX IF NOT EXISTS responses_by_age ON responses (tenant, created);
     CREATE INDEX IF NOT EXISTS responses_by_expiry ON responses (expires);
+    CREATE TABLE IF NOT EXISTS conversations (
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        created INTEGER NOT NULL,
+        bytes INTEGER NOT NULL,
+        metadata TEXT NOT NULL,
+        items TEXT NOT NULL,
+        PRIMARY KEY (tenant, id)
+    ) WITHOUT ROWID;
 ";
 
 impl ResponseStore {
@@ -199,28 +222,7 @@ impl ResponseStore {
                 parts[2]
             ],
         )?;
-        // The tenant's own oldest make room; another tenant's rows are
-        // never touched (I9, I11).
-        loop {
-            let total: i64 = tx.query_row(
-                "SELECT COALESCE(SUM(bytes), 0) FROM responses WHERE tenant = ?1",
-                params![tenant],
-                |row| row.get(0),
-            )?;
-            if total as u64 <= limit {
-                break;
-            }
-            let removed = tx.execute(
-                "DELETE FROM responses WHERE tenant = ?1 AND id = (
-                    SELECT id FROM responses WHERE tenant = ?1 AND id != ?2
-                    ORDER BY created, id LIMIT 1)",
-                params![tenant, id],
-            )?;
-            assert_eq!(
-                removed, 1,
-                "a tenant over its bytes has a row besides the new one, which alone fits"
-            );
-        }
+        make_room(&tx, tenant, Some(id), limit)?;
         tx.commit()?;
         Ok(())
     }
@@ -266,6 +268,156 @@ impl ResponseStore {
     }
 }
 
+impl ResponseStore {
+    /// Stores a new conversation `id` of `tenant`.
+    pub fn create_conversation(
+        &self,
+        tenant: &str,
+        id: &str,
+        conversation: &Conversation,
+    ) -> Result<(), ServerError> {
+        let mut db = self.db();
+        let tx = db.transaction()?;
+        write_conversation(&tx, tenant, id, conversation, "INSERT")?;
+        make_room(&tx, tenant, None, self.limits.tenant_bytes)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// `tenant`'s conversation `id`, if it has one.
+    pub fn conversation(
+        &self,
+        tenant: &str,
+        id: &str,
+    ) -> Result<Option<Conversation>, ServerError> {
+        read_conversation(&self.db(), tenant, id)
+    }
+
+    /// Changes `tenant`'s conversation `id` with `edit`, all or nothing;
+    /// the conversation as changed, or `None` if the tenant has no such
+    /// conversation. Refused if the tenant's bytes cannot hold it.
+    pub fn edit_conversation(
+        &self,
+        tenant: &str,
+        id: &str,
+        edit: impl FnOnce(&mut Conversation),
+    ) -> Result<Option<Conversation>, ServerError> {
+        let mut db = self.db();
+        let tx = db.transaction()?;
+        let Some(mut conversation) = read_conversation(&tx, tenant, id)? else {
+            return Ok(None);
+        };
+        edit(&mut conversation);
+        write_conversation(&tx, tenant, id, &conversation, "REPLACE")?;
+        make_room(&tx, tenant, None, self.limits.tenant_bytes)?;
+        tx.commit()?;
+        Ok(Some(conversation))
+    }
+
+    /// Removes `tenant`'s conversation `id`; whether it had one.
+    pub fn delete_conversation(&self, tenant: &str, id: &str) -> Result<bool, ServerError> {
+        let removed = self.db().execute(
+            "DELETE FROM conversations WHERE tenant = ?1 AND id = ?2",
+            params![tenant, id],
+        )?;
+        Ok(removed == 1)
+    }
+}
+
+fn read_conversation(
+    db: &Connection,
+    tenant: &str,
+    id: &str,
+) -> Result<Option<Conversation>, ServerError> {
+    let row = db
+        .query_row(
+            "SELECT created, metadata, items FROM conversations WHERE tenant = ?1 AND id = ?2",
+            params![tenant, id],
+            |row| {
+                Ok((
+                    row.get::<_, i64>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, String>(2)?,
+                ))
+            },
+        )
+        .optional()?;
+    let Some((created, metadata, items)) = row else {
+        return Ok(None);
+    };
+    let Ok(Value::Array(items)) = serde_json::from_str(&items) else {
+        return Err(ServerError::StoredDamaged);
+    };
+    Ok(Some(Conversation {
+        created: u64::try_from(created).unwrap_or(0),
+        metadata: serde_json::from_str(&metadata).map_err(|_| ServerError::StoredDamaged)?,
+        items,
+    }))
+}
+
+/// `INSERT`s (a new id) or `REPLACE`s `tenant`'s conversation `id`.
+fn write_conversation(
+    tx: &rusqlite::Transaction<'_>,
+    tenant: &str,
+    id: &str,
+    conversation: &Conversation,
+    verb: &str,
+) -> Result<(), ServerError> {
+    let metadata = conversation.metadata.to_string();
+    let items = Value::Array(conversation.items.clone()).to_string();
+    let bytes = (metadata.len() + items.len()) as i64;
+    tx.execute(
+        &format!(
+            "{verb} INTO conversations (tenant, id, created, bytes, metadata, items)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
+        ),
+        params![
+            tenant,
+            id,
+            sql_time(conversation.created),
+            bytes,
+            metadata,
+            items
+        ],
+    )?;
+    Ok(())
+}
+
+/// Removes `tenant`'s oldest stored responses (never `keep`, never another
+/// tenant's, never a conversation) until its responses and conversations
+/// together are within `limit`; refuses if they cannot be.
+fn make_room(
+    tx: &rusqlite::Transaction<'_>,
+    tenant: &str,
+    keep: Option<&str>,
+    limit: u64,
+) -> Result<(), ServerError> {
+    loop {
+        let total: i64 = tx.query_row(
+            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM responses WHERE tenant = ?1)
+                  + (SELECT COALESCE(SUM(bytes), 0) FROM conversations WHERE tenant = ?1)",
+            params![tenant],
+            |row| row.get(0),
+        )?;
+        let total = total as u64;
+        if total <= limit {
+            return Ok(());
+        }
+        let removed = tx.execute(
+            "DELETE FROM responses WHERE tenant = ?1 AND id = (
+                SELECT id FROM responses WHERE tenant = ?1 AND id != ?2
+                ORDER BY created, id LIMIT 1)",
+            params![tenant, keep.unwrap_or("")],
+        )?;
+        if removed == 0 {
+            return Err(ServerError::StoredTooLarge {
+                bytes: total,
+                limit,
+            });
+        }
+    }
+}
+
 /// Unix seconds as SQLite's integer (past 2^63 is beyond any clock).
 fn sql_time(seconds: u64) -> i64 {
     i64::try_from(seconds).unwrap_or(i64::MAX)
@@ -288,9 +440,9 @@ fn create_private(path: &Path) -> std::io::Result<()> {
     }
 }
 
-/// A new response id: `resp_` and 128 random bits.
-pub fn new_id() -> String {
-    format!("resp_{:032x}", rand::random::<u128>())
+/// A new id: `prefix`, `_` and 128 random bits (`resp`, `conv`).
+pub fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{:032x}", rand::random::<u128>())
 }
 
 #[cfg(test)]
@@ -316,7 +468,7 @@ mod tests {
     #[test]
     fn i9_a_tenant_reads_and_deletes_only_its_own_responses() {
         let store = store(StoreLimits::default());
-        let id = new_id();
+        let id = new_id("resp");
         store
             .put("alpha", &id, &stored("alpha's secret"), 100)
             .unwrap();
@@ -326,7 +478,7 @@ mod tests {
         );
         // Another tenant's id is as absent as one never made.
         assert_eq!(store.get("beta", &id, 101).unwrap(), None);
-        assert_eq!(store.get("beta", &new_id(), 101).unwrap(), None);
+        assert_eq!(store.get("beta", &new_id("resp"), 101).unwrap(), None);
         assert!(!store.delete("beta", &id, 101).unwrap());
         assert!(store.get("alpha", &id, 101).unwrap().is_some());
         assert!(store.delete("alpha", &id, 101).unwrap());
@@ -409,9 +561,69 @@ mod tests {
     }
 
     #[test]
+    fn i9_conversations_are_their_tenant_s_and_share_its_bytes() {
+        let one = |text: &str| Conversation {
+            created: 1,
+            metadata: json!({"topic": "t"}),
+            items: vec![json!({"id": "msg_1", "type": "message", "role": "user", "content": text})],
+        };
+        let store = store(StoreLimits {
+            tenant_bytes: 1_000,
+            ..StoreLimits::default()
+        });
+        store
+            .create_conversation("alpha", "conv_a", &one("hello"))
+            .unwrap();
+        assert_eq!(
+            store.conversation("alpha", "conv_a").unwrap(),
+            Some(one("hello"))
+        );
+        assert_eq!(store.conversation("beta", "conv_a").unwrap(), None);
+        assert_eq!(
+            store.edit_conversation("beta", "conv_a", |_| {}).unwrap(),
+            None
+        );
+        assert!(!store.delete_conversation("beta", "conv_a").unwrap());
+        let edited = store
+            .edit_conversation("alpha", "conv_a", |c| c.items.push(json!({"id": "msg_2"})))
+            .unwrap()
+            .unwrap();
+        assert_eq!(edited.items.len(), 2);
+        assert_eq!(store.conversation("alpha", "conv_a").unwrap(), Some(edited));
+        // A stored response makes room for a conversation that grows; a
+        // conversation that cannot fit is refused and left as it was.
+        store.put("alpha", "resp_old", &stored("x"), 2).unwrap();
+        let big = json!({"id": "msg_3", "text": "y".repeat(850)});
+        store
+            .edit_conversation("alpha", "conv_a", |c| c.items.push(big.clone()))
+            .unwrap();
+        assert_eq!(
+            store.get("alpha", "resp_old", 3).unwrap(),
+            None,
+            "evicted for it"
+        );
+        let huge = json!({"id": "msg_4", "text": "z".repeat(1_000)});
+        assert!(matches!(
+            store.edit_conversation("alpha", "conv_a", |c| c.items.push(huge)),
+            Err(ServerError::StoredTooLarge { .. })
+        ));
+        assert_eq!(
+            store
+                .conversation("alpha", "conv_a")
+                .unwrap()
+                .unwrap()
+                .items
+                .len(),
+            3
+        );
+        assert!(store.delete_conversation("alpha", "conv_a").unwrap());
+        assert_eq!(store.conversation("alpha", "conv_a").unwrap(), None);
+    }
+
+    #[test]
     fn ids_are_unguessable() {
-        let a = new_id();
+        let a = new_id("resp");
         assert_eq!(a.len(), "resp_".len() + 32);
-        assert_ne!(a, new_id());
+        assert_ne!(a, new_id("resp"));
     }
 }

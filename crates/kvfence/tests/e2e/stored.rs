@@ -1,6 +1,7 @@
-//! Stored responses behind tenant walls: `store`, `previous_response_id`,
-//! `GET`/`DELETE /v1/responses/{id}` and `input_items`, over HTTP against a
-//! real server — kept across a restart, a continuation reading the prefix
+//! Stored responses and conversations behind tenant walls: `store`,
+//! `previous_response_id`, `conversation`, `GET`/`DELETE
+//! /v1/responses/{id}`, `input_items` and the Conversations API, over HTTP
+//! against a real server — kept across a restart, a continuation reading the prefix
 //! cache, another tenant's id answered exactly as a made-up one (I9), and
 //! nothing of the stored text in the log (I10).
 
@@ -236,4 +237,177 @@ async fn with_the_store_off_asking_to_store_is_refused_and_nothing_is_kept() {
         .await
         .unwrap();
     assert_eq!(response.status().as_u16(), 404);
+    let (status, answer) = post(&server.url("/v1/conversations"), None, json!({})).await;
+    assert_eq!(
+        (status, &answer["error"]["code"]),
+        (400, &json!("conversations_unavailable"))
+    );
+    let (status, answer) = post(&url, None, ask("hi", json!({"conversation": "conv_1"}))).await;
+    assert_eq!(
+        (status, &answer["error"]["param"]),
+        (400, &json!("conversation")),
+        "{answer}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn conversations_hold_items_responses_join_and_other_tenants_never_see() {
+    let (alpha, alpha_lines) = tenant("alpha", &[]);
+    let (beta, beta_lines) = tenant("beta", &[]);
+    let file = tenants_file(&[alpha_lines, beta_lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let conversations = server.url("/v1/conversations");
+
+    let (status, made) = post(
+        &conversations,
+        Some(&alpha),
+        json!({"items": [{"type": "message", "role": "user", "content": "my name is Zed"}],
+               "metadata": {"topic": "names"}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{made}");
+    assert_eq!(made["object"], "conversation");
+    assert_eq!(made["metadata"], json!({"topic": "names"}));
+    let id = made["id"].as_str().unwrap().to_string();
+    assert!(
+        id.starts_with("conv_") && id.len() == "conv_".len() + 32,
+        "{id}"
+    );
+    let path = format!("/v1/conversations/{id}");
+    assert_eq!(
+        call(&server, "GET", &path, &alpha).await,
+        (200, made.clone())
+    );
+
+    // A response in the conversation reads its items and joins it.
+    let alone = post(
+        &server.url("/v1/responses"),
+        Some(&alpha),
+        ask("what is my name?", json!({})),
+    )
+    .await
+    .1;
+    let (status, answer) = post(
+        &server.url("/v1/responses"),
+        Some(&alpha),
+        ask("what is my name?", json!({"conversation": id})),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["conversation"], json!({"id": id}));
+    assert!(
+        answer["usage"]["input_tokens"].as_u64() > alone["usage"]["input_tokens"].as_u64(),
+        "the conversation's items are in the prompt: {answer}"
+    );
+    let (status, items) = call(&server, "GET", &format!("{path}/items?order=asc"), &alpha).await;
+    assert_eq!(status, 200, "{items}");
+    let data = items["data"].as_array().unwrap();
+    assert_eq!(data.len(), 3, "its item, the question, the answer: {items}");
+    assert_eq!(data[0]["content"], "my name is Zed");
+    assert_eq!(data[1]["content"][0]["text"], "what is my name?");
+    assert_eq!(data[2]["id"], answer["output"][0]["id"]);
+
+    // Items added, read one by one, deleted.
+    let (status, added) = post(
+        &format!("{}/items", server.url(&path)),
+        Some(&alpha),
+        json!({"items": [{"role": "user", "content": "one more"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{added}");
+    let item_id = added["data"][0]["id"].as_str().unwrap().to_string();
+    let (status, item) = call(&server, "GET", &format!("{path}/items/{item_id}"), &alpha).await;
+    assert_eq!((status, &item["content"]), (200, &json!("one more")));
+
+    // Another tenant: every path answers as for a conversation never made.
+    let made_up = format!("conv_{:032x}", 9u128);
+    for (method, template) in [
+        ("GET", "/v1/conversations/{}"),
+        ("GET", "/v1/conversations/{}/items"),
+        ("DELETE", "/v1/conversations/{}"),
+    ] {
+        let theirs = call(&server, method, &template.replace("{}", &id), &beta).await;
+        let nobody = call(&server, method, &template.replace("{}", &made_up), &beta).await;
+        assert_eq!(theirs.0, 404, "{method} {template}: {}", theirs.1);
+        assert_eq!(theirs, nobody, "{method} {template}");
+    }
+    let theirs = call(&server, "DELETE", &format!("{path}/items/{item_id}"), &beta).await;
+    let nobody = call(
+        &server,
+        "DELETE",
+        &format!("/v1/conversations/{made_up}/items/{item_id}"),
+        &beta,
+    )
+    .await;
+    assert_eq!((theirs.0, &theirs), (404, &nobody));
+    let (status, _) = post(
+        &format!("{}/items", server.url(&path)),
+        Some(&beta),
+        json!({"items": [{"role": "user", "content": "planted"}]}),
+    )
+    .await;
+    assert_eq!(status, 404);
+    let (status, theirs) = post(
+        &server.url("/v1/responses"),
+        Some(&beta),
+        ask("hi", json!({"conversation": {"id": id}})),
+    )
+    .await;
+    assert_eq!(
+        (status, &theirs["error"]["param"]),
+        (404, &json!("conversation")),
+        "{theirs}"
+    );
+    let (_, items) = call(&server, "GET", &format!("{path}/items"), &alpha).await;
+    assert_eq!(
+        items["data"].as_array().unwrap().len(),
+        4,
+        "untouched: {items}"
+    );
+
+    // Metadata replaced; an item deleted; the conversation deleted.
+    let (status, updated) = post(
+        &server.url(&path),
+        Some(&alpha),
+        json!({"metadata": {"topic": "z"}}),
+    )
+    .await;
+    assert_eq!(
+        (status, &updated["metadata"]),
+        (200, &json!({"topic": "z"}))
+    );
+    let (status, after) = call(
+        &server,
+        "DELETE",
+        &format!("{path}/items/{item_id}"),
+        &alpha,
+    )
+    .await;
+    assert_eq!((status, &after["id"]), (200, &json!(id)));
+    let (status, _) = call(&server, "GET", &format!("{path}/items/{item_id}"), &alpha).await;
+    assert_eq!(status, 404);
+    let (status, deleted) = call(&server, "DELETE", &path, &alpha).await;
+    assert_eq!(
+        (status, deleted),
+        (
+            200,
+            json!({"id": id, "object": "conversation.deleted", "deleted": true})
+        )
+    );
+    assert_eq!(call(&server, "GET", &path, &alpha).await.0, 404);
+
+    // Bad bodies are refused by name.
+    for (body, param) in [
+        (json!({"items": "text"}), "items"),
+        (json!({"items": [{"type": "input_image"}]}), "items[0].type"),
+        (json!({"metadata": {"k": 3}}), "metadata"),
+        (json!({"colour": "red"}), "colour"),
+    ] {
+        let (status, answer) = post(&conversations, Some(&alpha), body.clone()).await;
+        assert_eq!(
+            (status, &answer["error"]["param"]),
+            (400, &json!(param)),
+            "{body}: {answer}"
+        );
+    }
 }

@@ -41,6 +41,7 @@ use crate::responses::{self, RESPONSES_FIELDS};
 use crate::tenants::{Admission, Tenant};
 use crate::tools::{Call, StreamSplit, Tools};
 
+pub(crate) mod conversations;
 mod prepare;
 mod reply;
 mod respond;
@@ -71,7 +72,7 @@ impl Endpoint {
         let prefix = match self {
             Endpoint::Chat => "chatcmpl",
             Endpoint::Completions => "cmpl",
-            Endpoint::Responses => return crate::stored::new_id(),
+            Endpoint::Responses => return crate::stored::new_id("resp"),
         };
         format!("{prefix}-{:024x}", rand::random::<u128>() >> 32)
     }

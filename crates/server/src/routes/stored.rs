@@ -1,38 +1,45 @@
-//! Stored responses over HTTP: `store` and `previous_response_id` on
-//! `POST /v1/responses`, and `GET`/`DELETE /v1/responses/{id}` and
-//! `GET /v1/responses/{id}/input_items`. Every lookup is the authenticated
-//! tenant's: another tenant's id gets the very answer a made-up one gets —
-//! one 404, from the same one-row lookup (I9).
+//! Stored responses over HTTP: `store`, `previous_response_id` and
+//! `conversation` on `POST /v1/responses`, and `GET`/`DELETE
+//! /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`. Every
+//! lookup is the authenticated tenant's: another tenant's id gets the very
+//! answer a made-up one gets — one 404, from the same one-row lookup (I9).
 
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, RawQuery};
 use serde_json::Map;
 use tracing::warn;
 
 use super::*;
-use crate::stored::Stored;
+use crate::error::ServerError;
+use crate::stored::{ResponseStore, Stored};
 
 /// What a Responses request will keep once it is answered.
 pub(super) struct ToStore {
     /// Its own input items.
     input: Vec<Value>,
-    /// The stored conversation it continued.
+    /// The stored items it continued.
     earlier: Vec<Value>,
+    /// Keep the response itself (`store`).
+    response: bool,
+    /// The conversation its input and output join.
+    conversation: Option<String>,
 }
 
-/// The 404 for a response this tenant does not have — absent, expired,
-/// deleted or another tenant's alike. Quotes nothing the client sent.
-fn not_found(param: Option<&str>) -> ApiError {
+/// The 404 for a `what` (`response`, `conversation`) this tenant does not
+/// have — absent, expired, deleted or another tenant's alike. Quotes
+/// nothing the client sent.
+pub(super) fn not_found(what: &str, param: Option<&str>) -> ApiError {
     ApiError {
         param: param.map(str::to_string),
         ..ApiError::new(
             ErrorType::NotFoundError,
             "not_found",
-            "no stored response with this id",
+            format!("no stored {what} with this id"),
         )
     }
 }
 
-fn store_failed() -> ApiError {
+pub(super) fn store_failed() -> ApiError {
     ApiError::new(
         ErrorType::ServerError,
         "store_failed",
@@ -64,75 +71,123 @@ pub(super) fn translate(
         (Some(_), Some(false)) => None,
         (Some(store), _) => Some(store),
     };
-    let earlier = match (&state.responses, &asks.previous) {
-        (_, None) => Vec::new(),
-        (None, Some(_)) => return Err(off("previous_response_id")),
-        (Some(store), Some(id)) => {
+    let failed = |error: ServerError| {
+        warn!(%error, tenant = %tenant.name, "reading the response store failed");
+        store_failed()
+    };
+    let earlier = match (&state.responses, &asks.previous, &asks.conversation) {
+        (_, None, None) => Vec::new(),
+        (None, Some(_), _) => return Err(off("previous_response_id")),
+        (None, _, Some(_)) => return Err(off("conversation")),
+        (Some(store), Some(id), _) => {
             store
                 .get(&tenant.name, id, unix_now())
-                .map_err(|error| {
-                    warn!(%error, tenant = %tenant.name, "reading a stored response failed");
-                    store_failed()
-                })?
-                .ok_or_else(|| not_found(Some("previous_response_id")))?
+                .map_err(failed)?
+                .ok_or_else(|| not_found("response", Some("previous_response_id")))?
                 .conversation
+        }
+        (Some(store), None, Some(id)) => {
+            store
+                .conversation(&tenant.name, id)
+                .map_err(failed)?
+                .ok_or_else(|| not_found("conversation", Some("conversation")))?
+                .items
         }
     };
     let mut translated = responses::to_chat(object, &earlier)?;
     translated.echo["store"] = store.is_some().into();
-    let keep = store.map(|_| ToStore {
+    translated.echo["conversation"] = match &asks.conversation {
+        Some(id) => json!({ "id": id }),
+        None => Value::Null,
+    };
+    let keep = (store.is_some() || asks.conversation.is_some()).then(|| ToStore {
         input: translated.input.clone(),
         earlier,
+        response: store.is_some(),
+        conversation: asks.conversation,
     });
     Ok((translated, keep))
 }
 
 impl Reply {
-    /// Keeps the finished response `body` if its request asked to, before
-    /// the client sees it (so a continuation sent the moment it arrives
-    /// finds it). A response that could not be kept says `store: false`.
+    /// Keeps the finished response `body` if its request asked to, and
+    /// adds its input and output to the conversation it named, before the
+    /// client sees it (so a continuation sent the moment it arrives finds
+    /// it). A response that could not be kept says `store: false`; one
+    /// whose conversation could not take it, `conversation: null`.
     pub(super) async fn keep(&mut self, body: &mut Value) {
-        let Some(ToStore { input, earlier }) = self.to_store.take() else {
+        let Some(to_store) = self.to_store.take() else {
             return;
         };
-        let mut conversation = earlier;
-        conversation.extend(input.iter().cloned());
-        conversation.extend(body["output"].as_array().into_iter().flatten().cloned());
-        let stored = Stored {
-            response: body.clone(),
-            input,
-            conversation,
-        };
-        let (state, tenant, id) = (
+        let output: Vec<Value> = body["output"].as_array().cloned().unwrap_or_default();
+        // A task that panicked kept nothing of what was asked.
+        let lost = (
+            to_store
+                .response
+                .then(|| Err("the store's task failed".to_string())),
+            to_store
+                .conversation
+                .is_some()
+                .then(|| Err("the store's task failed".to_string())),
+        );
+        let (state, tenant, id, response) = (
             Arc::clone(&self.state),
             self.tenant.name.clone(),
             self.id.clone(),
+            body.clone(),
         );
         let kept = tokio::task::spawn_blocking(move || {
+            let ToStore {
+                input,
+                earlier,
+                response: keep_response,
+                conversation,
+            } = to_store;
             let store = state
                 .responses
                 .as_ref()
-                .expect("a reply keeps a response only when the server has a store");
-            store.put(&tenant, &id, &stored, unix_now())
+                .expect("a reply keeps something only when the server has a store");
+            let now = unix_now();
+            let joined = conversation.map(|conversation| {
+                let added = input.iter().chain(&output).cloned();
+                match store.edit_conversation(&tenant, &conversation, |c| c.items.extend(added)) {
+                    Ok(Some(_)) => Ok(()),
+                    Ok(None) => Err("the conversation was deleted first".to_string()),
+                    Err(error) => Err(error.to_string()),
+                }
+            });
+            let stored = keep_response.then(|| {
+                let mut items = earlier;
+                items.extend(input.iter().cloned());
+                items.extend(output);
+                let stored = Stored {
+                    response,
+                    input,
+                    conversation: items,
+                };
+                store
+                    .put(&tenant, &id, &stored, now)
+                    .map_err(|error| error.to_string())
+            });
+            (stored, joined)
         })
         .await;
-        match kept {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => {
-                warn!(request = %self.choices[0].handle.id(), tenant = %self.tenant.name, %error, "the response was not stored");
-                body["store"] = false.into();
-            }
-            Err(_) => {
-                warn!(request = %self.choices[0].handle.id(), tenant = %self.tenant.name, "the response was not stored");
-                body["store"] = false.into();
-            }
+        let (stored, joined) = kept.unwrap_or(lost);
+        let request = self.choices[0].handle.id();
+        if let Some(Err(error)) = stored {
+            warn!(%request, tenant = %self.tenant.name, %error, "the response was not stored");
+            body["store"] = false.into();
+        }
+        if let Some(Err(error)) = joined {
+            warn!(%request, tenant = %self.tenant.name, %error, "the response did not join its conversation");
+            body["conversation"] = Value::Null;
         }
     }
 }
 
 /// The tenant the headers name; its connection is no stranger from now on
 /// (I11), as for a generating request.
-fn tenant_of(
+pub(super) fn tenant_of(
     state: &AppState,
     headers: &HeaderMap,
     ticket: Option<&Extension<Ticket>>,
@@ -144,23 +199,42 @@ fn tenant_of(
     Ok(tenant)
 }
 
-/// Reads `tenant`'s stored response `id` on a blocking thread.
-async fn lookup(state: &Arc<AppState>, tenant: &Tenant, id: String) -> Result<Stored, ApiError> {
-    let (state, name) = (Arc::clone(state), tenant.name.clone());
+/// The store failed: logged (never with stored text), answered as a 500.
+pub(super) fn store_error(error: ServerError) -> ApiError {
+    warn!(%error, "the response store failed");
+    store_failed()
+}
+
+/// Runs `work` on the response store, on a blocking thread, for `tenant`;
+/// `off` answers when the server keeps nothing.
+pub(super) async fn on_store<T: Send + 'static>(
+    state: &Arc<AppState>,
+    tenant: Arc<Tenant>,
+    off: ApiError,
+    work: impl FnOnce(&ResponseStore, &str) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let state = Arc::clone(state);
     tokio::task::spawn_blocking(move || match &state.responses {
-        Some(store) => store.get(&name, &id, unix_now()),
-        None => Ok(None),
+        Some(store) => work(store, &tenant.name),
+        None => Err(off),
     })
     .await
     .map_err(|_| store_failed())?
-    .map_err(|error| {
-        warn!(%error, tenant = %tenant.name, "reading a stored response failed");
-        store_failed()
-    })?
-    .ok_or_else(|| not_found(None))
 }
 
-fn answer(state: &AppState, result: Result<Value, ApiError>) -> Response {
+/// [`on_store`] for the tenant the headers name.
+pub(super) async fn for_tenant<T: Send + 'static>(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    ticket: Option<&Extension<Ticket>>,
+    off: ApiError,
+    work: impl FnOnce(&ResponseStore, &str) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let tenant = tenant_of(state, headers, ticket)?;
+    on_store(state, tenant, off, work).await
+}
+
+pub(super) fn answer(state: &AppState, result: Result<Value, ApiError>) -> Response {
     match result {
         Ok(body) => Json(body).into_response(),
         Err(error) => {
@@ -178,20 +252,26 @@ pub async fn retrieve(
     RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Response {
-    let result = async {
-        let tenant = tenant_of(&state, &headers, ticket.as_ref())?;
-        // Streaming a stored response again, or `include`, are not done
-        // here: refused rather than ignored.
-        if query.is_some_and(|q| !q.is_empty()) {
-            return Err(ApiError::invalid(
-                "query",
-                "GET /v1/responses/{id} takes no query parameters here",
-            ));
-        }
-        lookup(&state, &tenant, id)
-            .await
-            .map(|stored| stored.response)
+    // Streaming a stored response again, or `include`, are not done here:
+    // refused rather than ignored.
+    if query.is_some_and(|q| !q.is_empty()) {
+        let error = ApiError::invalid(
+            "query",
+            "GET /v1/responses/{id} takes no query parameters here",
+        );
+        return answer(&state, Err(error));
     }
+    let missing = not_found("response", None);
+    let result = for_tenant(
+        &state,
+        &headers,
+        ticket.as_ref(),
+        missing.clone(),
+        move |store, tenant| {
+            let stored = store.get(tenant, &id, unix_now()).map_err(store_error)?;
+            stored.map(|s| s.response).ok_or(missing)
+        },
+    )
     .await;
     answer(&state, result)
 }
@@ -203,29 +283,24 @@ pub async fn delete(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let result = async {
-        let tenant = tenant_of(&state, &headers, ticket.as_ref())?;
-        let (store_state, name, key) = (Arc::clone(&state), tenant.name.clone(), id.clone());
-        let removed = tokio::task::spawn_blocking(move || match &store_state.responses {
-            Some(store) => store.delete(&name, &key, unix_now()),
-            None => Ok(false),
-        })
-        .await
-        .map_err(|_| store_failed())?
-        .map_err(|error| {
-            warn!(%error, tenant = %tenant.name, "deleting a stored response failed");
-            store_failed()
-        })?;
-        if !removed {
-            return Err(not_found(None));
-        }
-        Ok(json!({ "id": id, "object": "response.deleted", "deleted": true }))
-    }
+    let missing = not_found("response", None);
+    let result = for_tenant(
+        &state,
+        &headers,
+        ticket.as_ref(),
+        missing.clone(),
+        move |store, tenant| {
+            if !store.delete(tenant, &id, unix_now()).map_err(store_error)? {
+                return Err(missing);
+            }
+            Ok(json!({ "id": id, "object": "response.deleted", "deleted": true }))
+        },
+    )
     .await;
     answer(&state, result)
 }
 
-/// `input_items`' query: OpenAI's paging.
+/// A list's query: OpenAI's paging.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ItemsQuery {
@@ -243,15 +318,41 @@ pub async fn input_items(
     State(state): State<Arc<AppState>>,
     ticket: Option<Extension<Ticket>>,
     Path(id): Path<String>,
-    query: Result<Query<ItemsQuery>, axum::extract::rejection::QueryRejection>,
+    query: Result<Query<ItemsQuery>, QueryRejection>,
     headers: HeaderMap,
 ) -> Response {
-    let result = async {
-        let tenant = tenant_of(&state, &headers, ticket.as_ref())?;
+    let paging = match Paging::of(query) {
+        Ok(paging) => paging,
+        Err(error) => return answer(&state, Err(error)),
+    };
+    let missing = not_found("response", None);
+    let result = for_tenant(
+        &state,
+        &headers,
+        ticket.as_ref(),
+        missing.clone(),
+        move |store, tenant| {
+            let stored = store.get(tenant, &id, unix_now()).map_err(store_error)?;
+            Ok(paging.page(stored.ok_or(missing)?.input))
+        },
+    )
+    .await;
+    answer(&state, result)
+}
+
+/// A page's size, order and start, checked.
+pub(super) struct Paging {
+    limit: usize,
+    newest_first: bool,
+    after: Option<String>,
+}
+
+impl Paging {
+    pub(super) fn of(query: Result<Query<ItemsQuery>, QueryRejection>) -> Result<Paging, ApiError> {
         let Query(query) = query.map_err(|_| {
             ApiError::invalid(
                 "query",
-                "input_items takes limit (1 to 100), order (asc or desc) and after",
+                "a list takes limit (1 to 100), order (asc or desc) and after",
             )
         })?;
         let limit = query.limit.unwrap_or(20);
@@ -266,16 +367,16 @@ pub async fn input_items(
             Some("asc") => false,
             Some(_) => return Err(ApiError::invalid("order", "order must be asc or desc")),
         };
-        let stored = lookup(&state, &tenant, id).await?;
-        Ok(page(
-            stored.input,
-            newest_first,
-            query.after.as_deref(),
+        Ok(Paging {
             limit,
-        ))
+            newest_first,
+            after: query.after,
+        })
     }
-    .await;
-    answer(&state, result)
+
+    pub(super) fn page(&self, items: Vec<Value>) -> Value {
+        page(items, self.newest_first, self.after.as_deref(), self.limit)
+    }
 }
 
 /// One page of `items` in the asked order, after the item `after` (an
