@@ -278,10 +278,13 @@ pub(crate) struct HttpArgs {
     /// created readable by its owner only. Default
     /// $KVFENCE_DATA_DIR/responses.sqlite, else
     /// $XDG_DATA_HOME/kvfence/responses.sqlite, else
-    /// ~/.local/share/kvfence/responses.sqlite. `off` keeps nothing (a
+    /// ~/.local/share/kvfence/responses.sqlite. A
+    /// postgres://user:password@host:port/database URL keeps them in
+    /// PostgreSQL (tables kvfence_responses and kvfence_conversations, made
+    /// if missing), shared by every router given it. `off` keeps nothing (a
     /// request that asks to store is then refused); `memory` keeps them
-    /// until the process exits. Each router keeps its own.
-    #[arg(long, value_name = "FILE|off|memory")]
+    /// until the process exits.
+    #[arg(long, value_name = "FILE|URL|off|memory")]
     responses_store: Option<String>,
     /// Hours a stored response can be read or continued.
     #[arg(long, default_value_t = 720)]
@@ -340,6 +343,11 @@ impl HttpArgs {
         let path = match self.responses_store.as_deref() {
             Some("off") => return Ok(None),
             Some("memory") => return Ok(Some(ResponseStore::in_memory(limits)?)),
+            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+                let store = ResponseStore::postgres(url, limits)?;
+                info!("stored responses kept in PostgreSQL");
+                return Ok(Some(store));
+            }
             Some(path) => PathBuf::from(path),
             None => ResponseStore::default_path().context(
                 "no data directory for stored responses: set KVFENCE_DATA_DIR or HOME, or pass \

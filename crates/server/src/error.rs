@@ -52,6 +52,11 @@ pub enum ServerError {
     /// The response store's database failed.
     #[error("the response store failed: {0}")]
     StoreDatabase(#[from] rusqlite::Error),
+    /// The response store's PostgreSQL server failed, or could not be
+    /// reached. The reason is its SQLSTATE code or the connection's
+    /// error, never its message (which may quote a value).
+    #[error("the response store's PostgreSQL server failed: {0}")]
+    StorePostgres(String),
     /// A stored response could not be read back.
     #[error("a stored response is damaged")]
     StoredDamaged,
@@ -281,6 +286,15 @@ impl From<EngineError> for ApiError {
             ),
             other => ApiError::new(ErrorType::ServerError, "internal_error", other.to_string()),
         }
+    }
+}
+
+impl From<postgres::Error> for ServerError {
+    fn from(error: postgres::Error) -> Self {
+        ServerError::StorePostgres(match error.code() {
+            Some(state) => format!("SQLSTATE {}", state.code()),
+            None => error.to_string(),
+        })
     }
 }
 

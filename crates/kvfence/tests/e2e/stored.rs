@@ -411,3 +411,93 @@ async fn conversations_hold_items_responses_join_and_other_tenants_never_see() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fleet_s_routers_share_responses_and_conversations_through_postgresql() {
+    let Some(postgres) = crate::common::Postgres::start() else {
+        return;
+    };
+    let (alpha, alpha_lines) = tenant("alpha", &[]);
+    let (beta, beta_lines) = tenant("beta", &[]);
+    let file = tenants_file(&[alpha_lines, beta_lines]);
+    let args = [
+        "--config",
+        file.path().to_str().unwrap(),
+        "--responses-store",
+        &postgres.url,
+    ];
+    let one = Server::start(&args);
+    let two = Server::start(&args);
+    let marker = "heron-lantern-2209";
+
+    // Kept through one router, read and continued through the other.
+    let (status, first) = post(
+        &one.url("/v1/responses"),
+        Some(&alpha),
+        ask(&format!("remember {marker}"), json!({})),
+    )
+    .await;
+    assert_eq!(status, 200, "{first}");
+    let id = first["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/responses/{id}");
+    assert_eq!(call(&two, "GET", &path, &alpha).await, (200, first.clone()));
+    let (status, second) = post(
+        &two.url("/v1/responses"),
+        Some(&alpha),
+        ask("and now?", json!({"previous_response_id": id})),
+    )
+    .await;
+    assert_eq!(status, 200, "{second}");
+    assert!(
+        second["usage"]["input_tokens"].as_u64()
+            > Some(first["usage"]["input_tokens"].as_u64().unwrap() + 6),
+        "{second}"
+    );
+    // Behind the tenant wall on either router.
+    let made_up = format!("resp_{:032x}", 11u128);
+    for server in [&one, &two] {
+        let theirs = call(server, "GET", &path, &beta).await;
+        let nobody = call(server, "GET", &format!("/v1/responses/{made_up}"), &beta).await;
+        assert_eq!((theirs.0, &theirs), (404, &nobody));
+    }
+
+    // A conversation made on one router, answered in on the other, read on
+    // the first.
+    let (status, made) = post(
+        &one.url("/v1/conversations"),
+        Some(&alpha),
+        json!({"items": [{"role": "user", "content": "my name is Zed"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{made}");
+    let conversation = made["id"].as_str().unwrap().to_string();
+    let (status, answer) = post(
+        &two.url("/v1/responses"),
+        Some(&alpha),
+        ask("my name?", json!({"conversation": conversation})),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let (_, items) = call(
+        &one,
+        "GET",
+        &format!("/v1/conversations/{conversation}/items?order=asc"),
+        &alpha,
+    )
+    .await;
+    assert_eq!(items["data"].as_array().unwrap().len(), 3, "{items}");
+    assert_eq!(items["data"][2]["id"], answer["output"][0]["id"]);
+
+    // Deleted on one, gone on both.
+    assert_eq!(call(&two, "DELETE", &path, &alpha).await.0, 200);
+    assert_eq!(call(&one, "GET", &path, &alpha).await.0, 404);
+    for server in [&one, &two] {
+        let log = server.log();
+        assert!(log.contains("stored responses kept in PostgreSQL"), "{log}");
+        assert!(!log.contains(marker), "stored text in the log:\n{log}");
+        assert!(
+            !log.contains(&postgres.url),
+            "the database URL in the log:\n{log}"
+        );
+    }
+}

@@ -453,3 +453,113 @@ pub fn venv_python(name: &str, requirements: &std::path::Path) -> std::path::Pat
     }
     python
 }
+
+/// A PostgreSQL server of the test's own: a fresh cluster in a temporary
+/// directory, on a free loopback port, trusting the local user `kvfence`;
+/// stopped and removed when dropped. Run as the `postgres` user when the
+/// tests run as root (PostgreSQL refuses root).
+pub struct Postgres {
+    dir: tempfile::TempDir,
+    bin: std::path::PathBuf,
+    as_postgres: bool,
+    /// `postgres://kvfence@127.0.0.1:PORT/postgres`.
+    pub url: String,
+}
+
+impl Postgres {
+    fn command(bin: &std::path::Path, as_postgres: bool, program: &str) -> Command {
+        if as_postgres {
+            let mut command = Command::new("runuser");
+            command
+                .args(["-u", "postgres", "--"])
+                .arg(bin.join(program));
+            command
+        } else {
+            Command::new(bin.join(program))
+        }
+    }
+
+    /// Starts one, or None (said) where PostgreSQL is not installed —
+    /// unless `KVFENCE_REQUIRE_POSTGRES` is set (CI installs it and sets it).
+    pub fn start() -> Option<Postgres> {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|version| version.path().join("bin"))
+            .filter(|bin| bin.join("initdb").exists())
+            .max();
+        let Some(bin) = bin else {
+            assert!(
+                std::env::var_os("KVFENCE_REQUIRE_POSTGRES").is_none(),
+                "PostgreSQL is required (KVFENCE_REQUIRE_POSTGRES) but /usr/lib/postgresql/*/bin/initdb is missing"
+            );
+            eprintln!("SKIPPED: PostgreSQL is not installed here");
+            return None;
+        };
+        let as_postgres = Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|out| out.stdout.trim_ascii() == b"0");
+        let dir = tempfile::tempdir().unwrap();
+        if as_postgres {
+            let owned = Command::new("chown")
+                .args(["postgres:"])
+                .arg(dir.path())
+                .status()
+                .unwrap();
+            assert!(owned.success(), "chown of the cluster's directory");
+        }
+        let data = dir.path().join("data");
+        let out = Postgres::command(&bin, as_postgres, "initdb")
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", "kvfence", "-A", "trust", "-E", "UTF8", "--no-sync"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let options = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off",
+            dir.path().display()
+        );
+        let out = Postgres::command(&bin, as_postgres, "pg_ctl")
+            .arg("-D")
+            .arg(&data)
+            .arg("-l")
+            .arg(dir.path().join("log"))
+            .args(["-w", "-o", &options, "start"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pg_ctl start: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            std::fs::read_to_string(dir.path().join("log")).unwrap_or_default()
+        );
+        Some(Postgres {
+            url: format!("postgres://kvfence@127.0.0.1:{port}/postgres"),
+            dir,
+            bin,
+            as_postgres,
+        })
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        let _ = Postgres::command(&self.bin, self.as_postgres, "pg_ctl")
+            .arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["-m", "immediate", "stop"])
+            .output();
+    }
+}

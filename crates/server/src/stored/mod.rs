@@ -1,35 +1,40 @@
-//! Stored responses: what `store` keeps of a Responses API answer, so that
-//! `previous_response_id` can continue it and `GET`/`DELETE
-//! /v1/responses/{id}` and `…/input_items` can read or remove it.
+//! Stored responses and conversations: what `store` keeps of a Responses
+//! API answer, so that `previous_response_id` can continue it and
+//! `GET`/`DELETE /v1/responses/{id}` and `…/input_items` can read or remove
+//! it; and the Conversations API's item lists.
 //!
 //! Every row belongs to one tenant, and every statement names the tenant
 //! beside the id: a tenant cannot read, continue or delete another's
 //! response, and asking for another tenant's id runs the same one-row
 //! primary-key lookup as asking for a made-up one — the same miss, the
 //! same 404 (I9). Ids are 128 random bits from the operating system's
-//! generator. The store is bounded: a row lives `ttl`, and a tenant's rows
-//! together at most `tenant_bytes` (its oldest go first, never another
-//! tenant's). What it holds is customer text: the file is created readable
-//! by its owner only, and nothing here logs it (I10).
+//! generator. The store is bounded: a response lives `ttl`, and a tenant's
+//! rows together at most `tenant_bytes` (its oldest responses go first,
+//! never another tenant's). What it holds is customer text: a file is
+//! created readable by its owner only, and nothing here logs it (I10).
 //!
-//! SQLite, one connection behind a mutex; callers are on blocking threads.
+//! On SQLite (a file, or memory) for one server, or PostgreSQL for a fleet
+//! whose routers share it (`backend.rs`); one connection behind a mutex,
+//! used from blocking threads.
+
+mod backend;
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::Duration;
 
-use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::Value;
 
 use crate::error::ServerError;
+use backend::{Backend, Cell, Kind, Param, Tx};
 
 /// How much the store keeps, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreLimits {
     /// How long a stored response can be read or continued.
     pub ttl: Duration,
-    /// The most one tenant's stored responses may take together, in bytes
-    /// of their JSON; past it the tenant's oldest are removed.
+    /// The most one tenant's stored responses and conversations may take
+    /// together, in bytes of their JSON; past it the tenant's oldest
+    /// responses are removed.
     pub tenant_bytes: u64,
 }
 
@@ -55,13 +60,6 @@ pub struct Stored {
     pub conversation: Vec<Value>,
 }
 
-impl Stored {
-    /// Bytes it takes in the store, as counted against the tenant.
-    fn bytes(parts: &[String; 3]) -> u64 {
-        parts.iter().map(|p| p.len() as u64).sum()
-    }
-}
-
 /// One stored conversation (the Conversations API): items that responses
 /// naming it read before their input and add their input and output to.
 /// Conversations do not expire (as OpenAI's do not); they count against
@@ -76,44 +74,12 @@ pub struct Conversation {
     pub items: Vec<Value>,
 }
 
-/// The responses of every tenant, in one SQLite database.
+/// The responses and conversations of every tenant, in one database.
+#[derive(Debug)]
 pub struct ResponseStore {
-    db: Mutex<Connection>,
+    db: Backend,
     limits: StoreLimits,
 }
-
-impl std::fmt::Debug for ResponseStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseStore")
-            .field("limits", &self.limits)
-            .finish_non_exhaustive()
-    }
-}
-
-const SCHEMA: &str = "
-    CREATE TABLE IF NOT EXISTS responses (
-        tenant TEXT NOT NULL,
-        id TEXT NOT NULL,
-        created INTEGER NOT NULL,
-        expires INTEGER NOT NULL,
-        bytes INTEGER NOT NULL,
-        response TEXT NOT NULL,
-        input TEXT NOT NULL,
-        conversation TEXT NOT NULL,
-        PRIMARY KEY (tenant, id)
-    ) WITHOUT ROWID;
-    CREATE INDEX IF NOT EXISTS responses_by_age ON responses (tenant, created);
-    CREATE INDEX IF NOT EXISTS responses_by_expiry ON responses (expires);
-    CREATE TABLE IF NOT EXISTS conversations (
-        tenant TEXT NOT NULL,
-        id TEXT NOT NULL,
-        created INTEGER NOT NULL,
-        bytes INTEGER NOT NULL,
-        metadata TEXT NOT NULL,
-        items TEXT NOT NULL,
-        PRIMARY KEY (tenant, id)
-    ) WITHOUT ROWID;
-";
 
 impl ResponseStore {
     /// Where the store lives unless `--responses-store` says otherwise:
@@ -128,7 +94,8 @@ impl ResponseStore {
         Some(dir.join("responses.sqlite"))
     }
 
-    /// Opens (or creates, readable by its owner only) the store at `path`.
+    /// Opens (or creates, readable by its owner only) the SQLite store at
+    /// `path`.
     pub fn open(path: &Path, limits: StoreLimits) -> Result<ResponseStore, ServerError> {
         let failed = |reason: String| ServerError::ResponseStore {
             path: path.display().to_string(),
@@ -138,33 +105,29 @@ impl ResponseStore {
             std::fs::create_dir_all(dir).map_err(|e| failed(e.to_string()))?;
         }
         create_private(path).map_err(|e| failed(e.to_string()))?;
-        let db = Connection::open(path).map_err(|e| failed(e.to_string()))?;
-        Self::with(db, limits).map_err(|e| failed(e.to_string()))
+        let db = Backend::sqlite(Some(path)).map_err(|e| failed(e.to_string()))?;
+        Ok(ResponseStore { db, limits })
     }
 
     /// A store in memory, gone with the process.
     pub fn in_memory(limits: StoreLimits) -> Result<ResponseStore, ServerError> {
-        let db = Connection::open_in_memory().map_err(|e| ServerError::ResponseStore {
+        let db = Backend::sqlite(None).map_err(|e| ServerError::ResponseStore {
             path: ":memory:".into(),
             reason: e.to_string(),
         })?;
-        Self::with(db, limits).map_err(|e| ServerError::ResponseStore {
-            path: ":memory:".into(),
-            reason: e.to_string(),
-        })
+        Ok(ResponseStore { db, limits })
     }
 
-    fn with(db: Connection, limits: StoreLimits) -> Result<ResponseStore, rusqlite::Error> {
-        // Several processes (a restart overlapping the old one, tools
-        // reading it) may open one file: wait for a lock instead of failing.
-        db.busy_timeout(Duration::from_secs(5))?;
-        db.pragma_update_and_check(None, "journal_mode", "WAL", |_| Ok(()))?;
-        db.pragma_update(None, "synchronous", "NORMAL")?;
-        db.execute_batch(SCHEMA)?;
-        Ok(ResponseStore {
-            db: Mutex::new(db),
-            limits,
-        })
+    /// The store in the PostgreSQL database at `url`
+    /// (`postgres://user:password@host:port/database`), its tables
+    /// (`kvfence_responses`, `kvfence_conversations`) made if missing.
+    pub fn postgres(url: &str, limits: StoreLimits) -> Result<ResponseStore, ServerError> {
+        let db = Backend::postgres(url).map_err(|e| ServerError::ResponseStore {
+            // Never the URL: it may hold a password.
+            path: "the PostgreSQL database".into(),
+            reason: e.to_string(),
+        })?;
+        Ok(ResponseStore { db, limits })
     }
 
     /// The limits it keeps.
@@ -172,12 +135,12 @@ impl ResponseStore {
         self.limits
     }
 
-    fn db(&self) -> std::sync::MutexGuard<'_, Connection> {
-        // A panic while holding the lock left no half-done statement
-        // behind (each is atomic in SQLite), so the connection is usable.
-        self.db
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// A statement with this database's names for the `{responses}` and
+    /// `{conversations}` tables.
+    fn sql(&self, statement: &str) -> String {
+        statement
+            .replace("{responses}", self.db.table("responses"))
+            .replace("{conversations}", self.db.table("conversations"))
     }
 
     /// Stores `stored` as `tenant`'s response `id` at `now` (Unix
@@ -195,80 +158,89 @@ impl ResponseStore {
             Value::Array(stored.input.clone()).to_string(),
             Value::Array(stored.conversation.clone()).to_string(),
         ];
-        let bytes = Stored::bytes(&parts);
+        let bytes: u64 = parts.iter().map(|p| p.len() as u64).sum();
         let limit = self.limits.tenant_bytes;
         if bytes > limit {
             return Err(ServerError::StoredTooLarge { bytes, limit });
         }
         let expires = now.saturating_add(self.limits.ttl.as_secs());
-        let mut db = self.db();
-        let tx = db.transaction()?;
-        tx.execute(
-            "DELETE FROM responses WHERE expires <= ?1",
-            params![sql_time(now)],
-        )?;
-        tx.execute(
-            "INSERT OR REPLACE INTO responses
+        let purge = self.sql("DELETE FROM {responses} WHERE expires <= $1");
+        let insert = self.sql(
+            "INSERT INTO {responses}
                 (tenant, id, created, expires, bytes, response, input, conversation)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            params![
-                tenant,
-                id,
-                sql_time(now),
-                sql_time(expires),
-                bytes as i64,
-                parts[0],
-                parts[1],
-                parts[2]
-            ],
-        )?;
-        make_room(&tx, tenant, Some(id), limit)?;
-        tx.commit()?;
-        Ok(())
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT (tenant, id) DO UPDATE SET
+                created = excluded.created, expires = excluded.expires,
+                bytes = excluded.bytes, response = excluded.response,
+                input = excluded.input, conversation = excluded.conversation",
+        );
+        self.db.transaction(|tx| {
+            tx.run(&purge, &[Param::Int(sql_time(now))])?;
+            tx.run(
+                &insert,
+                &[
+                    Param::Text(tenant),
+                    Param::Text(id),
+                    Param::Int(sql_time(now)),
+                    Param::Int(sql_time(expires)),
+                    Param::Int(sql_time(bytes)),
+                    Param::Text(&parts[0]),
+                    Param::Text(&parts[1]),
+                    Param::Text(&parts[2]),
+                ],
+            )?;
+            self.make_room(tx, tenant, Some(id))
+        })
     }
 
     /// `tenant`'s response `id`, if it has one that has not expired.
     pub fn get(&self, tenant: &str, id: &str, now: u64) -> Result<Option<Stored>, ServerError> {
-        let row = self
-            .db()
-            .query_row(
-                "SELECT response, input, conversation FROM responses
-                 WHERE tenant = ?1 AND id = ?2 AND expires > ?3",
-                params![tenant, id, sql_time(now)],
-                |row| {
-                    Ok((
-                        row.get::<_, String>(0)?,
-                        row.get::<_, String>(1)?,
-                        row.get::<_, String>(2)?,
-                    ))
-                },
+        let query = self.sql(
+            "SELECT response, input, conversation FROM {responses}
+             WHERE tenant = $1 AND id = $2 AND expires > $3",
+        );
+        let row = self.db.read(|tx| {
+            tx.row(
+                &query,
+                &[
+                    Param::Text(tenant),
+                    Param::Text(id),
+                    Param::Int(sql_time(now)),
+                ],
+                &[Kind::Text, Kind::Text, Kind::Text],
             )
-            .optional()?;
-        let Some((response, input, conversation)) = row else {
+        })?;
+        let Some([response, input, conversation]) = row
+            .map(<[Cell; 3]>::try_from)
+            .transpose()
+            .map_err(|_| ServerError::StoredDamaged)?
+        else {
             return Ok(None);
         };
-        let items = |text: &str| match serde_json::from_str(text) {
-            Ok(Value::Array(items)) => Ok(items),
-            _ => Err(ServerError::StoredDamaged),
-        };
         Ok(Some(Stored {
-            response: serde_json::from_str(&response).map_err(|_| ServerError::StoredDamaged)?,
-            input: items(&input)?,
-            conversation: items(&conversation)?,
+            response: json(&response.text()?)?,
+            input: items(&input.text()?)?,
+            conversation: items(&conversation.text()?)?,
         }))
     }
 
     /// Removes `tenant`'s response `id`; whether it had one to remove.
     pub fn delete(&self, tenant: &str, id: &str, now: u64) -> Result<bool, ServerError> {
-        let removed = self.db().execute(
-            "DELETE FROM responses WHERE tenant = ?1 AND id = ?2 AND expires > ?3",
-            params![tenant, id, sql_time(now)],
-        )?;
+        let statement =
+            self.sql("DELETE FROM {responses} WHERE tenant = $1 AND id = $2 AND expires > $3");
+        let removed = self.db.transaction(|tx| {
+            tx.run(
+                &statement,
+                &[
+                    Param::Text(tenant),
+                    Param::Text(id),
+                    Param::Int(sql_time(now)),
+                ],
+            )
+        })?;
         Ok(removed == 1)
     }
-}
 
-impl ResponseStore {
     /// Stores a new conversation `id` of `tenant`.
     pub fn create_conversation(
         &self,
@@ -276,12 +248,10 @@ impl ResponseStore {
         id: &str,
         conversation: &Conversation,
     ) -> Result<(), ServerError> {
-        let mut db = self.db();
-        let tx = db.transaction()?;
-        write_conversation(&tx, tenant, id, conversation, "INSERT")?;
-        make_room(&tx, tenant, None, self.limits.tenant_bytes)?;
-        tx.commit()?;
-        Ok(())
+        self.db.transaction(|tx| {
+            self.write_conversation(tx, tenant, id, conversation)?;
+            self.make_room(tx, tenant, None)
+        })
     }
 
     /// `tenant`'s conversation `id`, if it has one.
@@ -290,10 +260,12 @@ impl ResponseStore {
         tenant: &str,
         id: &str,
     ) -> Result<Option<Conversation>, ServerError> {
-        read_conversation(&self.db(), tenant, id)
+        self.db
+            .read(|tx| self.read_conversation(tx, tenant, id, false))
     }
 
-    /// Changes `tenant`'s conversation `id` with `edit`, all or nothing;
+    /// Changes `tenant`'s conversation `id` with `edit`, all or nothing
+    /// (its row locked meanwhile, so two routers' edits never lose one);
     /// the conversation as changed, or `None` if the tenant has no such
     /// conversation. Refused if the tenant's bytes cannot hold it.
     pub fn edit_conversation(
@@ -302,125 +274,147 @@ impl ResponseStore {
         id: &str,
         edit: impl FnOnce(&mut Conversation),
     ) -> Result<Option<Conversation>, ServerError> {
-        let mut db = self.db();
-        let tx = db.transaction()?;
-        let Some(mut conversation) = read_conversation(&tx, tenant, id)? else {
-            return Ok(None);
-        };
-        edit(&mut conversation);
-        write_conversation(&tx, tenant, id, &conversation, "REPLACE")?;
-        make_room(&tx, tenant, None, self.limits.tenant_bytes)?;
-        tx.commit()?;
-        Ok(Some(conversation))
+        self.db.transaction(|tx| {
+            let Some(mut conversation) = self.read_conversation(tx, tenant, id, true)? else {
+                return Ok(None);
+            };
+            edit(&mut conversation);
+            self.write_conversation(tx, tenant, id, &conversation)?;
+            self.make_room(tx, tenant, None)?;
+            Ok(Some(conversation))
+        })
     }
 
     /// Removes `tenant`'s conversation `id`; whether it had one.
     pub fn delete_conversation(&self, tenant: &str, id: &str) -> Result<bool, ServerError> {
-        let removed = self.db().execute(
-            "DELETE FROM conversations WHERE tenant = ?1 AND id = ?2",
-            params![tenant, id],
-        )?;
+        let statement = self.sql("DELETE FROM {conversations} WHERE tenant = $1 AND id = $2");
+        let removed = self
+            .db
+            .transaction(|tx| tx.run(&statement, &[Param::Text(tenant), Param::Text(id)]))?;
         Ok(removed == 1)
     }
-}
 
-fn read_conversation(
-    db: &Connection,
-    tenant: &str,
-    id: &str,
-) -> Result<Option<Conversation>, ServerError> {
-    let row = db
-        .query_row(
-            "SELECT created, metadata, items FROM conversations WHERE tenant = ?1 AND id = ?2",
-            params![tenant, id],
-            |row| {
-                Ok((
-                    row.get::<_, i64>(0)?,
-                    row.get::<_, String>(1)?,
-                    row.get::<_, String>(2)?,
-                ))
-            },
-        )
-        .optional()?;
-    let Some((created, metadata, items)) = row else {
-        return Ok(None);
-    };
-    let Ok(Value::Array(items)) = serde_json::from_str(&items) else {
-        return Err(ServerError::StoredDamaged);
-    };
-    Ok(Some(Conversation {
-        created: u64::try_from(created).unwrap_or(0),
-        metadata: serde_json::from_str(&metadata).map_err(|_| ServerError::StoredDamaged)?,
-        items,
-    }))
-}
-
-/// `INSERT`s (a new id) or `REPLACE`s `tenant`'s conversation `id`.
-fn write_conversation(
-    tx: &rusqlite::Transaction<'_>,
-    tenant: &str,
-    id: &str,
-    conversation: &Conversation,
-    verb: &str,
-) -> Result<(), ServerError> {
-    let metadata = conversation.metadata.to_string();
-    let items = Value::Array(conversation.items.clone()).to_string();
-    let bytes = (metadata.len() + items.len()) as i64;
-    tx.execute(
-        &format!(
-            "{verb} INTO conversations (tenant, id, created, bytes, metadata, items)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
-        ),
-        params![
-            tenant,
-            id,
-            sql_time(conversation.created),
-            bytes,
-            metadata,
-            items
-        ],
-    )?;
-    Ok(())
-}
-
-/// Removes `tenant`'s oldest stored responses (never `keep`, never another
-/// tenant's, never a conversation) until its responses and conversations
-/// together are within `limit`; refuses if they cannot be.
-fn make_room(
-    tx: &rusqlite::Transaction<'_>,
-    tenant: &str,
-    keep: Option<&str>,
-    limit: u64,
-) -> Result<(), ServerError> {
-    loop {
-        let total: i64 = tx.query_row(
-            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM responses WHERE tenant = ?1)
-                  + (SELECT COALESCE(SUM(bytes), 0) FROM conversations WHERE tenant = ?1)",
-            params![tenant],
-            |row| row.get(0),
-        )?;
-        let total = total as u64;
-        if total <= limit {
-            return Ok(());
+    fn read_conversation(
+        &self,
+        tx: &mut dyn Tx,
+        tenant: &str,
+        id: &str,
+        lock: bool,
+    ) -> Result<Option<Conversation>, ServerError> {
+        let mut query = self.sql(
+            "SELECT created, metadata, items FROM {conversations} WHERE tenant = $1 AND id = $2",
+        );
+        if lock {
+            query.push_str(tx.for_update());
         }
-        let removed = tx.execute(
-            "DELETE FROM responses WHERE tenant = ?1 AND id = (
-                SELECT id FROM responses WHERE tenant = ?1 AND id != ?2
-                ORDER BY created, id LIMIT 1)",
-            params![tenant, keep.unwrap_or("")],
+        let row = tx.row(
+            &query,
+            &[Param::Text(tenant), Param::Text(id)],
+            &[Kind::Int, Kind::Text, Kind::Text],
         )?;
-        if removed == 0 {
-            return Err(ServerError::StoredTooLarge {
-                bytes: total,
-                limit,
-            });
+        let Some([created, metadata, list]) = row
+            .map(<[Cell; 3]>::try_from)
+            .transpose()
+            .map_err(|_| ServerError::StoredDamaged)?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(Conversation {
+            created: u64::try_from(created.int()?).unwrap_or(0),
+            metadata: json(&metadata.text()?)?,
+            items: items(&list.text()?)?,
+        }))
+    }
+
+    /// Writes `tenant`'s conversation `id`, new or changed.
+    fn write_conversation(
+        &self,
+        tx: &mut dyn Tx,
+        tenant: &str,
+        id: &str,
+        conversation: &Conversation,
+    ) -> Result<(), ServerError> {
+        let metadata = conversation.metadata.to_string();
+        let list = Value::Array(conversation.items.clone()).to_string();
+        let bytes = (metadata.len() + list.len()) as u64;
+        let statement = self.sql(
+            "INSERT INTO {conversations} (tenant, id, created, bytes, metadata, items)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (tenant, id) DO UPDATE SET
+                bytes = excluded.bytes, metadata = excluded.metadata, items = excluded.items",
+        );
+        tx.run(
+            &statement,
+            &[
+                Param::Text(tenant),
+                Param::Text(id),
+                Param::Int(sql_time(conversation.created)),
+                Param::Int(sql_time(bytes)),
+                Param::Text(&metadata),
+                Param::Text(&list),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Removes `tenant`'s oldest stored responses (never `keep`, never
+    /// another tenant's, never a conversation) until its responses and
+    /// conversations together are within its bytes; refuses if they
+    /// cannot be.
+    fn make_room(
+        &self,
+        tx: &mut dyn Tx,
+        tenant: &str,
+        keep: Option<&str>,
+    ) -> Result<(), ServerError> {
+        let limit = self.limits.tenant_bytes;
+        let total = self.sql(
+            "SELECT CAST((SELECT COALESCE(SUM(bytes), 0) FROM {responses} WHERE tenant = $1)
+                  + (SELECT COALESCE(SUM(bytes), 0) FROM {conversations} WHERE tenant = $1) AS BIGINT)",
+        );
+        let oldest = self.sql(
+            "DELETE FROM {responses} WHERE tenant = $1 AND id = (
+                SELECT id FROM {responses} WHERE tenant = $1 AND id != $2
+                ORDER BY created, id LIMIT 1)",
+        );
+        loop {
+            let row = tx.row(&total, &[Param::Text(tenant)], &[Kind::Int])?;
+            let total = match row.and_then(|cells| cells.into_iter().next()) {
+                Some(cell) => u64::try_from(cell.int()?).unwrap_or(0),
+                None => 0,
+            };
+            if total <= limit {
+                return Ok(());
+            }
+            let removed = tx.run(
+                &oldest,
+                &[Param::Text(tenant), Param::Text(keep.unwrap_or(""))],
+            )?;
+            if removed == 0 {
+                return Err(ServerError::StoredTooLarge {
+                    bytes: total,
+                    limit,
+                });
+            }
         }
     }
 }
 
-/// Unix seconds as SQLite's integer (past 2^63 is beyond any clock).
-fn sql_time(seconds: u64) -> i64 {
-    i64::try_from(seconds).unwrap_or(i64::MAX)
+fn json(text: &str) -> Result<Value, ServerError> {
+    serde_json::from_str(text).map_err(|_| ServerError::StoredDamaged)
+}
+
+fn items(text: &str) -> Result<Vec<Value>, ServerError> {
+    match json(text)? {
+        Value::Array(items) => Ok(items),
+        _ => Err(ServerError::StoredDamaged),
+    }
+}
+
+/// Unix seconds and byte counts as the databases' 64-bit integer (past
+/// 2^63 is beyond any clock or disk).
+fn sql_time(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 /// Creates `path` empty and readable by its owner only, if it is not
@@ -498,23 +492,25 @@ mod tests {
         assert!(!store.delete("alpha", "resp_a", 1_060).unwrap());
         // The next write removes what expired.
         store.put("beta", "resp_b", &stored("b"), 1_061).unwrap();
-        let rows: i64 = store
-            .db()
-            .query_row("SELECT COUNT(*) FROM responses", [], |r| r.get(0))
+        let rows = store
+            .db
+            .transaction(|tx| tx.row("SELECT COUNT(*) FROM responses", &[], &[Kind::Int]))
             .unwrap();
-        assert_eq!(rows, 1);
+        assert_eq!(rows, Some(vec![Cell::Int(1)]));
     }
 
     #[test]
     fn a_tenant_over_its_bytes_loses_its_own_oldest_and_never_another_s() {
         let one = {
             let s = stored("x");
-            let parts = [
+            [
                 s.response.to_string(),
                 Value::Array(s.input).to_string(),
                 Value::Array(s.conversation).to_string(),
-            ];
-            Stored::bytes(&parts)
+            ]
+            .iter()
+            .map(|p| p.len() as u64)
+            .sum::<u64>()
         };
         let store = store(StoreLimits {
             tenant_bytes: 3 * one,
