@@ -2,6 +2,7 @@
 //! HTTP like a client. One test binary, so the helpers in `common` are
 //! compiled once and shared.
 
+mod agents;
 mod api;
 mod audit;
 mod bench;

@@ -26,12 +26,20 @@ fn python() -> PathBuf {
 /// Runs `tests/openai/SCRIPT` with the official client against `server`
 /// (and `env`); returns the names of the checks it printed as passed.
 pub fn client_checks(script: &str, server: &Server, env: &[(&str, &str)]) -> Vec<String> {
-    let out = Command::new(python())
-        .arg(
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/openai")
-                .join(script),
-        )
+    python_checks(&python(), &format!("tests/openai/{script}"), server, env)
+}
+
+/// Runs the crate's `SCRIPT` with `python` against `server` (and `env`),
+/// which it finds in `KVFENCE_BASE_URL`, serving `builtin:tiny`; returns
+/// the names of the checks it printed (as a JSON list) as passed.
+pub fn python_checks(
+    python: &Path,
+    script: &str,
+    server: &Server,
+    env: &[(&str, &str)],
+) -> Vec<String> {
+    let out = Command::new(python)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join(script))
         .env("KVFENCE_BASE_URL", &server.base)
         .env("KVFENCE_MODEL", "builtin:tiny")
         .envs(env.iter().copied())
