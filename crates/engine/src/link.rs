@@ -100,6 +100,7 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
             put_name(&mut out, &order.request.share.tenant);
             out.extend_from_slice(&order.request.share.weight().to_le_bytes());
             out.extend_from_slice(&order.request.share.priority().to_le_bytes());
+            out.push(u8::from(order.request.share.shared()));
             Some((ORDER, Cow::Owned(out)))
         }
         // Local-only commands never cross a link.
@@ -222,7 +223,9 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
             };
             let tenant = c.name()?;
             let weight = c.u32()?;
-            let share = Share::new(tenant, weight).with_priority(c.u32()?.cast_signed());
+            let share = Share::new(tenant, weight)
+                .with_priority(c.u32()?.cast_signed())
+                .on_shared_workers(c.flag()?);
             if !c.0.is_empty() {
                 return Err(malformed("trailing bytes"));
             }
@@ -454,7 +457,9 @@ mod tests {
             ignore_eos: false,
             cache: Some(CacheScope::tenant("tenant-a", Some("salt".into()))),
             constraint: Some(Grammar::Regex("[a-z]+".into()).into()),
-            share: Share::new("tenant-a", 3).with_priority(-2),
+            share: Share::new("tenant-a", 3)
+                .with_priority(-2)
+                .on_shared_workers(true),
         };
         let sent = Command::Prefill {
             peer: PeerId(1),
@@ -480,7 +485,9 @@ mod tests {
         );
         assert_eq!(
             order.request.share,
-            Share::new("tenant-a", 3).with_priority(-2)
+            Share::new("tenant-a", 3)
+                .with_priority(-2)
+                .on_shared_workers(true)
         );
         for cache in [
             None,

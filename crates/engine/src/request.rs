@@ -146,6 +146,10 @@ pub struct Share {
     weight: u32,
     #[serde(default)]
     priority: i32,
+    /// The front door that sent it serves several tenants, so every
+    /// worker it reaches is shared between them from this request on.
+    #[serde(default)]
+    shared: bool,
 }
 
 impl Share {
@@ -159,7 +163,21 @@ impl Share {
             tenant: tenant.into(),
             weight: weight.clamp(1, Self::MAX_WEIGHT),
             priority: 0,
+            shared: false,
         }
+    }
+
+    /// The same share, from a front door that serves several tenants
+    /// (`shared`): a worker it reaches shares itself between tenants from
+    /// the first such request — short steps and the pool cap (I11) — not
+    /// only once a second tenant's work arrives.
+    pub fn on_shared_workers(self, shared: bool) -> Share {
+        Share { shared, ..self }
+    }
+
+    /// Whether the front door that sent it serves several tenants.
+    pub fn shared(&self) -> bool {
+        self.shared
     }
 
     /// The same share, for a request at `priority` (0 unless given).

@@ -19,7 +19,7 @@ use crate::net::LinkTx;
 use crate::request::{FailureKind, FinishReason, Share, TenantScope, Usage};
 
 /// The control protocol's version; a peer speaking another is refused.
-pub(crate) const PROTOCOL: u32 = 6;
+pub(crate) const PROTOCOL: u32 = 7;
 
 /// What identifies a model for the hand-off: two workers whose
 /// fingerprints differ cannot read each other's KV.

@@ -56,6 +56,8 @@ pub(crate) struct FairQueue {
     next_back: u64,
     next_front: u64,
     len: usize,
+    /// A request said its front door serves several tenants.
+    told_shared: bool,
 }
 
 /// One tenant's queue and virtual time.
@@ -72,6 +74,7 @@ impl FairQueue {
             next_back: u64::MAX / 2,
             next_front: u64::MAX / 2 - 1,
             len: 0,
+            told_shared: false,
         }
     }
 
@@ -132,6 +135,7 @@ impl FairQueue {
     /// The entry of `share`'s tenant, made at virtual time 0 if new; the
     /// weight is the latest the gateway gave.
     fn ledger(&mut self, share: &Share) -> &mut Ledger {
+        self.told_shared |= share.shared();
         let ledger = self
             .tenants
             .entry(share.tenant.clone())
@@ -169,10 +173,12 @@ impl FairQueue {
         self.tenants[tenant].waiting.front().map(|(_, p)| p)
     }
 
-    /// Tenants with a name this worker has seen (work of no tenant, such
-    /// as the engine's own start-up requests, is not one).
-    pub(crate) fn named_tenants(&self) -> usize {
-        self.tenants.keys().filter(|name| !name.is_empty()).count()
+    /// Whether this worker serves several tenants, as far as its work
+    /// tells: a request said its front door does, or two named tenants
+    /// have sent work (work of no tenant, such as the engine's own start-up
+    /// requests, is not a tenant's).
+    pub(crate) fn serves_several(&self) -> bool {
+        self.told_shared || self.tenants.keys().filter(|name| !name.is_empty()).count() > 1
     }
 
     /// Takes the request [`FairQueue::front`] shows for the same `eligible`.

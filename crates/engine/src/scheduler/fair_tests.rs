@@ -222,20 +222,23 @@ fn i11_a_tenant_cannot_fill_the_pool_while_the_worker_knows_another() {
     // a's eight long requests would hold all but a few of the pool's 256
     // pages for 200 decode steps; it is admitted up to three quarters of
     // the pool and the rest of its requests wait.
-    let waited = steps_b_waits_during_a_flood(&mut w);
+    let waited = steps_b_waits_during_a_flood(&mut w, false);
     // Without the cap it would wait for a's first request to end (200
     // steps at least).
     assert!(waited <= 12, "the victim's prompt took {waited} steps");
 }
 
 /// Tenant a floods `w` with eight requests of 500 tokens and 200 to
-/// generate, then b sends a 300-token prompt: the steps b waits.
-fn steps_b_waits_during_a_flood(w: &mut Worker) -> usize {
+/// generate — from a front door that says it serves several tenants if
+/// `told` — then b sends a 300-token prompt: the steps b waits.
+fn steps_b_waits_during_a_flood(w: &mut Worker, told: bool) -> usize {
     let mut flood: Vec<Tracked> = (0..8)
         .map(|i| {
+            let request = request("a", 1, i, 500);
             w.submit(GenerationRequest {
                 max_tokens: 200,
-                ..request("a", 1, i, 500)
+                share: request.share.clone().on_shared_workers(told),
+                ..request
             })
         })
         .collect();
@@ -258,10 +261,26 @@ fn i11_a_worker_told_it_is_shared_caps_the_first_tenant_before_another_arrives()
         },
     );
     // A fresh worker: a is the first tenant it ever sees, and floods it.
-    let waited = steps_b_waits_during_a_flood(&mut w);
+    let waited = steps_b_waits_during_a_flood(&mut w, false);
     // Not told, the worker lets a hold the whole pool and b waits for a's
     // first request to end (200 steps at least).
     assert!(waited <= 12, "the victim's prompt took {waited} steps");
+}
+
+#[test]
+fn i11_a_request_saying_its_front_door_serves_several_tenants_makes_a_fresh_worker_shared() {
+    // A fleet's worker process reads no tenants file: what it knows of
+    // the tenants comes with the work.
+    let fresh = || worker(4_096, 64, 64);
+    let waited = steps_b_waits_during_a_flood(&mut fresh(), true);
+    assert!(waited <= 12, "the victim's prompt took {waited} steps");
+    // Not told, the first tenant holds the whole pool until its first
+    // request ends.
+    let untold = steps_b_waits_during_a_flood(&mut fresh(), false);
+    assert!(
+        untold >= 100,
+        "untold, the victim waited only {untold} steps"
+    );
 }
 
 #[test]

@@ -647,9 +647,11 @@ impl Scheduler {
     }
 
     /// Whether this worker serves more than one tenant: it was told so
-    /// ([`EngineConfig::shared`]) or two named tenants have sent it work.
+    /// ([`EngineConfig::shared`], or by a request's
+    /// [`Share::shared`](crate::Share::shared)) or
+    /// two named tenants have sent it work.
     fn shared(&self) -> bool {
-        self.config.shared || self.waiting.named_tenants() > 1
+        self.config.shared || self.waiting.serves_several()
     }
 
     /// Whether some request holds pages to compute: `poll` would step.

@@ -173,8 +173,11 @@ pub(super) fn prepare(
     // operator gave it (I11).
     let mut asked = params.priorities(tenant.limits().max_priority)?;
     asked.extend(objective.map(|p| (p, OBJECTIVE_HEADER)));
-    let share =
-        Share::new(tenant.name.clone(), tenant.weight).with_priority(tenant.priority(&asked)?);
+    // Every worker it reaches learns that this front door serves several
+    // tenants from its first request, not from a second tenant's (I11).
+    let share = Share::new(tenant.name.clone(), tenant.weight)
+        .with_priority(tenant.priority(&asked)?)
+        .on_shared_workers(state.tenants.count() > 1);
     let vocab = state.model.config.vocab_size;
     let max_context = state.capacity.max_context;
     let first_seed = params.seed.map_or_else(rand::random, |s| s as u64);
