@@ -49,6 +49,41 @@ impl std::fmt::Debug for Grammar {
 }
 
 impl Grammar {
+    /// The regular expressions in it: the regex itself, or a JSON
+    /// schema's `pattern`s and `patternProperties` keys. (A Lark grammar's
+    /// regex terminals are left to llguidance's own limits.)
+    fn regexes(&self) -> Vec<&str> {
+        fn walk<'a>(value: &'a serde_json::Value, found: &mut Vec<&'a str>) {
+            match value {
+                serde_json::Value::Object(fields) => {
+                    for (key, value) in fields {
+                        match (key.as_str(), value) {
+                            ("pattern", serde_json::Value::String(regex)) => found.push(regex),
+                            ("patternProperties", serde_json::Value::Object(patterns)) => {
+                                found.extend(patterns.keys().map(String::as_str));
+                            }
+                            _ => {}
+                        }
+                        walk(value, found);
+                    }
+                }
+                serde_json::Value::Array(items) => {
+                    for item in items {
+                        walk(item, found);
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut found = Vec::new();
+        match self {
+            Grammar::Regex(regex) => found.push(regex.as_str()),
+            Grammar::JsonSchema(schema) => walk(schema, &mut found),
+            Grammar::JsonObject | Grammar::Lark(_) => {}
+        }
+        found
+    }
+
     fn top_level(&self) -> TopLevelGrammar {
         match self {
             Grammar::JsonObject => TopLevelGrammar::from_json_schema(compact_json(
@@ -92,6 +127,46 @@ pub const MAX_LEXER_STATES: usize = 50_000;
 /// Earley items one row of a constraint's parse may hold: as many as one
 /// mask may create (llguidance's `step_max_items`).
 pub const MAX_ITEMS_IN_ROW: usize = 50_000;
+
+/// The refusal of a grammar past the limits, in our words.
+fn past_limits() -> ModelError {
+    refusal(None, "limit")
+}
+
+/// How many positions `regex` has once its counted repetitions are
+/// unrolled — `(a{1,20}){1,20}` has 400 — which bounds the lexer states
+/// its matching can build, one state per position reached. A regex that
+/// parses here but not in llguidance counts nothing (llguidance refuses it
+/// itself). Saturates instead of overflowing.
+fn regex_positions(regex: &str) -> u64 {
+    use regex_syntax::hir::{Hir, HirKind};
+    fn positions(hir: &Hir) -> u64 {
+        match hir.kind() {
+            HirKind::Empty | HirKind::Look(_) => 0,
+            HirKind::Literal(literal) => literal.0.len() as u64,
+            HirKind::Class(_) => 1,
+            HirKind::Repetition(repetition) => {
+                // An unbounded repetition loops over one more copy than its
+                // minimum.
+                let copies = repetition
+                    .max
+                    .unwrap_or(repetition.min.saturating_add(1))
+                    .max(1);
+                positions(&repetition.sub).saturating_mul(u64::from(copies))
+            }
+            HirKind::Capture(capture) => positions(&capture.sub),
+            HirKind::Concat(parts) | HirKind::Alternation(parts) => {
+                parts.iter().map(positions).fold(0, u64::saturating_add)
+            }
+        }
+    }
+    regex_syntax::ParserBuilder::new()
+        // Counting is the point: no size limit of the parser's own.
+        .nest_limit(1_000)
+        .build()
+        .parse(regex)
+        .map_or(0, |hir| positions(&hir))
+}
 
 /// Why llguidance refused a grammar (or, with none, a constraint's step),
 /// in words of our own: its messages quote the client's schema keys,
@@ -217,6 +292,13 @@ impl Grammars {
     /// not one llguidance accepts (an unsupported schema keyword, a regex
     /// that does not parse, ...).
     pub fn compile(&self, grammar: &Grammar) -> Result<Constraint, ModelError> {
+        if grammar
+            .regexes()
+            .iter()
+            .any(|regex| regex_positions(regex) > MAX_LEXER_STATES as u64)
+        {
+            return Err(past_limits());
+        }
         let parser = self
             .factory
             .create_parser(grammar.top_level())
@@ -380,6 +462,41 @@ mod tests {
         // The lowest byte after `{` opens a key: every field is a choice.
         let text = tokenizer.decode(&walk(&mut constraint, 40)).unwrap();
         assert!(text.starts_with("{\"field_"), "{text}");
+    }
+
+    #[test]
+    fn a_regex_whose_counts_unroll_past_the_lexer_s_states_is_refused_before_any_work() {
+        assert_eq!(regex_positions("[a-z]{3,8}"), 8);
+        assert_eq!(regex_positions("(ab|c){1,20}"), 60);
+        assert_eq!(regex_positions("((a{1,20}){1,20}){1,20}"), 8_000);
+        assert_eq!(regex_positions("x+"), 2);
+        let nested = format!("{}[a-z]{{1,30}}{}", "(".repeat(10), "){2,9}".repeat(10));
+        assert_eq!(regex_positions(&nested), 30 * 9u64.pow(10));
+        let (_, grammars) = grammars();
+        // This one compiled and passed its first mask, then failed at a
+        // later token, after the whole prefill (a 500).
+        for grammar in [
+            Grammar::Regex(nested.clone()),
+            Grammar::JsonSchema(serde_json::json!({
+                "type": "object",
+                "properties": { "id": { "type": "string", "pattern": nested } },
+            })),
+            Grammar::JsonSchema(serde_json::json!({
+                "type": "object",
+                "patternProperties": { nested.as_str(): { "type": "string" } },
+            })),
+        ] {
+            let error = grammars.compile(&grammar).unwrap_err().to_string();
+            assert!(error.contains("past this server's limits"), "{error}");
+        }
+        // Real patterns pass.
+        for regex in [
+            r"\d{4}-\d{2}-\d{2}",
+            "[A-Za-z0-9._%+-]{1,64}@[a-z]{1,63}",
+            "(yes|no)",
+        ] {
+            grammars.compile(&Grammar::Regex(regex.into())).unwrap();
+        }
     }
 
     #[test]
