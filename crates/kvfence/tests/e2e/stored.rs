@@ -501,3 +501,21 @@ async fn a_fleet_s_routers_share_responses_and_conversations_through_postgresql(
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reading_and_writing_the_store_counts_against_the_tenant_s_rate() {
+    let (key, lines) = tenant("metered", &["--requests-per-minute", "3"]);
+    let file = tenants_file(&[lines]);
+    let server = Server::start(&["--config", file.path().to_str().unwrap()]);
+    let made_up = format!("/v1/responses/resp_{:032x}", 3u128);
+    for _ in 0..2 {
+        assert_eq!(call(&server, "GET", &made_up, &key).await.0, 404);
+    }
+    let (status, _) = post(&server.url("/v1/conversations"), Some(&key), json!({})).await;
+    assert_eq!(status, 200);
+    // The fourth request in the minute, whatever it asks of the store.
+    let (status, answer) = call(&server, "GET", &made_up, &key).await;
+    assert_eq!(status, 429, "{answer}");
+    let (status, _) = post(&server.url("/v1/conversations"), Some(&key), json!({})).await;
+    assert_eq!(status, 429);
+}

@@ -94,7 +94,7 @@ pub async fn create(
 ) -> Response {
     let result = async {
         // Who asks, before a byte of the body is read.
-        let tenant = tenant_of(&state, &headers, ticket.as_ref())?;
+        let (tenant, _admission) = tenant_of(&state, &headers, ticket.as_ref())?;
         let fields = fields(&state, &headers, body, &["items", "metadata"]).await?;
         let items = match fields.get("items") {
             None | Some(Value::Null) => Vec::new(),
@@ -161,7 +161,7 @@ pub async fn update(
 ) -> Response {
     let result = async {
         // Who asks, before a byte of the body is read.
-        let tenant = tenant_of(&state, &headers, ticket.as_ref())?;
+        let (tenant, _admission) = tenant_of(&state, &headers, ticket.as_ref())?;
         let fields = fields(&state, &headers, body, &["metadata"]).await?;
         if !fields.contains_key("metadata") {
             return Err(ApiError::invalid("metadata", "metadata is required"));
@@ -242,7 +242,7 @@ pub async fn add_items(
 ) -> Response {
     let result = async {
         // Who asks, before a byte of the body is read.
-        let tenant = tenant_of(&state, &headers, ticket.as_ref())?;
+        let (tenant, _admission) = tenant_of(&state, &headers, ticket.as_ref())?;
         let fields = fields(&state, &headers, body, &["items"]).await?;
         let items = responses::conversation_items(fields.get("items").unwrap_or(&Value::Null))?;
         on_store(&state, tenant, off(), move |store, tenant| {

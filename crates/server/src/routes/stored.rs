@@ -185,18 +185,21 @@ impl Reply {
     }
 }
 
-/// The tenant the headers name; its connection is no stranger from now on
-/// (I11), as for a generating request.
+/// The tenant the headers name, admitted as for any request: a
+/// concurrency slot and a request of its rate, held while the returned
+/// admission lives — reading and writing the store is no free ride beside
+/// other tenants (I11). Its connection is no stranger from now on.
 pub(super) fn tenant_of(
     state: &AppState,
     headers: &HeaderMap,
     ticket: Option<&Extension<Ticket>>,
-) -> Result<Arc<Tenant>, ApiError> {
+) -> Result<(Arc<Tenant>, Admission), ApiError> {
     let tenant = authenticate(state, headers)?;
     if let Some(Extension(ticket)) = ticket {
         ticket.authenticated()?;
     }
-    Ok(tenant)
+    let admission = tenant.admit()?;
+    Ok((tenant, admission))
 }
 
 /// The store failed: logged (never with stored text), answered as a 500.
@@ -230,7 +233,7 @@ pub(super) async fn for_tenant<T: Send + 'static>(
     off: ApiError,
     work: impl FnOnce(&ResponseStore, &str) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let tenant = tenant_of(state, headers, ticket)?;
+    let (tenant, _admission) = tenant_of(state, headers, ticket)?;
     on_store(state, tenant, off, work).await
 }
 
