@@ -180,9 +180,10 @@ fn put_name(out: &mut Vec<u8>, name: &str) {
     out.extend_from_slice(name.as_bytes());
 }
 
-/// Decodes one link frame; errors for anything malformed, never panics. A
-/// hand-off frame stays a view of `payload`.
-/// The command a link frame carries, as from the link `peer`.
+/// The command a link frame carries, as from the link `peer`; an error for
+/// anything malformed, never a panic, whatever the peer sent (the property
+/// tests below feed it damaged and random frames). A hand-off frame stays a
+/// view of `payload`.
 fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
     let &kind = payload.first().ok_or_else(|| malformed("empty frame"))?;
     match kind {
@@ -508,6 +509,61 @@ mod tests {
                 panic!("not an order")
             };
             assert_eq!(order.request.cache, cache);
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_order_round_trips_and_damage_never_panics(
+            prompt in proptest::collection::vec(0u32..300_000, 0..48),
+            grant in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40),
+            tenant in "[a-z-]{0,12}",
+            salt in proptest::option::of("[a-z]{1,8}"),
+            weight in 1u32..1_000,
+            priority in -5i32..5,
+            shared in proptest::prelude::any::<bool>(),
+            cut in proptest::prelude::any::<proptest::sample::Index>(),
+            flip in proptest::prelude::any::<(proptest::sample::Index, u8)>(),
+            noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+        ) {
+            let request = GenerationRequest {
+                prompt,
+                max_tokens: 1,
+                sampling: shaped(),
+                stop: StopStrings::default(),
+                ignore_eos: false,
+                cache: Some(CacheScope::tenant(tenant.clone(), salt)),
+                constraint: None,
+                share: Share::new(tenant, weight)
+                    .with_priority(priority)
+                    .on_shared_workers(shared),
+            };
+            let sent = Command::Prefill {
+                peer: PeerId(1),
+                order: Box::new(PrefillOrder { grant, request: request.clone(), window: None }),
+            };
+            let Ok(Command::Prefill { order, .. }) = over_the_link(&sent) else {
+                panic!("an order comes back an order")
+            };
+            proptest::prop_assert_eq!(&order.request.prompt, &request.prompt);
+            proptest::prop_assert_eq!(&order.request.cache, &request.cache);
+            proptest::prop_assert_eq!(&order.request.share, &request.share);
+            let (kind, body) = encode(&sent).expect("an order crosses links");
+            let whole: Vec<u8> = std::iter::once(kind).chain(body.iter().copied()).collect();
+            // Every field is length-prefixed or fixed: a frame cut short
+            // always ends inside one.
+            let short = cut.index(whole.len());
+            proptest::prop_assert!(decode(Bytes::copy_from_slice(&whole[..short]), PeerId(0)).is_err());
+            // A damaged byte is refused or read as some other order.
+            let mut damaged = whole.clone();
+            let at = flip.0.index(damaged.len());
+            damaged[at] ^= flip.1 | 1;
+            let _ = decode(Bytes::from(damaged), PeerId(0));
+            // So is any noise after an order's kind.
+            let noisy: Vec<u8> = std::iter::once(ORDER).chain(noise).collect();
+            let _ = decode(Bytes::from(noisy), PeerId(0));
         }
     }
 
