@@ -49,9 +49,9 @@ impl std::fmt::Debug for Grammar {
 }
 
 impl Grammar {
-    /// The regular expressions in it: the regex itself, or a JSON
-    /// schema's `pattern`s and `patternProperties` keys. (A Lark grammar's
-    /// regex terminals are left to llguidance's own limits.)
+    /// The regular expressions in it: the regex itself, a JSON schema's
+    /// `pattern`s and `patternProperties` keys, a Lark grammar's `/…/`
+    /// terminals.
     fn regexes(&self) -> Vec<&str> {
         fn walk<'a>(value: &'a serde_json::Value, found: &mut Vec<&'a str>) {
             match value {
@@ -79,7 +79,8 @@ impl Grammar {
         match self {
             Grammar::Regex(regex) => found.push(regex.as_str()),
             Grammar::JsonSchema(schema) => walk(schema, &mut found),
-            Grammar::JsonObject | Grammar::Lark(_) => {}
+            Grammar::Lark(lark) => found.extend(lark_regexes(lark)),
+            Grammar::JsonObject => {}
         }
         found
     }
@@ -127,6 +128,46 @@ pub const MAX_LEXER_STATES: usize = 50_000;
 /// Earley items one row of a constraint's parse may hold: as many as one
 /// mask may create (llguidance's `step_max_items`).
 pub const MAX_ITEMS_IN_ROW: usize = 50_000;
+
+/// The `/…/` regex literals of a Lark grammar, outside its `"…"` strings
+/// and `//` comments (a regex is never empty, so `//` starts a comment).
+fn lark_regexes(lark: &str) -> Vec<&str> {
+    let bytes = lark.as_bytes();
+    let mut found = Vec::new();
+    let mut at = 0;
+    // Past the closing `quote` of a literal that opened before `from`,
+    // escapes skipped; `None` if it never closes.
+    let close = |quote: u8, mut from: usize| {
+        while from < bytes.len() {
+            match bytes[from] {
+                b'\\' => from += 2,
+                b if b == quote => return Some(from + 1),
+                _ => from += 1,
+            }
+        }
+        None
+    };
+    while at < bytes.len() {
+        match bytes[at] {
+            b'"' => match close(b'"', at + 1) {
+                Some(end) => at = end,
+                None => break,
+            },
+            b'/' if bytes.get(at + 1) == Some(&b'/') => {
+                at = lark[at..].find('\n').map_or(bytes.len(), |n| at + n);
+            }
+            b'/' => match close(b'/', at + 1) {
+                Some(end) => {
+                    found.push(&lark[at + 1..end - 1]);
+                    at = end;
+                }
+                None => break,
+            },
+            _ => at += 1,
+        }
+    }
+    found
+}
 
 /// The refusal of a grammar past the limits, in our words.
 fn past_limits() -> ModelError {
@@ -485,6 +526,7 @@ mod tests {
                 "type": "object",
                 "patternProperties": { nested.as_str(): { "type": "string" } },
             })),
+            Grammar::Lark(format!("start: \"id=\" ID\nID: /{nested}/\n")),
         ] {
             let error = grammars.compile(&grammar).unwrap_err().to_string();
             assert!(error.contains("past this server's limits"), "{error}");
@@ -497,6 +539,12 @@ mod tests {
         ] {
             grammars.compile(&Grammar::Regex(regex.into())).unwrap();
         }
+    }
+
+    #[test]
+    fn lark_regex_terminals_are_found_outside_strings_and_comments() {
+        let lark = "// a comment with /slashes/\nstart: A \"/not/\" B /x{2}/i\nA: /[a-z]\\/+/\nB: \"q\\\"/\"";
+        assert_eq!(lark_regexes(lark), ["x{2}", "[a-z]\\/+"]);
     }
 
     #[test]
