@@ -26,8 +26,8 @@ use kvfence_pool::Pool;
 use tracing::{info, warn};
 
 use crate::serve::{
-    EngineArgs, HttpArgs, chat_template_file, init_logging, load_model, load_text_model,
-    serve_http, shutdown_signal, status_state, tenants,
+    EngineArgs, HttpArgs, chat_template_file, load_model, load_text_model, serve_http,
+    shutdown_signal, status_state, tenants,
 };
 
 /// Where a process finds its TLS credentials.
@@ -130,7 +130,7 @@ fn start_worker(
     args: &WorkerArgs,
     role: Role,
 ) -> anyhow::Result<(Credentials, Arc<LoadedModel>, Pool)> {
-    init_logging();
+    kvfence_server::init_logging();
     let credentials = args.tls.credentials(role)?;
     let model = load_model(&args.model)?;
     // Workers of a fleet declare no public prefixes (only `serve` does).
@@ -249,7 +249,7 @@ pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
 }
 
 pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
-    init_logging();
+    kvfence_server::init_logging();
     let names = PeerNames::parse(&args.decode, "decode worker")?;
     let credentials = args.tls.credentials(Role::Router)?;
     let tenants = tenants(&args.http)?;

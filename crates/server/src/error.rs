@@ -41,6 +41,14 @@ pub enum ServerError {
         /// Which limit binds.
         why: String,
     },
+    /// A `--cors-origin` is not one a browser sends.
+    #[error("--cors-origin {origin:?}: {reason}")]
+    Cors {
+        /// The origin given.
+        origin: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The stored-responses database could not be opened.
     #[error("the response store {path}: {reason} (--responses-store names another file, or off)")]
     ResponseStore {

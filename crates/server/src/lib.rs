@@ -6,6 +6,7 @@
 mod admission;
 mod connections;
 mod error;
+mod logging;
 mod metrics;
 mod openai;
 mod redact;
@@ -30,6 +31,7 @@ pub use admission::Capacity;
 pub use connections::Ticket;
 use connections::Watched;
 pub use error::{ApiError, ErrorType, ServerError};
+pub use logging::init_logging;
 pub use metrics::Metrics;
 pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse, SHARED_FIELDS};
 pub use redact::Redacted;
@@ -77,6 +79,45 @@ pub enum Cors {
     AnyOrigin,
     /// Exactly these origins (`https://app.example.com`).
     Origins(Vec<String>),
+}
+
+impl Cors {
+    /// The access `origins` allow (`--cors-origin`): none is off, `*` alone
+    /// is any origin, else each must be an origin as a browser sends it
+    /// (`scheme://host[:port]`, nothing after).
+    pub fn from_origins(origins: &[String]) -> Result<Cors, ServerError> {
+        if origins.is_empty() {
+            return Ok(Cors::Off);
+        }
+        let refused = |origin: &str, reason: &str| ServerError::Cors {
+            origin: origin.to_string(),
+            reason: reason.to_string(),
+        };
+        if origins.iter().any(|o| o == "*") {
+            if origins.len() > 1 {
+                return Err(refused("*", "'*' allows every origin; give it alone"));
+            }
+            return Ok(Cors::AnyOrigin);
+        }
+        for origin in origins {
+            let rest = origin
+                .strip_prefix("https://")
+                .or_else(|| origin.strip_prefix("http://"));
+            let host_only = rest.is_some_and(|host| {
+                !host.is_empty()
+                    && host
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
+            });
+            if !host_only {
+                return Err(refused(
+                    origin,
+                    "not an origin: give scheme://host[:port], as https://app.example.com, with no path",
+                ));
+            }
+        }
+        Ok(Cors::Origins(origins.to_vec()))
+    }
 }
 
 /// How the API behaves, beyond the engine.
@@ -420,4 +461,35 @@ pub async fn serve(
         let _ = tokio::time::timeout(Duration::from_secs(5), drained).await;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cors_origins_are_origins_or_star_alone() {
+        let origins =
+            |list: &[&str]| -> Vec<String> { list.iter().map(|o| o.to_string()).collect() };
+        assert_eq!(Cors::from_origins(&[]).ok(), Some(Cors::Off));
+        assert_eq!(
+            Cors::from_origins(&origins(&["*"])).ok(),
+            Some(Cors::AnyOrigin)
+        );
+        let two = origins(&["https://app.example.com", "http://[::1]:8080"]);
+        assert_eq!(
+            Cors::from_origins(&two).ok(),
+            Some(Cors::Origins(two.clone()))
+        );
+        for bad in [
+            &["*", "https://a.example"][..],
+            &["app.example.com"],
+            &["https://app.example.com/path"],
+            &["ftp://app.example.com"],
+            &["https://"],
+        ] {
+            let error = Cors::from_origins(&origins(bad)).unwrap_err().to_string();
+            assert!(error.starts_with("--cors-origin"), "{bad:?}: {error}");
+        }
+    }
 }
