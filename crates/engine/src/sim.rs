@@ -296,7 +296,8 @@ impl World {
             handoff_time_per_token: STEP,
             // Past the run's end: no request waits long enough to expire.
             max_queue_wait: DEADLINE * 2,
-            // Workers learn their tenants from the work, as fleet workers do.
+            // Workers learn their tenants from the work, as fleet workers
+            // do (and, in half the worlds, from what requests say).
             shared: false,
         };
         let node = |role, tokens, config| Node {
@@ -359,6 +360,14 @@ impl World {
                 faults.push((at, fault));
             }
             faults.sort_by_key(|(at, _)| *at);
+        }
+        // In half the worlds the requests say their front door serves
+        // several tenants, so workers share themselves from the first
+        // (drawn last: the rest of a seed's world stays as it was).
+        let told_shared = rng.random_bool(0.5);
+        let mut clients: Vec<Client> = clients;
+        for client in &mut clients {
+            client.request.share = client.request.share.clone().on_shared_workers(told_shared);
         }
         let decode_lives = vec![0; decodes.len()];
         let mut world = World {
