@@ -10,7 +10,7 @@ use axum::extract::rejection::QueryRejection;
 use serde_json::Map;
 
 use super::stored::{
-    ItemsQuery, Paging, answer, for_tenant, not_found, on_store, store_error, tenant_of,
+    ItemsQuery, Paging, answer, from_store, not_found, on_store, store_error, tenant_of,
 };
 use super::*;
 use crate::stored::Conversation;
@@ -137,7 +137,7 @@ pub async fn retrieve(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let result = for_tenant(
+    from_store(
         &state,
         &headers,
         ticket.as_ref(),
@@ -147,8 +147,7 @@ pub async fn retrieve(
             Ok(object(&id, &conversation.ok_or_else(missing)?))
         },
     )
-    .await;
-    answer(&state, result)
+    .await
 }
 
 /// `POST /v1/conversations/{id}`: new `metadata`.
@@ -186,7 +185,7 @@ pub async fn delete(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let result = for_tenant(
+    from_store(
         &state,
         &headers,
         ticket.as_ref(),
@@ -201,8 +200,7 @@ pub async fn delete(
             Ok(json!({ "id": id, "object": "conversation.deleted", "deleted": true }))
         },
     )
-    .await;
-    answer(&state, result)
+    .await
 }
 
 /// `GET /v1/conversations/{id}/items`: its items, a page at a time.
@@ -217,7 +215,7 @@ pub async fn list_items(
         Ok(paging) => paging,
         Err(error) => return answer(&state, Err(error)),
     };
-    let result = for_tenant(
+    from_store(
         &state,
         &headers,
         ticket.as_ref(),
@@ -227,8 +225,7 @@ pub async fn list_items(
             Ok(paging.page(conversation.ok_or_else(missing)?.items))
         },
     )
-    .await;
-    answer(&state, result)
+    .await
 }
 
 /// `POST /v1/conversations/{id}/items`: adds `items` (at most 20); the
@@ -272,7 +269,7 @@ pub async fn item(
     Path((id, item_id)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    let result = for_tenant(
+    from_store(
         &state,
         &headers,
         ticket.as_ref(),
@@ -287,8 +284,7 @@ pub async fn item(
                 .ok_or_else(|| not_found("item", None))
         },
     )
-    .await;
-    answer(&state, result)
+    .await
 }
 
 /// `DELETE /v1/conversations/{id}/items/{item_id}`: the conversation,
@@ -299,7 +295,7 @@ pub async fn delete_item(
     Path((id, item_id)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    let result = for_tenant(
+    from_store(
         &state,
         &headers,
         ticket.as_ref(),
@@ -320,6 +316,5 @@ pub async fn delete_item(
             Ok(object(&id, &edited))
         },
     )
-    .await;
-    answer(&state, result)
+    .await
 }

@@ -237,6 +237,18 @@ pub(super) async fn for_tenant<T: Send + 'static>(
     on_store(state, tenant, off, work).await
 }
 
+/// The answer of what `work` makes of the store for the headers' tenant.
+pub(super) async fn from_store(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    ticket: Option<&Extension<Ticket>>,
+    off: ApiError,
+    work: impl FnOnce(&ResponseStore, &str) -> Result<Value, ApiError> + Send + 'static,
+) -> Response {
+    let result = for_tenant(state, headers, ticket, off, work).await;
+    answer(state, result)
+}
+
 pub(super) fn answer(state: &AppState, result: Result<Value, ApiError>) -> Response {
     match result {
         Ok(body) => Json(body).into_response(),
@@ -265,7 +277,7 @@ pub async fn retrieve(
         return answer(&state, Err(error));
     }
     let missing = not_found("response", None);
-    let result = for_tenant(
+    from_store(
         &state,
         &headers,
         ticket.as_ref(),
@@ -275,8 +287,7 @@ pub async fn retrieve(
             stored.map(|s| s.response).ok_or(missing)
         },
     )
-    .await;
-    answer(&state, result)
+    .await
 }
 
 /// `DELETE /v1/responses/{id}`.
@@ -287,7 +298,7 @@ pub async fn delete(
     headers: HeaderMap,
 ) -> Response {
     let missing = not_found("response", None);
-    let result = for_tenant(
+    from_store(
         &state,
         &headers,
         ticket.as_ref(),
@@ -299,8 +310,7 @@ pub async fn delete(
             Ok(json!({ "id": id, "object": "response.deleted", "deleted": true }))
         },
     )
-    .await;
-    answer(&state, result)
+    .await
 }
 
 /// A list's query: OpenAI's paging.
@@ -329,7 +339,7 @@ pub async fn input_items(
         Err(error) => return answer(&state, Err(error)),
     };
     let missing = not_found("response", None);
-    let result = for_tenant(
+    from_store(
         &state,
         &headers,
         ticket.as_ref(),
@@ -339,8 +349,7 @@ pub async fn input_items(
             Ok(paging.page(stored.ok_or(missing)?.input))
         },
     )
-    .await;
-    answer(&state, result)
+    .await
 }
 
 /// A page's size, order and start, checked.
