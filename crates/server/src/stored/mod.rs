@@ -210,11 +210,7 @@ impl ResponseStore {
                 &[Kind::Text, Kind::Text, Kind::Text],
             )
         })?;
-        let Some([response, input, conversation]) = row
-            .map(<[Cell; 3]>::try_from)
-            .transpose()
-            .map_err(|_| ServerError::StoredDamaged)?
-        else {
+        let Some([response, input, conversation]) = three(row)? else {
             return Ok(None);
         };
         Ok(Some(Stored {
@@ -312,11 +308,7 @@ impl ResponseStore {
             &[Param::Text(tenant), Param::Text(id)],
             &[Kind::Int, Kind::Text, Kind::Text],
         )?;
-        let Some([created, metadata, list]) = row
-            .map(<[Cell; 3]>::try_from)
-            .transpose()
-            .map_err(|_| ServerError::StoredDamaged)?
-        else {
+        let Some([created, metadata, list]) = three(row)? else {
             return Ok(None);
         };
         Ok(Some(Conversation {
@@ -398,6 +390,13 @@ impl ResponseStore {
             }
         }
     }
+}
+
+/// A row read as three columns, if there was one.
+fn three(row: Option<Vec<Cell>>) -> Result<Option<[Cell; 3]>, ServerError> {
+    row.map(<[Cell; 3]>::try_from)
+        .transpose()
+        .map_err(|_| ServerError::StoredDamaged)
 }
 
 fn json(text: &str) -> Result<Value, ServerError> {
