@@ -78,6 +78,14 @@ pub enum ServerError {
         /// The tenant's limit.
         limit: u64,
     },
+    /// One stored response or conversation would be larger than one may be.
+    #[error("a stored response or conversation may take at most {limit} bytes; this one {bytes}")]
+    StoredRowTooLarge {
+        /// Its size.
+        bytes: u64,
+        /// The most one may take.
+        limit: u64,
+    },
     /// Local mode (no tenants file) may only listen on loopback.
     #[error(
         "refusing to listen on {host} without --config: local mode serves one unauthenticated tenant and binds loopback only"

@@ -122,6 +122,10 @@ pub async fn create(
 /// A refusal for what the tenant's bytes cannot hold; else the store failed.
 fn too_large_or_failed(error: crate::error::ServerError) -> ApiError {
     match error {
+        crate::error::ServerError::StoredRowTooLarge { limit, .. } => ApiError::invalid(
+            "items",
+            format!("a conversation may take at most {limit} bytes"),
+        ),
         crate::error::ServerError::StoredTooLarge { limit, .. } => ApiError::invalid(
             "items",
             format!("this tenant's stored responses and conversations would exceed {limit} bytes"),

@@ -74,6 +74,13 @@ pub struct Conversation {
     pub items: Vec<Value>,
 }
 
+/// The most one stored response or conversation may take, in bytes of its
+/// JSON. Every change rewrites a row whole while the store is locked for
+/// every tenant; bounding a row bounds what one tenant's write can make the
+/// others wait (I11). Far above what a context can hold: a conversation
+/// this long could not be continued anyway.
+pub const MAX_ROW_BYTES: u64 = 4 << 20;
+
 /// The responses and conversations of every tenant, in one database.
 #[derive(Debug)]
 pub struct ResponseStore {
@@ -160,6 +167,12 @@ impl ResponseStore {
         ];
         let bytes: u64 = parts.iter().map(|p| p.len() as u64).sum();
         let limit = self.limits.tenant_bytes;
+        if bytes > MAX_ROW_BYTES {
+            return Err(ServerError::StoredRowTooLarge {
+                bytes,
+                limit: MAX_ROW_BYTES,
+            });
+        }
         if bytes > limit {
             return Err(ServerError::StoredTooLarge { bytes, limit });
         }
@@ -329,6 +342,12 @@ impl ResponseStore {
         let metadata = conversation.metadata.to_string();
         let list = Value::Array(conversation.items.clone()).to_string();
         let bytes = (metadata.len() + list.len()) as u64;
+        if bytes > MAX_ROW_BYTES {
+            return Err(ServerError::StoredRowTooLarge {
+                bytes,
+                limit: MAX_ROW_BYTES,
+            });
+        }
         let statement = self.sql(
             "INSERT INTO {conversations} (tenant, id, created, bytes, metadata, items)
              VALUES ($1, $2, $3, $4, $5, $6)
@@ -613,6 +632,51 @@ mod tests {
         );
         assert!(store.delete_conversation("alpha", "conv_a").unwrap());
         assert_eq!(store.conversation("alpha", "conv_a").unwrap(), None);
+    }
+
+    #[test]
+    fn i11_no_row_grows_past_its_bound_however_much_the_tenant_may_store() {
+        let store = store(StoreLimits {
+            tenant_bytes: 64 << 20,
+            ..StoreLimits::default()
+        });
+        let conversation = Conversation {
+            created: 1,
+            metadata: json!({}),
+            items: Vec::new(),
+        };
+        store
+            .create_conversation("alpha", "conv_a", &conversation)
+            .unwrap();
+        let item = json!({"id": "msg", "text": "w".repeat(1 << 20)});
+        for _ in 0..3 {
+            store
+                .edit_conversation("alpha", "conv_a", |c| c.items.push(item.clone()))
+                .unwrap();
+        }
+        let refused = store.edit_conversation("alpha", "conv_a", |c| c.items.push(item.clone()));
+        assert!(
+            matches!(refused, Err(ServerError::StoredRowTooLarge { .. })),
+            "{refused:?}"
+        );
+        assert_eq!(
+            store
+                .conversation("alpha", "conv_a")
+                .unwrap()
+                .unwrap()
+                .items
+                .len(),
+            3
+        );
+        let big = Stored {
+            response: json!({}),
+            input: vec![item.clone(); 5],
+            conversation: Vec::new(),
+        };
+        assert!(matches!(
+            store.put("alpha", "resp_big", &big, 1),
+            Err(ServerError::StoredRowTooLarge { .. })
+        ));
     }
 
     #[test]
