@@ -415,6 +415,7 @@ pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     rejections: Family<ReasonLabel, Counter>,
+    unkept: Counter,
     ttft: Histogram,
     duration: Histogram,
     /// Every worker's pools and counters, as last read.
@@ -449,6 +450,12 @@ impl Metrics {
             "rejections",
             "Requests refused, by reason",
             rejections.clone(),
+        );
+        let unkept = Counter::default();
+        registry.register(
+            "responses_unkept",
+            "Answers that asked to be stored, or to join a conversation, and could not be (the store failed or was full); each answer says so",
+            unkept.clone(),
         );
         let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         registry.register(
@@ -499,6 +506,7 @@ impl Metrics {
             registry,
             requests,
             rejections,
+            unkept,
             ttft,
             duration,
             workers,
@@ -530,6 +538,11 @@ impl Metrics {
                 reason: reason.into(),
             })
             .inc();
+    }
+
+    /// Counts an answer the store could not keep as it asked.
+    pub fn unkept(&self) {
+        self.unkept.inc();
     }
 
     /// Records a time to first token.

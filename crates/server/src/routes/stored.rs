@@ -176,10 +176,12 @@ impl Reply {
         let request = self.choices[0].handle.id();
         if let Some(Err(error)) = stored {
             warn!(%request, tenant = %self.tenant.name, %error, "the response was not stored");
+            self.state.metrics.unkept();
             body["store"] = false.into();
         }
         if let Some(Err(error)) = joined {
             warn!(%request, tenant = %self.tenant.name, %error, "the response did not join its conversation");
+            self.state.metrics.unkept();
             body["conversation"] = Value::Null;
         }
     }
