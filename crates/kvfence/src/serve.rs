@@ -278,7 +278,8 @@ pub(crate) struct HttpArgs {
     /// created readable by its owner only. Default
     /// $KVFENCE_DATA_DIR/responses.sqlite, else
     /// $XDG_DATA_HOME/kvfence/responses.sqlite, else
-    /// ~/.local/share/kvfence/responses.sqlite. A
+    /// ~/.local/share/kvfence/responses.sqlite (in memory, said in the log,
+    /// where that cannot be written). A
     /// postgres://user:password@host:port/database URL keeps them in
     /// PostgreSQL (tables kvfence_responses and kvfence_conversations, made
     /// if missing), shared by every router given it. `off` keeps nothing (a
@@ -318,10 +319,31 @@ impl HttpArgs {
                 return Ok(Some(store));
             }
             Some(path) => PathBuf::from(path),
-            None => ResponseStore::default_path().context(
-                "no data directory for stored responses: set KVFENCE_DATA_DIR or HOME, or pass \
-                 --responses-store FILE|off|memory",
-            )?,
+            None => {
+                // The default place may be out of reach (no home, a
+                // read-only file system): serving matters more than keeping
+                // answers across a restart, so say so and keep them in
+                // memory. A file the operator named must open.
+                let opened = ResponseStore::default_path()
+                    .context("no data directory: neither KVFENCE_DATA_DIR, XDG_DATA_HOME nor HOME is set")
+                    .and_then(|path| {
+                        let store = ResponseStore::open(&path, limits)?;
+                        Ok((path, store))
+                    });
+                return match opened {
+                    Ok((path, store)) => {
+                        info!(path = %path.display(), "stored responses kept in this file");
+                        Ok(Some(store))
+                    }
+                    Err(error) => {
+                        warn!(
+                            "{error:#}; stored responses are kept in memory until this process \
+                             exits (--responses-store FILE keeps them across restarts)"
+                        );
+                        Ok(Some(ResponseStore::in_memory(limits)?))
+                    }
+                };
+            }
         };
         let store = ResponseStore::open(&path, limits)?;
         info!(path = %path.display(), "stored responses kept in this file");

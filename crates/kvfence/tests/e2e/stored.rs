@@ -519,3 +519,26 @@ async fn reading_and_writing_the_store_counts_against_the_tenant_s_rate() {
     let (status, _) = post(&server.url("/v1/conversations"), Some(&key), json!({})).await;
     assert_eq!(status, 429);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unwritable_default_store_falls_back_to_memory_and_a_named_one_stops_start_up() {
+    // /proc takes no new directories, even from root.
+    let server = Server::start_with_env(&[], &[("KVFENCE_DATA_DIR", "/proc/kvfence-data")]);
+    server.wait_for_log("kept in memory");
+    let (status, answer) = post(&server.url("/v1/responses"), None, ask("hi", json!({}))).await;
+    assert_eq!((status, &answer["store"]), (200, &json!(true)), "{answer}");
+    let id = answer["id"].as_str().unwrap();
+    let kept = reqwest::get(server.url(&format!("/v1/responses/{id}")))
+        .await
+        .unwrap();
+    assert_eq!(kept.status().as_u16(), 200);
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args(["serve", "--model", "builtin:tiny", "--port", "0"])
+        .args(["--responses-store", "/proc/kvfence-data/responses.sqlite"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("--responses-store"), "{said}");
+}
