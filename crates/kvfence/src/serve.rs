@@ -287,6 +287,13 @@ pub(crate) struct HttpArgs {
     /// until the process exits.
     #[arg(long, value_name = "FILE|URL|off|memory")]
     responses_store: Option<String>,
+    /// A PEM file of the CA certificates that sign the PostgreSQL server's
+    /// certificate: the store's connection is then TLS, the server's name
+    /// checked against the URL's host (add ?sslmode=require to the URL to
+    /// refuse a server that offers no TLS). Without it the connection is in
+    /// the clear.
+    #[arg(long, value_name = "FILE")]
+    responses_store_ca: Option<PathBuf>,
     /// Hours a stored response can be read or continued.
     #[arg(long, default_value_t = 720)]
     responses_ttl_hours: u64,
@@ -310,11 +317,25 @@ impl HttpArgs {
             ttl: Duration::from_secs(self.responses_ttl_hours.saturating_mul(3600)),
             tenant_bytes: self.responses_tenant_max_mib.saturating_mul(1 << 20),
         };
+        let postgres = self
+            .responses_store
+            .as_deref()
+            .is_some_and(|s| s.starts_with("postgres://") || s.starts_with("postgresql://"));
+        anyhow::ensure!(
+            self.responses_store_ca.is_none() || postgres,
+            "--responses-store-ca is for a postgres:// --responses-store"
+        );
         let path = match self.responses_store.as_deref() {
             Some("off") => return Ok(None),
             Some("memory") => return Ok(Some(ResponseStore::in_memory(limits)?)),
             Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
-                let store = ResponseStore::postgres(url, limits)?;
+                let ca = match &self.responses_store_ca {
+                    Some(path) => Some(std::fs::read(path).with_context(|| {
+                        format!("reading --responses-store-ca {}", path.display())
+                    })?),
+                    None => None,
+                };
+                let store = ResponseStore::postgres(url, ca.as_deref(), limits)?;
                 info!("stored responses kept in PostgreSQL");
                 return Ok(Some(store));
             }

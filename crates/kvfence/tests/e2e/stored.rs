@@ -542,3 +542,44 @@ async fn an_unwritable_default_store_falls_back_to_memory_and_a_named_one_stops_
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(said.contains("--responses-store"), "{said}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_postgresql_store_speaks_tls_verified_against_the_operator_s_ca() {
+    let Some((postgres, ca)) = crate::common::Postgres::start_tls() else {
+        return;
+    };
+    let url = format!("{}?sslmode=require", postgres.url);
+    let ca = ca.to_str().unwrap();
+    let server = Server::start(&["--responses-store", &url, "--responses-store-ca", ca]);
+    let (status, answer) = post(&server.url("/v1/responses"), None, ask("hi", json!({}))).await;
+    assert_eq!((status, &answer["store"]), (200, &json!(true)), "{answer}");
+    let id = answer["id"].as_str().unwrap();
+    let kept = reqwest::get(server.url(&format!("/v1/responses/{id}")))
+        .await
+        .unwrap();
+    assert_eq!(kept.status().as_u16(), 200);
+
+    // In the clear the server turns it away; a CA that did not sign its
+    // certificate does not trust it: either way the router does not start.
+    let other_ca = tempfile::NamedTempFile::new().unwrap();
+    let stranger = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .self_signed(&rcgen::KeyPair::generate().unwrap())
+        .unwrap();
+    std::fs::write(other_ca.path(), stranger.pem()).unwrap();
+    for extra in [
+        vec![],
+        vec!["--responses-store-ca", other_ca.path().to_str().unwrap()],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+            .args(["serve", "--model", "builtin:tiny", "--port", "0"])
+            .args(["--responses-store", &url])
+            .args(&extra)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?}: started");
+        assert!(said.contains("response store"), "{extra:?}: {said}");
+        assert!(!said.contains("kvfence@"), "the URL is not printed: {said}");
+    }
+}

@@ -124,6 +124,9 @@ pub(super) enum Backend {
     /// connection broke (a database restart is not the router's).
     Postgres {
         url: String,
+        /// TLS to the server, verified against the operator's CA; `None`
+        /// connects in the clear.
+        tls: Option<tokio_postgres_rustls::MakeRustlsConnect>,
         client: Mutex<Option<Box<postgres::Client>>>,
     },
 }
@@ -162,10 +165,13 @@ impl Backend {
         Ok(Backend::Sqlite(Mutex::new(db)))
     }
 
-    /// The PostgreSQL database at `url`, its tables made.
-    pub(super) fn postgres(url: &str) -> Result<Backend, ServerError> {
+    /// The PostgreSQL database at `url`, its tables made; over TLS
+    /// verified against the certificates in `ca_pem` if given.
+    pub(super) fn postgres(url: &str, ca_pem: Option<&[u8]>) -> Result<Backend, ServerError> {
+        let tls = ca_pem.map(tls_to).transpose()?;
         let backend = Backend::Postgres {
             url: url.to_string(),
+            tls,
             client: Mutex::new(None),
         };
         backend.transaction(|_| Ok(()))?;
@@ -220,10 +226,13 @@ impl Backend {
                 tx.commit()?;
                 Ok(done)
             }
-            Backend::Postgres { url, client } => {
+            Backend::Postgres { url, tls, client } => {
                 let mut client = lock(client);
                 if client.as_ref().is_none_or(|client| client.is_closed()) {
-                    let mut fresh = postgres::Client::connect(url, postgres::NoTls)?;
+                    let mut fresh = match tls {
+                        Some(tls) => postgres::Client::connect(url, tls.clone())?,
+                        None => postgres::Client::connect(url, postgres::NoTls)?,
+                    };
                     fresh.batch_execute(POSTGRES_SCHEMA)?;
                     *client = Some(Box::new(fresh));
                 }
@@ -237,6 +246,31 @@ impl Backend {
             }
         }
     }
+}
+
+/// A TLS connector that trusts exactly the certificates in `ca_pem` (the
+/// server's name is checked against the URL's host).
+fn tls_to(ca_pem: &[u8]) -> Result<tokio_postgres_rustls::MakeRustlsConnect, ServerError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let failed = |reason: String| ServerError::StorePostgres(format!("TLS: {reason}"));
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in CertificateDer::pem_slice_iter(ca_pem) {
+        let ca = ca.map_err(|e| failed(format!("reading the CA certificate: {e}")))?;
+        roots
+            .add(ca)
+            .map_err(|e| failed(format!("the CA certificate: {e}")))?;
+    }
+    if roots.is_empty() {
+        return Err(failed("no CA certificate found".into()));
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| failed(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
 }
 
 impl rusqlite::ToSql for Param<'_> {

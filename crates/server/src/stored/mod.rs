@@ -127,9 +127,15 @@ impl ResponseStore {
 
     /// The store in the PostgreSQL database at `url`
     /// (`postgres://user:password@host:port/database`), its tables
-    /// (`kvfence_responses`, `kvfence_conversations`) made if missing.
-    pub fn postgres(url: &str, limits: StoreLimits) -> Result<ResponseStore, ServerError> {
-        let db = Backend::postgres(url).map_err(|e| ServerError::ResponseStore {
+    /// (`kvfence_responses`, `kvfence_conversations`) made if missing; over
+    /// TLS verified against the CA certificates in `ca_pem` if given (then
+    /// `?sslmode=require` in the URL refuses a server without TLS).
+    pub fn postgres(
+        url: &str,
+        ca_pem: Option<&[u8]>,
+        limits: StoreLimits,
+    ) -> Result<ResponseStore, ServerError> {
+        let db = Backend::postgres(url, ca_pem).map_err(|e| ServerError::ResponseStore {
             // Never the URL: it may hold a password.
             path: "the PostgreSQL database".into(),
             reason: e.to_string(),

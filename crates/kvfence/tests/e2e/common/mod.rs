@@ -482,6 +482,19 @@ impl Postgres {
     /// Starts one, or None (said) where PostgreSQL is not installed —
     /// unless `KVFENCE_REQUIRE_POSTGRES` is set (CI installs it and sets it).
     pub fn start() -> Option<Postgres> {
+        Postgres::start_with(false)
+    }
+
+    /// One that takes TCP connections over TLS only, its certificate (for
+    /// `127.0.0.1` and `localhost`) signed by a CA of its own, whose PEM is
+    /// the returned path.
+    pub fn start_tls() -> Option<(Postgres, std::path::PathBuf)> {
+        let postgres = Postgres::start_with(true)?;
+        let ca = postgres.dir.path().join("ca.crt");
+        Some((postgres, ca))
+    }
+
+    fn start_with(tls: bool) -> Option<Postgres> {
         let bin = std::fs::read_dir("/usr/lib/postgresql")
             .into_iter()
             .flatten()
@@ -527,10 +540,23 @@ impl Postgres {
             .local_addr()
             .unwrap()
             .port();
-        let options = format!(
+        let mut options = format!(
             "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off",
             dir.path().display()
         );
+        if tls {
+            Postgres::certificates(dir.path(), as_postgres);
+            // TCP only over TLS: a client in the clear is turned away.
+            std::fs::write(
+                data.join("pg_hba.conf"),
+                "local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
+            )
+            .unwrap();
+            options.push_str(&format!(
+                " -c ssl=on -c ssl_cert_file={0}/server.crt -c ssl_key_file={0}/server.key",
+                dir.path().display()
+            ));
+        }
         let out = Postgres::command(&bin, as_postgres, "pg_ctl")
             .arg("-D")
             .arg(&data)
@@ -551,6 +577,42 @@ impl Postgres {
             bin,
             as_postgres,
         })
+    }
+}
+
+impl Postgres {
+    /// Writes `ca.crt`, and `server.crt` and `server.key` (for
+    /// `127.0.0.1` and `localhost`, signed by that CA) into `dir`, the key
+    /// readable by the server's user only.
+    fn certificates(dir: &std::path::Path, as_postgres: bool) {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(rcgen::DnType::CommonName, "test PostgreSQL CA");
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let issuer = rcgen::Issuer::new(ca, ca_key);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let server =
+            rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+                .unwrap()
+                .signed_by(&key, &issuer)
+                .unwrap();
+        std::fs::write(dir.join("ca.crt"), ca_cert.pem()).unwrap();
+        std::fs::write(dir.join("server.crt"), server.pem()).unwrap();
+        let key_path = dir.join("server.key");
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&key_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        if as_postgres {
+            let owned = Command::new("chown")
+                .args(["postgres:"])
+                .arg(dir.join("server.crt"))
+                .arg(&key_path)
+                .status()
+                .unwrap();
+            assert!(owned.success(), "chown of the server's certificate");
+        }
     }
 }
 
