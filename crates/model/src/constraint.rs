@@ -171,7 +171,12 @@ fn lark_regexes(lark: &str) -> Vec<&str> {
 
 /// The refusal of a grammar past the limits, in our words.
 fn past_limits() -> ModelError {
-    refusal(None, "limit")
+    ModelError::Constraint {
+        reason: format!(
+            "the grammar is past this server's limits (at most {MAX_LEXER_STATES} lexer states \
+             and {MAX_ITEMS_IN_ROW} parser items at one point, and a bounded grammar size)"
+        ),
+    }
 }
 
 /// How many positions `regex` has once its counted repetitions are
@@ -222,29 +227,25 @@ fn refusal(grammar: Option<&Grammar>, message: &str) -> ModelError {
         "too many",
         "exceeded",
     ];
-    let reason = if limits.iter().any(|l| message.contains(l)) {
-        format!(
-            "the grammar is past this server's limits (at most {MAX_LEXER_STATES} lexer states \
-             and {MAX_ITEMS_IN_ROW} parser items at one point, and a bounded grammar size)"
-        )
-    } else {
-        match grammar {
-            None => "the grammar allows no way to go on".to_string(),
-            Some(Grammar::Regex(_)) => {
-                "the regular expression does not parse, or uses a feature that is not supported (such as look-around or back-references)".to_string()
+    if limits.iter().any(|l| message.contains(l)) {
+        return past_limits();
+    }
+    let reason = match grammar {
+        None => "the grammar allows no way to go on".to_string(),
+        Some(Grammar::Regex(_)) => {
+            "the regular expression does not parse, or uses a feature that is not supported (such as look-around or back-references)".to_string()
+        }
+        Some(Grammar::Lark(_)) => match lark_position(message) {
+            Some((line, column)) => {
+                format!("the Lark grammar does not parse (line {line}, column {column})")
             }
-            Some(Grammar::Lark(_)) => match lark_position(message) {
-                Some((line, column)) => {
-                    format!("the Lark grammar does not parse (line {line}, column {column})")
-                }
-                None => "the Lark grammar does not parse, or uses a feature that is not supported".to_string(),
-            },
-            Some(Grammar::JsonSchema(_) | Grammar::JsonObject) => {
-                if message.contains("regex") {
-                    "a pattern in the JSON schema does not parse, or uses a feature that is not supported".to_string()
-                } else {
-                    "the JSON schema uses a type, format, keyword or reference that is not supported, or one that does not resolve".to_string()
-                }
+            None => "the Lark grammar does not parse, or uses a feature that is not supported".to_string(),
+        },
+        Some(Grammar::JsonSchema(_) | Grammar::JsonObject) => {
+            if message.contains("regex") {
+                "a pattern in the JSON schema does not parse, or uses a feature that is not supported".to_string()
+            } else {
+                "the JSON schema uses a type, format, keyword or reference that is not supported, or one that does not resolve".to_string()
             }
         }
     };
