@@ -304,6 +304,7 @@ impl Engine {
             cache: Some(CacheScope::Public),
             constraint: None,
             share: Share::default(),
+            trace: None,
         })?;
         loop {
             match handle.blocking_next() {

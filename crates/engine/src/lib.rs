@@ -23,6 +23,7 @@ mod sim;
 #[cfg(test)]
 mod testing;
 mod text;
+pub mod trace;
 
 pub use config::EngineConfig;
 pub use counters::{EngineStats, QUEUE_WAIT_BOUNDS, WaitHistogram, WorkerSnapshot};

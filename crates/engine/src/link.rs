@@ -26,6 +26,7 @@ use crate::net::{self, Link, ListenLimits};
 
 use crate::request::{CacheScope, GenerationRequest, LinkGrammars, Share};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, PrefillOrder};
+use crate::trace::TraceContext;
 
 /// How the prefill and decode workers of a pair are connected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,6 +102,15 @@ fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
             out.extend_from_slice(&order.request.share.weight().to_le_bytes());
             out.extend_from_slice(&order.request.share.priority().to_le_bytes());
             out.push(u8::from(order.request.share.shared()));
+            // The span the prefill worker's spans hang under, if traced.
+            match &order.request.trace {
+                None => out.push(0),
+                Some(trace) => {
+                    out.push(1);
+                    out.extend_from_slice(&trace.trace_id().to_be_bytes());
+                    out.extend_from_slice(&trace.span_id().to_be_bytes());
+                }
+            }
             Some((ORDER, Cow::Owned(out)))
         }
         // Local-only commands never cross a link.
@@ -149,6 +159,14 @@ impl<'a> Cursor<'a> {
 
     fn byte(&mut self) -> Result<u8, HandoffError> {
         Ok(self.take(1)?[0])
+    }
+
+    /// A trace context (`TraceContext`): 16 bytes of trace id, 8 of span
+    /// id, neither zero.
+    fn trace(&mut self) -> Result<TraceContext, HandoffError> {
+        let trace_id = u128::from_be_bytes(self.take(16)?.try_into().expect("16 bytes"));
+        let span_id = u64::from_be_bytes(self.take(8)?.try_into().expect("8 bytes"));
+        TraceContext::new(trace_id, span_id).ok_or_else(|| malformed("a trace id is zero"))
     }
 
     /// A `0`/`1` presence byte.
@@ -227,6 +245,7 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
             let share = Share::new(tenant, weight)
                 .with_priority(c.u32()?.cast_signed())
                 .on_shared_workers(c.flag()?);
+            let trace = if c.flag()? { Some(c.trace()?) } else { None };
             if !c.0.is_empty() {
                 return Err(malformed("trailing bytes"));
             }
@@ -240,6 +259,7 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
                 cache,
                 constraint: constraint.map(Into::into),
                 share,
+                trace,
             };
             Ok(Command::Prefill {
                 peer,
@@ -461,6 +481,7 @@ mod tests {
             share: Share::new("tenant-a", 3)
                 .with_priority(-2)
                 .on_shared_workers(true),
+            trace: TraceContext::new(u128::MAX - 5, 0x0102_0304_0506_0708),
         };
         let sent = Command::Prefill {
             peer: PeerId(1),
@@ -475,6 +496,10 @@ mod tests {
         };
         assert_eq!(order.grant, vec![9, 9]);
         assert_eq!(order.request.prompt, vec![1, 2, 300]);
+        assert_eq!(
+            order.request.trace,
+            TraceContext::new(u128::MAX - 5, 0x0102_0304_0506_0708)
+        );
         assert_eq!(order.request.sampling, shaped());
         assert_eq!(
             order.request.constraint.as_ref().map(|c| c.grammar.clone()),
@@ -524,6 +549,7 @@ mod tests {
             weight in 1u32..1_000,
             priority in -5i32..5,
             shared in proptest::prelude::any::<bool>(),
+            trace in proptest::option::of((1u128.., 1u64..)),
             cut in proptest::prelude::any::<proptest::sample::Index>(),
             flip in proptest::prelude::any::<(proptest::sample::Index, u8)>(),
             noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
@@ -539,6 +565,7 @@ mod tests {
                 share: Share::new(tenant, weight)
                     .with_priority(priority)
                     .on_shared_workers(shared),
+                trace: trace.and_then(|(trace, span)| TraceContext::new(trace, span)),
             };
             let sent = Command::Prefill {
                 peer: PeerId(1),
@@ -550,6 +577,7 @@ mod tests {
             proptest::prop_assert_eq!(&order.request.prompt, &request.prompt);
             proptest::prop_assert_eq!(&order.request.cache, &request.cache);
             proptest::prop_assert_eq!(&order.request.share, &request.share);
+            proptest::prop_assert_eq!(order.request.trace, request.trace);
             let (kind, body) = encode(&sent).expect("an order crosses links");
             let whole: Vec<u8> = std::iter::once(kind).chain(body.iter().copied()).collect();
             // Every field is length-prefixed or fixed: a frame cut short

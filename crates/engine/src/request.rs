@@ -10,6 +10,8 @@ use kvfence_model::{
 use kvfence_pool::RequestId;
 use tokio::sync::mpsc;
 
+use crate::trace::TraceContext;
+
 /// One generation request, already tokenized.
 #[derive(Debug, Clone)]
 pub struct GenerationRequest {
@@ -31,6 +33,9 @@ pub struct GenerationRequest {
     pub constraint: Option<Constrained>,
     /// Whose share of the worker its work counts against (I11).
     pub share: Share,
+    /// The span the request's work hangs under (the router's), if it is
+    /// traced: each worker it reaches records its own spans beneath.
+    pub trace: Option<TraceContext>,
 }
 
 /// What a request's output must match: its grammar and, where the front
@@ -294,6 +299,18 @@ pub enum FailureKind {
     Unavailable,
     /// The engine stopped before the request finished.
     ShuttingDown,
+}
+
+impl FailureKind {
+    /// A short name for metrics and traces.
+    pub fn label(self) -> &'static str {
+        match self {
+            FailureKind::Internal => "internal",
+            FailureKind::TooLong => "too_long",
+            FailureKind::Unavailable => "unavailable",
+            FailureKind::ShuttingDown => "shutting_down",
+        }
+    }
 }
 
 /// One event of a request's life, in order. After `Finished` or `Failed`

@@ -276,6 +276,7 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
         cache: Some(CacheScope::tenant(tenant, None)),
         constraint: None,
         share: Share::new(tenant, weight),
+        trace: None,
     }
 }
 
@@ -982,6 +983,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
             cache: None,
             constraint: None,
             share: Share::default(),
+            trace: None,
         };
         Box::new(PrefillOrder {
             grant: grant.to_frame(),

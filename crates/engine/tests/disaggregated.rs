@@ -68,6 +68,7 @@ fn request(i: usize, temperature: f32) -> GenerationRequest {
         cache: None,
         constraint: None,
         share: Share::default(),
+        trace: None,
     }
 }
 

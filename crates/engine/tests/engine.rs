@@ -38,6 +38,7 @@ fn request(prompt_seed: u32, len: usize, max_tokens: usize) -> GenerationRequest
         cache: None,
         constraint: None,
         share: Share::default(),
+        trace: None,
     }
 }
 

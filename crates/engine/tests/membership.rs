@@ -127,6 +127,7 @@ fn request(max_tokens: usize) -> GenerationRequest {
         cache: None,
         constraint: None,
         share: Share::default(),
+        trace: None,
     }
 }
 

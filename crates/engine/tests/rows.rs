@@ -43,6 +43,7 @@ fn request(seed: u32, sampling: SamplingParams) -> GenerationRequest {
         cache: None,
         constraint: None,
         share: Share::new(format!("tenant-{seed}"), 1),
+        trace: None,
     }
 }
 

@@ -123,6 +123,7 @@ fn generate(schema: &Value, sampling: SamplingParams) -> (String, Event) {
         cache: None,
         constraint: Some(Grammar::JsonSchema(schema.clone()).into()),
         share: Share::default(),
+        trace: None,
     };
     let mut handle = engine().submit(request).unwrap();
     let mut text = String::new();

@@ -13,7 +13,9 @@ use clap::{Args, ValueEnum};
 use kvfence_engine::{Backend, Engine, EngineConfig, Role, Transport};
 use kvfence_model::{LoadedModel, ModelCache, TextModel};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
-use kvfence_server::{ApiOptions, AppState, Capacity, ConnectionLimits, ServerError, Tenants};
+use kvfence_server::{
+    ApiOptions, AppState, Capacity, ConnectionLimits, OtlpProtocol, ServerError, Tenants, Traces,
+};
 use tracing::{info, warn};
 
 use crate::Dtype;
@@ -52,6 +54,52 @@ pub(crate) struct ServeArgs {
     public: PublicPrefixArgs,
     #[command(flatten)]
     http: HttpArgs,
+    #[command(flatten)]
+    traces: TraceArgs,
+}
+
+/// Where spans go (OpenTelemetry), for every kind of process.
+#[derive(Args, Debug)]
+pub(crate) struct TraceArgs {
+    /// Send OpenTelemetry spans to this collector over OTLP/HTTP: its base
+    /// URL, as http://127.0.0.1:4318 (spans go to its /v1/traces), or the
+    /// exact URL to post to. Every generation request is one trace: the
+    /// HTTP front's span and, beneath it, a span for each worker the
+    /// request reaches (with its queue, prefill, hand-off and decode) —
+    /// across a fleet's processes when each is given an endpoint. Spans
+    /// carry routes, counts, timings and outcomes; never prompt or
+    /// completion text. Off unless given.
+    #[arg(long, value_name = "URL")]
+    otlp_endpoint: Option<String>,
+    /// How spans are encoded on the wire.
+    #[arg(long, value_enum, default_value_t = OtlpEncoding::Protobuf, requires = "otlp_endpoint")]
+    otlp_protocol: OtlpEncoding,
+}
+
+/// OTLP/HTTP's two encodings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OtlpEncoding {
+    /// application/x-protobuf (OTLP's default).
+    Protobuf,
+    /// application/json.
+    Json,
+}
+
+impl TraceArgs {
+    /// Starts exporting this process's spans, if asked; they are flushed
+    /// when the returned guard drops (keep it until the process stops).
+    pub(crate) fn export(&self, process: &'static str) -> anyhow::Result<Option<Traces>> {
+        let Some(endpoint) = &self.otlp_endpoint else {
+            return Ok(None);
+        };
+        let protocol = match self.otlp_protocol {
+            OtlpEncoding::Protobuf => OtlpProtocol::Protobuf,
+            OtlpEncoding::Json => OtlpProtocol::Json,
+        };
+        let traces = Traces::export(endpoint, protocol, process)?;
+        info!(process, "exporting traces (--otlp-endpoint)");
+        Ok(Some(traces))
+    }
 }
 
 /// System prompts every tenant may share: the one exception to the prefix
@@ -267,6 +315,10 @@ pub(crate) struct HttpArgs {
     /// not list the tenants).
     #[arg(long)]
     metrics_tenant_labels: bool,
+    /// Name the tenant on each request's span (without it traces do not
+    /// say who the tenants are; see --otlp-endpoint).
+    #[arg(long)]
+    trace_tenant_names: bool,
     /// Let web pages on this origin call the API from a browser (CORS), as
     /// `https://app.example.com`; repeat for more, or `*` for any. Off by
     /// default. The API key is still required on every request.
@@ -463,6 +515,7 @@ pub(crate) fn load_model(name: &str) -> anyhow::Result<Arc<LoadedModel>> {
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     kvfence_server::init_logging();
+    let _traces = args.traces.export("serve")?;
     let tenants = tenants(&args.http)?;
     let mut model = match &args.model {
         Some(name) => load_model(name)?,
@@ -653,6 +706,7 @@ pub(crate) fn serve_http(
         limits: http.limits()?,
         metrics_on_api: metrics_listen.is_none(),
         tenant_labels: http.metrics_tenant_labels,
+        trace_tenant_names: http.trace_tenant_names,
         cors: kvfence_server::Cors::from_origins(&http.cors_origins)?,
         responses: http.responses()?,
     };
@@ -717,6 +771,7 @@ pub(crate) fn status_state(
         limits: ConnectionLimits::default(),
         metrics_on_api: false,
         tenant_labels: false,
+        trace_tenant_names: false,
         cors: kvfence_server::Cors::Off,
         responses: None,
     };

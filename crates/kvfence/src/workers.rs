@@ -23,10 +23,11 @@ use kvfence_engine::{
 };
 use kvfence_model::LoadedModel;
 use kvfence_pool::Pool;
+use kvfence_server::Traces;
 use tracing::{info, warn};
 
 use crate::serve::{
-    EngineArgs, HttpArgs, chat_template_file, load_model, load_text_model, serve_http,
+    EngineArgs, HttpArgs, TraceArgs, chat_template_file, load_model, load_text_model, serve_http,
     shutdown_signal, status_state, tenants,
 };
 
@@ -81,6 +82,8 @@ pub(crate) struct WorkerArgs {
     tls: TlsArgs,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    traces: TraceArgs,
 }
 
 #[derive(Args, Debug)]
@@ -123,14 +126,20 @@ pub(crate) struct RouterArgs {
     tls: TlsArgs,
     #[command(flatten)]
     http: HttpArgs,
+    #[command(flatten)]
+    traces: TraceArgs,
 }
 
 /// The parts every worker starts from: credentials, model and pool.
 fn start_worker(
     args: &WorkerArgs,
     role: Role,
-) -> anyhow::Result<(Credentials, Arc<LoadedModel>, Pool)> {
+) -> anyhow::Result<(Credentials, Arc<LoadedModel>, Pool, Option<Traces>)> {
     kvfence_server::init_logging();
+    let traces = args.traces.export(match role {
+        Role::Prefill => "prefill",
+        _ => "decode",
+    })?;
     let credentials = args.tls.credentials(role)?;
     let model = load_model(&args.model)?;
     // Workers of a fleet declare no public prefixes (only `serve` does).
@@ -139,7 +148,7 @@ fn start_worker(
         args.kv_pool_tokens,
         kvfence_pool::DEFAULT_PUBLIC_MIN_TOKENS,
     )?;
-    Ok((credentials, model, pool))
+    Ok((credentials, model, pool, traces))
 }
 
 /// How a worker drains: what stops new work, and what is still in flight.
@@ -192,7 +201,7 @@ fn run_until_drained(
 }
 
 pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
-    let (credentials, model, pool) = start_worker(&args.worker, Role::Prefill)?;
+    let (credentials, model, pool, _traces) = start_worker(&args.worker, Role::Prefill)?;
     let listener = TcpListener::bind(args.worker.listen)
         .with_context(|| format!("binding {}", args.worker.listen))?;
     let address = listener.local_addr()?;
@@ -218,7 +227,7 @@ pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
 
 pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
     let prefills = PeerNames::parse(&args.prefill, "prefill worker")?;
-    let (credentials, model, pool) = start_worker(&args.worker, Role::Decode)?;
+    let (credentials, model, pool, _traces) = start_worker(&args.worker, Role::Decode)?;
     let engine = Engine::start_decode_worker(
         Arc::clone(&model),
         pool,
@@ -250,6 +259,7 @@ pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
 
 pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
     kvfence_server::init_logging();
+    let _traces = args.traces.export("router")?;
     let names = PeerNames::parse(&args.decode, "decode worker")?;
     let credentials = args.tls.credentials(Role::Router)?;
     let tenants = tenants(&args.http)?;

@@ -49,6 +49,9 @@ pub enum ServerError {
         /// What is wrong with it.
         reason: String,
     },
+    /// Spans cannot be exported as asked (`--otlp-endpoint`).
+    #[error("traces: {0}")]
+    Traces(String),
     /// The stored-responses database could not be opened.
     #[error("the response store {path}: {reason} (--responses-store names another file, or off)")]
     ResponseStore {

@@ -13,6 +13,7 @@ mod redact;
 mod responses;
 mod routes;
 mod stored;
+mod telemetry;
 mod tenants;
 mod text_work;
 mod tools;
@@ -36,6 +37,7 @@ pub use metrics::Metrics;
 pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse, SHARED_FIELDS};
 pub use redact::Redacted;
 pub use stored::{Conversation, ResponseStore, StoreLimits, Stored};
+pub use telemetry::{OtlpProtocol, Traces};
 pub use tenants::{Admission, Limits, Reload, Tenant, Tenants, new_key, new_tenant};
 
 /// Everything the handlers share.
@@ -50,6 +52,8 @@ pub struct AppState {
     default_max_tokens: usize,
     limits: ConnectionLimits,
     metrics_on_api: bool,
+    /// Name tenants on request spans.
+    trace_tenant_names: bool,
     /// Template, tokenizer and grammar work at once, off the async
     /// runtime: bounded, so big prompts queue here instead of filling the
     /// blocking pool, and shared between tenants.
@@ -140,6 +144,9 @@ pub struct ApiOptions {
     /// Label request counters with tenant names (off: the label is empty, so
     /// a scrape does not list who the tenants are).
     pub tenant_labels: bool,
+    /// Name the tenant on each request's span (off: traces do not say
+    /// who the tenants are).
+    pub trace_tenant_names: bool,
     /// Which browser origins may call the API.
     pub cors: Cors,
     /// Where the Responses API keeps answers (`store`); `None` keeps none,
@@ -178,6 +185,7 @@ impl AppState {
             default_max_tokens: options.default_max_tokens,
             limits: options.limits,
             metrics_on_api: options.metrics_on_api,
+            trace_tenant_names: options.trace_tenant_names,
             text_work: text_work::TextWork::new(
                 std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
             ),

@@ -140,6 +140,7 @@ mod tests {
             cache: Some(CacheScope::tenant(tenant, salt.map(Into::into))),
             constraint: None,
             share: Share::new(tenant, 1),
+            trace: None,
         }
     }
 

@@ -273,6 +273,7 @@ impl RemoteEngine {
             constraint: request.constraint.map(|c| c.grammar),
             share: request.share,
             prefill,
+            trace: request.trace,
         };
         let forget = || {
             lock(&connection.in_flight).remove(&id);

@@ -362,6 +362,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                 constraint,
                 share,
                 prefill,
+                trace,
             } => {
                 let stop = match StopStrings::new(stop) {
                     Ok(stop) => stop,
@@ -394,6 +395,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                     cache: cache.map(CacheScope::Tenant),
                     constraint,
                     share,
+                    trace,
                 };
                 match engine.submit_to(request, prefill) {
                     Ok(handle) => {

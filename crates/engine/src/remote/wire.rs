@@ -17,9 +17,11 @@ use crate::engine::PrefillPeer;
 use crate::link::CONTROL;
 use crate::net::LinkTx;
 use crate::request::{FailureKind, FinishReason, Share, TenantScope, Usage};
+use crate::trace::TraceContext;
 
-/// The control protocol's version; a peer speaking another is refused.
-pub(crate) const PROTOCOL: u32 = 7;
+/// The control protocol's version; a peer speaking another is refused
+/// (8: orders and `Submit` carry a trace context).
+pub(crate) const PROTOCOL: u32 = 8;
 
 /// What identifies a model for the hand-off: two workers whose
 /// fingerprints differ cannot read each other's KV.
@@ -272,6 +274,10 @@ pub(crate) enum Control {
         /// The prefill worker the router chose (a name from the decode
         /// worker's `prefills`).
         prefill: Option<String>,
+        /// The router's span for the request, if it is traced (a W3C
+        /// `traceparent`).
+        #[serde(default)]
+        trace: Option<TraceContext>,
     },
     Accepted {
         id: u64,
@@ -345,6 +351,7 @@ mod tests {
             constraint: None,
             share: Share::new("acme", 2),
             prefill: Some("10.0.0.1:7000".into()),
+            trace: TraceContext::new(3, 4),
         };
         let json = serde_json::to_value(&submit).unwrap();
         let fields = &json["Submit"];

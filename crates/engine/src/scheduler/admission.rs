@@ -68,7 +68,7 @@ impl Scheduler {
                 && p.resume.is_none()
                 && p.waiting_since.is_some_and(|since| now >= since + limit)
         });
-        for pending in expired {
+        for mut pending in expired {
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
             self.counters.queue_timeouts.fetch_add(1, Ordering::Relaxed);
             debug!(request = %pending.id, "waited past --max-queue-wait; refused");
@@ -76,7 +76,7 @@ impl Scheduler {
                 "the request waited {} s in the queue without being admitted; retry later",
                 limit.as_secs_f64()
             );
-            self.refuse(&pending, FailureKind::Unavailable, message);
+            self.refuse(&mut pending, FailureKind::Unavailable, message);
         }
     }
 
@@ -95,12 +95,12 @@ impl Scheduler {
                 && matches!(p.origin, Origin::Client { .. })
                 && p.resume.is_none()
         });
-        for pending in shed {
+        for mut pending in shed {
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
             self.counters.shed.fetch_add(1, Ordering::Relaxed);
             debug!(request = %pending.id, priority = pending.request.share.priority(), "sheddable request shed");
             self.refuse(
-                &pending,
+                &mut pending,
                 FailureKind::Unavailable,
                 "the worker is full and this request is sheddable (negative priority); retry later"
                     .into(),
@@ -268,9 +268,9 @@ impl Scheduler {
                 break;
             }
             if let Some(message) = self.can_never_fit(pending) {
-                let pending = self.waiting.pop_front(eligible).expect("the front exists");
+                let mut pending = self.waiting.pop_front(eligible).expect("the front exists");
                 self.counters.queued.fetch_sub(1, Ordering::AcqRel);
-                self.refuse(&pending, FailureKind::TooLong, message);
+                self.refuse(&mut pending, FailureKind::TooLong, message);
                 continue;
             }
             let page_size = self.pool.geometry().page_size;
@@ -285,9 +285,10 @@ impl Scheduler {
                 match self.choose_prefill(pending) {
                     Ok(peer) => Some(peer),
                     Err((kind, message)) => {
-                        let pending = self.waiting.pop_front(eligible).expect("the front exists");
+                        let mut pending =
+                            self.waiting.pop_front(eligible).expect("the front exists");
                         self.counters.queued.fetch_sub(1, Ordering::AcqRel);
-                        self.refuse(&pending, kind, message);
+                        self.refuse(&mut pending, kind, message);
                         continue;
                     }
                 }
@@ -302,9 +303,9 @@ impl Scheduler {
                     break;
                 }
                 Err(error) => {
-                    let pending = self.waiting.pop_front(eligible).expect("the front exists");
+                    let mut pending = self.waiting.pop_front(eligible).expect("the front exists");
                     self.counters.queued.fetch_sub(1, Ordering::AcqRel);
-                    self.refuse(&pending, FailureKind::TooLong, error.to_string());
+                    self.refuse(&mut pending, FailureKind::TooLong, error.to_string());
                     continue;
                 }
             };
@@ -321,6 +322,7 @@ impl Scheduler {
             }
             self.admissions += 1;
             let admitted = self.admissions;
+            pending.timeline.admitted();
             if let Some(resume) = pending.resume.take() {
                 let Resume {
                     sampler,
@@ -347,7 +349,7 @@ impl Scheduler {
             let sampler = match Sampler::new(pending.request.sampling.clone()) {
                 Ok(sampler) => sampler,
                 Err(error) => {
-                    self.refuse(&pending, FailureKind::Internal, error.to_string());
+                    self.refuse(&mut pending, FailureKind::Internal, error.to_string());
                     continue;
                 }
             };
@@ -360,7 +362,7 @@ impl Scheduler {
                     // The front door compiled this grammar before; failing
                     // here is the grammar's limits, never its text (I10).
                     warn!(request = %pending.id, "the request's grammar did not compile");
-                    self.refuse(&pending, FailureKind::Internal, error.to_string());
+                    self.refuse(&mut pending, FailureKind::Internal, error.to_string());
                     continue;
                 }
             };
@@ -394,7 +396,7 @@ impl Scheduler {
                         // prefill workers get — would see only decode
                         // rows and admit in arrival order (I11).
                         self.waiting.charge(&pending.request.share, prompt);
-                        self.send_order(peer, grant, &pending.request, window);
+                        self.send_order(peer, grant, &pending, window);
                         Kv::Awaited(Awaiting {
                             prefill: peer,
                             granted_at: now,
@@ -403,7 +405,7 @@ impl Scheduler {
                         })
                     }
                     Err(error) => {
-                        self.refuse(&pending, FailureKind::Internal, error.to_string());
+                        self.refuse(&mut pending, FailureKind::Internal, error.to_string());
                         continue;
                     }
                 }
@@ -498,6 +500,7 @@ impl Scheduler {
         } = active;
         drop(kv);
         debug!(request = %pending.id, generated = generated.len(), "preempted for pages");
+        pending.timeline.preempted();
         pending.resume = Some(Box::new(Resume {
             sampler,
             constraint,

@@ -86,6 +86,7 @@ fn request(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerationReque
         cache: Some(CacheScope::tenant(tenant, None)),
         constraint: None,
         share: Share::new(tenant, 1),
+        trace: None,
     }
 }
 

@@ -116,6 +116,7 @@ impl Pair {
             cache: None,
             constraint: None,
             share: Share::default(),
+            trace: None,
         };
         let id = RequestId(self.next_id);
         self.next_id += 1;

@@ -76,6 +76,7 @@ impl Scheduler {
                             top: top.to_vec(),
                         });
                 let active = &mut self.active[index];
+                active.pending.timeline.kv_ready();
                 active.written = committed.tokens();
                 active.cached = committed.cached_tokens();
                 let mut lease = committed.into_lease();
@@ -206,13 +207,18 @@ impl Scheduler {
         &self,
         peer: PeerId,
         grant: Message,
-        request: &GenerationRequest,
+        pending: &Pending,
         window: Option<(Window, WindowKey)>,
     ) {
         if let Some(p) = self.peers.get(&peer) {
+            let request = GenerationRequest {
+                // The prefill worker's spans hang under this worker's.
+                trace: pending.timeline.context_for_peer(pending.request.trace),
+                ..pending.request.clone()
+            };
             let order = PrefillOrder {
                 grant: grant.to_frame(),
-                request: request.clone(),
+                request,
                 window,
             };
             let _ = p.tx.order(order);

@@ -70,6 +70,7 @@ fn request(tenant: &str, seed: u32, len: usize, max_tokens: usize) -> Generation
         cache: None,
         constraint: None,
         share: Share::new(tenant, 1),
+        trace: None,
     }
 }
 

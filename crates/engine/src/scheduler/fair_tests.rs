@@ -77,6 +77,7 @@ fn request(tenant: &str, weight: u32, seed: u32, len: usize) -> GenerationReques
         cache: None,
         constraint: None,
         share: Share::new(tenant, weight),
+        trace: None,
     }
 }
 

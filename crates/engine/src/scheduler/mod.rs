@@ -77,6 +77,7 @@ use crate::config::EngineConfig;
 use crate::counters::Counters;
 use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle};
 use crate::text::TextStream;
+use crate::trace::Timeline;
 use fair::FairQueue;
 use grammar::GrammarCache;
 
@@ -248,6 +249,8 @@ pub(crate) struct Pending {
     /// When the first poll after its arrival saw it waiting (commands
     /// carry no clock): its queue deadline counts from here.
     pub(crate) waiting_since: Option<Instant>,
+    /// Its time on this worker, if it is traced; recorded when it leaves.
+    pub(crate) timeline: Timeline,
 }
 
 /// Where a preempted request stopped: everything but its pages.
@@ -269,6 +272,7 @@ impl Pending {
         let (events, receiver) = tokio_mpsc::unbounded_channel();
         let cancelled = Arc::new(AtomicBool::new(false));
         let handle = RequestHandle::new(id, receiver, Arc::clone(&cancelled));
+        let timeline = Timeline::start(request.trace);
         let pending = Pending {
             id,
             request,
@@ -277,6 +281,7 @@ impl Pending {
             moved: false,
             resume: None,
             waiting_since: None,
+            timeline,
         };
         (pending, handle)
     }
@@ -589,10 +594,10 @@ impl Scheduler {
         // Requests that raced the shutdown.
         let arrived = self.arrived.take().into_iter();
         for command in arrived.chain(self.inbox.try_iter()) {
-            if let Command::Submit(pending) = command {
+            if let Command::Submit(mut pending) = command {
                 self.counters.queued.fetch_sub(1, Ordering::AcqRel);
                 self.refuse(
-                    &pending,
+                    &mut pending,
                     FailureKind::ShuttingDown,
                     "the server is shutting down".into(),
                 );
@@ -686,7 +691,10 @@ impl Scheduler {
             return;
         }
         match command {
-            Command::Submit(pending) => self.enqueue(*pending),
+            Command::Submit(mut pending) => {
+                pending.timeline.taken_by(self.role);
+                self.enqueue(*pending)
+            }
             Command::Prefill { peer, order } => self.take_order(peer, *order),
             Command::Frame { peer, frame } => self.take_frame(peer, &frame),
             Command::PeerUp(up) => {

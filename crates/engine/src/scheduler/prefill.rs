@@ -15,6 +15,7 @@ use tracing::{debug, warn};
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
 use super::{End, FailureKind, Origin, PeerId, PeerTx, Pending, PrefillOrder, Role, Scheduler};
+use crate::trace::{Outcome, Timeline};
 
 impl Scheduler {
     /// Prefill role: queue a grant to fill, or reject it at once.
@@ -29,6 +30,9 @@ impl Scheduler {
         };
         // Fault injection: the prefill worker stalls on, or crashes at, a grant.
         fail::fail_point!("handoff-grant", crash_or_stall);
+        // Recorded however the order leaves, a rejection at once included.
+        let mut timeline = Timeline::start(order.request.trace);
+        timeline.taken_by(Role::Prefill);
         let needed = order.request.prompt.len();
         let reject = if needed != grant.tokens {
             Some(RejectReason::Failed)
@@ -44,6 +48,14 @@ impl Scheduler {
             None
         };
         if let Some(reason) = reject {
+            timeline.ends(
+                Outcome::Failed(match reason {
+                    RejectReason::TooLong => FailureKind::TooLong,
+                    RejectReason::Busy => FailureKind::Unavailable,
+                    RejectReason::Failed | RejectReason::Aborted => FailureKind::Internal,
+                }),
+                None,
+            );
             if reason == RejectReason::TooLong && Mutation::PlaceholderDone.active() {
                 // Incident replay (a): claim a one-token placeholder was sent.
                 self.to_peer(
@@ -102,6 +114,7 @@ impl Scheduler {
             moved: false,
             resume: None,
             waiting_since: None,
+            timeline,
         });
     }
 

@@ -17,6 +17,7 @@ use super::crash_or_stall;
 use super::fair::split_budget;
 use super::{Active, End, InFlight, Origin, Pending, Role, Scheduler, Work};
 use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, Usage};
+use crate::trace::Outcome;
 
 /// What an express pass counts against the step it runs ahead of, at the
 /// least: a pass reads every weight once however few its rows, which costs
@@ -452,19 +453,34 @@ impl Scheduler {
         }
         match end {
             End::Finished(event) => {
+                if let Event::Finished { reason, usage } = &event {
+                    active
+                        .pending
+                        .timeline
+                        .ends(Outcome::Finished(*reason), Some(*usage));
+                }
                 active.seal_conversation();
                 self.counters.finished.fetch_add(1, Ordering::Relaxed);
                 active.pending.send(event);
             }
-            End::Failed(kind, message) => self.refuse(&active.pending, kind, message),
+            End::Failed(kind, message) => self.refuse(&mut active.pending, kind, message),
             End::Shipped => {
+                active.pending.timeline.ends(
+                    Outcome::Shipped,
+                    Some(Usage {
+                        prompt_tokens: active.pending.request.prompt.len(),
+                        completion_tokens: 1,
+                        cached_tokens: active.cached,
+                    }),
+                );
                 self.counters.finished.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
 
-    pub(super) fn refuse(&self, pending: &Pending, kind: FailureKind, message: String) {
+    pub(super) fn refuse(&self, pending: &mut Pending, kind: FailureKind, message: String) {
         self.counters.failed.fetch_add(1, Ordering::Relaxed);
+        pending.timeline.ends(Outcome::Failed(kind), None);
         match &pending.origin {
             Origin::Client { .. } => pending.send(Event::Failed { kind, message }),
             Origin::Handoff { peer, id, .. } => {
@@ -521,6 +537,7 @@ impl Scheduler {
             Ok(draw) => draw,
             Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
         };
+        active.pending.timeline.token();
         if matches!(self.active[index].pending.origin, Origin::Handoff { .. }) {
             return Some(self.ship(index, draw.token, draw.logprobs));
         }
@@ -610,15 +627,15 @@ impl Scheduler {
                 "the server is shutting down".to_string(),
             )
         };
-        for pending in self.waiting.take_all() {
+        for mut pending in self.waiting.take_all() {
             self.counters.queued.fetch_sub(1, Ordering::AcqRel);
             let (kind, message) = reason();
-            self.refuse(&pending, kind, message);
+            self.refuse(&mut pending, kind, message);
         }
-        for active in std::mem::take(&mut self.active) {
+        for mut active in std::mem::take(&mut self.active) {
             self.counters.running.fetch_sub(1, Ordering::AcqRel);
             let (kind, message) = reason();
-            self.refuse(&active.pending, kind, message);
+            self.refuse(&mut active.pending, kind, message);
         }
     }
 }

@@ -24,3 +24,4 @@ mod serve;
 mod smollm2;
 mod stored;
 mod tenancy;
+mod traces;

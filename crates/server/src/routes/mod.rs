@@ -21,6 +21,8 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures_util::stream::{self, Stream, StreamExt};
+use http_body_util::BodyExt;
+use kvfence_engine::trace::TraceContext;
 use kvfence_engine::{
     CacheScope, Constrained, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle,
     Share, Usage,
@@ -38,6 +40,7 @@ use crate::openai::{
 };
 use crate::redact::{Redacted, clipped};
 use crate::responses::{self, RESPONSES_FIELDS};
+use crate::telemetry::RequestSpan;
 use crate::tenants::{Admission, Tenant};
 use crate::tools::{Call, StreamSplit, Tools};
 
@@ -65,6 +68,15 @@ impl Endpoint {
             Endpoint::Chat => "chat_completions",
             Endpoint::Completions => "completions",
             Endpoint::Responses => "responses",
+        }
+    }
+
+    /// The route, as spans name it.
+    fn route(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Responses => "/v1/responses",
         }
     }
 
@@ -476,10 +488,15 @@ async fn handle(
     if let Some(theirs) = headers.get("x-request-id") {
         info!(request_id, client_request_id = %client_label(theirs.as_bytes()), "request received");
     }
+    // A trace of its own, whatever `traceparent` the client sent.
+    let mut span = RequestSpan::start(endpoint.route(), &request_id);
     // Who is asking, from the headers alone: a stranger is refused before
     // a byte of the body is read.
     let mut response = match authenticate(&state, &headers) {
         Ok(tenant) => {
+            if state.trace_tenant_names {
+                span.tenant(&tenant.name);
+            }
             let call = Admitting {
                 state,
                 tenant: &tenant,
@@ -488,6 +505,7 @@ async fn handle(
                 endpoint,
                 started,
                 request_id: &request_id,
+                trace: span.context(),
             };
             let mut response = call.handle(body).await;
             // Every answer to a tenant with rates says where it stands
@@ -500,7 +518,14 @@ async fn handle(
     if let Ok(value) = axum::http::HeaderValue::from_str(&request_id) {
         response.headers_mut().insert("x-request-id", value);
     }
-    response
+    span.answered(response.status());
+    // The span ends when the answer's last byte has gone (a stream's too).
+    response.map(|body| {
+        Body::new(body.map_frame(move |frame| {
+            let _until_the_body_ends = &span;
+            frame
+        }))
+    })
 }
 
 /// A client's label for its request, as a log may show it: up to 64
@@ -525,6 +550,8 @@ struct Admitting<'a> {
     endpoint: Endpoint,
     started: Instant,
     request_id: &'a str,
+    /// The request's span, if it is traced: the workers' spans hang under it.
+    trace: Option<TraceContext>,
 }
 
 impl Admitting<'_> {
@@ -537,6 +564,7 @@ impl Admitting<'_> {
             endpoint,
             started,
             request_id,
+            trace,
         } = self;
         // The connection is known from now on: no stranger's socket can close
         // it to make room (I11). (Routers built without `serve` carry none.)
@@ -561,10 +589,14 @@ impl Admitting<'_> {
             Ok(body) => body,
             Err(error) => return refuse(&state, &tenant.name, endpoint, error),
         };
-        let prepared = match prepare_off_runtime(&state, tenant, body, endpoint, objective).await {
-            Ok(prepared) => prepared,
-            Err(error) => return refuse(&state, &tenant.name, endpoint, error),
-        };
+        let mut prepared =
+            match prepare_off_runtime(&state, tenant, body, endpoint, objective).await {
+                Ok(prepared) => prepared,
+                Err(error) => return refuse(&state, &tenant.name, endpoint, error),
+            };
+        for choice in &mut prepared.choices {
+            choice.request.trace = trace;
+        }
         let prompt_tokens: usize = prepared
             .choices
             .iter()

@@ -236,6 +236,7 @@ pub(super) fn prepare(
                     cache: cache.clone(),
                     constraint: constraint.clone(),
                     share: share.clone(),
+                    trace: None,
                 },
                 echo: echo.clone(),
             });
