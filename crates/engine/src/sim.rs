@@ -52,6 +52,7 @@ use crate::config::EngineConfig;
 use crate::counters::Counters;
 use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle, Share};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler};
+use crate::trace::TraceContext;
 
 const PAGE: usize = 16;
 const HANDOFF_TIMEOUT: Duration = Duration::from_millis(300);
@@ -276,7 +277,13 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
         cache: Some(CacheScope::tenant(tenant, None)),
         constraint: None,
         share: Share::new(tenant, weight),
-        trace: None,
+        // Half the requests are traced (no exporter here: the timelines'
+        // marks and drops run on every path the world takes).
+        trace: if family % 2 == 0 {
+            TraceContext::new(family as u128 + 1, len as u64)
+        } else {
+            None
+        },
     }
 }
 

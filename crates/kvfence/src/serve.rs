@@ -286,13 +286,16 @@ pub(crate) struct HttpArgs {
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
     /// HTTP connections open at once that have not yet sent an
-    /// authenticated request; past it the oldest of them is closed, so idle
-    /// sockets cannot keep a tenant out.
+    /// authenticated request. Past it, a connection that sends a request
+    /// takes the place of the oldest that has sent nothing, so idle sockets
+    /// cannot keep a tenant out; silent ones are held (not closed, which
+    /// only makes a flood reconnect) up to five times this, and closed at
+    /// the header deadline.
     #[arg(long, default_value_t = 256)]
     max_unauthenticated_connections: usize,
-    /// Of those, from one client address; past it that address's oldest
-    /// is closed, so one address cannot push out another's. (Behind a
-    /// load balancer every client shares its address: raise it there.)
+    /// Of those, from one client address, likewise, so one address cannot
+    /// push out another's. (Behind a load balancer every client shares its
+    /// address: raise it there.)
     #[arg(long, default_value_t = 64)]
     max_unauthenticated_connections_per_address: usize,
     /// Milliseconds a client has to send a request's headers (also the idle
@@ -698,12 +701,14 @@ pub(crate) fn serve_http(
                 .expect("the default metrics address parses"),
         ),
     };
+    let limits = http.limits()?;
+    raise_open_files(limits.sockets());
     let options = ApiOptions {
         tenants,
         model_id,
         capacity,
         default_max_tokens: http.default_max_tokens,
-        limits: http.limits()?,
+        limits,
         metrics_on_api: metrics_listen.is_none(),
         tenant_labels: http.metrics_tenant_labels,
         trace_tenant_names: http.trace_tenant_names,
@@ -740,6 +745,43 @@ pub(crate) fn serve_http(
         info!("server stopped");
         Ok(())
     })
+}
+
+/// Descriptors the process needs beside its clients' sockets: model and
+/// store files, worker links, the metrics listener, logs.
+const OTHER_DESCRIPTORS: usize = 256;
+
+/// Raises the soft open-file limit to the hard one (as Go's runtime does):
+/// a default of 1,024 is fewer than the connection limits let clients hold,
+/// and a listener out of descriptors accepts no one, tenants included. Says
+/// so in the log when even the hard limit is short of `sockets`.
+fn raise_open_files(sockets: usize) {
+    #[cfg(unix)]
+    {
+        use rustix::process::{Resource, getrlimit, setrlimit};
+        let limit = getrlimit(Resource::Nofile);
+        if limit.current != limit.maximum {
+            let raised = rustix::process::Rlimit {
+                current: limit.maximum,
+                maximum: limit.maximum,
+            };
+            if let Err(error) = setrlimit(Resource::Nofile, raised) {
+                warn!(%error, "could not raise the open-file limit");
+            }
+        }
+        let needed = (sockets + OTHER_DESCRIPTORS) as u64;
+        if let Some(current) = getrlimit(Resource::Nofile).current
+            && current < needed
+        {
+            warn!(
+                limit = current,
+                needed,
+                "the open-file limit is below what the connection limits may hold; raise it (ulimit -n) or lower --max-connections and --max-unauthenticated-connections"
+            );
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = sockets;
 }
 
 fn default_model_id(name: &str) -> String {

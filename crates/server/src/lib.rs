@@ -345,10 +345,12 @@ pub struct ConnectionLimits {
     /// request authenticates is answered 503 and closed.
     pub max_connections: usize,
     /// Connections that have not authenticated yet, open at once; past it
-    /// the oldest of them is closed to make room (I11).
+    /// one that speaks takes the place of the oldest silent one, and silent
+    /// ones are held (closed at the header deadline) up to five times this
+    /// (I11; see `connections`).
     pub max_strangers: usize,
-    /// Of those, from one address; past it that address's oldest is
-    /// closed, so one address's sockets never push out another's.
+    /// Of those, from one address, likewise: one address's sockets never
+    /// push out another's.
     pub max_strangers_per_address: usize,
     /// A request's headers must arrive within this (including the wait for
     /// the next request on a kept-alive connection).
@@ -358,6 +360,14 @@ pub struct ConnectionLimits {
     pub body_timeout: Duration,
     /// Largest request body, in bytes (413 past it).
     pub max_body_bytes: usize,
+}
+
+impl ConnectionLimits {
+    /// Sockets the front door may hold open at once: every known
+    /// connection, and strangers with the silent ones held past their cap.
+    pub fn sockets(&self) -> usize {
+        self.max_connections + self.max_strangers * connections::HELD_SILENT
+    }
 }
 
 impl Default for ConnectionLimits {

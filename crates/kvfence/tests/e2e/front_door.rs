@@ -194,14 +194,15 @@ async fn i11_a_strangers_idle_sockets_do_not_keep_a_tenant_out() {
     .await
     .expect("the tenant was kept out by idle sockets");
     assert_eq!(answer.0, 200, "{}", answer.1);
-    // The server closed all but its bound of them: all come from one
-    // address, whose own bound (64) is the tighter.
+    // All come from one address, whose own bound (64) is the tighter: the
+    // server holds its silent ones up to five times that (closing them as
+    // they come only makes a flood reconnect), and closed the rest.
     let mut open = 0;
     for stranger in &mut strangers {
         open += usize::from(!closed_within(stranger, Duration::from_millis(1)).0);
     }
     assert!(
-        open <= 64,
+        64 < open && open <= 64 * 5,
         "{open} idle strangers from one address still open"
     );
     drop(strangers);
