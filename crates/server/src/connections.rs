@@ -264,6 +264,11 @@ impl Ticket {
                 )
             })?;
         *known = Some(permit);
+        // Released before the strangers' lock is taken: `accepted` takes
+        // that one and then this (`is_known`), and the two orders together
+        // could deadlock the accept loop. Marked known first, so whichever
+        // of the two runs second sees the other.
+        drop(known);
         inner.connections.closed(inner.serial);
         Ok(())
     }
@@ -545,6 +550,48 @@ mod tests {
         let (_, _, closes) = arrive(&full, &rt, 9, HOME, false);
         closes.unwrap().abort();
         assert!(closed(&rt, slow));
+    }
+
+    #[test]
+    fn i11_a_connection_authenticating_as_it_is_registered_never_deadlocks() {
+        // The accept loop registers a connection (strangers' lock, then the
+        // ticket's) while the connection's task authenticates (the ticket's
+        // lock, then the strangers' to leave them): with both locks held
+        // across, the two could wait on each other and freeze the accept
+        // loop — seen as a fleet test's requests hanging under load.
+        let (finished, done) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            let connections = Connections::new(4, 4, 1 << 20);
+            for serial in 0..50_000 {
+                let ticket = Ticket::new(serial, Arc::clone(&connections));
+                let task = idle_task(&rt);
+                let start = Arc::new(std::sync::Barrier::new(2));
+                let authenticating = {
+                    let (ticket, start) = (ticket.clone(), Arc::clone(&start));
+                    std::thread::spawn(move || {
+                        start.wait();
+                        ticket.authenticated().unwrap();
+                    })
+                };
+                start.wait();
+                if let Some(evicted) = connections.accepted(&ticket, HOME, task.abort_handle()) {
+                    evicted.abort();
+                }
+                authenticating.join().unwrap();
+                assert!(ticket.is_known());
+            }
+            let _ = finished.send(connections.stranger_count());
+        });
+        let strangers = done
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("registering and authenticating deadlocked");
+        assert_eq!(
+            strangers, 0,
+            "an authenticated connection stayed a stranger"
+        );
     }
 
     #[test]

@@ -198,17 +198,18 @@ impl Reply {
     }
 
     pub(super) fn response_stream(self) -> Response {
-        let events = stream::unfold((self, 0u8), |(mut reply, phase)| async move {
+        let start = (self, ResponsePhase::Opening);
+        let events = stream::unfold(start, |(mut reply, phase)| async move {
             let events = match phase {
-                0 => {
+                ResponsePhase::Opening => {
                     let created = reply.response_body("in_progress", Vec::new(), None);
                     let events = vec![
                         reply.event("response.created", json!({"response": created.clone()})),
                         reply.event("response.in_progress", json!({"response": created})),
                     ];
-                    return Some((events, (reply, 1)));
+                    return Some((events, (reply, ResponsePhase::Streaming)));
                 }
-                1 => match reply.step().await {
+                ResponsePhase::Streaming => match reply.step().await {
                     Step::Token(_) => reply.response_text(),
                     Step::Finished(_) => reply.response_finish(),
                     Step::AllDone => {
@@ -224,23 +225,34 @@ impl Reply {
                             "response.incomplete"
                         };
                         let event = reply.event(kind, json!({"response": body}));
-                        return Some((vec![event], (reply, 2)));
+                        return Some((vec![event], (reply, ResponsePhase::Ended)));
                     }
                     Step::Failed(error) => {
                         reply.log_end(200, None);
                         // An error event and no completion (I5, I7).
                         let body = json!({"code": error.code, "message": error.message, "param": error.param});
                         let event = reply.event("error", body);
-                        return Some((vec![event], (reply, 2)));
+                        return Some((vec![event], (reply, ResponsePhase::Ended)));
                     }
                 },
-                _ => return None,
+                ResponsePhase::Ended => return None,
             };
-            Some((events, (reply, 1)))
+            Some((events, (reply, ResponsePhase::Streaming)))
         })
         .flat_map(|events| stream::iter(events.into_iter().map(Ok::<_, Infallible>)));
         Sse::new(events)
             .keep_alive(KeepAlive::default())
             .into_response()
     }
+}
+
+/// Where a Responses stream stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ResponsePhase {
+    /// `response.created` and `response.in_progress` are next.
+    Opening,
+    /// Each choice's events as its tokens come.
+    Streaming,
+    /// `response.completed`, `response.incomplete` or `error` was sent.
+    Ended,
 }
