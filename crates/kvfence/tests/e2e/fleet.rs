@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::common::{ClusterTls, Server, post, tenant, tenants_file};
+use crate::common::{ClusterTls, Server, post, tenant, tenants_file, wait_for_status};
 use crate::multiprocess::{start_decode, start_prefill, start_router};
 
 /// Status listener for a worker, so its own counters can be read.
@@ -69,23 +69,6 @@ fn body(i: usize) -> serde_json::Value {
         "seed": i,
         "ignore_eos": true,
     })
-}
-
-/// Waits until `server` answers `path` with `status`.
-async fn wait_for_status(server: &Server, path: &str, status: u16) {
-    let url = format!("{}{path}", server.metrics_base);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let got = reqwest::get(&url).await.map(|r| r.status().as_u16());
-        if got.as_ref().ok() == Some(&status) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{url} answered {got:?}, not {status}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Waits until no page is held in `server`'s own pools.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use kvfence_engine::tls::{Credentials, Role};
 use serde_json::json;
 
-use crate::common::{ClusterTls, Server, post};
+use crate::common::{ClusterTls, Server, post, wait_for_status};
 use crate::multiprocess::{cluster, start_decode, start_prefill, start_router};
 
 fn request(i: usize) -> serde_json::Value {
@@ -72,6 +72,9 @@ fn address(server: &Server) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn i9_reflecting_a_workers_own_handshake_back_at_it_gets_nothing() {
     let cluster = cluster(&[], &[]);
+    // Attacked once it serves: a decode worker links to its prefill
+    // worker after it listens, and until then the router answers 503.
+    wait_for_status(&cluster.router, "/ready", 200).await;
     let target = address(&cluster.decode);
     let (mut a, mut b) = (
         TcpStream::connect(&target).unwrap(),
@@ -148,6 +151,9 @@ fn recording_proxy(upstream: String) -> (String, Arc<Mutex<Vec<u8>>>) {
 #[tokio::test(flavor = "multi_thread")]
 async fn i9_a_replayed_recording_of_a_real_handshake_is_refused() {
     let cluster = cluster(&[], &[]);
+    // Attacked once it serves: a decode worker links to its prefill
+    // worker after it listens, and until then the router answers 503.
+    wait_for_status(&cluster.router, "/ready", 200).await;
     let (proxy, recorded) = recording_proxy(address(&cluster.decode));
     let recorded_router = start_router(&cluster.tls, &proxy, &[]);
     assert_serves(&recorded_router).await;
@@ -198,6 +204,9 @@ fn i9_a_certificate_from_another_ca_is_refused() {
 #[tokio::test(flavor = "multi_thread")]
 async fn i9_a_certificate_of_the_wrong_role_is_refused_both_ways() {
     let cluster = cluster(&[], &[]);
+    // Attacked once it serves: a decode worker links to its prefill
+    // worker after it listens, and until then the router answers 503.
+    wait_for_status(&cluster.router, "/ready", 200).await;
     // A client presenting the prefill certificate to the decode worker's
     // router port: the chain is good, the role is not.
     let prefill = Credentials::load(cluster.tls.path(), Role::Prefill).unwrap();
@@ -235,6 +244,9 @@ async fn i9_a_certificate_of_the_wrong_role_is_refused_both_ways() {
 #[tokio::test(flavor = "multi_thread")]
 async fn i9_a_plain_tcp_client_is_refused() {
     let cluster = cluster(&[], &[]);
+    // Attacked once it serves: a decode worker links to its prefill
+    // worker after it listens, and until then the router answers 503.
+    wait_for_status(&cluster.router, "/ready", 200).await;
     for (target, bytes) in [
         (
             address(&cluster.decode),
@@ -260,6 +272,9 @@ async fn i9_a_plain_tcp_client_is_refused() {
 #[tokio::test(flavor = "multi_thread")]
 async fn i9_a_flood_of_half_open_connections_does_not_lock_out_real_peers() {
     let cluster = cluster(&[], &[]);
+    // Attacked once it serves: a decode worker links to its prefill
+    // worker after it listens, and until then the router answers 503.
+    wait_for_status(&cluster.router, "/ready", 200).await;
     let flood: Vec<TcpStream> = (0..300)
         .map(|_| TcpStream::connect(address(&cluster.decode)).unwrap())
         .collect();

@@ -302,6 +302,23 @@ fn series(text: &str) -> (&str, Vec<&str>) {
     }
 }
 
+/// Waits until `server` answers `path` with `status`.
+pub async fn wait_for_status(server: &Server, path: &str, status: u16) {
+    let url = format!("{}{path}", server.metrics_base);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = reqwest::get(&url).await.map(|r| r.status().as_u16());
+        if got.as_ref().ok() == Some(&status) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{url} answered {got:?}, not {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// POSTs JSON; returns status and parsed body.
 pub async fn post(
     url: &str,
