@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
@@ -34,7 +34,22 @@ pub struct Engine {
     /// Cleared when the worker drains: new requests are refused, those in
     /// flight finish.
     admitting: AtomicBool,
+    /// Requests from routers whose last event has not yet been handed to
+    /// their link (a decode worker's): work in flight until it has.
+    relaying: Arc<AtomicUsize>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// One router request's answer on its way back: counted in
+/// [`Engine::in_flight`] until dropped, after its last event is handed to
+/// the link, so a draining worker does not exit between its scheduler
+/// finishing a request and the router hearing so.
+pub(crate) struct Relaying(Arc<AtomicUsize>);
+
+impl Drop for Relaying {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A prefill worker in another process that a decode worker has a link to.
@@ -109,6 +124,7 @@ impl Engine {
             config,
             next_id: AtomicU64::new(1),
             admitting: AtomicBool::new(true),
+            relaying: Arc::default(),
             threads: vec![thread],
         }
     }
@@ -205,6 +221,7 @@ impl Engine {
             config,
             next_id: AtomicU64::new(1),
             admitting: AtomicBool::new(true),
+            relaying: Arc::default(),
             threads: vec![spawn("kvfence-decode", decode)],
         }
     }
@@ -430,10 +447,18 @@ impl Engine {
                 || !self.prefills.list().is_empty())
     }
 
-    /// Requests queued or running.
+    /// Requests queued or running, and answers still on their way back to
+    /// a router.
     pub fn in_flight(&self) -> usize {
         let stats = self.stats();
-        stats.queued + stats.running
+        stats.queued + stats.running + self.relaying.load(Ordering::Acquire)
+    }
+
+    /// Counts a router request's answer as in flight until the returned
+    /// guard drops.
+    pub(crate) fn relaying(&self) -> Relaying {
+        self.relaying.fetch_add(1, Ordering::AcqRel);
+        Relaying(Arc::clone(&self.relaying))
     }
 
     /// Stops the scheduler now: queued and running requests end with a
@@ -502,5 +527,40 @@ impl crate::Backend for Engine {
 
     fn shutdown(&self) {
         Engine::shutdown(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
+
+    use super::*;
+
+    #[test]
+    fn an_answer_on_its_way_to_a_router_keeps_the_worker_in_flight() {
+        // A draining decode worker exits once nothing is in flight: an
+        // answer its scheduler finished but its link has not sent yet must
+        // count, or the router hears "unreachable" instead of the end.
+        let model = crate::testing::tiny_model();
+        let spec = PoolSpec::new(
+            model.model.kv_shape(),
+            16,
+            ElemType::F32,
+            PoolSize::Tokens(64),
+        );
+        let engine = Engine::start(
+            Arc::clone(&model),
+            Pool::new(&spec).expect("a 64-token pool"),
+            EngineConfig::default(),
+        );
+        assert_eq!(engine.in_flight(), 0);
+        let first = engine.relaying();
+        let second = engine.relaying();
+        assert_eq!(engine.in_flight(), 2);
+        drop(first);
+        assert_eq!(engine.in_flight(), 1);
+        drop(second);
+        assert_eq!(engine.in_flight(), 0);
+        engine.shutdown();
     }
 }

@@ -162,6 +162,11 @@ struct Drain {
 /// already bound), and waits for SIGINT/SIGTERM; then drains: stops
 /// admitting, waits up to `--shutdown-timeout` for `in_flight` to reach
 /// zero, and returns.
+/// How long a drained worker waits for its links' writers to send frames
+/// already handed to them: they are in this process's memory, a socket
+/// write away.
+const LINK_FLUSH: Duration = Duration::from_millis(100);
+
 fn run_until_drained(
     address: SocketAddr,
     args: &WorkerArgs,
@@ -191,7 +196,13 @@ fn run_until_drained(
         std::thread::sleep(Duration::from_millis(20));
     }
     match (drain.in_flight)() {
-        0 => info!("drained; exiting"),
+        0 => {
+            // Every answer's last event is with its link's writer (a decode
+            // worker counts answers in flight until then): a moment for the
+            // writers to put those frames on their sockets before exit.
+            std::thread::sleep(LINK_FLUSH);
+            info!("drained; exiting")
+        }
         left => warn!(
             left,
             "shutdown grace period over; exiting with work in flight"

@@ -15,9 +15,13 @@
 //! client: never on the compute pool, never on the async runtime. A
 //! collector that is down costs dropped spans, not requests.
 
+use std::pin::Pin;
+use std::task::Poll;
 use std::time::Duration;
 
+use axum::body::{Body, Bytes, HttpBody};
 use axum::http::StatusCode;
+use hyper::body::{Frame, SizeHint};
 use kvfence_engine::trace::TraceContext;
 use opentelemetry::trace::{Span, SpanKind, Status, Tracer};
 use opentelemetry::{KeyValue, global};
@@ -150,6 +154,12 @@ impl RequestSpan {
         }
     }
 
+    /// `body`, holding this span until it is dropped: the span ends with
+    /// the answer's last byte.
+    pub(crate) fn around(self, body: Body) -> SpannedBody {
+        SpannedBody { body, _span: self }
+    }
+
     /// The answer's status; a server error marks the span failed.
     pub(crate) fn answered(&mut self, status: StatusCode) {
         if let Some(span) = &mut self.0 {
@@ -161,6 +171,34 @@ impl RequestSpan {
                 span.set_status(Status::error(status.as_u16().to_string()));
             }
         }
+    }
+}
+
+/// An answer's body and the span that ends when it is dropped. Frames,
+/// end and size pass through unchanged (a whole JSON answer keeps its
+/// `content-length`).
+pub(crate) struct SpannedBody {
+    body: Body,
+    _span: RequestSpan,
+}
+
+impl HttpBody for SpannedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -191,6 +229,13 @@ mod tests {
         ] {
             assert!(traces_url(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_spanned_body_keeps_its_size_so_an_answer_keeps_its_content_length() {
+        let body = RequestSpan(None).around(Body::from("hello"));
+        assert_eq!(body.size_hint().exact(), Some(5));
+        assert!(!body.is_end_stream());
     }
 
     #[test]

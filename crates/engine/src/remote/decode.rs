@@ -31,7 +31,7 @@ use super::wire::{
 use super::{Backoff, dial, io, is_transient, lock};
 use crate::Engine;
 use crate::config::EngineConfig;
-use crate::engine::{PrefillDirectory, PrefillPeer};
+use crate::engine::{PrefillDirectory, PrefillPeer, Relaying};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, Link, ListenLimits};
@@ -404,7 +404,8 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                         let (out, cancellers) = (out_tx.clone(), Arc::clone(&cancellers));
                         // A task per request on the link runtime, asleep
                         // until its next event: no thread per request.
-                        crate::net::runtime().spawn(forward(id, handle, out, cancellers));
+                        let relaying = engine.relaying();
+                        crate::net::runtime().spawn(forward(id, handle, out, cancellers, relaying));
                     }
                     Err(error) => refuse(id, refusal(error)),
                 }
@@ -441,6 +442,7 @@ async fn forward(
     mut handle: RequestHandle,
     out: mpsc::Sender<Control>,
     cancellers: Arc<Mutex<HashMap<u64, Canceller>>>,
+    _relaying: Relaying,
 ) {
     while let Some(event) = handle.next().await {
         let terminal = !matches!(event, Event::Token { .. });

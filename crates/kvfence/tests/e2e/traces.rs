@@ -206,6 +206,10 @@ async fn a_request_is_one_trace_through_router_decode_and_prefill_processes() {
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
+    assert!(
+        response.headers().contains_key("content-length"),
+        "a traced whole answer keeps its length"
+    );
     let request_id = response.headers()["x-request-id"]
         .to_str()
         .unwrap()

@@ -21,7 +21,7 @@ passed = []
 
 def ask(client):
     return client.completions.with_raw_response.create(
-        model=MODEL, prompt="hi", max_tokens=1
+        model=MODEL, prompt="hi", max_tokens=1, extra_body={"ignore_eos": True}
     )
 
 

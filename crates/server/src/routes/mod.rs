@@ -21,7 +21,6 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures_util::stream::{self, Stream, StreamExt};
-use http_body_util::BodyExt;
 use kvfence_engine::trace::TraceContext;
 use kvfence_engine::{
     CacheScope, Constrained, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle,
@@ -520,12 +519,7 @@ async fn handle(
     }
     span.answered(response.status());
     // The span ends when the answer's last byte has gone (a stream's too).
-    response.map(|body| {
-        Body::new(body.map_frame(move |frame| {
-            let _until_the_body_ends = &span;
-            frame
-        }))
-    })
+    response.map(|body| Body::new(span.around(body)))
 }
 
 /// A client's label for its request, as a log may show it: up to 64
