@@ -447,11 +447,12 @@ impl Engine {
                 || !self.prefills.list().is_empty())
     }
 
-    /// Requests queued or running, and answers still on their way back to
-    /// a router.
+    /// Requests queued or running — or, when more, router requests whose
+    /// answers are still on their way back (each is one of the former
+    /// until its scheduler finishes it): zero only once both are.
     pub fn in_flight(&self) -> usize {
         let stats = self.stats();
-        stats.queued + stats.running + self.relaying.load(Ordering::Acquire)
+        (stats.queued + stats.running).max(self.relaying.load(Ordering::Acquire))
     }
 
     /// Counts a router request's answer as in flight until the returned
@@ -546,11 +547,11 @@ mod tests {
             model.model.kv_shape(),
             16,
             ElemType::F32,
-            PoolSize::Tokens(64),
+            PoolSize::Tokens(256),
         );
         let engine = Engine::start(
             Arc::clone(&model),
-            Pool::new(&spec).expect("a 64-token pool"),
+            Pool::new(&spec).expect("a 256-token pool"),
             EngineConfig::default(),
         );
         assert_eq!(engine.in_flight(), 0);
@@ -560,6 +561,35 @@ mod tests {
         drop(first);
         assert_eq!(engine.in_flight(), 1);
         drop(second);
+        assert_eq!(engine.in_flight(), 0);
+        // A request running and being relayed is one request in flight.
+        let mut handle = engine
+            .submit(crate::request::GenerationRequest {
+                prompt: vec![1, 2, 3],
+                max_tokens: 64,
+                sampling: kvfence_model::SamplingParams::greedy(),
+                stop: kvfence_model::StopStrings::default(),
+                ignore_eos: true,
+                cache: None,
+                constraint: None,
+                share: crate::request::Share::default(),
+                trace: None,
+            })
+            .expect("the pool holds it");
+        let relayed = engine.relaying();
+        assert!(matches!(handle.blocking_next(), Some(Event::Token { .. })));
+        assert_eq!(engine.in_flight(), 1, "counted once while it runs");
+        drop(handle);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while engine.stats().running > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the cancelled request ends"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(engine.in_flight(), 1, "still relaying its end");
+        drop(relayed);
         assert_eq!(engine.in_flight(), 0);
         engine.shutdown();
     }
