@@ -25,6 +25,17 @@ async fn call(server: &Server, method: &str, path: &str, key: &str) -> (u16, Val
     (status, response.json().await.unwrap())
 }
 
+/// A response stored by `server` (local mode) reads back.
+async fn stores_and_reads_back(server: &Server) {
+    let (status, answer) = post(&server.url("/v1/responses"), None, ask("hi", json!({}))).await;
+    assert_eq!((status, &answer["store"]), (200, &json!(true)), "{answer}");
+    let id = answer["id"].as_str().unwrap();
+    let kept = reqwest::get(server.url(&format!("/v1/responses/{id}")))
+        .await
+        .unwrap();
+    assert_eq!(kept.status().as_u16(), 200);
+}
+
 fn ask(input: &str, extra: Value) -> Value {
     let mut body = json!({"model": "builtin:tiny", "input": input, "max_output_tokens": 6,
                           "temperature": 0, "ignore_eos": true});
@@ -525,13 +536,7 @@ async fn an_unwritable_default_store_falls_back_to_memory_and_a_named_one_stops_
     // /proc takes no new directories, even from root.
     let server = Server::start_with_env(&[], &[("KVFENCE_DATA_DIR", "/proc/kvfence-data")]);
     server.wait_for_log("kept in memory");
-    let (status, answer) = post(&server.url("/v1/responses"), None, ask("hi", json!({}))).await;
-    assert_eq!((status, &answer["store"]), (200, &json!(true)), "{answer}");
-    let id = answer["id"].as_str().unwrap();
-    let kept = reqwest::get(server.url(&format!("/v1/responses/{id}")))
-        .await
-        .unwrap();
-    assert_eq!(kept.status().as_u16(), 200);
+    stores_and_reads_back(&server).await;
 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
         .args(["serve", "--model", "builtin:tiny", "--port", "0"])
@@ -551,13 +556,7 @@ async fn the_postgresql_store_speaks_tls_verified_against_the_operator_s_ca() {
     let url = format!("{}?sslmode=require", postgres.url);
     let ca = ca.to_str().unwrap();
     let server = Server::start(&["--responses-store", &url, "--responses-store-ca", ca]);
-    let (status, answer) = post(&server.url("/v1/responses"), None, ask("hi", json!({}))).await;
-    assert_eq!((status, &answer["store"]), (200, &json!(true)), "{answer}");
-    let id = answer["id"].as_str().unwrap();
-    let kept = reqwest::get(server.url(&format!("/v1/responses/{id}")))
-        .await
-        .unwrap();
-    assert_eq!(kept.status().as_u16(), 200);
+    stores_and_reads_back(&server).await;
 
     // In the clear the server turns it away; a CA that did not sign its
     // certificate does not trust it: either way the router does not start.
