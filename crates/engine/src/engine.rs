@@ -325,7 +325,7 @@ impl Engine {
         })?;
         loop {
             match handle.blocking_next() {
-                Some(Event::Token { .. }) => {}
+                Some(Event::Token { .. } | Event::Prompt { .. }) => {}
                 Some(Event::Finished { .. }) => break,
                 Some(Event::Failed { message, .. }) => {
                     return Err(EngineError::Internal { reason: message });

@@ -607,6 +607,7 @@ mod tests {
             repetition_penalty: 1.1,
             logit_bias: vec![(3, -100.0), (17, 2.5)],
             logprobs: Some(4),
+            prompt_logprobs: Some(3),
         }
     }
 

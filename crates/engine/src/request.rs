@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvfence_model::{
-    Constraint, Grammar, Grammars, LoadedModel, SamplingParams, StopStrings, TokenLogprobs,
+    Constraint, Grammar, Grammars, LoadedModel, PromptLogprob, SamplingParams, StopStrings,
+    TokenLogprobs,
 };
 use kvfence_pool::RequestId;
 use tokio::sync::mpsc;
@@ -317,6 +318,12 @@ impl FailureKind {
 /// nothing more comes.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The prompt's scores, if the request asked (`prompt_logprobs`): one
+    /// per prompt token after the first, in order, before any `Token`.
+    Prompt {
+        /// Each token's log-probability, rank and alternatives.
+        logprobs: Vec<PromptLogprob>,
+    },
     /// One token was generated; `text` is the newly printable text (possibly
     /// empty: an incomplete character, or text that may begin a stop string).
     Token {

@@ -42,7 +42,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
-use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_model::{LoadedModel, PromptLogprob, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -68,15 +68,16 @@ use crate::testing::tiny_model as model;
 /// What a request produces alone on a colocated engine: its text and
 /// completion tokens. Cached across seeds (requests come from a small
 /// family, so most repeat).
-fn reference(request: &GenerationRequest) -> (String, usize) {
-    type Key = (Vec<u32>, usize, u32, u64);
+fn reference(request: &GenerationRequest) -> Reference {
+    type Key = (Vec<u32>, usize, u32, u64, Option<usize>);
     static ENGINE: OnceLock<Engine> = OnceLock::new();
-    static CACHE: OnceLock<Mutex<HashMap<Key, (String, usize)>>> = OnceLock::new();
+    static CACHE: OnceLock<Mutex<HashMap<Key, Reference>>> = OnceLock::new();
     let key = (
         request.prompt.clone(),
         request.max_tokens,
         request.sampling.temperature.to_bits(),
         request.sampling.seed,
+        request.sampling.prompt_logprobs,
     );
     let cache = CACHE.get_or_init(Mutex::default);
     if let Some(hit) = cache.lock().unwrap().get(&key) {
@@ -89,16 +90,22 @@ fn reference(request: &GenerationRequest) -> (String, usize) {
     });
     let mut handle = engine.submit(request.clone()).unwrap();
     let mut text = String::new();
+    let mut scores = None;
     let answer = loop {
         match handle.blocking_next().unwrap() {
+            Event::Prompt { logprobs } => scores = Some(logprobs),
             Event::Token { text: t, .. } => text.push_str(&t),
-            Event::Finished { usage, .. } => break (text, usage.completion_tokens),
+            Event::Finished { usage, .. } => break (text, usage.completion_tokens, scores),
             failed => panic!("the reference run failed: {failed:?}"),
         }
     };
     cache.lock().unwrap().insert(key, answer.clone());
     answer
 }
+
+/// What a request gives alone: its text, its token count, and its
+/// prompt's scores if it asked.
+type Reference = (String, usize, Option<Vec<PromptLogprob>>);
 
 fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, cache: bool) -> Pool {
     let mut spec = PoolSpec::new(
@@ -196,6 +203,8 @@ struct Client {
     handle: Option<RequestHandle>,
     text: String,
     tokens: usize,
+    /// Its prompt's scores, once they came.
+    scores: Option<Vec<PromptLogprob>>,
     ended: Option<Ending>,
     /// The most prompt tokens it may find cached: the longest prefix it
     /// shares with a prompt its tenant sent before it ended (I9).
@@ -214,6 +223,7 @@ impl Client {
             handle: None,
             text: String::new(),
             tokens: 0,
+            scores: None,
             ended: None,
             cacheable: 0,
         }
@@ -270,6 +280,8 @@ fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
             top_k: 0,
             top_p: 0.95,
             seed: family as u64,
+            // A quarter of the prompts are scored, with 0 to 2 alternatives.
+            prompt_logprobs: (family % 4 == 1).then_some(len % 3),
             ..SamplingParams::greedy()
         },
         stop: StopStrings::default(),
@@ -645,16 +657,42 @@ impl World {
             };
             loop {
                 match handle.try_next() {
+                    Ok(Event::Prompt { logprobs }) => {
+                        // Once, before any token, and only if asked.
+                        if client.request.sampling.prompt_logprobs.is_none()
+                            || client.scores.is_some()
+                            || client.tokens > 0
+                        {
+                            return Err(format!(
+                                "client {index}: prompt scores it should not get now"
+                            ));
+                        }
+                        client.scores = Some(logprobs);
+                    }
                     Ok(Event::Token { text, .. }) => {
+                        if client.request.sampling.prompt_logprobs.is_some()
+                            && client.scores.is_none()
+                        {
+                            return Err(format!(
+                                "client {index}: a token before its prompt's scores"
+                            ));
+                        }
                         client.text.push_str(&text);
                         client.tokens += 1;
                     }
                     Ok(Event::Finished { usage, .. }) => {
-                        let (text, tokens) = reference(&client.request);
+                        let (text, tokens, scores) = reference(&client.request);
                         if client.text != text || usage.completion_tokens != tokens {
                             return Err(format!(
                                 "client {index}: finished with {:?} ({} tokens), alone it gives {text:?} ({tokens})",
                                 client.text, usage.completion_tokens
+                            ));
+                        }
+                        // Bit for bit: however its prompt was chunked,
+                        // preempted, handed off or moved (I7).
+                        if client.scores != scores {
+                            return Err(format!(
+                                "client {index}: prompt scores differ from its scores alone"
                             ));
                         }
                         // In a faulty world a hand-off may be moved after

@@ -12,8 +12,11 @@ use kvfence_engine::{
     Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Role, Share,
     Transport,
 };
-use kvfence_model::{Grammar, LoadedModel, SamplingParams, StopStrings};
-use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, ReusePolicy, Scrub};
+use kvfence_model::{
+    Grammar, LoadedModel, Logits, PromptLogprob, SamplingParams, Sequence, StopStrings,
+    prompt_logprob,
+};
+use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
 
 fn model() -> Arc<LoadedModel> {
     Arc::new(LoadedModel::load("builtin:tiny").unwrap())
@@ -164,7 +167,7 @@ fn events(mut handle: RequestHandle) -> Vec<Event> {
     let mut events = Vec::new();
     loop {
         let event = handle.blocking_next().unwrap();
-        let last = !matches!(event, Event::Token { .. });
+        let last = !matches!(event, Event::Token { .. } | Event::Prompt { .. });
         events.push(event);
         if last {
             return events;
@@ -249,6 +252,104 @@ fn constraints_penalties_and_logprobs_equal_colocated_bit_for_bit() {
         assert_eq!(run(&disaggregated), expected, "{transport:?}");
         wait_for_baseline(&disaggregated);
     }
+}
+
+/// The prompt's scores straight from the model: one pass over the whole
+/// prompt with every row's logits, each row scoring the next token.
+fn scores_alone(model: &LoadedModel, prompt: &[u32], top: usize) -> Vec<PromptLogprob> {
+    let pool = pool(model, 4096, Scrub::Zero, ReusePolicy::OldestFreedFirst);
+    let mut lease = pool.lease(RequestId(1), prompt.len()).unwrap();
+    let mut batch = [Sequence {
+        lease: &mut lease,
+        past: 0,
+        tokens: prompt,
+        logits: Logits::All,
+    }];
+    let logits = model.model.forward(&mut batch).unwrap().remove(0);
+    let vocab = model.model.config().vocab_size;
+    logits
+        .chunks_exact(vocab)
+        .zip(&prompt[1..])
+        .map(|(row, &next)| prompt_logprob(row, next, top))
+        .collect()
+}
+
+/// A pool with a prefix cache, newest-freed pages first, poisoned.
+fn cached_pool(model: &LoadedModel, tokens: usize) -> Pool {
+    let spec = PoolSpec::new(
+        model.model.kv_shape(),
+        16,
+        ElemType::F32,
+        PoolSize::Tokens(tokens),
+    )
+    .with_prefix_cache(tokens / 16)
+    .with_scrub(Scrub::Poison)
+    .with_reuse(ReusePolicy::NewestFreedFirst);
+    Pool::new(&spec).unwrap()
+}
+
+#[test]
+fn prompt_scores_are_the_models_own_in_every_mode_and_change_no_answer() {
+    let model = model();
+    let colocated = Engine::start(Arc::clone(&model), cached_pool(&model, 8192), config());
+    // One token (nothing to score), a page and one, and prompts that take
+    // several steps of 96 tokens; each twice, the second time with its
+    // tenant's prefix cache warm, which a scored prompt must not use.
+    let mut requests = Vec::new();
+    for (i, (len, top)) in [(1, 2), (17, 0), (150, 20), (300, 3)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut r = request(i, if i % 2 == 0 { 0.0 } else { 0.8 });
+        r.prompt = (0..len).map(|j| ((j * 5 + i * 3) % 256) as u32).collect();
+        r.cache = Some(kvfence_engine::CacheScope::tenant("t", None));
+        r.sampling.prompt_logprobs = Some(top);
+        requests.push(r.clone());
+        requests.push(r);
+    }
+    let run = |engine: &Engine| -> Vec<Vec<Event>> {
+        requests
+            .iter()
+            .map(|r| events(engine.submit(r.clone()).unwrap()))
+            .collect()
+    };
+    let expected = run(&colocated);
+    for (request, events) in requests.iter().zip(&expected) {
+        let top = request.sampling.prompt_logprobs.unwrap();
+        let Event::Prompt { logprobs } = &events[0] else {
+            panic!("the scores come first: {:?}", events[0]);
+        };
+        assert_eq!(*logprobs, scores_alone(&model, &request.prompt, top));
+        assert!(logprobs.iter().all(|s| s.logprobs.top.len() == top));
+        let mut unscored = request.clone();
+        unscored.sampling.prompt_logprobs = None;
+        let mut plain = self::events(colocated.submit(unscored).unwrap());
+        // The plain run may read its prompt from the cache; a scored one
+        // computes every position.
+        if let Some(Event::Finished { usage, .. }) = plain.last_mut() {
+            usage.cached_tokens = 0;
+        }
+        assert_eq!(events[1..], plain[..], "scoring changes no token");
+        assert!(
+            !events[1..]
+                .iter()
+                .any(|e| matches!(e, Event::Prompt { .. })),
+            "scores come once"
+        );
+    }
+    for transport in transports() {
+        let disaggregated = Engine::start_disaggregated(
+            Arc::clone(&model),
+            cached_pool(&model, 4096),
+            cached_pool(&model, 8192),
+            config(),
+            &transport,
+        )
+        .unwrap();
+        assert_eq!(run(&disaggregated), expected, "{transport:?}");
+        wait_for_baseline(&disaggregated);
+    }
+    wait_for_baseline(&colocated);
 }
 
 #[test]

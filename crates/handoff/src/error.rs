@@ -73,6 +73,16 @@ pub enum HandoffError {
         /// Tokens granted.
         granted: usize,
     },
+    /// `Done`'s prompt scores are not what the grant asked for: missing,
+    /// unasked, of the wrong count or shape (I7: a request that asked to
+    /// see its prompt scored never decodes without every score).
+    #[error("hand-off {id}: the prompt's log-probabilities do not match the grant: {reason}")]
+    PromptLogprobsMismatch {
+        /// Hand-off.
+        id: HandoffId,
+        /// What was wrong.
+        reason: &'static str,
+    },
     /// `Done` claimed a token count other than the grant's (I7; the incident's
     /// one-token placeholder).
     #[error("hand-off {id}: Done claims {claimed} tokens, the grant is for {granted}")]

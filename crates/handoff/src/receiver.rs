@@ -21,7 +21,7 @@ use kvfence_pool::{Lease, Window};
 use crate::error::HandoffError;
 use crate::id::{Epoch, HandoffId, RejectReason};
 use crate::sender::{chunk_checksum, digest};
-use crate::wire::Message;
+use crate::wire::{MAX_FIRST_LOGPROBS, Message, PromptScore};
 
 /// A hand-off whose KV is complete and verified. The lease now holds the
 /// prompt's KV; decoding may start at position `tokens`.
@@ -33,6 +33,7 @@ pub struct Committed {
     first_token: u32,
     cached: usize,
     first_logprobs: Vec<(u32, f32)>,
+    prompt_logprobs: Vec<PromptScore>,
 }
 
 impl Committed {
@@ -60,6 +61,12 @@ impl Committed {
     /// request asked (its entry first); empty otherwise.
     pub fn first_logprobs(&self) -> &[(u32, f32)] {
         &self.first_logprobs
+    }
+
+    /// The score of every prompt token after the first, if the grant asked
+    /// for them ([`Receiver::expect_prompt_logprobs`]); empty otherwise.
+    pub fn take_prompt_logprobs(&mut self) -> Vec<PromptScore> {
+        std::mem::take(&mut self.prompt_logprobs)
     }
 
     /// The lease, for decoding.
@@ -127,6 +134,9 @@ struct Incoming {
     checksums: Vec<Option<u64>>,
     /// The writer's window (one-sided).
     window: Option<Window>,
+    /// Alternatives per prompt score `Done` must carry, if the request
+    /// asked for the prompt's log-probabilities.
+    prompt_logprobs: Option<usize>,
 }
 
 /// The decode worker's half of the protocol.
@@ -215,6 +225,7 @@ impl Receiver {
                 present,
                 checksums,
                 window,
+                prompt_logprobs: None,
             },
         );
         message
@@ -245,6 +256,21 @@ impl Receiver {
         let tokens = Self::check_grant(id, &lease, tokens)?;
         let window = lease.open_window();
         Ok((self.insert(id, lease, tokens, Some(window.clone())), window))
+    }
+
+    /// Makes live hand-off `id` commit only with the score of every prompt
+    /// token after the first, each with its token and at most `top`
+    /// alternatives; without this call a `Done` carrying scores fails.
+    pub fn expect_prompt_logprobs(&mut self, id: HandoffId, top: usize) {
+        let incoming = self
+            .live
+            .get_mut(&id)
+            .expect("prompt scores are asked for a hand-off just granted");
+        assert!(
+            top < MAX_FIRST_LOGPROBS,
+            "at most twenty alternatives per prompt token"
+        );
+        incoming.prompt_logprobs = Some(top);
     }
 
     /// Revokes hand-off `id` at once (the client left, or a timeout).
@@ -376,11 +402,19 @@ impl Receiver {
                 first_token,
                 cached,
                 first_logprobs,
+                prompt_logprobs,
                 ..
             } => {
                 if epoch != incoming.epoch {
                     self.stats.stale_messages += 1;
                     return Outcome::Ignored;
+                }
+                if let Err(reason) = check_prompt_logprobs(
+                    incoming.prompt_logprobs,
+                    incoming.tokens,
+                    &prompt_logprobs,
+                ) {
+                    return self.fail(id, HandoffError::PromptLogprobsMismatch { id, reason });
                 }
                 match self.verify(id, tokens as usize, claimed) {
                     Ok(written_in_place) => {
@@ -394,6 +428,7 @@ impl Receiver {
                             first_token,
                             cached: (cached as usize).min(incoming.tokens),
                             first_logprobs,
+                            prompt_logprobs,
                         })
                     }
                     Err(error) => self.fail(id, error),
@@ -511,4 +546,39 @@ impl Receiver {
             reply: Some(reply),
         }
     }
+}
+
+/// Whether `scores` are what a grant of `tokens` asking for `asked`
+/// alternatives per prompt token must carry: none when it did not ask, else
+/// one per token after the first, each its token's finite log-probability,
+/// a rank of at least 1, and at most `asked` alternatives. (Whether each
+/// names the prompt's own token is the caller's check: the receiver never
+/// sees the prompt.)
+fn check_prompt_logprobs(
+    asked: Option<usize>,
+    tokens: usize,
+    scores: &[PromptScore],
+) -> Result<(), &'static str> {
+    let Some(top) = asked else {
+        return match scores.is_empty() {
+            true => Ok(()),
+            false => Err("scores the grant did not ask for"),
+        };
+    };
+    if scores.len() + 1 != tokens {
+        return Err("not one score per prompt token after the first");
+    }
+    for score in scores {
+        if score.rank == 0 || !(1..=top + 1).contains(&score.logprobs.len()) {
+            return Err("a score of the wrong shape");
+        }
+        if score
+            .logprobs
+            .iter()
+            .any(|(_, logprob)| !logprob.is_finite())
+        {
+            return Err("a log-probability that is not a number");
+        }
+    }
+    Ok(())
 }

@@ -13,7 +13,7 @@ use twox_hash::XxHash3_64;
 
 use crate::error::HandoffError;
 use crate::id::{Epoch, HandoffId};
-use crate::wire::{Message, chunk_frame};
+use crate::wire::{Message, PromptScore, chunk_frame};
 
 /// A grant as the sender holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,16 +76,18 @@ impl AllSent {
     /// The `Done` message this proof allows; `cached` prompt tokens came
     /// from the sender's prefix cache.
     pub fn done(self, first_token: u32, cached: usize) -> Message {
-        self.done_with_logprobs(first_token, cached, Vec::new())
+        self.done_with_logprobs(first_token, cached, Vec::new(), Vec::new())
     }
 
     /// [`AllSent::done`], carrying the first token's log-probability and
-    /// its alternatives' (`first_token`'s entry first).
+    /// its alternatives' (`first_token`'s entry first) and, if the request
+    /// asked, the score of every prompt token after the first.
     pub fn done_with_logprobs(
         self,
         first_token: u32,
         cached: usize,
         first_logprobs: Vec<(u32, f32)>,
+        prompt_logprobs: Vec<PromptScore>,
     ) -> Message {
         assert!(
             first_logprobs.len() <= crate::wire::MAX_FIRST_LOGPROBS
@@ -93,6 +95,10 @@ impl AllSent {
                     .first()
                     .is_none_or(|&(t, _)| t == first_token),
             "the first token's log-probability leads, and at most twenty alternatives follow"
+        );
+        assert!(
+            prompt_logprobs.is_empty() || prompt_logprobs.len() + 1 == self.tokens,
+            "a scored prompt has a score for every token after the first"
         );
         let tokens = u32::try_from(self.tokens).expect("grants fit u32 tokens");
         assert!(
@@ -107,6 +113,7 @@ impl AllSent {
             first_token,
             cached: cached as u32,
             first_logprobs,
+            prompt_logprobs,
         }
     }
 }

@@ -21,6 +21,22 @@ use crate::id::{Epoch, HandoffId, RejectReason};
 /// alternatives' (OpenAI's largest `top_logprobs`).
 pub const MAX_FIRST_LOGPROBS: usize = 21;
 
+/// One prompt token's score, sent in `Done` when the request asked for
+/// the prompt's log-probabilities: its rank under the model's distribution
+/// at the position before it, then `(token, logprob)` pairs — the prompt's
+/// token first, then at most twenty most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptScore {
+    /// 1 + how many tokens were more likely than the prompt's.
+    pub rank: u32,
+    /// The prompt's token and its log-probability, then the alternatives'.
+    pub logprobs: Vec<(u32, f32)>,
+}
+
+/// Bytes of a [`PromptScore`] with no alternatives on the wire: the
+/// smallest a score can be, which bounds how many a frame can hold.
+const PROMPT_SCORE_MIN_BYTES: usize = 4 + 1 + 8;
+
 /// One protocol message (`docs/architecture.md`, "The KV hand-off").
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -77,6 +93,10 @@ pub enum Message {
         /// alternatives with theirs; at most [`MAX_FIRST_LOGPROBS`]
         /// entries. Empty when it did not ask.
         first_logprobs: Vec<(u32, f32)>,
+        /// If the request asked for the prompt's log-probabilities: the
+        /// score of every prompt token after the first, in order (so one
+        /// fewer than `tokens`); part of the commit test. Empty otherwise.
+        prompt_logprobs: Vec<PromptScore>,
     },
     /// either way: this hand-off will never complete.
     Reject {
@@ -195,6 +215,7 @@ impl Message {
                 first_token,
                 cached,
                 first_logprobs,
+                prompt_logprobs,
             } => {
                 out.push(DONE);
                 put_u64(out, id.0);
@@ -211,6 +232,23 @@ impl Message {
                 for &(token, logprob) in first_logprobs {
                     put_u32(out, token);
                     put_u32(out, logprob.to_bits());
+                }
+                put_u32(
+                    out,
+                    u32::try_from(prompt_logprobs.len())
+                        .expect("a prompt has fewer than 2^32 tokens"),
+                );
+                for score in prompt_logprobs {
+                    put_u32(out, score.rank);
+                    let count = u8::try_from(score.logprobs.len())
+                        .ok()
+                        .filter(|&n| (1..=MAX_FIRST_LOGPROBS).contains(&usize::from(n)))
+                        .expect("a prompt score holds its token and at most twenty alternatives");
+                    out.push(count);
+                    for &(token, logprob) in &score.logprobs {
+                        put_u32(out, token);
+                        put_u32(out, logprob.to_bits());
+                    }
                 }
             }
             Message::Reject { id, reason } => {
@@ -359,6 +397,29 @@ impl Message {
                         (0..count)
                             .map(|_| Ok((r.u32()?, f32::from_bits(r.u32()?))))
                             .collect::<Result<Vec<_>, HandoffError>>()?
+                    },
+                    prompt_logprobs: {
+                        let count = r.u32()? as usize;
+                        // Checked before anything is allocated for them:
+                        // the count is the peer's word.
+                        if count > r.buf.len() / PROMPT_SCORE_MIN_BYTES {
+                            return Err(r.malformed("more prompt scores than the frame holds"));
+                        }
+                        let mut scores = Vec::with_capacity(count);
+                        for _ in 0..count {
+                            let rank = r.u32()?;
+                            let entries = usize::from(r.u8()?);
+                            if !(1..=MAX_FIRST_LOGPROBS).contains(&entries) {
+                                return Err(r.malformed(
+                                    "a prompt score holds its token and at most twenty alternatives",
+                                ));
+                            }
+                            let logprobs = (0..entries)
+                                .map(|_| Ok((r.u32()?, f32::from_bits(r.u32()?))))
+                                .collect::<Result<Vec<_>, HandoffError>>()?;
+                            scores.push(PromptScore { rank, logprobs });
+                        }
+                        scores
                     },
                 }
             }

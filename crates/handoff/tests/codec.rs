@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use kvfence_handoff::{Epoch, HandoffId, MAX_FRAME, Message, RejectReason};
+use kvfence_handoff::{Epoch, HandoffId, MAX_FRAME, Message, PromptScore, RejectReason};
 use kvfence_pool::{Generation, PageId, PageRef};
 use proptest::prelude::*;
 
@@ -63,17 +63,37 @@ fn message() -> impl Strategy<Value = Message> {
             any::<u64>(),
             any::<u32>(),
             any::<u32>(),
-            proptest::collection::vec((any::<u32>(), -30.0f32..=0.0), 0..=21)
+            proptest::collection::vec((any::<u32>(), -30.0f32..=0.0), 0..=21),
+            proptest::collection::vec(
+                (
+                    any::<u32>(),
+                    proptest::collection::vec((any::<u32>(), -30.0f32..=0.0), 1..=21)
+                )
+                    .prop_map(|(rank, logprobs)| PromptScore { rank, logprobs }),
+                0..8
+            )
         )
             .prop_map(
-                |(id, epoch, tokens, digest, first_token, cached, first_logprobs)| Message::Done {
+                |(
                     id,
                     epoch,
                     tokens,
                     digest,
                     first_token,
                     cached,
-                    first_logprobs
+                    first_logprobs,
+                    prompt_logprobs,
+                )| {
+                    Message::Done {
+                        id,
+                        epoch,
+                        tokens,
+                        digest,
+                        first_token,
+                        cached,
+                        first_logprobs,
+                        prompt_logprobs,
+                    }
                 }
             ),
         (
@@ -178,4 +198,31 @@ fn malformed_frames_are_errors() {
     .to_frame();
     *bad_reason.last_mut().unwrap() = 0;
     assert!(Message::decode(&bad_reason).is_err());
+    // A Done whose prompt-score count is more than its frame can hold is
+    // refused before anything is allocated for it; a score with no entry
+    // or more than 21 is refused too.
+    let done = |entries: usize| Message::Done {
+        id: HandoffId(1),
+        epoch: Epoch(1),
+        tokens: 2,
+        digest: 0,
+        first_token: 0,
+        cached: 0,
+        first_logprobs: vec![],
+        prompt_logprobs: vec![PromptScore {
+            rank: 1,
+            logprobs: vec![(0, -1.0); entries],
+        }],
+    };
+    let mut count = done(1).to_frame();
+    let at = 4 + 1 + 8 + 4 + 4 + 8 + 4 + 4 + 1;
+    assert_eq!(count[at..at + 4], 1u32.to_le_bytes());
+    count[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(Message::decode(&count).is_err());
+    let mut entries = done(1).to_frame();
+    entries[at + 4 + 4] = 0;
+    assert!(Message::decode(&entries).is_err());
+    let mut entries = done(21).to_frame();
+    entries[at + 4 + 4] = 22;
+    assert!(Message::decode(&entries).is_err());
 }

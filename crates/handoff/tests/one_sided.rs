@@ -159,7 +159,8 @@ fn i4_a_writer_that_never_acks_leaves_its_pages_quarantined() {
                 digest: 0,
                 first_token: 0,
                 cached: 0,
-                first_logprobs: Vec::new()
+                first_logprobs: Vec::new(),
+                prompt_logprobs: Vec::new(),
             }),
             Outcome::Ignored
         ));
@@ -189,6 +190,7 @@ fn i7_a_one_sided_done_over_missing_pages_fails_and_quarantines() {
         first_token: 0,
         cached: 0,
         first_logprobs: Vec::new(),
+        prompt_logprobs: Vec::new(),
     };
     let Outcome::Failed { error, reply, .. } = s.receiver.handle(done) else {
         panic!("committed over missing pages")
@@ -217,6 +219,7 @@ fn i5_a_placeholder_done_fails_a_one_sided_grant_too() {
         first_token: 0,
         cached: 0,
         first_logprobs: Vec::new(),
+        prompt_logprobs: Vec::new(),
     };
     assert!(matches!(
         s.receiver.handle(done),

@@ -5,7 +5,8 @@
 #![allow(clippy::unwrap_used)]
 
 use kvfence_handoff::{
-    Epoch, Grant, HandoffError, HandoffId, Message, Outcome, Receiver, RejectReason, send_kv,
+    Epoch, Grant, HandoffError, HandoffId, Message, Outcome, PromptScore, Receiver, RejectReason,
+    send_kv,
 };
 use kvfence_pool::{ElemType, Generation, KvShape, Lease, Pool, PoolSize, PoolSpec, RequestId};
 
@@ -276,6 +277,7 @@ fn i5_the_incident_placeholder_done_with_fewer_tokens_fails_the_request() {
         first_token: 9,
         cached: 0,
         first_logprobs: Vec::new(),
+        prompt_logprobs: Vec::new(),
     };
     fails_with(&mut s, vec![done], |e| {
         matches!(
@@ -555,4 +557,100 @@ fn progress_of_a_revoked_epoch_is_ignored_and_progress_beyond_the_grant_fails() 
             }
         )
     });
+}
+
+/// Scores for a grant of `TOKENS`: one per prompt token after the first,
+/// each its token and `alternatives` others.
+fn scores(count: usize, alternatives: usize) -> Vec<PromptScore> {
+    (0..count)
+        .map(|i| PromptScore {
+            rank: 1 + i as u32,
+            logprobs: (0..=alternatives)
+                .map(|j| ((i + j) as u32, -(j as f32)))
+                .collect(),
+        })
+        .collect()
+}
+
+#[test]
+fn a_grant_that_asks_for_the_prompts_scores_commits_only_with_all_of_them() {
+    // Each case: what Done carries, and whether it commits. The grant
+    // asks for two alternatives per token.
+    let cases: Vec<(&str, Vec<PromptScore>, bool)> = vec![
+        ("every score", scores(TOKENS - 1, 2), true),
+        ("fewer alternatives", scores(TOKENS - 1, 0), true),
+        ("none", Vec::new(), false),
+        ("one short", scores(TOKENS - 2, 2), false),
+        ("one too many", scores(TOKENS, 2), false),
+        ("too many alternatives", scores(TOKENS - 1, 3), false),
+        (
+            "a rank of 0",
+            {
+                let mut s = scores(TOKENS - 1, 2);
+                s[3].rank = 0;
+                s
+            },
+            false,
+        ),
+        (
+            "not a number",
+            {
+                let mut s = scores(TOKENS - 1, 2);
+                s[5].logprobs[0].1 = f32::NAN;
+                s
+            },
+            false,
+        ),
+    ];
+    for (case, carried, commits) in cases {
+        let mut s = setup();
+        s.receiver.expect_prompt_logprobs(ID, 2);
+        let (messages, proof) = chunks(&s);
+        for m in messages {
+            assert!(matches!(s.receiver.handle(m), Outcome::Accepted), "{case}");
+        }
+        // Built by hand: an honest sender cannot make the bad ones.
+        let mut done = proof.done(42, 0);
+        if let Message::Done {
+            prompt_logprobs, ..
+        } = &mut done
+        {
+            *prompt_logprobs = carried.clone();
+        }
+        match s.receiver.handle(wire(&done)) {
+            Outcome::Committed(mut committed) if commits => {
+                let got = committed.take_prompt_logprobs();
+                assert_eq!(got.len(), TOKENS - 1, "{case}");
+                assert_eq!(got[..4], carried[..4], "{case}: NaN never compares equal");
+            }
+            Outcome::Failed {
+                error: HandoffError::PromptLogprobsMismatch { .. },
+                ..
+            } if !commits => {}
+            other => panic!("{case}: {other:?}"),
+        }
+        drop(s.source);
+        assert_baseline(&s.prefill);
+        assert_baseline(&s.decode);
+    }
+}
+
+#[test]
+fn scores_a_grant_did_not_ask_for_fail_the_hand_off() {
+    let mut s = setup();
+    let (messages, proof) = chunks(&s);
+    for m in messages {
+        assert!(matches!(s.receiver.handle(m), Outcome::Accepted));
+    }
+    let done = wire(&proof.done_with_logprobs(42, 0, Vec::new(), scores(TOKENS - 1, 0)));
+    assert!(matches!(
+        s.receiver.handle(done),
+        Outcome::Failed {
+            error: HandoffError::PromptLogprobsMismatch { .. },
+            reply: Some(Message::Reject { .. }),
+            ..
+        }
+    ));
+    drop(s.source);
+    assert_baseline(&s.decode);
 }

@@ -42,8 +42,8 @@ pub use fetch::{KnownModel, ModelCache};
 pub use forward::{Logits, Model, Pass, Sequence};
 pub use loader::{LoadedModel, TextModel};
 pub use sampling::{
-    Draw, DrawContext, MAX_STOP_BYTES, MAX_TOP_LOGPROBS, Sampler, SamplingParams, StopMatcher,
-    StopStrings, TokenLogprobs,
+    Draw, DrawContext, MAX_STOP_BYTES, MAX_TOP_LOGPROBS, PromptLogprob, Sampler, SamplingParams,
+    StopMatcher, StopStrings, TokenLogprobs, prompt_logprob,
 };
 pub use tensors::{DiskDtype, Tensor, TensorMap};
 pub use tokenizer::Tokenizer;

@@ -54,6 +54,12 @@ pub struct SamplingParams {
     /// most likely alternatives; `None` reports nothing.
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// Score the prompt: each prompt token after the first gets its
+    /// log-probability and rank under the model's own distribution at the
+    /// position before it, with this many of the most likely alternatives
+    /// ([`prompt_logprob`]); `None` scores nothing.
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
 }
 
 fn no_repetition_penalty() -> f32 {
@@ -73,6 +79,7 @@ impl SamplingParams {
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 
@@ -119,6 +126,9 @@ impl SamplingParams {
         }
         if self.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
             return invalid("top_logprobs must be at most 20");
+        }
+        if self.prompt_logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+            return invalid("prompt_logprobs must be at most 20");
         }
         Ok(())
     }
@@ -175,6 +185,29 @@ pub struct TokenLogprobs {
     pub logprob: f32,
     /// The most likely tokens, most likely first (ties by id), with theirs.
     pub top: Vec<(u32, f32)>,
+}
+
+/// One prompt token's score: its log-probability under the model's
+/// distribution at the position before it (the raw logits: no temperature,
+/// penalty, bias or grammar, which shape draws, not the prompt), its rank
+/// there (1 for the most likely token) and the most likely alternatives'.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PromptLogprob {
+    /// The prompt's token, its log-probability and the alternatives'.
+    pub logprobs: TokenLogprobs,
+    /// 1 + how many tokens have a larger logit.
+    pub rank: u32,
+}
+
+/// Scores `token` against the raw `logits` of the position before it,
+/// with the `top` most likely alternatives.
+pub fn prompt_logprob(logits: &[f32], token: u32, top: usize) -> PromptLogprob {
+    let own = logits[token as usize];
+    let above = logits.iter().filter(|&&l| l > own).count();
+    PromptLogprob {
+        logprobs: token_logprobs(logits, 1.0, token, top),
+        rank: u32::try_from(above + 1).expect("a vocabulary has fewer than 2^32 tokens"),
+    }
 }
 
 /// A request's token picker. The draw for the request's `n`-th token comes
@@ -641,6 +674,38 @@ mod tests {
             "{logprobs:?}"
         );
         assert_eq!(logprobs.top[1].1, LOGPROB_FLOOR);
+    }
+
+    #[test]
+    fn a_prompt_token_is_scored_by_the_raw_distribution_with_its_rank() {
+        let logits = [1.0, 3.0, 2.0, 3.0];
+        let scored = prompt_logprob(&logits, 2, 2);
+        let total: f64 = logits.iter().map(|&l: &f32| f64::from(l).exp()).sum();
+        let expected = (2.0 - total.ln()) as f32;
+        assert!(
+            (scored.logprobs.logprob - expected).abs() < 1e-6,
+            "{scored:?}"
+        );
+        assert_eq!(scored.rank, 3, "two tokens are more likely");
+        // Ties by id, the prompt's token not necessarily among them.
+        let ids: Vec<u32> = scored.logprobs.top.iter().map(|&(id, _)| id).collect();
+        assert_eq!(ids, [1, 3]);
+        assert_eq!(prompt_logprob(&logits, 1, 0).rank, 1);
+        assert_eq!(
+            prompt_logprob(&logits, 3, 0).rank,
+            1,
+            "a tie shares the rank"
+        );
+        assert!(prompt_logprob(&logits, 0, 0).logprobs.top.is_empty());
+    }
+
+    #[test]
+    fn prompt_logprobs_are_bounded_like_top_logprobs() {
+        let mut params = SamplingParams::greedy();
+        params.prompt_logprobs = Some(MAX_TOP_LOGPROBS);
+        assert!(params.validate().is_ok());
+        params.prompt_logprobs = Some(MAX_TOP_LOGPROBS + 1);
+        assert!(params.validate().is_err());
     }
 
     fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {

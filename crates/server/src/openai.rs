@@ -67,6 +67,7 @@ pub const CHAT_FIELDS: &[(&str, FieldUse)] = &[
     ("n", FieldUse::Honoured),
     ("logprobs", FieldUse::Honoured),
     ("top_logprobs", FieldUse::Honoured),
+    ("prompt_logprobs", FieldUse::Honoured),
     ("response_format", FieldUse::Honoured),
     ("tools", FieldUse::Honoured),
     ("tool_choice", FieldUse::Honoured),
@@ -93,6 +94,7 @@ pub const COMPLETION_FIELDS: &[(&str, FieldUse)] = &[
     ("best_of", FieldUse::Honoured),
     ("echo", FieldUse::Honoured),
     ("logprobs", FieldUse::Honoured),
+    ("prompt_logprobs", FieldUse::Honoured),
     ("response_format", FieldUse::Honoured),
     ("suffix", FieldUse::RefusedUnlessNeutral),
 ];
@@ -212,6 +214,9 @@ pub struct CommonParams {
     /// prefixes only with requests of the same tenant and the same salt.
     /// It can never reach another tenant's cache (vLLM's field).
     pub cache_salt: Option<String>,
+    /// Score the prompt (vLLM's field): each prompt token's
+    /// log-probability and rank, with this many alternatives (0 to 20).
+    pub prompt_logprobs: Option<i64>,
     /// Scheduling priority (extension): higher is admitted sooner,
     /// negative is sheddable; at most what the tenant may use.
     pub priority: Option<i64>,
@@ -539,14 +544,35 @@ impl CommonParams {
         self.stream.unwrap_or(false)
     }
 
+    /// How many alternatives each prompt token's score lists, if the
+    /// prompt is to be scored (`prompt_logprobs`). Not streamed: the
+    /// scores come whole in the answer, as vLLM gives them.
+    pub fn prompt_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let max = kvfence_model::MAX_TOP_LOGPROBS as i64;
+        match self.prompt_logprobs {
+            None => Ok(None),
+            Some(_) if self.stream() => Err(ApiError::invalid(
+                "prompt_logprobs",
+                "prompt_logprobs cannot be streamed: ask without stream, or use echo with logprobs on /v1/completions",
+            )),
+            Some(n) if (0..=max).contains(&n) => Ok(Some(n as usize)),
+            Some(n) => Err(ApiError::invalid(
+                "prompt_logprobs",
+                format!("prompt_logprobs must be between 0 and {max}, got {n}"),
+            )),
+        }
+    }
+
     /// Sampling parameters drawing from `seed` (the request's, or the
     /// server's choice, plus the choice's index). `logprobs` is how many
-    /// alternatives to report per token, if any; `vocab` bounds
-    /// `logit_bias`'s token ids.
+    /// alternatives to report per token, if any, and `prompt_logprobs` per
+    /// prompt token, if the prompt is scored; `vocab` bounds `logit_bias`'s
+    /// token ids.
     pub fn sampling(
         &self,
         seed: u64,
         logprobs: Option<usize>,
+        prompt_logprobs: Option<usize>,
         vocab: usize,
     ) -> Result<SamplingParams, ApiError> {
         let temperature = self.temperature.unwrap_or(1.0);
@@ -632,6 +658,7 @@ impl CommonParams {
             repetition_penalty,
             logit_bias,
             logprobs,
+            prompt_logprobs,
         })
     }
 
@@ -836,12 +863,6 @@ impl CompletionFields {
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("suffix", "suffix is not supported"));
         }
-        if self.echo == Some(true) && self.logprobs.is_some() {
-            return Err(ApiError::invalid(
-                "echo",
-                "echo with logprobs (the prompt's log-probabilities) is not supported",
-            ));
-        }
         Ok(())
     }
 }
@@ -961,11 +982,11 @@ mod tests {
             typed(&object).unwrap()
         };
         let ok = params(r#"{"7": 5, "3": -100}"#)
-            .sampling(0, None, 10)
+            .sampling(0, None, None, 10)
             .unwrap();
         assert_eq!(ok.logit_bias, vec![(3, -100.0), (7, 5.0)]);
         for bad in [r#"{"10": 1}"#, r#"{"x": 1}"#, r#"{"1": 101}"#] {
-            let error = params(bad).sampling(0, None, 10).unwrap_err();
+            let error = params(bad).sampling(0, None, None, 10).unwrap_err();
             assert_eq!(error.param.as_deref(), Some("logit_bias"), "{bad}");
         }
     }

@@ -466,8 +466,9 @@ fn read_decode_worker(stream: &mpsc::Receiver<Bytes>, connection: &Connection) {
                 }
             }
             Ok(Control::Event { id, event }) => {
-                let terminal = !matches!(event, WireEvent::Token { .. });
+                let terminal = !matches!(event, WireEvent::Token { .. } | WireEvent::Prompt { .. });
                 let event = match event {
+                    WireEvent::Prompt { logprobs } => Event::Prompt { logprobs },
                     WireEvent::Token { text, logprobs } => Event::Token { text, logprobs },
                     WireEvent::Finished { reason, usage } => Event::Finished { reason, usage },
                     WireEvent::Failed { kind, message } => Event::Failed { kind, message },

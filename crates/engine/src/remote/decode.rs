@@ -445,8 +445,9 @@ async fn forward(
     _relaying: Relaying,
 ) {
     while let Some(event) = handle.next().await {
-        let terminal = !matches!(event, Event::Token { .. });
+        let terminal = !matches!(event, Event::Token { .. } | Event::Prompt { .. });
         let event = match event {
+            Event::Prompt { logprobs } => WireEvent::Prompt { logprobs },
             Event::Token { text, logprobs } => WireEvent::Token { text, logprobs },
             Event::Finished { reason, usage } => WireEvent::Finished { reason, usage },
             Event::Failed { kind, message } => WireEvent::Failed { kind, message },

@@ -8,7 +8,9 @@
 
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
-use kvfence_model::{Grammar, LoadedModel, ModelConfig, SamplingParams, TokenLogprobs};
+use kvfence_model::{
+    Grammar, LoadedModel, ModelConfig, PromptLogprob, SamplingParams, TokenLogprobs,
+};
 use kvfence_pool::{ElemType, PoolStats};
 use serde::{Deserialize, Serialize};
 
@@ -20,8 +22,9 @@ use crate::request::{FailureKind, FinishReason, Share, TenantScope, Usage};
 use crate::trace::TraceContext;
 
 /// The control protocol's version; a peer speaking another is refused
-/// (8: orders and `Submit` carry a trace context).
-pub(crate) const PROTOCOL: u32 = 8;
+/// (8: orders and `Submit` carry a trace context; 9: `Done` carries the
+/// prompt's scores, and an event carries them to the router).
+pub(crate) const PROTOCOL: u32 = 9;
 
 /// What identifies a model for the hand-off: two workers whose
 /// fingerprints differ cannot read each other's KV.
@@ -142,6 +145,9 @@ pub(crate) enum Refusal {
 /// One event of a request's life on the wire.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) enum WireEvent {
+    Prompt {
+        logprobs: Vec<PromptLogprob>,
+    },
     Token {
         text: String,
         #[serde(default)]

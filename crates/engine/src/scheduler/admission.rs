@@ -149,13 +149,15 @@ impl Scheduler {
     /// cached here: a colocated or prefill worker then computes only the
     /// rest, a decode worker is sent only the pages it lacks. (A one-sided
     /// writer is never given shared pages: shared-memory grants lease
-    /// plainly.)
+    /// plainly. A prompt being scored is computed whole where it is
+    /// computed: a cached position would have no logits to score it by.)
     pub(super) fn lease_for(&self, pending: &Pending) -> Result<Lease, PoolError> {
         let (tokens, context) = self.first_lease(pending);
         let one_sided_grant =
             self.role == Role::Decode && self.one_sided && pending.resume.is_none();
+        let computes_scores = self.role != Role::Decode && pending.scores_prompt();
         match &pending.request.cache {
-            Some(scope) if !one_sided_grant && self.pool.has_prefix_cache() => {
+            Some(scope) if !one_sided_grant && !computes_scores && self.pool.has_prefix_cache() => {
                 let namespace = match scope {
                     CacheScope::Tenant(scope) => {
                         self.pool
@@ -389,6 +391,11 @@ impl Scheduler {
                 };
                 match granted {
                     Ok((grant, window)) => {
+                        if let Some(top) = pending.request.sampling.prompt_logprobs {
+                            // It commits only with every prompt score (I7).
+                            self.receiver
+                                .expect_prompt_logprobs(pending.handoff_id(), top);
+                        }
                         let peer = prefill.expect("a decode worker chose a prefill worker");
                         // Its prompt is computed for this worker's tenant
                         // elsewhere: charged here, or this worker's

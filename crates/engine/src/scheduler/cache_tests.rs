@@ -126,6 +126,7 @@ impl Worker {
                             answers[i] = Some((std::mem::take(&mut texts[i]), usage));
                         }
                         Event::Failed { message, .. } => panic!("request {i} failed: {message}"),
+                        Event::Prompt { .. } => panic!("request {i} did not ask for scores"),
                     }
                 }
             }

@@ -6,8 +6,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use kvfence_handoff::{Message, Outcome, RejectReason};
-use kvfence_model::TokenLogprobs;
+use kvfence_handoff::{Message, Outcome, PromptScore, RejectReason};
+use kvfence_model::{PromptLogprob, TokenLogprobs};
 use kvfence_pool::mutation::Mutation;
 use kvfence_pool::{RequestId, Window, WindowKey};
 use tracing::{debug, trace, warn};
@@ -15,7 +15,7 @@ use tracing::{debug, trace, warn};
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
 use super::{End, FailureKind, Kv, Peer, PeerId, Pending, PrefillOrder, Role, Scheduler};
-use crate::request::GenerationRequest;
+use crate::request::{Event, GenerationRequest};
 
 impl Scheduler {
     /// Decode role: one message from the prefill worker on link `peer`.
@@ -60,11 +60,16 @@ impl Scheduler {
             Outcome::Released { id, pages } => {
                 debug!(handoff = %id, pages, "quarantined pages released after the writer's ack")
             }
-            Outcome::Committed(committed) => {
+            Outcome::Committed(mut committed) => {
                 debug!(handoff = %committed.id(), tokens = committed.tokens(), "hand-off committed");
                 let Some(index) = self.position(RequestId(committed.id().0)) else {
                     return;
                 };
+                let scores = committed.take_prompt_logprobs();
+                if let Err(end) = self.hand_on_prompt_scores(index, scores) {
+                    self.end(index, end);
+                    return;
+                }
                 let first_token = committed.first_token();
                 let logprobs =
                     committed
@@ -114,6 +119,42 @@ impl Scheduler {
                 self.end(index, End::Failed(kind, error.to_string()));
             }
         }
+    }
+
+    /// Decode role: tells the client the prompt's scores a committed
+    /// hand-off carried, if the request asked for them — after checking
+    /// that each scores the prompt's own token (the receiver checked their
+    /// count and shape, but never sees the prompt).
+    fn hand_on_prompt_scores(&mut self, index: usize, scores: Vec<PromptScore>) -> Result<(), End> {
+        let pending = &mut self.active[index].pending;
+        if pending.request.sampling.prompt_logprobs.is_none() {
+            debug_assert!(scores.is_empty(), "the receiver refuses unasked scores");
+            return Ok(());
+        }
+        let prompt = &pending.request.prompt;
+        let mut logprobs = Vec::with_capacity(scores.len());
+        for (score, &token) in scores.into_iter().zip(&prompt[1..]) {
+            let mut entries = score.logprobs.into_iter();
+            match entries.next() {
+                Some((scored, logprob)) if scored == token => logprobs.push(PromptLogprob {
+                    logprobs: TokenLogprobs {
+                        token,
+                        logprob,
+                        top: entries.collect(),
+                    },
+                    rank: score.rank,
+                }),
+                _ => {
+                    return Err(End::Failed(
+                        FailureKind::Internal,
+                        "the prefill worker scored tokens that are not the prompt's".into(),
+                    ));
+                }
+            }
+        }
+        pending.prompt_scores.take();
+        pending.send(Event::Prompt { logprobs });
+        Ok(())
     }
 
     /// Decode role: a grant whose prefill worker has gone silent for the

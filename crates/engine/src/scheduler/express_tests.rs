@@ -111,6 +111,7 @@ fn drain(handle: &mut RequestHandle, text: &mut String) -> bool {
             Event::Token { text: piece, .. } => text.push_str(&piece),
             Event::Finished { .. } => finished = true,
             Event::Failed { message, .. } => panic!("a request failed: {message}"),
+            Event::Prompt { .. } => panic!("no request asked for scores"),
         }
     }
     finished

@@ -112,7 +112,7 @@ impl Worker {
                 match event {
                     Event::Finished { .. } => t.ended_at = Some(self.steps),
                     Event::Failed { message, .. } => panic!("a request failed: {message}"),
-                    Event::Token { .. } => {}
+                    Event::Token { .. } | Event::Prompt { .. } => {}
                 }
             }
         }
@@ -380,6 +380,7 @@ fn a_requests_choices_share_one_compiled_grammar_and_each_starts_fresh() {
                     Event::Token { text, .. } => texts[i].push_str(&text),
                     Event::Finished { .. } => ended[i] = true,
                     Event::Failed { message, .. } => panic!("a choice failed: {message}"),
+                    Event::Prompt { .. } => panic!("no choice asked for scores"),
                 }
             }
         }
@@ -430,6 +431,7 @@ fn a_requests_choices_share_one_compiled_grammar_and_each_starts_fresh() {
             Ok(Event::Token { text: delta, .. }) => text.push_str(&delta),
             Ok(Event::Finished { .. }) => break,
             Ok(Event::Failed { message, .. }) => panic!("{message}"),
+            Ok(Event::Prompt { .. }) => panic!("it did not ask for scores"),
             Err(_) => {}
         }
     }

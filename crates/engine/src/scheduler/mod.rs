@@ -68,7 +68,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kvfence_handoff::{HandoffId, Message, Receiver, Streaming};
-use kvfence_model::{Constraint, LoadedModel, Logits, Pass, Sampler};
+use kvfence_model::{Constraint, LoadedModel, Logits, Pass, PromptLogprob, Sampler};
 use kvfence_pool::{Lease, Pool, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, warn};
@@ -251,6 +251,37 @@ pub(crate) struct Pending {
     pub(crate) waiting_since: Option<Instant>,
     /// Its time on this worker, if it is traced; recorded when it leaves.
     pub(crate) timeline: Timeline,
+    /// The prompt's scores, if it asked for them. Kept here so a request
+    /// preempted while prefilling does not score a position twice.
+    pub(crate) prompt_scores: PromptScores,
+}
+
+/// Where scoring a request's prompt stands.
+#[derive(Debug, Default)]
+pub(crate) enum PromptScores {
+    /// Not asked for, or already handed on (to the client, or in `Done`).
+    #[default]
+    None,
+    /// Computed so far: the score of prompt token `i + 1` at `i`.
+    Scoring(Vec<PromptLogprob>),
+}
+
+impl PromptScores {
+    /// Where a request asking for `asked` starts.
+    fn start(asked: Option<usize>) -> PromptScores {
+        match asked {
+            Some(_) => PromptScores::Scoring(Vec::new()),
+            None => PromptScores::None,
+        }
+    }
+
+    /// The scores so far, and scoring no more.
+    fn take(&mut self) -> Vec<PromptLogprob> {
+        match std::mem::take(self) {
+            PromptScores::Scoring(scores) => scores,
+            PromptScores::None => Vec::new(),
+        }
+    }
 }
 
 /// Where a preempted request stopped: everything but its pages.
@@ -273,6 +304,7 @@ impl Pending {
         let cancelled = Arc::new(AtomicBool::new(false));
         let handle = RequestHandle::new(id, receiver, Arc::clone(&cancelled));
         let timeline = Timeline::start(request.trace);
+        let request_scores = request.sampling.prompt_logprobs;
         let pending = Pending {
             id,
             request,
@@ -282,8 +314,15 @@ impl Pending {
             resume: None,
             waiting_since: None,
             timeline,
+            prompt_scores: PromptScores::start(request_scores),
         };
         (pending, handle)
+    }
+
+    /// Whether its prompt is being scored: its chunks need every row's
+    /// logits, and none of its prompt may come from the prefix cache.
+    fn scores_prompt(&self) -> bool {
+        matches!(self.prompt_scores, PromptScores::Scoring(_))
     }
 
     fn is_cancelled(&self) -> bool {
@@ -436,7 +475,11 @@ struct Work {
     index: usize,
     past: usize,
     tokens: Vec<u32>,
+    /// `All` for a chunk of a prompt being scored, `Last` when it draws,
+    /// else `None`.
     logits: Logits,
+    /// Whether its last row's logits draw the request's next token.
+    draws: bool,
 }
 
 /// A step whose forward pass stopped between two layers for a command

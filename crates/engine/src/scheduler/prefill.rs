@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use kvfence_handoff::{
-    ChunkFrames, Grant, HandoffId, Message, RejectReason, Streaming, WindowWrites,
+    ChunkFrames, Grant, HandoffId, Message, PromptScore, RejectReason, Streaming, WindowWrites,
 };
 use kvfence_pool::RequestId;
 use kvfence_pool::mutation::Mutation;
@@ -14,7 +14,9 @@ use tracing::{debug, warn};
 
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
-use super::{End, FailureKind, Origin, PeerId, PeerTx, Pending, PrefillOrder, Role, Scheduler};
+use super::{
+    End, FailureKind, Origin, PeerId, PeerTx, Pending, PrefillOrder, PromptScores, Role, Scheduler,
+};
 use crate::trace::{Outcome, Timeline};
 
 impl Scheduler {
@@ -68,6 +70,7 @@ impl Scheduler {
                         first_token: 0,
                         cached: 0,
                         first_logprobs: Vec::new(),
+                        prompt_logprobs: Vec::new(),
                     },
                 );
                 return;
@@ -99,6 +102,7 @@ impl Scheduler {
         self.next_local_id += 1;
         debug!(%peer, handoff = %grant.id, tokens = grant.tokens, "prefill order queued");
         self.counters.queued.fetch_add(1, Ordering::AcqRel);
+        let scores = order.request.sampling.prompt_logprobs;
         self.enqueue(Pending {
             id,
             request: order.request,
@@ -113,6 +117,7 @@ impl Scheduler {
             prefill: None,
             moved: false,
             resume: None,
+            prompt_scores: PromptScores::start(scores),
             waiting_since: None,
             timeline,
         });
@@ -162,6 +167,18 @@ impl Scheduler {
         fail::fail_point!("prefill-stall", |_| End::Shipped);
         let active = &mut self.active[index];
         let cached = active.cached;
+        let prompt_logprobs = active
+            .pending
+            .prompt_scores
+            .take()
+            .into_iter()
+            .map(|score| PromptScore {
+                rank: score.rank,
+                logprobs: std::iter::once((score.logprobs.token, score.logprobs.logprob))
+                    .chain(score.logprobs.top)
+                    .collect(),
+            })
+            .collect();
         let lease = active
             .kv
             .lease()
@@ -193,8 +210,12 @@ impl Scheduler {
                 let first_logprobs = logprobs
                     .map(|l| std::iter::once((l.token, l.logprob)).chain(l.top).collect())
                     .unwrap_or_default();
-                let _ =
-                    peer.message(&proof.done_with_logprobs(first_token, cached, first_logprobs));
+                let _ = peer.message(&proof.done_with_logprobs(
+                    first_token,
+                    cached,
+                    first_logprobs,
+                    prompt_logprobs,
+                ));
                 End::Shipped
             }
             Err(error) => End::Failed(FailureKind::Internal, error.to_string()),

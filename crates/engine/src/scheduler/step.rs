@@ -15,7 +15,7 @@ use tracing::{trace, warn};
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
 use super::fair::split_budget;
-use super::{Active, End, InFlight, Origin, Pending, Role, Scheduler, Work};
+use super::{Active, End, InFlight, Origin, Pending, PromptScores, Role, Scheduler, Work};
 use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, Usage};
 use crate::trace::Outcome;
 
@@ -24,6 +24,11 @@ use crate::trace::Outcome;
 /// as much as computing several prompt tokens, so many one-token passes must
 /// not add up to a free ride.
 const EXPRESS_PASS_MIN_TOKENS: usize = 16;
+
+/// The most logits a chunk of a prompt being scored may ask for, in bytes:
+/// every row of such a chunk returns a whole vocabulary of them (a
+/// 262,144-token vocabulary makes this 64 rows).
+const SCORING_LOGITS_BYTES: usize = 64 << 20;
 
 impl Scheduler {
     /// Tokens this step may process: `step_tokens`, or once this worker
@@ -77,6 +82,7 @@ impl Scheduler {
                     past: a.written,
                     tokens: vec![last],
                     logits: Logits::Last,
+                    draws: true,
                 });
             }
         }
@@ -114,22 +120,28 @@ impl Scheduler {
                 continue;
             }
             let target = a.kv_target();
-            let take = (target - a.written).min(*left);
+            let scoring = a.pending.scores_prompt();
+            let mut take = (target - a.written).min(*left);
+            if scoring {
+                take = take.min(self.scoring_rows());
+            }
             *left -= take;
             let end = a.written + take;
             // A fresh prompt's last chunk samples the first token; a
             // preempted request's recomputation samples nothing (its next
             // input is the token it had already generated).
-            let logits = if end == target && a.generated.is_empty() {
-                Logits::Last
-            } else {
-                Logits::None
+            let draws = end == target && a.generated.is_empty();
+            let logits = match (scoring, draws) {
+                (true, _) => Logits::All,
+                (false, true) => Logits::Last,
+                (false, false) => Logits::None,
             };
             work.push(Work {
                 index,
                 past: a.written,
                 tokens: a.context(a.written..end),
                 logits,
+                draws,
             });
         }
         work
@@ -233,7 +245,7 @@ impl Scheduler {
         }
         let finishing = |w: &Work| {
             let a = &self.active[w.index];
-            !a.prefill_done() && w.logits == Logits::Last
+            !a.prefill_done() && w.draws
         };
         let tenant = |w: &Work| self.active[w.index].pending.request.share.tenant.as_str();
         let busy: BTreeSet<&str> = work.iter().filter(|w| !finishing(w)).map(tenant).collect();
@@ -385,8 +397,18 @@ impl Scheduler {
                     continue;
                 }
             }
-            if w.logits == Logits::Last
-                && let Some(end) = self.advance(w.index, &row)
+            let row = match w.logits {
+                Logits::All => match self.score_prompt(w, &row) {
+                    Ok(last) => last,
+                    Err(end) => {
+                        ended.push((w.index, end));
+                        continue;
+                    }
+                },
+                Logits::Last | Logits::None => &row[..],
+            };
+            if w.draws
+                && let Some(end) = self.advance(w.index, row)
             {
                 ended.push((w.index, end));
             }
@@ -405,11 +427,7 @@ impl Scheduler {
     /// mask took, by its index.
     pub(super) fn compute_masks(&mut self, work: &[Work]) -> Vec<(usize, Duration)> {
         use rayon::prelude::*;
-        let drawing: BTreeSet<usize> = work
-            .iter()
-            .filter(|w| w.logits == Logits::Last)
-            .map(|w| w.index)
-            .collect();
+        let drawing: BTreeSet<usize> = work.iter().filter(|w| w.draws).map(|w| w.index).collect();
         let constraints: Vec<(usize, &mut Constraint)> = self
             .active
             .iter_mut()
@@ -425,6 +443,61 @@ impl Scheduler {
                 (index, started.elapsed())
             })
             .collect()
+    }
+
+    /// Rows per chunk of a prompt being scored ([`SCORING_LOGITS_BYTES`]).
+    fn scoring_rows(&self) -> usize {
+        let vocab = self.model.model.config().vocab_size;
+        (SCORING_LOGITS_BYTES / (vocab * std::mem::size_of::<f32>())).max(1)
+    }
+
+    /// Scores the prompt tokens that chunk `w`'s rows of `logits` (one
+    /// vocabulary per row) predict and were not scored before (a request
+    /// preempted while prefilling computes some rows twice); at the end of
+    /// the prompt, tells the client every score. Returns the last row, for
+    /// the draw, or how the request ends if its logits are not numbers.
+    fn score_prompt<'r>(&mut self, w: &Work, logits: &'r [f32]) -> Result<&'r [f32], End> {
+        let vocab = self.model.model.config().vocab_size;
+        let pending = &mut self.active[w.index].pending;
+        let top = pending
+            .request
+            .sampling
+            .prompt_logprobs
+            .expect("only a request that asked is scored");
+        let prompt = &pending.request.prompt;
+        let PromptScores::Scoring(scores) = &mut pending.prompt_scores else {
+            unreachable!("a chunk asks for every row's logits only while its prompt is scored");
+        };
+        debug_assert_eq!(logits.len(), w.tokens.len() * vocab, "a row per token");
+        for (position, row) in (w.past..).zip(logits.chunks_exact(vocab)) {
+            if position != scores.len() || position + 1 >= prompt.len() {
+                continue;
+            }
+            if row.iter().any(|l| !l.is_finite()) {
+                let error = ModelError::NonFiniteLogits;
+                return Err(End::Failed(FailureKind::Internal, error.to_string()));
+            }
+            scores.push(kvfence_model::prompt_logprob(
+                row,
+                prompt[position + 1],
+                top,
+            ));
+        }
+        assert!(
+            scores.len() < prompt.len(),
+            "a prompt has a score per token after its first, no more"
+        );
+        if w.draws && matches!(pending.origin, Origin::Client { .. }) {
+            // Complete: the last chunk's rows reach the prompt's end. (A
+            // prefill worker's go in its `Done`.)
+            assert_eq!(scores.len() + 1, prompt.len(), "every prompt token scored");
+            let logprobs = pending.prompt_scores.take();
+            pending.send(Event::Prompt { logprobs });
+        }
+        Ok(logits
+            .rchunks_exact(vocab)
+            .next()
+            .expect("a chunk has a row"))
     }
 
     /// Charges each grammar mask of a step to its request's tenant, in the

@@ -90,7 +90,12 @@ async fn no_field_is_dropped_in_silence() {
         (json!({"suffix": "tail"}), "suffix"),
         (json!({"best_of": 3}), "best_of"),
         (json!({"logprobs": 6}), "logprobs"),
-        (json!({"echo": true, "logprobs": 1}), "echo"),
+        (json!({"prompt_logprobs": 21}), "prompt_logprobs"),
+        (json!({"prompt_logprobs": -1}), "prompt_logprobs"),
+        (
+            json!({"prompt_logprobs": 1, "stream": true}),
+            "prompt_logprobs",
+        ),
     ] {
         let body = with(json!({"prompt": "go", "max_tokens": 2}), patch.clone());
         let (status, answer) = post(&completions, None, body).await;
@@ -313,6 +318,121 @@ async fn logprobs_come_from_the_draws_distribution_streamed_or_not_in_every_mode
         assert_eq!(logprobs["token_logprobs"].as_array().unwrap().len(), 4);
         assert_eq!(logprobs["top_logprobs"][0].as_object().unwrap().len(), 2);
         assert_eq!(logprobs["text_offset"][0], 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prompts_are_scored_with_echo_and_logprobs_or_prompt_logprobs_in_every_mode() {
+    for mode in modes() {
+        let server = Server::start(mode);
+        let url = server.url("/v1/completions");
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 11 + 3) % 250).collect();
+        // The greedy token after all but the prompt's last, and its
+        // log-probability, as generated.
+        let (status, next) = post(
+            &url,
+            None,
+            json!({"prompt": prompt[..39], "max_tokens": 1, "temperature": 0, "logprobs": 0,
+                   "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{next}");
+        let generated = &next["choices"][0]["logprobs"];
+        // Echoed and scored, two alternatives per token.
+        let body = json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": true,
+                          "logprobs": 2, "ignore_eos": true});
+        let (status, echoed) = post(&url, None, body.clone()).await;
+        assert_eq!(status, 200, "{echoed}");
+        let choice = &echoed["choices"][0];
+        let logprobs = &choice["logprobs"];
+        let tokens = logprobs["tokens"].as_array().unwrap();
+        let scores = logprobs["token_logprobs"].as_array().unwrap();
+        assert_eq!((tokens.len(), scores.len()), (43, 43), "{logprobs}");
+        assert!(scores[0].is_null() && logprobs["top_logprobs"][0].is_null());
+        for i in 1..43 {
+            assert!(scores[i].as_f64().unwrap() <= 0.0, "{i}: {logprobs}");
+            // Keyed by text: tokens spelled alike (bytes of one
+            // character) share a key, as in OpenAI's legacy format.
+            let top = logprobs["top_logprobs"][i].as_object().unwrap().len();
+            assert!((1..=2).contains(&top), "{i}: {logprobs}");
+        }
+        // The text is the echoed prompt then the completion, and every
+        // token's offset is where its text begins.
+        let text = choice["text"].as_str().unwrap();
+        let offsets: Vec<usize> = logprobs["text_offset"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap() as usize)
+            .collect();
+        let spelled: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(spelled, text, "{mode:?}");
+        assert_eq!(offsets[0], 0);
+        for (i, token) in tokens.iter().enumerate().skip(1) {
+            let before = tokens[i - 1].as_str().unwrap().chars().count();
+            assert_eq!(offsets[i], offsets[i - 1] + before, "{token}");
+        }
+        // Streamed: the echo and its scores lead, then the completion's.
+        let (_, data) = sse(&url, None, with(body, json!({"stream": true}))).await;
+        let streamed: Vec<Value> = chunks(&data)
+            .iter()
+            .filter_map(|c| {
+                c["choices"][0]["logprobs"]["token_logprobs"]
+                    .as_array()
+                    .cloned()
+            })
+            .flatten()
+            .collect();
+        assert_eq!(&streamed, scores, "{mode:?}");
+        // vLLM's field: per choice, the prompt's own token with its rank.
+        let (status, listed) = post(
+            &url,
+            None,
+            json!({"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}),
+        )
+        .await;
+        assert_eq!(status, 200, "{listed}");
+        let listed = listed["choices"][0]["prompt_logprobs"].as_array().unwrap();
+        assert_eq!(listed.len(), 40);
+        assert!(listed[0].is_null());
+        for i in 1..40 {
+            let own = &listed[i][prompt[i].to_string()];
+            assert!(own["rank"].as_u64().unwrap() >= 1, "{}", listed[i]);
+            assert_eq!(own["logprob"], scores[i], "the same score both ways");
+            let best = listed[i]
+                .as_object()
+                .unwrap()
+                .values()
+                .find(|e| e["rank"] == 1)
+                .unwrap_or_else(|| panic!("{}", listed[i]));
+            assert!(best["logprob"].as_f64() >= own["logprob"].as_f64());
+        }
+        // Where the last token is scored, the most likely one is what a
+        // greedy draw there picks, with the log-probability it had.
+        let best = listed[39]
+            .as_object()
+            .unwrap()
+            .values()
+            .find(|e| e["rank"] == 1)
+            .unwrap();
+        assert_eq!(best["decoded_token"], generated["tokens"][0], "{best}");
+        let drawn = generated["token_logprobs"][0].as_f64().unwrap();
+        let scored = best["logprob"].as_f64().unwrap();
+        assert!((drawn - scored).abs() < 1e-5, "{drawn} vs {scored}");
+        // Chat: once, at the top (vLLM's place), for the templated prompt.
+        let (status, chat_answer) = post(
+            &server.url("/v1/chat/completions"),
+            None,
+            with(chat("hi", 2), json!({"prompt_logprobs": 0})),
+        )
+        .await;
+        assert_eq!(status, 200, "{chat_answer}");
+        let listed = chat_answer["prompt_logprobs"].as_array().unwrap();
+        assert_eq!(
+            listed.len() as u64,
+            chat_answer["usage"]["prompt_tokens"].as_u64().unwrap()
+        );
+        assert!(listed[0].is_null() && listed[1].as_object().unwrap().len() == 1);
     }
 }
 

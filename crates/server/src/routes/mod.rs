@@ -26,7 +26,7 @@ use kvfence_engine::{
     CacheScope, Constrained, Event, FailureKind, FinishReason, GenerationRequest, RequestHandle,
     Share, Usage,
 };
-use kvfence_model::TokenLogprobs;
+use kvfence_model::{PromptLogprob, TokenLogprobs};
 use serde_json::{Value, json};
 use tracing::{debug, info};
 
@@ -191,6 +191,83 @@ impl Endpoint {
     }
 }
 
+/// A prompt's scores in OpenAI's legacy completions format (`echo` with
+/// `logprobs`): every prompt token, the first with `null` (nothing comes
+/// before it), offsets counted from the start of the echoed text.
+fn legacy_prompt_logprobs(state: &AppState, first: u32, scores: &[PromptLogprob]) -> Value {
+    let text = |id: u32| String::from_utf8_lossy(state.token_bytes(id)).into_owned();
+    let tokens: Vec<String> = std::iter::once(first)
+        .chain(scores.iter().map(|s| s.logprobs.token))
+        .map(text)
+        .collect();
+    let mut offsets = Vec::with_capacity(tokens.len());
+    let mut at = 0;
+    for token in &tokens {
+        offsets.push(at);
+        at += token.chars().count();
+    }
+    let logprobs: Vec<Value> = std::iter::once(Value::Null)
+        .chain(scores.iter().map(|s| json!(s.logprobs.logprob)))
+        .collect();
+    let top: Vec<Value> = std::iter::once(Value::Null)
+        .chain(scores.iter().map(|s| {
+            let top: serde_json::Map<String, Value> = s
+                .logprobs
+                .top
+                .iter()
+                .map(|&(id, lp)| (text(id), json!(lp)))
+                .collect();
+            Value::Object(top)
+        }))
+        .collect();
+    json!({
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    })
+}
+
+/// The legacy log-probabilities of a prompt followed by its completion's:
+/// each list of `prompt` extended by `completion`'s.
+fn join_legacy(mut prompt: Value, completion: Value) -> Value {
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(Value::Array(head)), Value::Array(tail)) =
+            (prompt.get_mut(key), completion[key].clone())
+        {
+            head.extend(tail);
+        }
+    }
+    prompt
+}
+
+/// A prompt's scores as vLLM's `prompt_logprobs`: `null` for the first
+/// token, then per token an object keyed by token id — the prompt's own
+/// token with its rank, and the most likely alternatives ranked in order.
+fn listed_prompt_logprobs(state: &AppState, scores: &[PromptLogprob]) -> Value {
+    let entry = |id: u32, logprob: f32, rank: u32| {
+        json!({
+            "logprob": logprob,
+            "rank": rank,
+            "decoded_token": String::from_utf8_lossy(state.token_bytes(id)),
+        })
+    };
+    let listed = scores.iter().map(|s| {
+        let mut position = serde_json::Map::new();
+        for (rank, &(id, logprob)) in (1..).zip(&s.logprobs.top) {
+            position.insert(id.to_string(), entry(id, logprob, rank));
+        }
+        // The prompt's own token last: its true rank wins a tie with a
+        // listed alternative's place.
+        position.insert(
+            s.logprobs.token.to_string(),
+            entry(s.logprobs.token, s.logprobs.logprob, s.rank),
+        );
+        Value::Object(position)
+    });
+    Value::Array(std::iter::once(Value::Null).chain(listed).collect())
+}
+
 fn finish_name(reason: FinishReason) -> &'static str {
     match reason {
         FinishReason::Stop => "stop",
@@ -237,6 +314,18 @@ struct Prepared {
     stream: bool,
     include_usage: bool,
     logprobs: bool,
+    prompt_logprobs: PromptLogprobsWanted,
+}
+
+/// Where the prompt's scores go in the answer, if it asked for them.
+#[derive(Debug, Clone, Copy, Default)]
+struct PromptLogprobsWanted {
+    /// Leading the choice's `logprobs` (completions' `echo` with
+    /// `logprobs`, OpenAI's legacy format).
+    echoed: bool,
+    /// As `prompt_logprobs` (vLLM's field): per choice for completions,
+    /// once for chat.
+    listed: bool,
 }
 
 /// `GET /health`.
@@ -632,6 +721,7 @@ impl Admitting<'_> {
             streamed: String::new(),
             n: prepared.n,
             logprobs: prepared.logprobs,
+            prompt_logprobs: prepared.prompt_logprobs,
             admission,
             started,
             id: endpoint.id(),
@@ -665,13 +755,21 @@ async fn submit_choices(
             later.push((index, request, echo));
             continue;
         }
+        let first_token = *request
+            .prompt
+            .first()
+            .expect("prepare refuses an empty prompt");
         let mut handle = state.engine.submit(request).await.map_err(ApiError::from)?;
         let first = if n > 1 { handle.next().await } else { None };
-        choices[index] = Some(Choice::new(index, handle, echo, first));
+        choices[index] = Some(Choice::new(index, handle, echo, first_token, first));
     }
     for (index, request, echo) in later {
+        let first_token = *request
+            .prompt
+            .first()
+            .expect("prepare refuses an empty prompt");
         let handle = state.engine.submit(request).await.map_err(ApiError::from)?;
-        choices[index] = Some(Choice::new(index, handle, echo, None));
+        choices[index] = Some(Choice::new(index, handle, echo, first_token, None));
     }
     Ok(choices
         .into_iter()

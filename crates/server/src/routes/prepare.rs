@@ -46,6 +46,9 @@ pub(super) fn prepare(
     };
     let params: CommonParams = typed(&object)?;
     let n = params.n()?;
+    // Completions' `echo` with `logprobs` scores the prompt too: its
+    // tokens lead the choice's log-probabilities.
+    let mut echo_logprobs = None;
     // Prompts, with the text `echo` puts before each completion.
     let mut tools = None;
     let (prompts, logprobs): (Vec<Prompt>, Option<usize>) = match endpoint {
@@ -113,7 +116,11 @@ pub(super) fn prepare(
             } else {
                 prompts
             };
-            (prompts, completion.logprobs()?)
+            let logprobs = completion.logprobs()?;
+            if echo {
+                echo_logprobs = logprobs;
+            }
+            (prompts, logprobs)
         }
     };
     if prompts.len() * n > MAX_CHOICES {
@@ -162,6 +169,8 @@ pub(super) fn prepare(
         }
         None => None,
     };
+    let asked_prompt_logprobs = params.prompt_logprobs()?;
+    let prompt_logprobs = asked_prompt_logprobs.max(echo_logprobs);
     let stop = params.stop_strings()?;
     // The namespace is the tenant the key named (I9); the body may only
     // subdivide it.
@@ -230,7 +239,7 @@ pub(super) fn prepare(
                 request: GenerationRequest {
                     prompt: prompt.clone(),
                     max_tokens,
-                    sampling: params.sampling(seed, logprobs, vocab)?,
+                    sampling: params.sampling(seed, logprobs, prompt_logprobs, vocab)?,
                     stop: stop.clone(),
                     ignore_eos: params.ignore_eos.unwrap_or(false),
                     cache: cache.clone(),
@@ -251,6 +260,10 @@ pub(super) fn prepare(
         stream: params.stream(),
         include_usage: params.include_usage()?,
         logprobs: logprobs.is_some(),
+        prompt_logprobs: PromptLogprobsWanted {
+            echoed: echo_logprobs.is_some(),
+            listed: asked_prompt_logprobs.is_some(),
+        },
     })
 }
 

@@ -11,6 +11,10 @@ pub(super) struct Choice {
     /// An event read ahead (the first, while the other choices waited).
     pub(super) first: Option<Event>,
     pub(super) echo: Option<String>,
+    /// The prompt's first token, which has no score.
+    pub(super) prompt_first: u32,
+    /// The prompt's scores, once they came (if the request asked).
+    pub(super) prompt_scores: Option<Vec<PromptLogprob>>,
     pub(super) text: String,
     /// Log-probabilities not yet sent (streaming) or all of them.
     pub(super) logprobs: Vec<TokenLogprobs>,
@@ -27,6 +31,7 @@ impl Choice {
         index: usize,
         handle: RequestHandle,
         echo: Option<String>,
+        prompt_first: u32,
         first: Option<Event>,
     ) -> Self {
         Choice {
@@ -34,6 +39,8 @@ impl Choice {
             handle,
             first,
             echo,
+            prompt_first,
+            prompt_scores: None,
             text: String::new(),
             logprobs: Vec::new(),
             sent_chars: 0,
@@ -64,6 +71,7 @@ pub(super) struct Reply {
     /// Choices per prompt.
     pub(super) n: usize,
     pub(super) logprobs: bool,
+    pub(super) prompt_logprobs: PromptLogprobsWanted,
     /// The tenant's sequences and the tokens charged, until the reply
     /// ends (unused tokens go back then).
     pub(super) admission: Admission,
@@ -94,6 +102,8 @@ impl Drop for Reply {
 
 /// What the next event of a reply's choices says.
 pub(super) enum Step {
+    /// Choice `.0`'s prompt was scored.
+    Prompt(usize),
     /// Choice `.0` has new text and log-probabilities.
     Token(usize),
     /// Choice `.0` finished.
@@ -125,6 +135,10 @@ impl Reply {
             }
         };
         match event {
+            (i, Some(Event::Prompt { logprobs })) => {
+                self.choices[i].prompt_scores = Some(logprobs);
+                Step::Prompt(i)
+            }
             (i, Some(Event::Token { text, logprobs })) => {
                 if !self.first_token_seen {
                     self.first_token_seen = true;
@@ -213,7 +227,7 @@ impl Reply {
     pub(super) async fn finish_all(&mut self) -> Result<Usage, ApiError> {
         loop {
             match self.step().await {
-                Step::Token(_) | Step::Finished(_) => {}
+                Step::Prompt(_) | Step::Token(_) | Step::Finished(_) => {}
                 Step::Failed(error) => {
                     self.log_end(error.status().as_u16(), None);
                     return Err(error);
@@ -235,20 +249,29 @@ impl Reply {
             .map(|i| {
                 let prefix = self.choices[i].echo.clone().unwrap_or_default();
                 self.choices[i].sent_chars = prefix.chars().count();
+                let echoed = self.echoed_prompt_logprobs(i);
                 let logprobs = self.take_logprobs(i);
+                let logprobs = match (echoed, logprobs) {
+                    (Some(prompt), Some(completion)) => Some(join_legacy(prompt, completion)),
+                    (_, logprobs) => logprobs,
+                };
                 let choice = &self.choices[i];
                 let text = format!("{prefix}{}", choice.text);
                 let finish = choice.finish.map(|(reason, _)| reason);
-                match &self.tools {
+                let mut rendered = match &self.tools {
                     Some(tools) => {
                         let (content, calls) = tools.parse(&text);
                         tool_choice_json(choice.index, &content, &calls, logprobs, finish)
                     }
                     None => self.endpoint.choice(choice.index, &text, logprobs, finish),
+                };
+                if self.prompt_logprobs.listed && self.endpoint == Endpoint::Completions {
+                    rendered["prompt_logprobs"] = self.listed_prompt_logprobs(i);
                 }
+                rendered
             })
             .collect();
-        let body = json!({
+        let mut body = json!({
             "id": self.id,
             "object": self.endpoint.object(false),
             "created": self.created,
@@ -257,6 +280,10 @@ impl Reply {
             "choices": choices,
             "usage": usage_json(usage),
         });
+        if self.prompt_logprobs.listed && self.endpoint == Endpoint::Chat {
+            // vLLM's place for chat: once, the prompt being every choice's.
+            body["prompt_logprobs"] = self.listed_prompt_logprobs(0);
+        }
         (StatusCode::OK, Json(body)).into_response()
     }
 
@@ -280,6 +307,41 @@ impl Reply {
             body["usage"] = usage_json(usage);
         }
         SseEvent::default().data(body.to_string())
+    }
+
+    /// The chunk that streams choice `i`'s echoed prompt with its scores,
+    /// once they came (completions' `echo` with `logprobs`).
+    pub(super) fn prompt_chunk(&mut self, i: usize) -> Vec<SseEvent> {
+        let Some(echo) = self.choices[i].echo.take() else {
+            return Vec::new();
+        };
+        let logprobs = self.echoed_prompt_logprobs(i);
+        let choice = &mut self.choices[i];
+        choice.sent_chars = echo.chars().count();
+        let delta = self
+            .endpoint
+            .delta(choice.index, Some(&echo), false, logprobs, None);
+        vec![self.chunk(json!([delta]), None)]
+    }
+
+    /// Choice `i`'s prompt scores in OpenAI's legacy completions format,
+    /// its first token's `null`, if they lead its log-probabilities.
+    pub(super) fn echoed_prompt_logprobs(&self, i: usize) -> Option<Value> {
+        let choice = &self.choices[i];
+        match (self.prompt_logprobs.echoed, &choice.prompt_scores) {
+            (true, Some(scores)) => Some(legacy_prompt_logprobs(
+                &self.state,
+                choice.prompt_first,
+                scores,
+            )),
+            _ => None,
+        }
+    }
+
+    /// Choice `i`'s prompt scores as vLLM's `prompt_logprobs`.
+    pub(super) fn listed_prompt_logprobs(&self, i: usize) -> Value {
+        let scores = self.choices[i].prompt_scores.as_deref().unwrap_or_default();
+        listed_prompt_logprobs(&self.state, scores)
     }
 
     /// The chunk that streams choice `i`'s new text (and log-probabilities),
@@ -412,7 +474,12 @@ pub(super) fn stream_events(
             let next = match phase {
                 Phase::Start(i) if i < reply.choices.len() => {
                     let index = reply.choices[i].index;
-                    let delta = match (reply.endpoint, reply.choices[i].echo.take()) {
+                    // An echo with its scores waits for them (`prompt_chunk`).
+                    let echo = match reply.prompt_logprobs.echoed {
+                        true => None,
+                        false => reply.choices[i].echo.take(),
+                    };
+                    let delta = match (reply.endpoint, echo) {
                         // Responses streams its own events (`response_stream`).
                         (Endpoint::Chat | Endpoint::Responses, _) => {
                             Some(reply.endpoint.delta(index, Some(""), true, None, None))
@@ -431,6 +498,7 @@ pub(super) fn stream_events(
                     }
                 }
                 Phase::Start(_) | Phase::Running => match reply.step().await {
+                    Step::Prompt(i) => (reply.prompt_chunk(i), Phase::Running),
                     Step::Token(i) => (reply.text_chunk(i), Phase::Running),
                     Step::Finished(i) => (reply.finish_chunk(i), Phase::Running),
                     Step::AllDone => {

@@ -210,6 +210,8 @@ impl Reply {
                     return Some((events, (reply, ResponsePhase::Streaming)));
                 }
                 ResponsePhase::Streaming => match reply.step().await {
+                    // The Responses API has no field that scores a prompt.
+                    Step::Prompt(_) => Vec::new(),
                     Step::Token(_) => reply.response_text(),
                     Step::Finished(_) => reply.response_finish(),
                     Step::AllDone => {
