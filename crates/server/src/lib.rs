@@ -200,6 +200,19 @@ impl AppState {
         })
     }
 
+    /// The bytes token `id` puts in the text it decodes to: nothing for a
+    /// special token (decoding leaves them out) or an id past the
+    /// vocabulary.
+    fn text_bytes(&self, id: u32) -> &[u8] {
+        let table = self
+            .token_bytes
+            .get_or_init(|| self.model.tokenizer.token_bytes());
+        match table.get(id as usize).map(Vec::as_slice) {
+            Some([0xFF, ..]) | None => &[],
+            Some(bytes) => bytes,
+        }
+    }
+
     /// Token `id`'s bytes (a special token's name; nothing for an id past
     /// the tokenizer's vocabulary).
     fn token_bytes(&self, id: u32) -> &[u8] {

@@ -32,6 +32,32 @@ async fn continuations(server: &Server) -> Vec<String> {
     futures_util::future::join_all(jobs).await
 }
 
+/// A prompt's scores (`echo` with `logprobs`): the legacy object, checked
+/// for the start of sequence a base model's prompt begins with.
+async fn echoed_scores(server: &Server) -> serde_json::Value {
+    let body = json!({"model": "gemma3-270m", "prompt": "Hello world, naïve café", "max_tokens": 2,
+                      "temperature": 0, "echo": true, "logprobs": 2});
+    let (status, answer) = post(&server.url("/v1/completions"), None, body).await;
+    assert_eq!(status, 200, "{answer}");
+    let logprobs = answer["choices"][0]["logprobs"].clone();
+    // <bos> is scored by nothing and spells nothing: "Hello" is at 0.
+    assert_eq!(logprobs["tokens"][0], "<bos>", "{logprobs}");
+    assert_eq!(logprobs["tokens"][1], "Hello", "{logprobs}");
+    assert!(logprobs["token_logprobs"][0].is_null());
+    assert_eq!(
+        (&logprobs["text_offset"][0], &logprobs["text_offset"][1]),
+        (&json!(0), &json!(0)),
+        "{logprobs}"
+    );
+    assert!(
+        answer["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("Hello world, naïve café")
+    );
+    logprobs
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template() {
     let args = ["--model", "gemma3-270m", "--kv-pool-tokens", "1024"];
@@ -52,6 +78,7 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
             .contains("--chat-template"),
         "{refusal}"
     );
+    let scored = echoed_scores(&colocated).await;
     drop(colocated);
 
     let template = tempfile::NamedTempFile::new().unwrap();
@@ -71,6 +98,7 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
         .concat(),
     );
     assert_eq!(continuations(&disaggregated).await, expected);
+    assert_eq!(echoed_scores(&disaggregated).await, scored);
     let url = disaggregated.url("/v1/chat/completions");
     let (status, answer) = post(
         &url,

@@ -171,12 +171,8 @@ impl Endpoint {
             }
             Endpoint::Completions => {
                 let text = |id: u32| String::from_utf8_lossy(state.token_bytes(id)).into_owned();
-                let mut offsets = Vec::with_capacity(tokens.len());
-                let mut at = offset;
-                for t in tokens {
-                    offsets.push(at);
-                    at += text(t.token).chars().count();
-                }
+                let offsets =
+                    text_offsets(offset, tokens.iter().map(|t| state.text_bytes(t.token)));
                 json!({
                     "tokens": tokens.iter().map(|t| text(t.token)).collect::<Vec<_>>(),
                     "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
@@ -196,16 +192,9 @@ impl Endpoint {
 /// before it), offsets counted from the start of the echoed text.
 fn legacy_prompt_logprobs(state: &AppState, first: u32, scores: &[PromptLogprob]) -> Value {
     let text = |id: u32| String::from_utf8_lossy(state.token_bytes(id)).into_owned();
-    let tokens: Vec<String> = std::iter::once(first)
-        .chain(scores.iter().map(|s| s.logprobs.token))
-        .map(text)
-        .collect();
-    let mut offsets = Vec::with_capacity(tokens.len());
-    let mut at = 0;
-    for token in &tokens {
-        offsets.push(at);
-        at += token.chars().count();
-    }
+    let ids = std::iter::once(first).chain(scores.iter().map(|s| s.logprobs.token));
+    let tokens: Vec<String> = ids.clone().map(text).collect();
+    let offsets = text_offsets(0, ids.map(|id| state.text_bytes(id)));
     let logprobs: Vec<Value> = std::iter::once(Value::Null)
         .chain(scores.iter().map(|s| json!(s.logprobs.logprob)))
         .collect();
@@ -226,6 +215,43 @@ fn legacy_prompt_logprobs(state: &AppState, first: u32, scores: &[PromptLogprob]
         "top_logprobs": top,
         "text_offset": offsets,
     })
+}
+
+/// Where each token's text begins in the text the tokens decode to, in
+/// characters after `start` (completions' `text_offset`): a special token
+/// puts nothing in the text, and a token that begins inside a character
+/// (one byte of a multi-byte one) begins where that character does. Bytes
+/// that are no character count as one each run, as lossy decoding shows
+/// them (U+FFFD).
+fn text_offsets<'t>(start: usize, tokens: impl Iterator<Item = &'t [u8]>) -> Vec<usize> {
+    let mut bytes: Vec<u8> = Vec::new();
+    // `bytes[..counted]` is whole characters, `chars` of them.
+    let (mut counted, mut chars) = (0, start);
+    tokens
+        .map(|token| {
+            loop {
+                let (valid, invalid) = match std::str::from_utf8(&bytes[counted..]) {
+                    Ok(text) => (text.len(), None),
+                    Err(error) => (error.valid_up_to(), error.error_len()),
+                };
+                let whole = std::str::from_utf8(&bytes[counted..counted + valid])
+                    .expect("bytes up to valid_up_to are UTF-8");
+                chars += whole.chars().count();
+                counted += valid;
+                match invalid {
+                    Some(len) => {
+                        chars += 1;
+                        counted += len;
+                    }
+                    // Complete, or a character still incomplete.
+                    None => break,
+                }
+            }
+            let offset = chars;
+            bytes.extend_from_slice(token);
+            offset
+        })
+        .collect()
 }
 
 /// The legacy log-probabilities of a prompt followed by its completion's:
@@ -821,4 +847,36 @@ fn refuse(state: &AppState, tenant: &str, endpoint: Endpoint, error: ApiError) -
         "request refused"
     );
     error.into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_offsets_are_where_each_token_begins_in_the_decoded_text() {
+        // A special token (nothing in the text), "Hi", the two bytes of
+        // "é", " x", a stray byte that is no character, "!".
+        let tokens: [&[u8]; 6] = [b"", b"Hi", &[0xC3], &[0xA9], b" x", &[0xFF]];
+        let with_end: Vec<&[u8]> = tokens.iter().copied().chain([&b"!"[..]]).collect();
+        let offsets = text_offsets(3, with_end.into_iter());
+        // "Hi" at 0, "é" at 2 (both of its bytes), " x" at 3, the stray
+        // byte at 5 (one U+FFFD), "!" at 6; all after the 3 already sent.
+        assert_eq!(offsets, [3, 3, 5, 5, 6, 8, 9]);
+        let text = String::from_utf8_lossy(&tokens.concat()).into_owned() + "!";
+        assert_eq!(text.chars().count(), 7);
+    }
+
+    #[test]
+    fn a_prompts_legacy_logprobs_lead_its_completions() {
+        let prompt = json!({"tokens": ["a", "b"], "token_logprobs": [null, -1.0],
+                            "top_logprobs": [null, {"b": -1.0}], "text_offset": [0, 1]});
+        let completion = json!({"tokens": ["c"], "token_logprobs": [-0.5],
+                                "top_logprobs": [{"c": -0.5}], "text_offset": [2]});
+        assert_eq!(
+            join_legacy(prompt, completion),
+            json!({"tokens": ["a", "b", "c"], "token_logprobs": [null, -1.0, -0.5],
+                   "top_logprobs": [null, {"b": -1.0}, {"c": -0.5}], "text_offset": [0, 1, 2]})
+        );
+    }
 }
