@@ -498,6 +498,20 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+
+    /// Multiply-adds of one token through every layer's matrices (Q, K,
+    /// V, output, gate, up, down): what a prompt token costs to compute.
+    pub fn layer_macs_per_token(&self) -> usize {
+        let h = self.hidden_size;
+        let attention = h * (self.q_dim() + 2 * self.kv_dim()) + self.q_dim() * h;
+        let mlp = 3 * h * self.intermediate_size;
+        self.num_layers * (attention + mlp)
+    }
+
+    /// Multiply-adds of one token's logits (the output projection).
+    pub fn logit_macs_per_token(&self) -> usize {
+        self.vocab_size * self.hidden_size
+    }
 }
 
 #[derive(Deserialize)]

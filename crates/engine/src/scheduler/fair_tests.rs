@@ -319,6 +319,30 @@ fn i11_a_tenants_grammar_masks_are_charged_to_its_share() {
 }
 
 #[test]
+fn a_prompt_being_scored_is_charged_for_its_logits_too() {
+    // Two tenants, the same prompt; only b's is scored.
+    let mut w = worker(4_096, 512, 4);
+    let mut scored = request("b", 1, 3, 100);
+    scored.sampling.prompt_logprobs = Some(2);
+    let mut tracked = vec![w.submit(request("a", 1, 3, 100)), w.submit(scored)];
+    w.run_until_ended(&mut tracked);
+    let config = w.scheduler.model.model.config().clone();
+    let (plain, scored) = (
+        w.scheduler.waiting.charged("a"),
+        w.scheduler.waiting.charged("b"),
+    );
+    // Every row's logits on top of the row itself, at what they cost
+    // next to the layers (rounded up per chunk).
+    let logits =
+        (100 * config.logit_macs_per_token()).div_ceil(config.layer_macs_per_token()) as u128;
+    assert!(logits > 0);
+    assert!(
+        (plain + logits..plain + logits + 8).contains(&scored),
+        "{plain} plain, {scored} scored, {logits} for the logits"
+    );
+}
+
+#[test]
 fn a_request_waiting_past_the_queue_deadline_is_refused_as_unavailable() {
     let mut w = worker_with(
         4_096,

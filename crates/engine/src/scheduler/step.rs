@@ -371,8 +371,10 @@ impl Scheduler {
                 }
             };
             let active = &mut self.active[w.index];
-            self.waiting
-                .charge(&active.pending.request.share, w.tokens.len());
+            self.waiting.charge(
+                &active.pending.request.share,
+                charged_tokens(self.model.model.config(), w),
+            );
             let prefilling = !active.prefill_done();
             active.written += w.tokens.len();
             if prefilling {
@@ -736,6 +738,22 @@ fn lend<'a>(active: &'a mut [Active], work: &'a [Work]) -> Vec<Sequence<'a>> {
 /// What a grammar mask that took `took` costs its tenant, in tokens: what
 /// the step computed (`tokens` in `pass`) in that time, to the nearest
 /// token (a regex's microseconds cost nothing).
+/// What a piece of work is charged to its tenant, in prompt tokens' worth
+/// of computation: its tokens, and for a prompt being scored the logits of
+/// every row on top (I11) — with a large vocabulary they cost more than
+/// the layers (Gemma 3 270M: 1.7 times), so a tenant scoring prompts pays
+/// for what it takes, not what a plain prompt of that length would.
+fn charged_tokens(config: &kvfence_model::ModelConfig, w: &Work) -> usize {
+    let rows = w.tokens.len();
+    match w.logits {
+        Logits::All => {
+            let logits = rows * config.logit_macs_per_token();
+            rows + logits.div_ceil(config.layer_macs_per_token().max(1))
+        }
+        Logits::Last | Logits::None => rows,
+    }
+}
+
 fn mask_charge(took: Duration, tokens: usize, pass: Duration) -> usize {
     if pass.is_zero() {
         return 0;
