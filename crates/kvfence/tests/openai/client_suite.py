@@ -170,6 +170,30 @@ def _():
         assert entry.logprob <= 0
 
 
+@check("echo with logprobs scores the prompt")
+def _():
+    reply = client.completions.create(
+        model=MODEL, prompt="the quick brown fox", max_tokens=2, temperature=0, echo=True,
+        logprobs=1, extra_body={"ignore_eos": True}
+    )
+    choice = reply.choices[0]
+    logprobs = choice.logprobs
+    prompt = reply.usage.prompt_tokens
+    assert len(logprobs.tokens) == prompt + 2
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert choice.text.startswith("the quick brown fox")
+    # vLLM's field through extra_body, read back from the raw answer.
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="the quick brown fox", max_tokens=1,
+        extra_body={"prompt_logprobs": 0}
+    )
+    listed = json.loads(raw.text)["choices"][0]["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == prompt
+    for position, scored in zip(listed[1:], logprobs.token_logprobs[1:prompt]):
+        assert [entry["logprob"] for entry in position.values()] == [scored]
+
+
 @check("n=3 with a seed")
 def _():
     reply = client.chat.completions.create(
