@@ -343,6 +343,53 @@ fn a_prompt_being_scored_is_charged_for_its_logits_too() {
 }
 
 #[test]
+fn one_pass_holds_the_logits_of_so_many_scored_rows_in_all() {
+    let mut w = worker(4_096, 512, 8);
+    w.scheduler.scoring_rows = 8;
+    let mut handles = Vec::new();
+    for (i, tenant) in ["a", "b", "c"].into_iter().enumerate() {
+        let mut scored = request(tenant, 1, i as u32, 30);
+        scored.sampling.prompt_logprobs = Some(1);
+        handles.push(w.submit(scored).handle);
+    }
+    w.submit(request("d", 1, 9, 30));
+    w.scheduler.admit(Instant::now());
+    let work = w.scheduler.plan();
+    let scored: Vec<usize> = work
+        .iter()
+        .filter(|w| w.logits == kvfence_model::Logits::All)
+        .map(|w| w.tokens.len())
+        .collect();
+    // Split between their tenants: one tenant's long scored prompt does
+    // not take every scoring row of every step until it is done.
+    assert_eq!(scored.iter().sum::<usize>(), 8, "{scored:?}");
+    assert_eq!(scored.len(), 3, "{scored:?}");
+    // The plain prompt gets its tenant's share of the step as ever (a
+    // quarter of the shared step's budget).
+    let share = w.scheduler.step_budget() / 4;
+    assert!(
+        work.iter()
+            .any(|w| w.logits == kvfence_model::Logits::None && w.tokens.len() == share),
+        "a plain prompt is held back by them: {:?}",
+        work.iter()
+            .map(|w| (w.tokens.len(), w.logits))
+            .collect::<Vec<_>>()
+    );
+    // Every scored prompt still gets all its scores, in its turn.
+    for mut handle in handles {
+        let scores = loop {
+            w.scheduler.poll(Instant::now());
+            match handle.try_next() {
+                Ok(Event::Prompt { logprobs }) => break logprobs,
+                Ok(other) => panic!("{other:?} before the scores"),
+                Err(_) => {}
+            }
+        };
+        assert_eq!(scores.len(), 29);
+    }
+}
+
+#[test]
 fn a_request_waiting_past_the_queue_deadline_is_refused_as_unavailable() {
     let mut w = worker_with(
         4_096,

@@ -543,6 +543,10 @@ pub(crate) struct Scheduler {
     admissions: u64,
     /// Compiles requests' grammars, once for a request's choices.
     grammars: GrammarCache,
+    /// Most rows of prompts being scored one pass may hold, all such
+    /// prompts together: each returns a whole vocabulary of logits
+    /// ([`step::SCORING_LOGITS_BYTES`]).
+    scoring_rows: usize,
     /// The step whose pass paused for a command, if one did.
     in_flight: Option<InFlight>,
     /// The command that paused it, taken off the inbox to see it came.
@@ -575,7 +579,10 @@ impl Scheduler {
         counters: Arc<Counters>,
         inbox: mpsc::Receiver<Command>,
     ) -> Self {
+        let vocab = model.model.config().vocab_size;
         Scheduler {
+            scoring_rows: (step::SCORING_LOGITS_BYTES / (vocab * std::mem::size_of::<f32>()))
+                .max(1),
             role,
             model,
             pool,

@@ -25,10 +25,12 @@ use crate::trace::Outcome;
 /// not add up to a free ride.
 const EXPRESS_PASS_MIN_TOKENS: usize = 16;
 
-/// The most logits a chunk of a prompt being scored may ask for, in bytes:
-/// every row of such a chunk returns a whole vocabulary of them (a
-/// 262,144-token vocabulary makes this 64 rows).
-const SCORING_LOGITS_BYTES: usize = 64 << 20;
+/// The most logits the chunks of prompts being scored may ask for in one
+/// pass, all together, in bytes: every row of such a chunk returns a whole
+/// vocabulary of them (a 262,144-token vocabulary makes this 64 rows), and
+/// a tenant's many scored prompts must not make a pass's memory many times
+/// that.
+pub(super) const SCORING_LOGITS_BYTES: usize = 64 << 20;
 
 impl Scheduler {
     /// Tokens this step may process: `step_tokens`, or once this worker
@@ -100,30 +102,44 @@ impl Scheduler {
             })
             .collect();
         prefilling.sort_unstable_by_key(|&i| self.active[i].admitted);
+        // Each tenant's claim on the step's tokens, and on its rows of
+        // scored prompts (whose logits bound a pass's memory): both split
+        // by weight.
         let mut claims: BTreeMap<&str, (u32, usize)> = BTreeMap::new();
+        let mut scoring_claims: BTreeMap<&str, (u32, usize)> = BTreeMap::new();
         for &i in &prefilling {
             let a = &self.active[i];
             let share = &a.pending.request.share;
-            let claim = claims
-                .entry(share.tenant.as_str())
-                .or_insert((share.weight(), 0));
-            claim.1 += a.kv_target() - a.written;
+            let left = a.kv_target() - a.written;
+            let tenant = share.tenant.as_str();
+            claims.entry(tenant).or_insert((share.weight(), 0)).1 += left;
+            if a.pending.scores_prompt() {
+                scoring_claims
+                    .entry(tenant)
+                    .or_insert((share.weight(), 0))
+                    .1 += left;
+            }
         }
-        let split = split_budget(budget, &claims.values().copied().collect::<Vec<_>>());
-        let mut allowance: BTreeMap<&str, usize> = claims.keys().copied().zip(split).collect();
+        let mut allowance = by_weight(budget, &claims);
+        let mut scoring_allowance = by_weight(self.scoring_rows, &scoring_claims);
         for index in prefilling {
             let a = &self.active[index];
+            let tenant = a.pending.request.share.tenant.as_str();
             let left = allowance
-                .get_mut(a.pending.request.share.tenant.as_str())
+                .get_mut(tenant)
                 .expect("every prefilling request's tenant has a claim");
-            if *left == 0 {
-                continue;
-            }
             let target = a.kv_target();
             let scoring = a.pending.scores_prompt();
             let mut take = (target - a.written).min(*left);
             if scoring {
-                take = take.min(self.scoring_rows());
+                let rows = scoring_allowance
+                    .get_mut(tenant)
+                    .expect("every scored prompt's tenant has a claim on the rows");
+                take = take.min(*rows);
+                *rows -= take;
+            }
+            if take == 0 {
+                continue;
             }
             *left -= take;
             let end = a.written + take;
@@ -447,12 +463,6 @@ impl Scheduler {
             .collect()
     }
 
-    /// Rows per chunk of a prompt being scored ([`SCORING_LOGITS_BYTES`]).
-    fn scoring_rows(&self) -> usize {
-        let vocab = self.model.model.config().vocab_size;
-        (SCORING_LOGITS_BYTES / (vocab * std::mem::size_of::<f32>())).max(1)
-    }
-
     /// Scores the prompt tokens that chunk `w`'s rows of `logits` (one
     /// vocabulary per row) predict and were not scored before (a request
     /// preempted while prefilling computes some rows twice); at the end of
@@ -738,6 +748,16 @@ fn lend<'a>(active: &'a mut [Active], work: &'a [Work]) -> Vec<Sequence<'a>> {
 /// What a grammar mask that took `took` costs its tenant, in tokens: what
 /// the step computed (`tokens` in `pass`) in that time, to the nearest
 /// token (a regex's microseconds cost nothing).
+/// `budget` split between the tenants of `claims` (weight, tokens wanted)
+/// by weight ([`split_budget`]).
+fn by_weight<'t>(
+    budget: usize,
+    claims: &BTreeMap<&'t str, (u32, usize)>,
+) -> BTreeMap<&'t str, usize> {
+    let shares = split_budget(budget, &claims.values().copied().collect::<Vec<_>>());
+    claims.keys().copied().zip(shares).collect()
+}
+
 /// What a piece of work is charged to its tenant, in prompt tokens' worth
 /// of computation: its tokens, and for a prompt being scored the logits of
 /// every row on top (I11) — with a large vocabulary they cost more than
