@@ -507,12 +507,7 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-impl crate::Backend for Engine {
-    fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
-        // Queueing here never waits: answer at once.
-        Box::pin(std::future::ready(Engine::submit(self, request)))
-    }
-
+impl crate::Status for Engine {
     fn capacities(&self) -> Vec<(&'static str, usize)> {
         Engine::capacities(self)
     }
@@ -524,6 +519,25 @@ impl crate::Backend for Engine {
 
     fn is_ready(&self) -> bool {
         Engine::is_ready(self)
+    }
+}
+
+/// How a decode (or colocated) worker drains: it stops admitting and
+/// finishes what it holds, answers on their way to routers included.
+impl crate::Drain for Engine {
+    fn stop_admitting(&self) {
+        Engine::stop_admitting(self)
+    }
+
+    fn in_flight(&self) -> usize {
+        Engine::in_flight(self)
+    }
+}
+
+impl crate::Backend for Engine {
+    fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
+        // Queueing here never waits: answer at once.
+        Box::pin(std::future::ready(Engine::submit(self, request)))
     }
 
     fn shutdown(&self) {

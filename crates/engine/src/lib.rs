@@ -50,14 +50,10 @@ pub type Submitted<'a> = std::pin::Pin<
     Box<dyn std::future::Future<Output = Result<RequestHandle, EngineError>> + Send + 'a>,
 >;
 
-/// What serves generation requests: a local [`Engine`] or a
-/// [`RemoteEngine`] (a decode worker in another process). The HTTP server
-/// holds one of these and does not care which.
-pub trait Backend: Send + Sync + std::fmt::Debug {
-    /// Queues a request (see [`Engine::submit`]). Resolves once it is
-    /// accepted — its events follow on the handle — or refused; it never
-    /// blocks the calling thread: a worker in another process is awaited.
-    fn submit(&self, request: GenerationRequest) -> Submitted<'_>;
+/// What every worker and every serving stack shows its operator (a status
+/// listener's `/metrics` and `/ready`): its pools, its counters, whether it
+/// can take work.
+pub trait Status: Send + Sync + std::fmt::Debug {
     /// Tokens of KV each worker's pool really holds, by role label (I6).
     fn capacities(&self) -> Vec<(&'static str, usize)>;
     /// Every worker's pool counters by role label and engine counters, as
@@ -66,17 +62,34 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Whether it can take work now (for readiness probes): it admits, and
     /// the workers it depends on are linked.
     fn is_ready(&self) -> bool;
+}
+
+/// A worker process's way out on SIGTERM: stop taking work, then wait
+/// for what it holds. A decode worker ([`Engine`]) and a prefill worker
+/// ([`PrefillWorker`]) both drain so.
+pub trait Drain: Status {
+    /// Takes no new work; what it holds goes on.
+    fn stop_admitting(&self);
+    /// Requests it still holds (or, a decode worker, still relays).
+    fn in_flight(&self) -> usize;
+}
+
+/// What serves generation requests: a local [`Engine`], a [`RemoteEngine`]
+/// (a decode worker in another process) or a [`Fleet`] of them. The HTTP
+/// server holds one of these and does not care which. (A prefill worker is
+/// none: it takes work from decode workers only, over its links.)
+pub trait Backend: Status {
+    /// Queues a request (see [`Engine::submit`]). Resolves once it is
+    /// accepted — its events follow on the handle — or refused; it never
+    /// blocks the calling thread: a worker in another process is awaited.
+    fn submit(&self, request: GenerationRequest) -> Submitted<'_>;
     /// Stops taking work; in-flight requests end with an error.
     fn shutdown(&self);
 }
 
-/// A shared backend serves like the backend itself (a worker's status
+/// A shared worker shows what the worker itself shows (a worker's status
 /// listener and its links hold the same engine).
-impl<T: Backend + ?Sized> Backend for std::sync::Arc<T> {
-    fn submit(&self, request: GenerationRequest) -> Submitted<'_> {
-        (**self).submit(request)
-    }
-
+impl<T: Status + ?Sized> Status for std::sync::Arc<T> {
     fn capacities(&self) -> Vec<(&'static str, usize)> {
         (**self).capacities()
     }
@@ -87,6 +100,13 @@ impl<T: Backend + ?Sized> Backend for std::sync::Arc<T> {
 
     fn is_ready(&self) -> bool {
         (**self).is_ready()
+    }
+}
+
+/// A shared backend serves like the backend itself.
+impl<T: Backend + ?Sized> Backend for std::sync::Arc<T> {
+    fn submit(&self, request: GenerationRequest) -> Submitted<'_> {
+        (**self).submit(request)
     }
 
     fn shutdown(&self) {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use kvfence_engine::tls::{ClusterCa, Role as LinkRole};
 use kvfence_engine::{
     Backend, Engine, EngineConfig, Event, Fleet, GenerationRequest, ModelFingerprint, PeerNames,
-    PrefillWorker, RequestHandle, Resolver, Share, serve_routers,
+    PrefillWorker, RequestHandle, Resolver, Share, Status, serve_routers,
 };
 use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};

@@ -13,9 +13,7 @@ use clap::{Args, ValueEnum};
 use kvfence_engine::{Backend, Engine, EngineConfig, Role, Transport};
 use kvfence_model::{LoadedModel, ModelCache, TextModel};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
-use kvfence_server::{
-    ApiOptions, AppState, Capacity, ConnectionLimits, OtlpProtocol, ServerError, Tenants, Traces,
-};
+use kvfence_server::{ApiOptions, AppState, Capacity, OtlpProtocol, ServerError, Tenants, Traces};
 use tracing::{info, warn};
 
 use crate::Dtype;
@@ -791,33 +789,6 @@ fn default_model_id(name: &str) -> String {
     std::path::Path::new(name)
         .file_name()
         .map_or_else(|| name.to_string(), |n| n.to_string_lossy().into_owned())
-}
-
-/// The state behind a worker process's status listener: its own pools and
-/// counters, no tenants, no API.
-pub(crate) fn status_state(
-    backend: Box<dyn Backend>,
-    model: Arc<TextModel>,
-) -> anyhow::Result<Arc<AppState>> {
-    let capacity = Capacity::compute(
-        model.config.max_position_embeddings,
-        &backend.capacities(),
-        None,
-        true,
-    )?;
-    let options = ApiOptions {
-        tenants: Tenants::local(),
-        model_id: default_model_id(&model.name),
-        capacity,
-        default_max_tokens: 1,
-        limits: ConnectionLimits::default(),
-        metrics_on_api: false,
-        tenant_labels: false,
-        trace_tenant_names: false,
-        cors: kvfence_server::Cors::Off,
-        responses: None,
-    };
-    Ok(AppState::new(backend, model, options))
 }
 
 pub(crate) async fn shutdown_signal() {

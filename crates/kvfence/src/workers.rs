@@ -19,16 +19,16 @@ use anyhow::Context;
 use clap::Args;
 use kvfence_engine::tls::{Credentials, Role};
 use kvfence_engine::{
-    Backend, Engine, Fleet, ModelFingerprint, PeerNames, PrefillWorker, serve_routers,
+    Drain, Engine, Fleet, ModelFingerprint, PeerNames, PrefillWorker, serve_routers,
 };
 use kvfence_model::LoadedModel;
 use kvfence_pool::Pool;
-use kvfence_server::Traces;
+use kvfence_server::{Traces, WorkerStatus};
 use tracing::{info, warn};
 
 use crate::serve::{
     EngineArgs, HttpArgs, TraceArgs, chat_template_file, load_model, load_text_model, serve_http,
-    shutdown_signal, status_state, tenants,
+    shutdown_signal, tenants,
 };
 
 /// Where a process finds its TLS credentials.
@@ -151,12 +151,6 @@ fn start_worker(
     Ok((credentials, model, pool, traces))
 }
 
-/// How a worker drains: what stops new work, and what is still in flight.
-struct Drain {
-    stop_admitting: Box<dyn Fn()>,
-    in_flight: Box<dyn Fn() -> usize>,
-}
-
 /// Serves a worker's `/health`, `/ready` and `/metrics` on
 /// `--metrics-listen` (if given), says where the worker listens (`address`,
 /// already bound), and waits for SIGINT/SIGTERM; then drains: stops
@@ -171,8 +165,7 @@ fn run_until_drained(
     address: SocketAddr,
     args: &WorkerArgs,
     model: Arc<LoadedModel>,
-    backend: Arc<dyn Backend>,
-    drain: Drain,
+    worker: Arc<dyn Drain>,
 ) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -180,22 +173,23 @@ fn run_until_drained(
         .build()
         .context("starting the async runtime")?;
     if let Some(status) = args.metrics_listen {
-        let state = status_state(Box::new(Arc::clone(&backend)), Arc::new(model.text()))?;
+        let state =
+            WorkerStatus::new(worker.clone(), model.model.config().max_position_embeddings)?;
         let listener = runtime
             .block_on(tokio::net::TcpListener::bind(status))
             .with_context(|| format!("binding the status listener {status} (--metrics-listen)"))?;
         println!("metrics on http://{}", listener.local_addr()?);
-        runtime.spawn(kvfence_server::serve_metrics(listener, state));
+        runtime.spawn(kvfence_server::serve_worker_status(listener, state));
     }
     println!("listening on {address}");
     std::io::stdout().flush()?;
     runtime.block_on(shutdown_signal());
-    (drain.stop_admitting)();
+    worker.stop_admitting();
     let deadline = Instant::now() + Duration::from_secs(args.shutdown_timeout);
-    while (drain.in_flight)() > 0 && Instant::now() < deadline {
+    while worker.in_flight() > 0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    match (drain.in_flight)() {
+    match worker.in_flight() {
         0 => {
             // Every answer's last event is with its link's writer (a decode
             // worker counts answers in flight until then): a moment for the
@@ -224,16 +218,7 @@ pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
         &credentials,
     )
     .context("starting the prefill worker")?;
-    let worker = Arc::new(worker);
-    let status: Arc<dyn Backend> = Arc::clone(&worker) as Arc<dyn Backend>;
-    let drain = Drain {
-        stop_admitting: Box::new({
-            let worker = Arc::clone(&worker);
-            move || worker.stop_admitting()
-        }),
-        in_flight: Box::new(move || worker.in_flight()),
-    };
-    run_until_drained(address, &args.worker, model, status, drain)
+    run_until_drained(address, &args.worker, model, Arc::new(worker))
 }
 
 pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
@@ -257,15 +242,7 @@ pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
             warn!(%error, "stopped serving routers");
         }
     });
-    let status: Arc<dyn Backend> = Arc::clone(&engine) as Arc<dyn Backend>;
-    let drain = Drain {
-        stop_admitting: Box::new({
-            let engine = Arc::clone(&engine);
-            move || engine.stop_admitting()
-        }),
-        in_flight: Box::new(move || engine.in_flight()),
-    };
-    run_until_drained(address, &args.worker, model, status, drain)
+    run_until_drained(address, &args.worker, model, engine)
 }
 
 pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {

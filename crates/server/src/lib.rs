@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::{get, post};
-use kvfence_engine::Backend;
+use kvfence_engine::{Backend, Status};
 use kvfence_model::{Grammars, TextModel};
 use tokio::net::TcpListener;
 
@@ -338,10 +338,14 @@ fn cors_layer(cors: &Cors) -> Option<tower_http::cors::CorsLayer> {
 /// `/ready`), for the operator's scraper and probes only. A worker process
 /// (`kvfence prefill`, `kvfence decode`) serves these and nothing else.
 pub fn metrics_router(state: Arc<AppState>) -> Router {
+    status_router(state)
+}
+
+fn status_router<S: Observed>(state: Arc<S>) -> Router {
     Router::new()
-        .route("/metrics", get(routes::metrics))
+        .route("/metrics", get(routes::metrics::<S>))
         .route("/health", get(routes::health))
-        .route("/ready", get(routes::ready))
+        .route("/ready", get(routes::ready::<S>))
         .fallback(routes::not_found)
         .with_state(state)
 }
@@ -349,6 +353,65 @@ pub fn metrics_router(state: Arc<AppState>) -> Router {
 /// Serves [`metrics_router`] on `listener` until the process ends.
 pub async fn serve_metrics(listener: TcpListener, state: Arc<AppState>) -> std::io::Result<()> {
     axum::serve(listener, metrics_router(state)).await
+}
+
+/// What a status listener (`/metrics`, `/health`, `/ready`) reads: the
+/// workers' status, and the metrics kept beside it.
+pub(crate) trait Observed: Send + Sync + 'static {
+    fn status(&self) -> &dyn Status;
+    fn metrics(&self) -> &Metrics;
+}
+
+impl Observed for AppState {
+    fn status(&self) -> &dyn Status {
+        self.engine.as_ref()
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
+
+/// A worker process's status listener: its pools, counters and readiness,
+/// and the context its pools can hold — no API, so no tenants and no
+/// request counters.
+pub struct WorkerStatus {
+    worker: Arc<dyn Status>,
+    metrics: Metrics,
+}
+
+impl WorkerStatus {
+    /// The status of `worker`, serving a model of `model_limit` positions.
+    pub fn new(
+        worker: Arc<dyn Status>,
+        model_limit: usize,
+    ) -> Result<Arc<WorkerStatus>, ServerError> {
+        let roles = worker.capacities();
+        let capacity = Capacity::compute(model_limit, &roles, None, true)?;
+        Ok(Arc::new(WorkerStatus {
+            metrics: Metrics::new(&capacity, &roles, false),
+            worker,
+        }))
+    }
+}
+
+impl Observed for WorkerStatus {
+    fn status(&self) -> &dyn Status {
+        self.worker.as_ref()
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
+
+/// Serves a worker's `/metrics`, `/health` and `/ready` on `listener`
+/// until the process ends.
+pub async fn serve_worker_status(
+    listener: TcpListener,
+    status: Arc<WorkerStatus>,
+) -> std::io::Result<()> {
+    axum::serve(listener, status_router(status)).await
 }
 
 /// What one HTTP connection may cost before it has said who it is.

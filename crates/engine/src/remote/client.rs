@@ -501,11 +501,7 @@ fn read_decode_worker(stream: &mpsc::Receiver<Bytes>, connection: &Connection) {
     lock(&connection.stats).clear();
 }
 
-impl crate::Backend for RemoteEngine {
-    fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
-        Box::pin(self.submit_to(request, None))
-    }
-
+impl crate::Status for RemoteEngine {
     fn capacities(&self) -> Vec<(&'static str, usize)> {
         let mut out = Vec::new();
         if let Some(hello) = self.hello() {
@@ -538,6 +534,12 @@ impl crate::Backend for RemoteEngine {
         self.fresh_view().is_some_and(|view| {
             view.stats.as_ref().is_none_or(|s| s.admitting) && !view.hello.prefills.is_empty()
         })
+    }
+}
+
+impl crate::Backend for RemoteEngine {
+    fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
+        Box::pin(self.submit_to(request, None))
     }
 
     fn shutdown(&self) {

@@ -253,6 +253,30 @@ impl Fleet {
     }
 }
 
+impl crate::Status for Fleet {
+    fn capacities(&self) -> Vec<(&'static str, usize)> {
+        let mut least: Vec<(&'static str, usize)> = Vec::new();
+        for (role, tokens) in self.members().iter().flat_map(crate::Status::capacities) {
+            match least.iter_mut().find(|(r, _)| *r == role) {
+                Some(entry) => entry.1 = entry.1.min(tokens),
+                None => least.push((role, tokens)),
+            }
+        }
+        least
+    }
+
+    fn snapshot(&self) -> Vec<WorkerSnapshot> {
+        self.members()
+            .iter()
+            .flat_map(crate::Status::snapshot)
+            .collect()
+    }
+
+    fn is_ready(&self) -> bool {
+        self.members().iter().any(crate::Status::is_ready)
+    }
+}
+
 impl crate::Backend for Fleet {
     fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
         Box::pin(async move {
@@ -293,28 +317,6 @@ impl crate::Backend for Fleet {
                 other => other,
             })
         })
-    }
-
-    fn capacities(&self) -> Vec<(&'static str, usize)> {
-        let mut least: Vec<(&'static str, usize)> = Vec::new();
-        for (role, tokens) in self.members().iter().flat_map(crate::Backend::capacities) {
-            match least.iter_mut().find(|(r, _)| *r == role) {
-                Some(entry) => entry.1 = entry.1.min(tokens),
-                None => least.push((role, tokens)),
-            }
-        }
-        least
-    }
-
-    fn snapshot(&self) -> Vec<WorkerSnapshot> {
-        self.members()
-            .iter()
-            .flat_map(crate::Backend::snapshot)
-            .collect()
-    }
-
-    fn is_ready(&self) -> bool {
-        self.members().iter().any(crate::Backend::is_ready)
     }
 
     fn shutdown(&self) {

@@ -22,7 +22,7 @@ use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, ListenLimits};
-use crate::request::{GenerationRequest, LinkGrammars};
+use crate::request::LinkGrammars;
 use crate::scheduler::{Command, PeerId, Role, Scheduler};
 
 /// Decode workers one prefill worker serves at once.
@@ -164,13 +164,7 @@ impl PrefillWorker {
 
 /// What a prefill worker's status listener reads. It takes work only from
 /// decode workers, over its links.
-impl crate::Backend for PrefillWorker {
-    fn submit(&self, _: GenerationRequest) -> crate::Submitted<'_> {
-        Box::pin(std::future::ready(Err(EngineError::Invalid {
-            reason: "a prefill worker takes work from decode workers only".into(),
-        })))
-    }
-
+impl crate::Status for PrefillWorker {
     fn capacities(&self) -> Vec<(&'static str, usize)> {
         vec![(Role::Prefill.label(), self.pool.capacity_tokens())]
     }
@@ -183,9 +177,17 @@ impl crate::Backend for PrefillWorker {
     fn is_ready(&self) -> bool {
         self.is_admitting()
     }
+}
 
-    fn shutdown(&self) {
-        self.stop_admitting();
+/// How a prefill worker drains: it stops taking orders and finishes the
+/// ones it holds.
+impl crate::Drain for PrefillWorker {
+    fn stop_admitting(&self) {
+        PrefillWorker::stop_admitting(self)
+    }
+
+    fn in_flight(&self) -> usize {
+        PrefillWorker::in_flight(self)
     }
 }
 

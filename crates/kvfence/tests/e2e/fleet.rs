@@ -303,6 +303,15 @@ async fn workers_report_readiness_and_drain_on_sigterm() {
         wait_for_status(server, "/ready", 200).await;
         wait_for_status(server, "/health", 200).await;
     }
+    // A worker's /metrics shows its own pool.
+    for (worker, role) in [
+        (&fleet.prefills[0], "prefill"),
+        (&fleet.decodes[0], "decode"),
+    ] {
+        let text = worker.metrics_text().await;
+        let free = format!("kvfence_pool_pages{{worker=\"local\",role=\"{role}\",state=\"free\"}}");
+        assert!(text.contains(&free), "{text}");
+    }
     // The decode worker without a prefill worker is alive but not ready,
     // and the router, with no pair left, says so too.
     let Fleet {

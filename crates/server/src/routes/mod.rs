@@ -30,7 +30,6 @@ use kvfence_model::{PromptLogprob, TokenLogprobs};
 use serde_json::{Value, json};
 use tracing::{debug, info};
 
-use crate::AppState;
 use crate::connections::Ticket;
 use crate::error::{ApiError, ErrorType};
 use crate::openai::{
@@ -42,6 +41,7 @@ use crate::responses::{self, RESPONSES_FIELDS};
 use crate::telemetry::RequestSpan;
 use crate::tenants::{Admission, Tenant};
 use crate::tools::{Call, StreamSplit, Tools};
+use crate::{AppState, Observed};
 
 pub(crate) mod conversations;
 mod prepare;
@@ -363,8 +363,8 @@ pub async fn health() -> impl IntoResponse {
 /// the workers it depends on are linked — else 503, so an orchestrator or
 /// a load balancer sends traffic elsewhere. `/health` answers whether the
 /// process is alive at all.
-pub async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    if state.engine.is_ready() {
+pub(crate) async fn ready<S: Observed>(State(state): State<Arc<S>>) -> Response {
+    if state.status().is_ready() {
         Json(json!({ "status": "ready" })).into_response()
     } else {
         (
@@ -377,14 +377,14 @@ pub async fn ready(State(state): State<Arc<AppState>>) -> Response {
 
 /// `GET /metrics`: Prometheus text. Holds counts, states and tenant names;
 /// never request text (I10).
-pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+pub(crate) async fn metrics<S: Observed>(State(state): State<Arc<S>>) -> impl IntoResponse {
     // A remote engine answers over the network: keep it off the async workers.
     let snapshot = {
         let state = Arc::clone(&state);
-        tokio::task::spawn_blocking(move || state.engine.snapshot()).await
+        tokio::task::spawn_blocking(move || state.status().snapshot()).await
     };
     let body = match snapshot {
-        Ok(workers) => state.metrics.render(&workers),
+        Ok(workers) => state.metrics().render(&workers),
         Err(_) => String::new(),
     };
     (
