@@ -22,16 +22,18 @@ fn model() -> Arc<LoadedModel> {
     Arc::new(LoadedModel::load("builtin:tiny").unwrap())
 }
 
-fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, reuse: ReusePolicy) -> Pool {
-    let spec = PoolSpec::new(
+/// `tokens` of f32 KV for `model`, in 16-token pages.
+fn spec(model: &LoadedModel, tokens: usize) -> PoolSpec {
+    PoolSpec::new(
         model.model.kv_shape(),
         16,
         ElemType::F32,
         PoolSize::Tokens(tokens),
     )
-    .with_scrub(scrub)
-    .with_reuse(reuse);
-    Pool::new(&spec).unwrap()
+}
+
+fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, reuse: ReusePolicy) -> Pool {
+    Pool::new(&spec(model, tokens).with_scrub(scrub).with_reuse(reuse)).unwrap()
 }
 
 /// Every scenario runs over every transport: in-process and TCP (two-sided)
@@ -276,15 +278,10 @@ fn scores_alone(model: &LoadedModel, prompt: &[u32], top: usize) -> Vec<PromptLo
 
 /// A pool with a prefix cache, newest-freed pages first, poisoned.
 fn cached_pool(model: &LoadedModel, tokens: usize) -> Pool {
-    let spec = PoolSpec::new(
-        model.model.kv_shape(),
-        16,
-        ElemType::F32,
-        PoolSize::Tokens(tokens),
-    )
-    .with_prefix_cache(tokens / 16)
-    .with_scrub(Scrub::Poison)
-    .with_reuse(ReusePolicy::NewestFreedFirst);
+    let spec = spec(model, tokens)
+        .with_prefix_cache(tokens / 16)
+        .with_scrub(Scrub::Poison)
+        .with_reuse(ReusePolicy::NewestFreedFirst);
     Pool::new(&spec).unwrap()
 }
 
