@@ -389,6 +389,30 @@ async fn prompts_are_scored_with_echo_and_logprobs_or_prompt_logprobs_in_every_m
             .flatten()
             .collect();
         assert_eq!(&streamed, scores, "{mode:?}");
+        // With n, the first choice scores the prompt and every choice
+        // shows it, streamed or not.
+        let two = json!({"prompt": prompt, "max_tokens": 2, "n": 2, "temperature": 0,
+                         "echo": true, "logprobs": 1, "ignore_eos": true});
+        let (status, answer) = post(&url, None, two.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+        for choice in answer["choices"].as_array().unwrap() {
+            let got = choice["logprobs"]["token_logprobs"].as_array().unwrap();
+            assert_eq!(got[..40], scores[..40], "{choice}");
+        }
+        let (_, data) = sse(&url, None, with(two, json!({"stream": true}))).await;
+        let mut streamed = [Vec::new(), Vec::new()];
+        for chunk in chunks(&data) {
+            for choice in chunk["choices"].as_array().unwrap() {
+                let index = choice["index"].as_u64().unwrap() as usize;
+                if let Some(got) = choice["logprobs"]["token_logprobs"].as_array() {
+                    streamed[index].extend(got.iter().cloned());
+                }
+            }
+        }
+        for got in streamed {
+            assert_eq!(got.len(), 42, "{mode:?}");
+            assert_eq!(got[..40], scores[..40], "{mode:?}");
+        }
         // vLLM's field: per choice, the prompt's own token with its rank.
         let (status, listed) = post(
             &url,

@@ -235,11 +235,14 @@ pub(super) fn prepare(
         for j in 0..n {
             // Choice j draws from its own seed: n choices are n samples.
             let seed = first_seed.wrapping_add(j as u64);
+            // A prompt is scored once, by its first choice: the others read
+            // it from the prefix cache, and show the first one's scores.
+            let scored = prompt_logprobs.filter(|_| j == 0);
             choices.push(ChoiceRequest {
                 request: GenerationRequest {
                     prompt: prompt.clone(),
                     max_tokens,
-                    sampling: params.sampling(seed, logprobs, prompt_logprobs, vocab)?,
+                    sampling: params.sampling(seed, logprobs, scored, vocab)?,
                     stop: stop.clone(),
                     ignore_eos: params.ignore_eos.unwrap_or(false),
                     cache: cache.clone(),

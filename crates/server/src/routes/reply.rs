@@ -309,29 +309,41 @@ impl Reply {
         SseEvent::default().data(body.to_string())
     }
 
-    /// The chunk that streams choice `i`'s echoed prompt with its scores,
-    /// once they came (completions' `echo` with `logprobs`).
+    /// The chunks that stream the echoed prompt of choice `i` — the first
+    /// of its prompt's `n`, which scored it — and of its siblings, each with
+    /// the scores, once they came (completions' `echo` with `logprobs`).
+    /// The siblings start after the first choice's first event, so their
+    /// echo still leads their text.
     pub(super) fn prompt_chunk(&mut self, i: usize) -> Vec<SseEvent> {
-        let Some(echo) = self.choices[i].echo.take() else {
-            return Vec::new();
-        };
-        let logprobs = self.echoed_prompt_logprobs(i);
-        let choice = &mut self.choices[i];
-        choice.sent_chars = echo.chars().count();
-        let delta = self
-            .endpoint
-            .delta(choice.index, Some(&echo), false, logprobs, None);
-        vec![self.chunk(json!([delta]), None)]
+        let mut events = Vec::new();
+        for sibling in i..(i + self.n).min(self.choices.len()) {
+            let Some(echo) = self.choices[sibling].echo.take() else {
+                continue;
+            };
+            let logprobs = self.echoed_prompt_logprobs(sibling);
+            let choice = &mut self.choices[sibling];
+            choice.sent_chars = echo.chars().count();
+            let delta = self
+                .endpoint
+                .delta(choice.index, Some(&echo), false, logprobs, None);
+            events.push(self.chunk(json!([delta]), None));
+        }
+        events
+    }
+
+    /// The choice that scored choice `i`'s prompt: the first of its `n`.
+    fn scorer(&self, i: usize) -> &Choice {
+        &self.choices[i - i % self.n]
     }
 
     /// Choice `i`'s prompt scores in OpenAI's legacy completions format,
     /// its first token's `null`, if they lead its log-probabilities.
     pub(super) fn echoed_prompt_logprobs(&self, i: usize) -> Option<Value> {
-        let choice = &self.choices[i];
-        match (self.prompt_logprobs.echoed, &choice.prompt_scores) {
+        let scorer = self.scorer(i);
+        match (self.prompt_logprobs.echoed, &scorer.prompt_scores) {
             (true, Some(scores)) => Some(legacy_prompt_logprobs(
                 &self.state,
-                choice.prompt_first,
+                scorer.prompt_first,
                 scores,
             )),
             _ => None,
@@ -340,7 +352,7 @@ impl Reply {
 
     /// Choice `i`'s prompt scores as vLLM's `prompt_logprobs`.
     pub(super) fn listed_prompt_logprobs(&self, i: usize) -> Value {
-        let scores = self.choices[i].prompt_scores.as_deref().unwrap_or_default();
+        let scores = self.scorer(i).prompt_scores.as_deref().unwrap_or_default();
         listed_prompt_logprobs(&self.state, scores)
     }
 
