@@ -190,9 +190,11 @@ impl ApiError {
         }
     }
 
-    /// 400 `context_length_exceeded`, with both numbers (I6).
+    /// 400 `context_length_exceeded`, with both numbers (I6); `limit_field`
+    /// is the field the request gave its completion limit in.
     pub fn context_length(
         param: &str,
+        limit_field: &str,
         max_context: usize,
         prompt: usize,
         completion: usize,
@@ -203,7 +205,7 @@ impl ApiError {
                 ErrorType::InvalidRequestError,
                 "context_length_exceeded",
                 format!(
-                    "This model's maximum context length is {max_context} tokens. However, you requested {} tokens ({prompt} in the prompt, {completion} for the completion). Please reduce the length of the prompt or max_tokens.",
+                    "This model's maximum context length is {max_context} tokens. However, you requested {} tokens ({prompt} in the prompt, {completion} for the completion). Please reduce the length of the prompt or {limit_field}.",
                     prompt + completion
                 ),
             )

@@ -301,6 +301,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let routes = routes
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(axum::middleware::from_fn(routes::request_ids))
         .with_state(state);
     match cors {
         Some(layer) => routes.layer(layer),
@@ -312,7 +313,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// answered before authentication (a browser sends them without the key),
 /// and the answers name only the origin that asked.
 fn cors_layer(cors: &Cors) -> Option<tower_http::cors::CorsLayer> {
-    use axum::http::{HeaderValue, Method};
+    use axum::http::{HeaderValue, Method, header};
     use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
     let origin = match cors {
         Cors::Off => return None,
@@ -326,7 +327,19 @@ fn cors_layer(cors: &Cors) -> Option<tower_http::cors::CorsLayer> {
     Some(
         CorsLayer::new()
             .allow_origin(origin)
-            .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+            .allow_methods([Method::GET, Method::POST, Method::DELETE, Method::OPTIONS])
+            // What a browser's script may read of an answer beyond the
+            // basics: the request's name and where its tenant stands.
+            .expose_headers([
+                header::HeaderName::from_static("x-request-id"),
+                header::HeaderName::from_static("retry-after"),
+                header::HeaderName::from_static("x-ratelimit-limit-requests"),
+                header::HeaderName::from_static("x-ratelimit-remaining-requests"),
+                header::HeaderName::from_static("x-ratelimit-reset-requests"),
+                header::HeaderName::from_static("x-ratelimit-limit-tokens"),
+                header::HeaderName::from_static("x-ratelimit-remaining-tokens"),
+                header::HeaderName::from_static("x-ratelimit-reset-tokens"),
+            ])
             // The OpenAI SDKs send a dozen headers of their own; the key
             // is still checked on the request itself.
             .allow_headers(AllowHeaders::mirror_request())

@@ -502,7 +502,6 @@ impl CommonParams {
         }
     }
 
-    /// The requested `max_tokens`, if any, checked to be positive.
     /// The field the request gave its completion limit in.
     pub fn max_tokens_field(&self) -> &'static str {
         match self.max_completion_tokens {
@@ -511,6 +510,7 @@ impl CommonParams {
         }
     }
 
+    /// The requested `max_tokens`, if any, checked to be positive.
     pub fn max_tokens(&self) -> Result<Option<usize>, ApiError> {
         let (param, value) = match (self.max_completion_tokens, self.max_tokens) {
             (Some(n), _) => ("max_completion_tokens", n),

@@ -476,6 +476,11 @@ pub fn rename_param(mut error: ApiError) -> ApiError {
         };
         error.param = Some(renamed);
     }
+    // The chat field the request became is named in messages too; ours
+    // never quote the client's text, so this replaces nothing of theirs.
+    error.message = error
+        .message
+        .replace("max_completion_tokens", "max_output_tokens");
     error
 }
 

@@ -174,6 +174,18 @@ async fn cors_is_off_unless_an_origin_is_named() {
         .await
         .unwrap();
     assert!(other.headers().get("access-control-allow-origin").is_none());
+    // A stored response may be deleted from the page that made it.
+    let delete = reqwest::Client::new()
+        .request(reqwest::Method::OPTIONS, open.url("/v1/responses/resp_0"))
+        .header("origin", "https://app.example.com")
+        .header("access-control-request-method", "DELETE")
+        .send()
+        .await
+        .unwrap();
+    let allowed = delete.headers()["access-control-allow-methods"]
+        .to_str()
+        .unwrap();
+    assert!(allowed.contains("DELETE"), "{allowed}");
     // A real request from the named origin carries the header too.
     let response = reqwest::Client::new()
         .post(open.url("/v1/chat/completions"))
@@ -187,6 +199,11 @@ async fn cors_is_off_unless_an_origin_is_named() {
         response.headers()["access-control-allow-origin"],
         "https://app.example.com"
     );
+    // Its script may read the request's id (and the rate headers).
+    let exposed = response.headers()["access-control-expose-headers"]
+        .to_str()
+        .unwrap();
+    assert!(exposed.contains("x-request-id"), "{exposed}");
 }
 
 /// The modes the engine-facing cases run in.
@@ -961,13 +978,27 @@ async fn every_answer_carries_the_servers_own_request_id() {
         }
     };
     let (ok, first) = send(Some(key.clone())).await;
-    let (_, second) = send(Some(key)).await;
+    let (_, second) = send(Some(key.clone())).await;
     let (refused, stranger) = send(None).await;
     assert_eq!((ok, refused), (200, 401));
     for id in [&first, &second, &stranger] {
         assert!(id.starts_with("req_") && id.len() == 28, "{id}");
     }
     assert!(first != second && second != stranger, "one id per request");
+    // Every other answer too: lists, stored responses, 404s and 405s.
+    let client = reqwest::Client::new();
+    for (request, status) in [
+        (client.get(server.url("/v1/models")), 200),
+        (client.get(server.url("/v1/responses/resp_0")), 404),
+        (client.delete(server.url("/v1/conversations/conv_0")), 404),
+        (client.get(server.url("/v1/nowhere")), 404),
+        (client.get(server.url("/v1/chat/completions")), 405),
+    ] {
+        let response = request.bearer_auth(&key).send().await.unwrap();
+        assert_eq!(response.status(), status);
+        let id = response.headers()["x-request-id"].to_str().unwrap();
+        assert!(id.starts_with("req_") && id.len() == 28, "{id}");
+    }
     // The client's own label is in the log beside the server's id.
     server.wait_for_log("client_request_id=mine-1");
     assert!(server.log().contains(&first));

@@ -204,6 +204,32 @@ async fn an_over_long_request_gets_400_and_leases_nothing() {
         granted_before,
         "I6: no page leased"
     );
+    // The message names the limit's field as the client spelled it.
+    for (path, body, field) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "a".repeat(400), "max_tokens": 200}),
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 600}),
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "hi", "max_output_tokens": 600}),
+            "max_output_tokens",
+        ),
+    ] {
+        let (status, answer) = post(&server.url(path), None, body).await;
+        assert_eq!(status, 400, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(
+            message.ends_with(&format!("the prompt or {field}.")),
+            "{path}: {message}"
+        );
+    }
     let models: Value = server.get_json("/v1/models").await;
     assert_eq!(
         models["data"][0]["max_model_len"], 512,

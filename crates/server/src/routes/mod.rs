@@ -482,30 +482,33 @@ pub async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Respons
 pub async fn chat(
     State(state): State<Arc<AppState>>,
     ticket: Option<Extension<Ticket>>,
+    id: Extension<RequestId>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(state, ticket, headers, body, Endpoint::Chat).await
+    handle(state, ticket, id, headers, body, Endpoint::Chat).await
 }
 
 /// `POST /v1/responses`.
 pub async fn responses(
     State(state): State<Arc<AppState>>,
     ticket: Option<Extension<Ticket>>,
+    id: Extension<RequestId>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(state, ticket, headers, body, Endpoint::Responses).await
+    handle(state, ticket, id, headers, body, Endpoint::Responses).await
 }
 
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<Arc<AppState>>,
     ticket: Option<Extension<Ticket>>,
+    id: Extension<RequestId>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(state, ticket, headers, body, Endpoint::Completions).await
+    handle(state, ticket, id, headers, body, Endpoint::Completions).await
 }
 
 /// Reads a request's body, bounded in size and in time. Called only once
@@ -586,27 +589,47 @@ async fn prepare_off_runtime(
     }
 }
 
+/// This server's name for one request: `req_` and 96 random bits, made by
+/// [`request_ids`] for every request whatever its route.
+#[derive(Debug, Clone)]
+pub(crate) struct RequestId(String);
+
+/// Middleware on every API route: names the request ([`RequestId`], in the
+/// request's extensions for the handler and its log lines) and puts the
+/// name on the answer as `x-request-id` — refusals, 404s and stored
+/// responses included. A client's own `x-request-id` is logged beside it,
+/// never used as a key: one client cannot name, and so reach, another's
+/// request.
+pub(crate) async fn request_ids(
+    mut request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let id = format!("req_{:024x}", rand::random::<u128>() >> 32);
+    if let Some(theirs) = request.headers().get("x-request-id") {
+        info!(request_id = id, client_request_id = %client_label(theirs.as_bytes()), "request received");
+    }
+    let value = axum::http::HeaderValue::from_str(&id)
+        .expect("a request id is `req_` and hexadecimal digits, a valid header value");
+    request.extensions_mut().insert(RequestId(id));
+    let mut response = next.run(request).await;
+    response.headers_mut().insert("x-request-id", value);
+    response
+}
+
 async fn handle(
     state: Arc<AppState>,
     ticket: Option<Extension<Ticket>>,
+    Extension(RequestId(request_id)): Extension<RequestId>,
     headers: HeaderMap,
     body: Body,
     endpoint: Endpoint,
 ) -> Response {
     let started = Instant::now();
-    // This server's name for the request, on every answer and log line
-    // about it. A client's own `x-request-id` is logged beside it, never
-    // used as a key: one client cannot name, and so reach, another's
-    // request.
-    let request_id = format!("req_{:024x}", rand::random::<u128>() >> 32);
-    if let Some(theirs) = headers.get("x-request-id") {
-        info!(request_id, client_request_id = %client_label(theirs.as_bytes()), "request received");
-    }
     // A trace of its own, whatever `traceparent` the client sent.
     let mut span = RequestSpan::start(endpoint.route(), &request_id);
     // Who is asking, from the headers alone: a stranger is refused before
     // a byte of the body is read.
-    let mut response = match authenticate(&state, &headers) {
+    let response = match authenticate(&state, &headers) {
         Ok(tenant) => {
             if state.trace_tenant_names {
                 span.tenant(&tenant.name);
@@ -629,9 +652,6 @@ async fn handle(
         }
         Err(error) => refuse_unread(&state, "-", endpoint, error, body),
     };
-    if let Ok(value) = axum::http::HeaderValue::from_str(&request_id) {
-        response.headers_mut().insert("x-request-id", value);
-    }
     span.answered(response.status());
     // The span ends when the answer's last byte has gone (a stream's too).
     response.map(|body| Body::new(span.around(body)))

@@ -227,6 +227,7 @@ pub(super) fn prepare(
         if prompt.len() + max_tokens > max_context {
             return Err(ApiError::context_length(
                 param,
+                params.max_tokens_field(),
                 max_context,
                 prompt.len(),
                 max_tokens,
