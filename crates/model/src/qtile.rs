@@ -155,6 +155,63 @@ impl BlockRow for Bytes<'_> {
     }
 }
 
+/// 5-bit rows (Q5_0) as the file holds them, the scale widened: per block
+/// 16 bytes of low nibbles (weights `j` and `j + 16` in byte `j`, as
+/// [`Nibbles`]), a word of fifth bits (bit `j` for weight `j`) and a
+/// scale. Each weight is `q * scale - 16 * scale`, `q` in `0..32`: one
+/// rounding of the exact `(q - 16) * scale` (`16 * scale` is exact), so
+/// the same bits as the file's definition. 24 bytes a block where signed
+/// bytes took 36: decode reads two thirds as much.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FiveBits<'a> {
+    /// `k / 2` bytes a row.
+    pub quants: &'a [u8],
+    /// `k / 32` words of fifth bits a row.
+    pub high: &'a [u32],
+    /// `k / 32` scales a row.
+    pub scales: &'a [f32],
+}
+
+impl BlockRow for FiveBits<'_> {
+    #[inline(always)]
+    fn block(self, b: usize) -> [f32; BLOCK] {
+        let quants = <&[u8; 16]>::try_from(&self.quants[b * 16..][..16])
+            .expect("a 5-bit block holds 16 bytes of nibbles");
+        decode_five_bits(quants, self.high[b], self.scales[b])
+    }
+
+    #[inline(always)]
+    fn skip(self, i: usize, blocks: usize) -> Self {
+        FiveBits {
+            quants: &self.quants[i * blocks * 16..],
+            high: &self.high[i * blocks..],
+            scales: &self.scales[i * blocks..],
+        }
+    }
+
+    fn check(self, blocks: usize) {
+        assert!(
+            self.quants.len() >= blocks * 16
+                && self.high.len() >= blocks
+                && self.scales.len() >= blocks,
+            "row shorter than its blocks"
+        );
+    }
+}
+
+/// The value of each weight of a 5-bit block (see [`FiveBits`]).
+#[inline(always)]
+pub(crate) fn decode_five_bits(quants: &[u8; 16], high: u32, scale: f32) -> [f32; BLOCK] {
+    let offset = -16.0 * scale;
+    let fifth = |j: usize| (((high >> j) & 1) as u8) << 4;
+    let mut out = [0.0f32; BLOCK];
+    for j in 0..16 {
+        out[j] = f32::from(quants[j] & 0x0F | fifth(j)).mul_add(scale, offset);
+        out[j + 16] = f32::from(quants[j] >> 4 | fifth(j + 16)).mul_add(scale, offset);
+    }
+    out
+}
+
 /// The value of each weight of a 4-bit block: the one definition, shared
 /// by the matmul and by row decoding (embedding lookups, tests).
 #[inline(always)]
@@ -446,6 +503,21 @@ pub(crate) fn dots_bytes(
     }
 }
 
+/// [`dots_nibbles`] for 5-bit rows.
+pub(crate) fn dots_five_bits(
+    rows: FiveBits,
+    count: usize,
+    x: &[f32],
+    k: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    match best_isa() {
+        Isa::Portable => portable_dots(rows, count, x, k, stride, out),
+        isa => dots(isa, rows, count, x, k, stride, out),
+    }
+}
+
 /// [`dots_nibbles`] for rows decoded earlier, back to back in `decoded`.
 pub(crate) fn dots_decoded(decoded: &[f32], x: &[f32], k: usize, stride: usize, out: &mut [f32]) {
     let count = decoded.len() / k;
@@ -487,6 +559,17 @@ pub(crate) fn decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
 
 /// Decodes the first `out.len() / k` 8-bit rows into `out`, back to back.
 pub(crate) fn decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
+    match best_isa() {
+        Isa::Portable => portable_decode_rows(rows, k, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2(cpu) => avx2::decode_rows(cpu, rows, k, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
+    }
+}
+
+/// Decodes the first `out.len() / k` 5-bit rows into `out`, back to back.
+pub(crate) fn decode_five_bit_rows(rows: FiveBits, k: usize, out: &mut [f32]) {
     match best_isa() {
         Isa::Portable => portable_decode_rows(rows, k, out),
         #[cfg(target_arch = "x86_64")]
@@ -624,8 +707,14 @@ pub(crate) mod tests {
             let nibbles = Nibbles { quants: &nibble_quants, scales: &scales, offsets: &offsets };
             check_all(nibbles, count, m, k, seed, portable_dots)?;
             let byte_quants = bytes(seed ^ 4, count * k);
-            let bytes = Bytes { quants: &byte_quants, scales: &scales };
-            check_all(bytes, count, m, k, seed, portable_dots)?;
+            let signed = Bytes { quants: &byte_quants, scales: &scales };
+            check_all(signed, count, m, k, seed, portable_dots)?;
+            let high: Vec<u32> = bytes(seed ^ 6, count * blocks * 4)
+                .chunks_exact(4)
+                .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                .collect();
+            let five = FiveBits { quants: &nibble_quants, high: &high, scales: &scales };
+            check_all(five, count, m, k, seed, portable_dots)?;
             let values = floats(seed ^ 5, count * k);
             check_all(Decoded(&values), count, m, k, seed, portable_dots)?;
         }

@@ -24,7 +24,7 @@ use std::cell::Cell;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::qtile::{self, Bytes, Nibbles};
+use crate::qtile::{self, Bytes, FiveBits, Nibbles};
 
 /// A GGUF tensor encoding this runtime can multiply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,16 +197,9 @@ fn q4_k_nibbles<'a>(blocks: impl Iterator<Item = &'a [u8]>) -> Storage {
     }
 }
 
-/// The 32 weights of a Q5_0 block as signed bytes `q − 16` (five bits:
-/// a nibble of `qs` and a bit of `qh`), in order.
-fn q5_0_bytes(b: &[u8]) -> [u8; 32] {
-    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    let qs = &b[6..22];
-    std::array::from_fn(|j| {
-        let nibble = (qs[j % 16] >> (4 * (j / 16))) & 0x0F;
-        let q = nibble | (((qh >> j) & 1) as u8) << 4;
-        (q as i8 - 16) as u8
-    })
+/// A Q5_0 block's word of fifth bits (bit `j` for weight `j`).
+fn q5_0_high(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[2], b[3], b[4], b[5]])
 }
 
 /// Decodes one block of a 32-weight format through the same definitions
@@ -218,6 +211,12 @@ fn decode_block32(format: QuantFormat, b: &[u8]) -> [f32; 32] {
         QuantFormat::Q8_0 => {
             let qs: &[u8; 32] = b[2..34].try_into().expect("a Q8_0 block holds 32 bytes");
             qtile::decode_bytes(qs, scale)
+        }
+        QuantFormat::Q5_0 => {
+            let qs: &[u8; 16] = b[6..22]
+                .try_into()
+                .expect("a Q5_0 block holds 16 bytes of nibbles");
+            qtile::decode_five_bits(qs, q5_0_high(b), scale)
         }
         _ => {
             let at = if format == QuantFormat::Q4_1 { 4 } else { 2 };
@@ -256,7 +255,7 @@ pub fn dequantize_row(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
                 o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
-        QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 => {
+        QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => {
             for (b, o) in blocks {
                 let o: &mut [f32; 32] = o.try_into().expect("a 32-weight block");
                 *o = decode_block32(format, b);
@@ -276,22 +275,15 @@ pub fn dequantize_row(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+        QuantFormat::Q5_1 => {
             for (b, o) in blocks {
-                let d = half_at(b, 0);
-                let (m, rest) = match format {
-                    QuantFormat::Q5_1 => (Some(half_at(b, 2)), &b[4..]),
-                    _ => (None, &b[2..]),
-                };
-                let qh = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
-                let qs = &rest[4..20];
+                let (d, m) = (half_at(b, 0), half_at(b, 2));
+                let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                let qs = &b[8..24];
                 for (j, o) in o.iter_mut().enumerate() {
                     let nibble = (qs[j % 16] >> (4 * (j / 16))) & 0x0F;
                     let q = nibble | (((qh >> j) & 1) as u8) << 4;
-                    *o = match m {
-                        Some(m) => d * f32::from(q) + m,
-                        None => d * f32::from(q as i8 - 16),
-                    };
+                    *o = d * f32::from(q) + m;
                 }
             }
         }
@@ -479,6 +471,12 @@ enum Storage {
     },
     /// Q8_0, repacked the same way (the offset is always zero).
     Bytes { quants: Vec<u8>, scales: Vec<f32> },
+    /// Q5_0: the file's nibbles and fifth bits, the scale as f32.
+    FiveBits {
+        quants: Vec<u8>,
+        high: Vec<u32>,
+        scales: Vec<f32>,
+    },
     /// Every other format, as the file holds it; rows are decoded to f32
     /// before they meet activations.
     File(Vec<u8>),
@@ -502,10 +500,11 @@ impl Storage {
                 quants: blocks().flat_map(|b| &b[2..34]).copied().collect(),
                 scales: scale_offsets().map(|(s, _)| s).collect(),
             },
-            // Q5_0 weights are `d · (q − 16)` with `q` in 0..32: signed
-            // bytes and a scale, Q8_0's form, so its kernels serve it too.
-            QuantFormat::Q5_0 => Storage::Bytes {
-                quants: blocks().flat_map(q5_0_bytes).collect(),
+            // Kept at five bits (24 bytes a block, not widened to signed
+            // bytes' 36): a decode step reads Q5_0 matrices whole.
+            QuantFormat::Q5_0 => Storage::FiveBits {
+                quants: blocks().flat_map(|b| &b[6..22]).copied().collect(),
+                high: blocks().map(q5_0_high).collect(),
                 scales: scale_offsets().map(|(s, _)| s).collect(),
             },
             QuantFormat::Q4_K => q4_k_nibbles(blocks()),
@@ -541,6 +540,22 @@ impl Storage {
                 quants.extend(q);
                 scales.extend(s);
             }
+            (
+                Storage::FiveBits {
+                    quants,
+                    high,
+                    scales,
+                },
+                Storage::FiveBits {
+                    quants: q,
+                    high: h,
+                    scales: s,
+                },
+            ) => {
+                quants.extend(q);
+                high.extend(h);
+                scales.extend(s);
+            }
             (Storage::File(data), Storage::File(d)) => data.extend(d),
             _ => unreachable!("only parts of one format are merged"),
         }
@@ -554,6 +569,11 @@ impl Storage {
                 offsets,
             } => quants.len() + 4 * (scales.len() + offsets.len()),
             Storage::Bytes { quants, scales } => quants.len() + 4 * scales.len(),
+            Storage::FiveBits {
+                quants,
+                high,
+                scales,
+            } => quants.len() + 4 * (high.len() + scales.len()),
             Storage::File(data) => data.len(),
         }
     }
@@ -572,6 +592,7 @@ struct Part {
 enum Run<'a> {
     Nibbles(Nibbles<'a>),
     Bytes(Bytes<'a>),
+    FiveBits(FiveBits<'a>),
     File(QuantFormat, &'a [u8]),
 }
 
@@ -684,6 +705,15 @@ impl QuantMatrix {
                         quants: &quants[row * k..],
                         scales: &scales[row * blocks..],
                     }),
+                    Storage::FiveBits {
+                        quants,
+                        high,
+                        scales,
+                    } => Run::FiveBits(FiveBits {
+                        quants: &quants[row * k / 2..],
+                        high: &high[row * blocks..],
+                        scales: &scales[row * blocks..],
+                    }),
                     Storage::File(data) => {
                         Run::File(part.format, &data[row * part.format.row_bytes(k)..])
                     }
@@ -705,6 +735,7 @@ impl QuantMatrix {
             match run {
                 Run::Nibbles(r) => qtile::decode_nibble_rows(r, k, dst),
                 Run::Bytes(r) => qtile::decode_byte_rows(r, k, dst),
+                Run::FiveBits(r) => qtile::decode_five_bit_rows(r, k, dst),
                 Run::File(format, bytes) => {
                     for (row, d) in bytes
                         .chunks(format.row_bytes(k))
@@ -794,6 +825,9 @@ impl QuantMatrix {
                     return qtile::dots_nibbles(rows, count, x, k, TASK_ROWS, out);
                 }
                 Run::Bytes(rows) => return qtile::dots_bytes(rows, count, x, k, TASK_ROWS, out),
+                Run::FiveBits(rows) => {
+                    return qtile::dots_five_bits(rows, count, x, k, TASK_ROWS, out);
+                }
                 Run::File(..) => {}
             }
         }

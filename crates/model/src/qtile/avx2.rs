@@ -22,7 +22,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, BlockRow, Bytes, Decoded, Nibbles};
+use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles};
 
 /// How far ahead of the block being decoded each weight row is prefetched
 /// (the AVX-512 kernels' measured best; the access pattern is the same).
@@ -109,6 +109,29 @@ impl Block256 for Bytes<'_> {
     }
 }
 
+impl Block256 for FiveBits<'_> {
+    #[inline(always)]
+    fn prefetch(self, b: usize, distance: usize) {
+        // A prefetch is a hint: an address past the end is never read.
+        let at = self.quants.as_ptr().wrapping_add(b * 16 + distance);
+        // SAFETY: prefetching has no effect on memory, valid or not.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+    }
+
+    #[inline(always)]
+    unsafe fn block256(self, b: usize) -> Block {
+        // SAFETY: the caller guarantees AVX2 and FMA and that block `b` is
+        // in bounds of all three arrays.
+        unsafe {
+            decode_five_bits(
+                self.quants.as_ptr().add(b * 16),
+                *self.high.get_unchecked(b),
+                *self.scales.get_unchecked(b),
+            )
+        }
+    }
+}
+
 /// The 32 floats at `values`.
 ///
 /// # Safety
@@ -147,6 +170,38 @@ unsafe fn decode_nibbles(quants: *const u8, scale: f32, offset: f32) -> Block {
         weight(_mm256_and_si256(second, mask)),
         weight(_mm256_srli_epi32::<4>(first)),
         weight(_mm256_srli_epi32::<4>(second)),
+    ]
+}
+
+/// [`super::decode_five_bits`] of the 16 bytes of nibbles at `quants` and
+/// the fifth bits `high`: a nibble gains 16 where its bit is set (weights
+/// `8 g .. 8 g + 8` take bits `8 g .. 8 g + 8`).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `quants` must point to 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: f32) -> Block {
+    // SAFETY: the caller guarantees 16 readable bytes.
+    let bytes = unsafe { _mm_loadu_si128(quants.cast()) };
+    let first = _mm256_cvtepu8_epi32(bytes);
+    let second = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));
+    let mask = _mm256_set1_epi32(0x0F);
+    let lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    let sixteen = _mm256_set1_epi32(16);
+    let offset = _mm256_set1_ps(-16.0 * scale);
+    let scale = _mm256_set1_ps(scale);
+    let weight = |q: __m256i, group: u32| {
+        let bits = _mm256_set1_epi32((high >> (8 * group)) as i32);
+        let set = _mm256_cmpeq_epi32(_mm256_and_si256(bits, lane_bits), lane_bits);
+        let q = _mm256_or_si256(q, _mm256_and_si256(set, sixteen));
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, offset)
+    };
+    [
+        weight(_mm256_and_si256(first, mask), 0),
+        weight(_mm256_and_si256(second, mask), 1),
+        weight(_mm256_srli_epi32::<4>(first), 2),
+        weight(_mm256_srli_epi32::<4>(second), 3),
     ]
 }
 

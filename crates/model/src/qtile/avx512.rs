@@ -21,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, BlockRow, Bytes, Decoded, Nibbles};
+use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles};
 
 /// How far ahead of the block being decoded each weight row is prefetched.
 /// A tile reads up to four rows at once, interleaved streams the hardware
@@ -111,6 +111,29 @@ impl Block512 for Bytes<'_> {
     }
 }
 
+impl Block512 for FiveBits<'_> {
+    #[inline(always)]
+    fn prefetch(self, b: usize, distance: usize) {
+        // A prefetch is a hint: an address past the end is never read.
+        let at = self.quants.as_ptr().wrapping_add(b * 16 + distance);
+        // SAFETY: prefetching has no effect on memory, valid or not.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+    }
+
+    #[inline(always)]
+    unsafe fn block512(self, b: usize) -> (__m512, __m512) {
+        // SAFETY: the caller guarantees AVX-512F and that block `b` is in
+        // bounds of all three arrays.
+        unsafe {
+            decode_five_bits(
+                self.quants.as_ptr().add(b * 16),
+                *self.high.get_unchecked(b),
+                *self.scales.get_unchecked(b),
+            )
+        }
+    }
+}
+
 /// The 32 floats at `values`.
 ///
 /// # Safety
@@ -139,6 +162,30 @@ unsafe fn decode_nibbles(quants: *const u8, scale: f32, offset: f32) -> (__m512,
     (
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), scale, offset),
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), scale, offset),
+    )
+}
+
+/// [`super::decode_five_bits`] of the 16 bytes of nibbles at `quants` and
+/// the fifth bits `high`: a nibble gains 16 where its bit is set.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `quants` must point to 16 bytes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: f32) -> (__m512, __m512) {
+    // SAFETY: the caller guarantees 16 readable bytes.
+    let bytes = unsafe { _mm_loadu_si128(quants.cast()) };
+    let wide = _mm512_cvtepu8_epi32(bytes);
+    let sixteen = _mm512_set1_epi32(16);
+    let low = _mm512_and_si512(wide, _mm512_set1_epi32(0x0F));
+    let low = _mm512_mask_or_epi32(low, high as __mmask16, low, sixteen);
+    let upper = _mm512_srli_epi32::<4>(wide);
+    let upper = _mm512_mask_or_epi32(upper, (high >> 16) as __mmask16, upper, sixteen);
+    let offset = _mm512_set1_ps(-16.0 * scale);
+    let scale = _mm512_set1_ps(scale);
+    (
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), scale, offset),
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(upper), scale, offset),
     )
 }
 
