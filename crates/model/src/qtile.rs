@@ -58,6 +58,55 @@ pub(crate) trait Source: BlockRow {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T: BlockRow> Source for T {}
 
+/// A block's scale or offset as a matrix keeps it: `f32`, or the file's
+/// own f16 bits ([`Half`]) where the file's value is an f16 (Q4_1, Q8_0).
+/// Both widen to f32 exactly, so which one a matrix keeps changes the
+/// bytes a step reads, never a result.
+pub(crate) trait Scale: Copy + std::fmt::Debug {
+    /// Whether [`Scale::bits`] are an f16's (else an f32's): the vector
+    /// kernels widen an f16 with one F16C instruction.
+    const HALF: bool;
+
+    /// The value, exactly.
+    fn value(self) -> f32;
+
+    /// The stored bits, widened to 32.
+    fn bits(self) -> u32;
+}
+
+impl Scale for f32 {
+    const HALF: bool = false;
+
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self
+    }
+
+    #[inline(always)]
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+}
+
+/// The bits of an IEEE half-precision value, as GGUF stores block scales.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+pub(crate) struct Half(pub u16);
+
+impl Scale for Half {
+    const HALF: bool = true;
+
+    #[inline(always)]
+    fn value(self) -> f32 {
+        half::f16::from_bits(self.0).to_f32()
+    }
+
+    #[inline(always)]
+    fn bits(self) -> u32 {
+        u32::from(self.0)
+    }
+}
+
 /// Rows already decoded to f32.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Decoded<'a>(pub &'a [f32]);
@@ -82,25 +131,25 @@ impl BlockRow for Decoded<'_> {
     }
 }
 
-/// 4-bit rows (Q4_0, Q4_1) repacked: per block 16 bytes of nibbles (low
-/// nibbles are weights 0..16, high nibbles 16..32, as in ggml), a scale
-/// and an offset, each weight being `q * scale + offset`.
+/// 4-bit rows (Q4_0, Q4_1, Q4_K) repacked: per block 16 bytes of nibbles
+/// (low nibbles are weights 0..16, high nibbles 16..32, as in ggml), a
+/// scale and an offset, each weight being `q * scale + offset`.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Nibbles<'a> {
+pub(crate) struct Nibbles<'a, S: Scale = f32> {
     /// `k / 2` bytes a row.
     pub quants: &'a [u8],
     /// `k / 32` scales a row.
-    pub scales: &'a [f32],
+    pub scales: &'a [S],
     /// `k / 32` offsets a row (Q4_0: `-8 * scale`).
-    pub offsets: &'a [f32],
+    pub offsets: &'a [S],
 }
 
-impl BlockRow for Nibbles<'_> {
+impl<S: Scale> BlockRow for Nibbles<'_, S> {
     #[inline(always)]
     fn block(self, b: usize) -> [f32; BLOCK] {
         let quants = <&[u8; 16]>::try_from(&self.quants[b * 16..][..16])
             .expect("a 4-bit block holds 16 bytes");
-        decode_nibbles(quants, self.scales[b], self.offsets[b])
+        decode_nibbles(quants, self.scales[b].value(), self.offsets[b].value())
     }
 
     #[inline(always)]
@@ -124,19 +173,19 @@ impl BlockRow for Nibbles<'_> {
 
 /// 8-bit rows (Q8_0) repacked: per block 32 signed bytes and a scale.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Bytes<'a> {
+pub(crate) struct Bytes<'a, S: Scale = Half> {
     /// `k` bytes a row, each an `i8`.
     pub quants: &'a [u8],
     /// `k / 32` scales a row.
-    pub scales: &'a [f32],
+    pub scales: &'a [S],
 }
 
-impl BlockRow for Bytes<'_> {
+impl<S: Scale> BlockRow for Bytes<'_, S> {
     #[inline(always)]
     fn block(self, b: usize) -> [f32; BLOCK] {
         let quants = <&[u8; BLOCK]>::try_from(&self.quants[b * BLOCK..][..BLOCK])
             .expect("an 8-bit block holds 32 bytes");
-        decode_bytes(quants, self.scales[b])
+        decode_bytes(quants, self.scales[b].value())
     }
 
     #[inline(always)]
@@ -474,8 +523,8 @@ fn best_isa() -> Isa {
 
 /// `out[r * stride + c] = x[r] · rows[c]` for the first `count` rows of
 /// `rows` (4-bit, decoded in registers).
-pub(crate) fn dots_nibbles(
-    rows: Nibbles,
+pub(crate) fn dots_nibbles<S: Scale>(
+    rows: Nibbles<S>,
     count: usize,
     x: &[f32],
     k: usize,
@@ -490,7 +539,7 @@ pub(crate) fn dots_nibbles(
 
 /// [`dots_nibbles`] for 8-bit rows.
 pub(crate) fn dots_bytes(
-    rows: Bytes,
+    rows: Bytes<Half>,
     count: usize,
     x: &[f32],
     k: usize,
@@ -547,7 +596,7 @@ fn portable_dots<W: Source>(
 }
 
 /// Decodes the first `out.len() / k` 4-bit rows into `out`, back to back.
-pub(crate) fn decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
+pub(crate) fn decode_nibble_rows<S: Scale>(rows: Nibbles<S>, k: usize, out: &mut [f32]) {
     match best_isa() {
         Isa::Portable => portable_decode_rows(rows, k, out),
         #[cfg(target_arch = "x86_64")]
@@ -558,7 +607,7 @@ pub(crate) fn decode_nibble_rows(rows: Nibbles, k: usize, out: &mut [f32]) {
 }
 
 /// Decodes the first `out.len() / k` 8-bit rows into `out`, back to back.
-pub(crate) fn decode_byte_rows(rows: Bytes, k: usize, out: &mut [f32]) {
+pub(crate) fn decode_byte_rows(rows: Bytes<Half>, k: usize, out: &mut [f32]) {
     match best_isa() {
         Isa::Portable => portable_decode_rows(rows, k, out),
         #[cfg(target_arch = "x86_64")]
@@ -706,8 +755,18 @@ pub(crate) mod tests {
             let nibble_quants = bytes(seed ^ 3, count * k / 2);
             let nibbles = Nibbles { quants: &nibble_quants, scales: &scales, offsets: &offsets };
             check_all(nibbles, count, m, k, seed, portable_dots)?;
+            // Scales kept as the file's f16 bits (every finite f16 and
+            // subnormals among them).
+            let halves = |values: &[f32]| -> Vec<Half> {
+                values.iter().map(|&v| Half(half::f16::from_f32(v * 1e-3).to_bits())).collect()
+            };
+            let (half_scales, half_offsets) = (halves(&scales), halves(&offsets));
+            let nibbles = Nibbles { quants: &nibble_quants, scales: &half_scales, offsets: &half_offsets };
+            check_all(nibbles, count, m, k, seed, portable_dots)?;
             let byte_quants = bytes(seed ^ 4, count * k);
             let signed = Bytes { quants: &byte_quants, scales: &scales };
+            check_all(signed, count, m, k, seed, portable_dots)?;
+            let signed = Bytes { quants: &byte_quants, scales: &half_scales };
             check_all(signed, count, m, k, seed, portable_dots)?;
             let high: Vec<u32> = bytes(seed ^ 6, count * blocks * 4)
                 .chunks_exact(4)

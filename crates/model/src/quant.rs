@@ -24,7 +24,7 @@ use std::cell::Cell;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::qtile::{self, Bytes, FiveBits, Nibbles};
+use crate::qtile::{self, Bytes, FiveBits, Half, Nibbles};
 
 /// A GGUF tensor encoding this runtime can multiply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -461,16 +461,23 @@ pub fn quantize_row(format: QuantFormat, row: &[f32]) -> Option<Vec<u8>> {
 /// How a run of rows is stored.
 #[derive(Debug, Clone)]
 enum Storage {
-    /// Q4_0 and Q4_1, repacked at load: nibbles contiguous, scales and
-    /// offsets as f32, so the kernels decode a block with no format
-    /// branch and no half-float conversion.
+    /// Q4_0 and Q4_K, repacked at load: nibbles contiguous, scales and
+    /// offsets as f32 (Q4_0's offset `-8 d` and Q4_K's products of two
+    /// scales are not f16 values).
     Nibbles {
         quants: Vec<u8>,
         scales: Vec<f32>,
         offsets: Vec<f32>,
     },
-    /// Q8_0, repacked the same way (the offset is always zero).
-    Bytes { quants: Vec<u8>, scales: Vec<f32> },
+    /// Q4_1, repacked the same way with its scale and minimum kept as the
+    /// file's f16: 20 bytes a block instead of 24.
+    HalfNibbles {
+        quants: Vec<u8>,
+        scales: Vec<Half>,
+        offsets: Vec<Half>,
+    },
+    /// Q8_0, its signed bytes contiguous, the scale as the file's f16.
+    Bytes { quants: Vec<u8>, scales: Vec<Half> },
     /// Q5_0: the file's nibbles and fifth bits, the scale as f32.
     FiveBits {
         quants: Vec<u8>,
@@ -487,18 +494,21 @@ impl Storage {
     fn new(format: QuantFormat, data: Vec<u8>) -> Storage {
         let blocks = || data.chunks_exact(format.block_bytes());
         let scale_offsets = || blocks().map(|b| block32_scale_offset(format, b));
+        let half = |b: &[u8], at: usize| Half(u16::from_le_bytes([b[at], b[at + 1]]));
         match format {
-            QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
-                let at = if format == QuantFormat::Q4_1 { 4 } else { 2 };
-                Storage::Nibbles {
-                    quants: blocks().flat_map(|b| &b[at..at + 16]).copied().collect(),
-                    scales: scale_offsets().map(|(s, _)| s).collect(),
-                    offsets: scale_offsets().map(|(_, o)| o).collect(),
-                }
-            }
+            QuantFormat::Q4_0 => Storage::Nibbles {
+                quants: blocks().flat_map(|b| &b[2..18]).copied().collect(),
+                scales: scale_offsets().map(|(s, _)| s).collect(),
+                offsets: scale_offsets().map(|(_, o)| o).collect(),
+            },
+            QuantFormat::Q4_1 => Storage::HalfNibbles {
+                quants: blocks().flat_map(|b| &b[4..20]).copied().collect(),
+                scales: blocks().map(|b| half(b, 0)).collect(),
+                offsets: blocks().map(|b| half(b, 2)).collect(),
+            },
             QuantFormat::Q8_0 => Storage::Bytes {
                 quants: blocks().flat_map(|b| &b[2..34]).copied().collect(),
-                scales: scale_offsets().map(|(s, _)| s).collect(),
+                scales: blocks().map(|b| half(b, 0)).collect(),
             },
             // Kept at five bits (24 bytes a block, not widened to signed
             // bytes' 36): a decode step reads Q5_0 matrices whole.
@@ -521,6 +531,22 @@ impl Storage {
                     offsets,
                 },
                 Storage::Nibbles {
+                    quants: q,
+                    scales: s,
+                    offsets: o,
+                },
+            ) => {
+                quants.extend(q);
+                scales.extend(s);
+                offsets.extend(o);
+            }
+            (
+                Storage::HalfNibbles {
+                    quants,
+                    scales,
+                    offsets,
+                },
+                Storage::HalfNibbles {
                     quants: q,
                     scales: s,
                     offsets: o,
@@ -568,7 +594,12 @@ impl Storage {
                 scales,
                 offsets,
             } => quants.len() + 4 * (scales.len() + offsets.len()),
-            Storage::Bytes { quants, scales } => quants.len() + 4 * scales.len(),
+            Storage::HalfNibbles {
+                quants,
+                scales,
+                offsets,
+            } => quants.len() + 2 * (scales.len() + offsets.len()),
+            Storage::Bytes { quants, scales } => quants.len() + 2 * scales.len(),
             Storage::FiveBits {
                 quants,
                 high,
@@ -591,6 +622,7 @@ struct Part {
 #[derive(Clone, Copy)]
 enum Run<'a> {
     Nibbles(Nibbles<'a>),
+    HalfNibbles(Nibbles<'a, Half>),
     Bytes(Bytes<'a>),
     FiveBits(FiveBits<'a>),
     File(QuantFormat, &'a [u8]),
@@ -701,6 +733,15 @@ impl QuantMatrix {
                         scales: &scales[row * blocks..],
                         offsets: &offsets[row * blocks..],
                     }),
+                    Storage::HalfNibbles {
+                        quants,
+                        scales,
+                        offsets,
+                    } => Run::HalfNibbles(Nibbles {
+                        quants: &quants[row * k / 2..],
+                        scales: &scales[row * blocks..],
+                        offsets: &offsets[row * blocks..],
+                    }),
                     Storage::Bytes { quants, scales } => Run::Bytes(Bytes {
                         quants: &quants[row * k..],
                         scales: &scales[row * blocks..],
@@ -734,6 +775,7 @@ impl QuantMatrix {
             let (dst, rest) = out.split_at_mut(rows * k);
             match run {
                 Run::Nibbles(r) => qtile::decode_nibble_rows(r, k, dst),
+                Run::HalfNibbles(r) => qtile::decode_nibble_rows(r, k, dst),
                 Run::Bytes(r) => qtile::decode_byte_rows(r, k, dst),
                 Run::FiveBits(r) => qtile::decode_five_bit_rows(r, k, dst),
                 Run::File(format, bytes) => {
@@ -822,6 +864,9 @@ impl QuantMatrix {
         if m <= FUSED_MAX_ROWS && available >= count {
             match run {
                 Run::Nibbles(rows) => {
+                    return qtile::dots_nibbles(rows, count, x, k, TASK_ROWS, out);
+                }
+                Run::HalfNibbles(rows) => {
                     return qtile::dots_nibbles(rows, count, x, k, TASK_ROWS, out);
                 }
                 Run::Bytes(rows) => return qtile::dots_bytes(rows, count, x, k, TASK_ROWS, out),

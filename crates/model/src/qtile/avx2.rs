@@ -14,7 +14,7 @@
 //! for bit.
 //!
 //! The intrinsics are `unsafe` only because they must not run on a CPU
-//! without AVX2 and FMA. That obligation lives in one type: a [`Cpu`]
+//! without AVX2, FMA and F16C. That obligation lives in one type: a [`Cpu`]
 //! exists only where detection found both, and every entry point takes
 //! one, so the rest of the crate calls them safely.
 
@@ -22,7 +22,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles};
+use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale};
 
 /// How far ahead of the block being decoded each weight row is prefetched
 /// (the AVX-512 kernels' measured best; the access pattern is the same).
@@ -31,14 +31,18 @@ const PREFETCH_BYTES: usize = 4096;
 /// One 32-weight block as four 8-lane vectors.
 type Block = [__m256; 4];
 
-/// Proof that this CPU has AVX2 and FMA: only [`Cpu::detect`] makes one.
+/// Proof that this CPU has AVX2, FMA and F16C (block scales kept as f16):
+/// only [`Cpu::detect`] makes one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Cpu(());
 
 impl Cpu {
     /// `Some` where the CPU runs this module's code.
     pub(crate) fn detect() -> Option<Cpu> {
-        (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")).then_some(Cpu(()))
+        (is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        .then_some(Cpu(()))
     }
 }
 
@@ -48,7 +52,7 @@ pub(crate) trait Block256: BlockRow {
     /// Weights `0..32` of block `b`, eight at a time.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA, and [`BlockRow::check`] must
+    /// The CPU must support AVX2, FMA and F16C, and [`BlockRow::check`] must
     /// have passed for some `blocks > b`.
     unsafe fn block256(self, b: usize) -> Block;
 
@@ -65,7 +69,7 @@ impl Block256 for Decoded<'_> {
     }
 }
 
-impl Block256 for Nibbles<'_> {
+impl<S: Scale> Block256 for Nibbles<'_, S> {
     #[inline(always)]
     fn prefetch(self, b: usize, distance: usize) {
         // A prefetch is a hint: an address past the end is never read.
@@ -76,19 +80,19 @@ impl Block256 for Nibbles<'_> {
 
     #[inline(always)]
     unsafe fn block256(self, b: usize) -> Block {
-        // SAFETY: the caller guarantees AVX2 and FMA and that block `b` is
+        // SAFETY: the caller guarantees AVX2, FMA and F16C and that block `b` is
         // in bounds of all three arrays.
         unsafe {
             decode_nibbles(
                 self.quants.as_ptr().add(b * 16),
-                *self.scales.get_unchecked(b),
-                *self.offsets.get_unchecked(b),
+                broadcast(*self.scales.get_unchecked(b)),
+                broadcast(*self.offsets.get_unchecked(b)),
             )
         }
     }
 }
 
-impl Block256 for Bytes<'_> {
+impl<S: Scale> Block256 for Bytes<'_, S> {
     #[inline(always)]
     fn prefetch(self, b: usize, distance: usize) {
         let at = self.quants.as_ptr().wrapping_add(b * BLOCK + distance);
@@ -98,12 +102,12 @@ impl Block256 for Bytes<'_> {
 
     #[inline(always)]
     unsafe fn block256(self, b: usize) -> Block {
-        // SAFETY: the caller guarantees AVX2 and that block `b` is in
+        // SAFETY: the caller guarantees AVX2, FMA and F16C and that block `b` is in
         // bounds of both arrays.
         unsafe {
             decode_bytes(
                 self.quants.as_ptr().add(b * BLOCK),
-                *self.scales.get_unchecked(b),
+                broadcast(*self.scales.get_unchecked(b)),
             )
         }
     }
@@ -120,7 +124,7 @@ impl Block256 for FiveBits<'_> {
 
     #[inline(always)]
     unsafe fn block256(self, b: usize) -> Block {
-        // SAFETY: the caller guarantees AVX2 and FMA and that block `b` is
+        // SAFETY: the caller guarantees AVX2, FMA and F16C and that block `b` is
         // in bounds of all three arrays.
         unsafe {
             decode_five_bits(
@@ -132,12 +136,29 @@ impl Block256 for FiveBits<'_> {
     }
 }
 
+/// A block's scale or offset in every lane: an f16 broadcast and then
+/// widened by F16C (exact, as [`Scale::value`]; a load and two
+/// instructions, where a scalar conversion and a broadcast took four),
+/// an f32 broadcast as it is.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn broadcast<S: Scale>(scale: S) -> __m256 {
+    if S::HALF {
+        _mm256_cvtph_ps(_mm_set1_epi16(scale.bits() as i16))
+    } else {
+        _mm256_set1_ps(f32::from_bits(scale.bits()))
+    }
+}
+
 /// The 32 floats at `values`.
 ///
 /// # Safety
 /// The CPU must support AVX2; `values` must point to 32 floats.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn load_block(values: *const f32) -> Block {
     // SAFETY: the caller guarantees 32 readable floats.
     unsafe {
@@ -154,16 +175,15 @@ unsafe fn load_block(values: *const f32) -> Block {
 /// weights 0..16, high 16..32.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `quants` must point to 16 bytes.
+/// The CPU must support AVX2, FMA and F16C; `quants` must point to 16 bytes.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn decode_nibbles(quants: *const u8, scale: f32, offset: f32) -> Block {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_nibbles(quants: *const u8, scale: __m256, offset: __m256) -> Block {
     // SAFETY: the caller guarantees 16 readable bytes.
     let bytes = unsafe { _mm_loadu_si128(quants.cast()) };
     let first = _mm256_cvtepu8_epi32(bytes);
     let second = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));
     let mask = _mm256_set1_epi32(0x0F);
-    let (scale, offset) = (_mm256_set1_ps(scale), _mm256_set1_ps(offset));
     let weight = |q: __m256i| _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, offset);
     [
         weight(_mm256_and_si256(first, mask)),
@@ -178,9 +198,9 @@ unsafe fn decode_nibbles(quants: *const u8, scale: f32, offset: f32) -> Block {
 /// `8 g .. 8 g + 8` take bits `8 g .. 8 g + 8`).
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `quants` must point to 16 bytes.
+/// The CPU must support AVX2, FMA and F16C; `quants` must point to 16 bytes.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: f32) -> Block {
     // SAFETY: the caller guarantees 16 readable bytes.
     let bytes = unsafe { _mm_loadu_si128(quants.cast()) };
@@ -210,8 +230,8 @@ unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: f32) -> Block {
 /// # Safety
 /// The CPU must support AVX2; `quants` must point to 32 bytes.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn decode_bytes(quants: *const u8, scale: f32) -> Block {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_bytes(quants: *const u8, scale: __m256) -> Block {
     // SAFETY: the caller guarantees 32 readable bytes.
     let (low, high) = unsafe {
         (
@@ -219,7 +239,6 @@ unsafe fn decode_bytes(quants: *const u8, scale: f32) -> Block {
             _mm_loadu_si128(quants.add(16).cast()),
         )
     };
-    let scale = _mm256_set1_ps(scale);
     let weight = |q: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale);
     [
         weight(low),
@@ -232,7 +251,7 @@ unsafe fn decode_bytes(quants: *const u8, scale: f32) -> Block {
 /// [`super::sum_lanes`] of the 32 lanes `block[0] ++ … ++ block[3]`: the
 /// same tree.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn sum_lanes(block: Block) -> f32 {
     let s16 = [
         _mm256_add_ps(block[0], block[2]),
@@ -247,17 +266,17 @@ fn sum_lanes(block: Block) -> f32 {
 
 /// [`super::decode_rows`]: the first `out.len() / k` rows into `out`.
 pub(crate) fn decode_rows<W: Block256>(_cpu: Cpu, rows: W, k: usize, out: &mut [f32]) {
-    // SAFETY: a `Cpu` exists only where AVX2 and FMA were detected.
+    // SAFETY: a `Cpu` exists only where AVX2, FMA and F16C were detected.
     unsafe { decode_rows_avx2(rows, k, out) }
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_rows_avx2<W: Block256>(rows: W, k: usize, out: &mut [f32]) {
     let whole = out.len() / k * k;
     rows.check(whole / BLOCK);
     for (b, chunk) in out[..whole].chunks_exact_mut(BLOCK).enumerate() {
         rows.prefetch(b, PREFETCH_BYTES);
-        // SAFETY: AVX2 and FMA are enabled for this function; block `b` was
+        // SAFETY: AVX2, FMA and F16C are enabled for this function; block `b` was
         // checked; `chunk` holds exactly 32 floats, the four stores' 8 each.
         unsafe {
             for (i, v) in rows.block256(b).into_iter().enumerate() {
@@ -275,12 +294,12 @@ pub(crate) fn tile<const M: usize, const R: usize, W: Block256>(
     x: [&[f32]; M],
     w: [W; R],
 ) -> [[f32; R]; M] {
-    // SAFETY: a `Cpu` exists only where AVX2 and FMA were detected.
+    // SAFETY: a `Cpu` exists only where AVX2, FMA and F16C were detected.
     unsafe { tile_avx2(x, w) }
 }
 
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_avx2<const M: usize, const R: usize, W: Block256>(
     x: [&[f32]; M],
     w: [W; R],
@@ -291,7 +310,7 @@ unsafe fn tile_avx2<const M: usize, const R: usize, W: Block256>(
     for b in 0..blocks {
         for (c, row) in w.into_iter().enumerate() {
             row.prefetch(b, PREFETCH_BYTES);
-            // SAFETY: AVX2 and FMA are enabled for this function; every row
+            // SAFETY: AVX2, FMA and F16C are enabled for this function; every row
             // was checked for `blocks > b` blocks.
             let values = unsafe { row.block256(b) };
             for (acc_row, x_row) in acc.iter_mut().zip(x) {

@@ -21,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles};
+use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale};
 
 /// How far ahead of the block being decoded each weight row is prefetched.
 /// A tile reads up to four rows at once, interleaved streams the hardware
@@ -42,7 +42,8 @@ impl Cpu {
     }
 }
 
-/// A weight row read as AVX-512 vectors, by the same operations as its
+/// A weight row read as AVX-512 vectors (AVX-512F implies F16C, which
+/// widens scales kept as f16), by the same operations as its
 /// [`super::BlockRow::block`]. Bounds are checked once per row
 /// ([`BlockRow::check`]) rather than once per block: per-block checks were
 /// measured to cost as many instructions as the arithmetic.
@@ -67,7 +68,7 @@ impl Block512 for Decoded<'_> {
     }
 }
 
-impl Block512 for Nibbles<'_> {
+impl<S: Scale> Block512 for Nibbles<'_, S> {
     #[inline(always)]
     fn prefetch(self, b: usize, distance: usize) {
         // A prefetch is a hint: an address past the end is never read.
@@ -83,14 +84,14 @@ impl Block512 for Nibbles<'_> {
         unsafe {
             decode_nibbles(
                 self.quants.as_ptr().add(b * 16),
-                *self.scales.get_unchecked(b),
-                *self.offsets.get_unchecked(b),
+                broadcast(*self.scales.get_unchecked(b)),
+                broadcast(*self.offsets.get_unchecked(b)),
             )
         }
     }
 }
 
-impl Block512 for Bytes<'_> {
+impl<S: Scale> Block512 for Bytes<'_, S> {
     #[inline(always)]
     fn prefetch(self, b: usize, distance: usize) {
         let at = self.quants.as_ptr().wrapping_add(b * BLOCK + distance);
@@ -105,7 +106,7 @@ impl Block512 for Bytes<'_> {
         unsafe {
             decode_bytes(
                 self.quants.as_ptr().add(b * BLOCK),
-                *self.scales.get_unchecked(b),
+                broadcast(*self.scales.get_unchecked(b)),
             )
         }
     }
@@ -134,6 +135,23 @@ impl Block512 for FiveBits<'_> {
     }
 }
 
+/// A block's scale or offset in every lane: an f16 broadcast and then
+/// widened by F16C (exact, as [`Scale::value`]; a load and two
+/// instructions, where a scalar conversion and a broadcast took four),
+/// an f32 broadcast as it is.
+///
+/// # Safety
+/// The CPU must support AVX-512F (which implies F16C).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn broadcast<S: Scale>(scale: S) -> __m512 {
+    if S::HALF {
+        _mm512_cvtph_ps(_mm256_set1_epi16(scale.bits() as i16))
+    } else {
+        _mm512_set1_ps(f32::from_bits(scale.bits()))
+    }
+}
+
 /// The 32 floats at `values`.
 ///
 /// # Safety
@@ -152,13 +170,12 @@ unsafe fn load_block(values: *const f32) -> (__m512, __m512) {
 /// The CPU must support AVX-512F; `quants` must point to 16 bytes.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn decode_nibbles(quants: *const u8, scale: f32, offset: f32) -> (__m512, __m512) {
+unsafe fn decode_nibbles(quants: *const u8, scale: __m512, offset: __m512) -> (__m512, __m512) {
     // SAFETY: the caller guarantees 16 readable bytes.
     let bytes = unsafe { _mm_loadu_si128(quants.cast()) };
     let wide = _mm512_cvtepu8_epi32(bytes);
     let low = _mm512_and_si512(wide, _mm512_set1_epi32(0x0F));
     let high = _mm512_srli_epi32::<4>(wide);
-    let (scale, offset) = (_mm512_set1_ps(scale), _mm512_set1_ps(offset));
     (
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), scale, offset),
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), scale, offset),
@@ -195,7 +212,7 @@ unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: f32) -> (__m512,
 /// The CPU must support AVX-512F; `quants` must point to 32 bytes.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn decode_bytes(quants: *const u8, scale: f32) -> (__m512, __m512) {
+unsafe fn decode_bytes(quants: *const u8, scale: __m512) -> (__m512, __m512) {
     // SAFETY: the caller guarantees 32 readable bytes.
     let (first, second) = unsafe {
         (
@@ -203,7 +220,6 @@ unsafe fn decode_bytes(quants: *const u8, scale: f32) -> (__m512, __m512) {
             _mm_loadu_si128(quants.add(16).cast()),
         )
     };
-    let scale = _mm512_set1_ps(scale);
     (
         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), scale),
         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), scale),
