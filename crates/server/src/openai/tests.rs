@@ -1,0 +1,148 @@
+//! Tests of `openai`.
+
+use super::*;
+
+fn chat(body: &str) -> Result<Map<String, Value>, ApiError> {
+    parse_object(body.as_bytes(), CHAT_FIELDS)
+}
+
+#[test]
+fn unknown_and_unsupported_fields_are_refused_by_name() {
+    let error = chat(r#"{"messages": [], "frobnicate": 1}"#).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("frobnicate"));
+    let error = chat(r#"{"messages": [], "functions": [{"name": "f"}]}"#).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("functions"));
+    // Neutral values and metadata pass.
+    chat(r#"{"messages": [], "tools": [], "tool_choice": "none", "user": "u", "metadata": {"a": "b"}, "modalities": ["text"], "stream": null}"#)
+        .unwrap();
+    // Nested: stream options and content parts take their own keys.
+    let params = |body: &str| -> Result<CommonParams, ApiError> { typed(&chat(body)?) };
+    let error = params(r#"{"messages": [], "stream_options": {"include_usage": true, "x": 1}}"#)
+        .unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("stream_options.x"));
+    let obfuscated = params(r#"{"messages": [], "stream_options": {"include_obfuscation": true}}"#)
+        .unwrap()
+        .include_usage()
+        .unwrap_err();
+    assert_eq!(
+        obfuscated.param.as_deref(),
+        Some("stream_options.include_obfuscation")
+    );
+    let parts = |part: &str| -> Result<ChatFields, ApiError> {
+        typed(&chat(&format!(
+            r#"{{"messages": [{{"role": "user", "content": [{part}]}}]}}"#
+        ))?)
+    };
+    parts(r#"{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}"#).unwrap();
+    let error = parts(r#"{"type": "text", "text": "hi", "detail": "high"}"#).unwrap_err();
+    // Inside an untagged choice serde names the field that holds it.
+    assert_eq!(error.param.as_deref(), Some("messages[0].content"));
+    // OpenAI's default verbosity asks for nothing; another does.
+    chat(r#"{"messages": [], "verbosity": "medium"}"#).unwrap();
+    let error = chat(r#"{"messages": [], "verbosity": "low"}"#).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("verbosity"));
+}
+
+#[test]
+fn unknown_nested_fields_are_refused_and_what_openai_sends_back_passes() {
+    let fields = |body: &str| -> Result<ChatFields, ApiError> { typed(&chat(body)?) };
+    let params = |body: &str| -> Result<CommonParams, ApiError> { typed(&chat(body)?) };
+    // An assistant message as OpenAI's SDK dumps it, sent back.
+    let echoed = r#"{"messages": [{"role": "assistant", "content": "hi", "refusal": null,
+        "annotations": [], "audio": null, "function_call": null, "name": "bot",
+        "tool_calls": [{"id": "call_1", "type": "function", "index": 0,
+                        "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}],
+        "tools": [{"type": "function", "function": {"name": "f", "strict": true,
+                    "parameters": {"type": "object"}}}],
+        "response_format": {"type": "json_schema", "json_schema":
+            {"name": "x", "strict": true, "schema": {"type": "object"}}}}"#;
+    fields(echoed).unwrap().messages(None).unwrap();
+    params(echoed).unwrap();
+    for (body, param) in [
+        (
+            r#"{"messages": [{"role": "user", "content": "x", "colour": 1}]}"#,
+            "messages[0].colour",
+        ),
+        (
+            r#"{"messages": [], "tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}"#,
+            "tools[0].function.extra",
+        ),
+        (
+            r#"{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}", "x": 1}}]}]}"#,
+            "messages[0].tool_calls[0].function.x",
+        ),
+    ] {
+        let error = fields(body).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some(param), "{body}");
+        assert!(error.message.contains("unrecognized"), "{}", error.message);
+    }
+    let error = params(
+        r#"{"messages": [], "response_format": {"type": "regex", "regex": "a+", "flags": "i"}}"#,
+    )
+    .unwrap_err();
+    // Inside a tagged object serde names the object, not the key.
+    assert_eq!(error.param.as_deref(), Some("response_format"));
+    assert!(error.message.contains("unrecognized"), "{}", error.message);
+    let audio = fields(r#"{"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}"#)
+        .unwrap()
+        .messages(None)
+        .unwrap_err();
+    assert_eq!(audio.param.as_deref(), Some("messages[0].audio"));
+}
+
+#[test]
+fn type_errors_name_the_field_and_quote_nothing() {
+    let object = chat(r#"{"messages": [], "temperature": "secret-value"}"#).unwrap();
+    let error = typed::<CommonParams>(&object).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("temperature"));
+    assert!(!error.message.contains("secret-value"), "{}", error.message);
+    let object = chat(r#"{"model": "m"}"#).unwrap();
+    let error = typed::<ChatFields>(&object).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("messages"));
+    let object = chat(r#"{"messages": [], "response_format": {"type": "bogus"}}"#).unwrap();
+    let error = typed::<CommonParams>(&object).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("response_format.type"));
+}
+
+#[test]
+fn logit_bias_keys_must_be_tokens_of_the_vocabulary() {
+    let params = |bias: &str| -> CommonParams {
+        let object = chat(&format!(r#"{{"messages": [], "logit_bias": {bias}}}"#)).unwrap();
+        typed(&object).unwrap()
+    };
+    let ok = params(r#"{"7": 5, "3": -100}"#)
+        .sampling(0, None, None, 10)
+        .unwrap();
+    assert_eq!(ok.logit_bias, vec![(3, -100.0), (7, 5.0)]);
+    for bad in [r#"{"10": 1}"#, r#"{"x": 1}"#, r#"{"1": 101}"#] {
+        let error = params(bad).sampling(0, None, None, 10).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("logit_bias"), "{bad}");
+    }
+}
+
+#[test]
+fn top_logprobs_needs_logprobs() {
+    let fields = |body: &str| -> ChatFields { typed(&chat(body).unwrap()).unwrap() };
+    assert_eq!(
+        fields(r#"{"messages": [], "logprobs": true, "top_logprobs": 3}"#)
+            .logprobs()
+            .unwrap(),
+        Some(3)
+    );
+    assert_eq!(
+        fields(r#"{"messages": [], "top_logprobs": 0}"#)
+            .logprobs()
+            .unwrap(),
+        None,
+        "zero alternatives and no logprobs ask for nothing"
+    );
+    let error = fields(r#"{"messages": [], "top_logprobs": 3}"#)
+        .logprobs()
+        .unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("top_logprobs"));
+    let error = fields(r#"{"messages": [], "logprobs": true, "top_logprobs": 21}"#)
+        .logprobs()
+        .unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("top_logprobs"));
+}
