@@ -1,4 +1,5 @@
-//! [`EngineConfig`]: the scheduling limits every worker runs with.
+//! [`EngineConfig`]: the scheduling limits every worker runs with, and
+//! its [`Role`].
 
 /// Scheduling limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +67,37 @@ impl Default for EngineConfig {
             handoff_time_per_token: std::time::Duration::from_millis(50),
             max_queue_wait: std::time::Duration::from_secs(300),
             shared: false,
+        }
+    }
+}
+
+/// What a scheduler does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Prefill and decode on one worker.
+    Colocated,
+    /// Prefill only; KV goes to a decode worker.
+    Prefill,
+    /// Decode only; KV comes from a prefill worker.
+    Decode,
+}
+
+impl Role {
+    /// The role a label names (`colocated` for anything unknown).
+    pub fn from_label(label: &str) -> Role {
+        match label {
+            "prefill" => Role::Prefill,
+            "decode" => Role::Decode,
+            _ => Role::Colocated,
+        }
+    }
+
+    /// The label used in metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Role::Colocated => "colocated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
         }
     }
 }

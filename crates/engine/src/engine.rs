@@ -12,11 +12,12 @@ use kvfence_model::LoadedModel;
 use kvfence_pool::{Pool, RequestId};
 
 use crate::config::EngineConfig;
+use crate::config::Role;
 use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::link::{self, Transport};
 use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle, Share};
-use crate::scheduler::{Command, PeerId, PeerUp, Pending, Role, Scheduler};
+use crate::scheduler::{Command, PeerId, PeerUp, Pending, Scheduler};
 
 /// A worker: the scheduler(s) behind one client-facing queue.
 pub struct Engine {

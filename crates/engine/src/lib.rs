@@ -24,8 +24,10 @@ mod sim;
 mod testing;
 mod text;
 pub mod trace;
+mod trace_context;
 
 pub use config::EngineConfig;
+pub use config::Role;
 pub use counters::{EngineStats, QUEUE_WAIT_BOUNDS, WaitHistogram, WorkerSnapshot};
 pub use engine::{Engine, PrefillPeer};
 pub use error::EngineError;
@@ -42,7 +44,6 @@ pub use request::{
     CacheScope, Canceller, Constrained, Event, FailureKind, FinishReason, GenerationRequest,
     RequestHandle, Share, TenantScope, Usage,
 };
-pub use scheduler::Role;
 pub use text::{Pushed, TextStream};
 
 /// A submission's answer, to be awaited.

@@ -11,7 +11,7 @@ use kvfence_model::{
 use kvfence_pool::RequestId;
 use tokio::sync::mpsc;
 
-use crate::trace::TraceContext;
+use crate::trace_context::TraceContext;
 
 /// One generation request, already tokenized.
 #[derive(Debug, Clone)]

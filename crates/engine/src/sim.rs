@@ -49,9 +49,10 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::Engine;
 use crate::config::EngineConfig;
+use crate::config::Role;
 use crate::counters::Counters;
 use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle, Share};
-use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler};
+use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Scheduler};
 use crate::trace::TraceContext;
 
 const PAGE: usize = 16;

@@ -26,12 +26,12 @@ use super::wire::{
     Control, Hello, ModelFingerprint, Refusal, WireEvent, WireStats, parse_control, send_control,
 };
 use super::{Backoff, dial, io, is_transient, lock};
+use crate::config::Role;
 use crate::counters::WorkerSnapshot;
 use crate::engine::PrefillPeer;
 use crate::error::EngineError;
 use crate::net::Link;
 use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle};
-use crate::scheduler::Role;
 
 /// How long a submit waits for the worker's `Accepted` or `Refused`.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);

@@ -36,10 +36,10 @@ use super::client::RemoteEngine;
 use super::discovery::{Membership, PeerNames};
 use super::lock;
 use super::wire::ModelFingerprint;
+use crate::config::Role;
 use crate::counters::WorkerSnapshot;
 use crate::error::EngineError;
 use crate::request::GenerationRequest;
-use crate::scheduler::Role;
 
 /// The decode workers behind one router. The advertised context is the
 /// smallest pool any of them, or any prefill worker they were linked to,

@@ -18,12 +18,13 @@ use tracing::{info, warn};
 use super::io;
 use super::wire::{Control, Hello, ModelFingerprint, PROTOCOL, send_control};
 use crate::config::EngineConfig;
+use crate::config::Role;
 use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, ListenLimits};
 use crate::request::LinkGrammars;
-use crate::scheduler::{Command, PeerId, Role, Scheduler};
+use crate::scheduler::{Command, PeerId, Scheduler};
 
 /// Decode workers one prefill worker serves at once.
 pub const MAX_DECODE_LINKS: usize = 64;

@@ -74,43 +74,13 @@ use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, warn};
 
 use crate::config::EngineConfig;
+pub(crate) use crate::config::Role;
 use crate::counters::Counters;
 use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle};
 use crate::text::TextStream;
 use crate::trace::Timeline;
 use fair::FairQueue;
 use grammar::GrammarCache;
-
-/// What a scheduler does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Prefill and decode on one worker.
-    Colocated,
-    /// Prefill only; KV goes to a decode worker.
-    Prefill,
-    /// Decode only; KV comes from a prefill worker.
-    Decode,
-}
-
-impl Role {
-    /// The role a label names (`colocated` for anything unknown).
-    pub fn from_label(label: &str) -> Role {
-        match label {
-            "prefill" => Role::Prefill,
-            "decode" => Role::Decode,
-            _ => Role::Colocated,
-        }
-    }
-
-    /// The label used in metrics.
-    pub fn label(self) -> &'static str {
-        match self {
-            Role::Colocated => "colocated",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
 
 /// Names one link to a peer worker, as the scheduler at this end knows it.
 /// A prefill worker keeps every order under the link it came on, so each
