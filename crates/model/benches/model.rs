@@ -1,7 +1,8 @@
 //! Forward-pass throughput on `builtin:small` (SmolLM2-135M's shape, f32)
-//! and on the real SmolLM2-135M-Instruct (Q4_1 GGUF, fetched into the model
-//! cache on first use): prefill tokens/s and decode tokens/s at batch 1, 8
-//! and 32.
+//! and on the real SmolLM2-135M-Instruct (Q4_1 GGUF) and Gemma 3 270M
+//! (Q4_K_M GGUF: Q8_0, Q5_0, Q4_K and Q6_K matrices), both fetched into the
+//! model cache on first use: prefill tokens/s and decode tokens/s at batch
+//! 1, 8 and 32.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -59,6 +60,12 @@ fn bench(c: &mut Criterion) {
     .expect("smollm2 loads (fetched on first use)");
     bench_model(c, "smollm2", &smollm2.model);
     bench_checks(c, &smollm2.model);
+    drop(smollm2);
+    let gemma = LoadedModel::load_or_fetch("gemma3-270m", &ModelCache::from_env(), &mut |m| {
+        eprintln!("{m}")
+    })
+    .expect("gemma3-270m loads (fetched on first use)");
+    bench_model(c, "gemma3-270m", &gemma.model);
 }
 
 /// One prefill of `tokens` into a fresh lease, logits of the last token.

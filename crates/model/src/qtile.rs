@@ -204,13 +204,13 @@ impl<S: Scale> BlockRow for Bytes<'_, S> {
     }
 }
 
-/// 5-bit rows (Q5_0) as the file holds them, the scale widened: per block
+/// 5-bit rows (Q5_0) as the file holds them: per block
 /// 16 bytes of low nibbles (weights `j` and `j + 16` in byte `j`, as
-/// [`Nibbles`]), a word of fifth bits (bit `j` for weight `j`) and a
-/// scale. Each weight is `q * scale - 16 * scale`, `q` in `0..32`: one
+/// [`Nibbles`]), a word of fifth bits (bit `j` for weight `j`) and the
+/// file's f16 scale. Each weight is `q * scale - 16 * scale`, `q` in `0..32`: one
 /// rounding of the exact `(q - 16) * scale` (`16 * scale` is exact), so
-/// the same bits as the file's definition. 24 bytes a block where signed
-/// bytes took 36: decode reads two thirds as much.
+/// the same bits as the file's definition. 22 bytes a block, as the file,
+/// where signed bytes and an f32 scale took 36.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct FiveBits<'a> {
     /// `k / 2` bytes a row.
@@ -218,7 +218,7 @@ pub(crate) struct FiveBits<'a> {
     /// `k / 32` words of fifth bits a row.
     pub high: &'a [u32],
     /// `k / 32` scales a row.
-    pub scales: &'a [f32],
+    pub scales: &'a [Half],
 }
 
 impl BlockRow for FiveBits<'_> {
@@ -226,7 +226,7 @@ impl BlockRow for FiveBits<'_> {
     fn block(self, b: usize) -> [f32; BLOCK] {
         let quants = <&[u8; 16]>::try_from(&self.quants[b * 16..][..16])
             .expect("a 5-bit block holds 16 bytes of nibbles");
-        decode_five_bits(quants, self.high[b], self.scales[b])
+        decode_five_bits(quants, self.high[b], self.scales[b].value())
     }
 
     #[inline(always)]
@@ -772,7 +772,7 @@ pub(crate) mod tests {
                 .chunks_exact(4)
                 .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
                 .collect();
-            let five = FiveBits { quants: &nibble_quants, high: &high, scales: &scales };
+            let five = FiveBits { quants: &nibble_quants, high: &high, scales: &half_scales };
             check_all(five, count, m, k, seed, portable_dots)?;
             let values = floats(seed ^ 5, count * k);
             check_all(Decoded(&values), count, m, k, seed, portable_dots)?;

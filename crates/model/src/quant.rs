@@ -478,11 +478,11 @@ enum Storage {
     },
     /// Q8_0, its signed bytes contiguous, the scale as the file's f16.
     Bytes { quants: Vec<u8>, scales: Vec<Half> },
-    /// Q5_0: the file's nibbles and fifth bits, the scale as f32.
+    /// Q5_0: the file's nibbles, fifth bits and f16 scale.
     FiveBits {
         quants: Vec<u8>,
         high: Vec<u32>,
-        scales: Vec<f32>,
+        scales: Vec<Half>,
     },
     /// Every other format, as the file holds it; rows are decoded to f32
     /// before they meet activations.
@@ -510,12 +510,12 @@ impl Storage {
                 quants: blocks().flat_map(|b| &b[2..34]).copied().collect(),
                 scales: blocks().map(|b| half(b, 0)).collect(),
             },
-            // Kept at five bits (24 bytes a block, not widened to signed
+            // Kept at five bits (22 bytes a block, not widened to signed
             // bytes' 36): a decode step reads Q5_0 matrices whole.
             QuantFormat::Q5_0 => Storage::FiveBits {
                 quants: blocks().flat_map(|b| &b[6..22]).copied().collect(),
                 high: blocks().map(q5_0_high).collect(),
-                scales: scale_offsets().map(|(s, _)| s).collect(),
+                scales: blocks().map(|b| half(b, 0)).collect(),
             },
             QuantFormat::Q4_K => q4_k_nibbles(blocks()),
             _ => Storage::File(data),
@@ -604,7 +604,7 @@ impl Storage {
                 quants,
                 high,
                 scales,
-            } => quants.len() + 4 * (high.len() + scales.len()),
+            } => quants.len() + 4 * high.len() + 2 * scales.len(),
             Storage::File(data) => data.len(),
         }
     }

@@ -130,7 +130,7 @@ impl Block256 for FiveBits<'_> {
             decode_five_bits(
                 self.quants.as_ptr().add(b * 16),
                 *self.high.get_unchecked(b),
-                *self.scales.get_unchecked(b),
+                broadcast(*self.scales.get_unchecked(b)),
             )
         }
     }
@@ -201,7 +201,7 @@ unsafe fn decode_nibbles(quants: *const u8, scale: __m256, offset: __m256) -> Bl
 /// The CPU must support AVX2, FMA and F16C; `quants` must point to 16 bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: f32) -> Block {
+unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: __m256) -> Block {
     // SAFETY: the caller guarantees 16 readable bytes.
     let bytes = unsafe { _mm_loadu_si128(quants.cast()) };
     let first = _mm256_cvtepu8_epi32(bytes);
@@ -209,8 +209,8 @@ unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: f32) -> Block {
     let mask = _mm256_set1_epi32(0x0F);
     let lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     let sixteen = _mm256_set1_epi32(16);
-    let offset = _mm256_set1_ps(-16.0 * scale);
-    let scale = _mm256_set1_ps(scale);
+    // Exact: a power of two times an f16's value.
+    let offset = _mm256_mul_ps(scale, _mm256_set1_ps(-16.0));
     let weight = |q: __m256i, group: u32| {
         let bits = _mm256_set1_epi32((high >> (8 * group)) as i32);
         let set = _mm256_cmpeq_epi32(_mm256_and_si256(bits, lane_bits), lane_bits);

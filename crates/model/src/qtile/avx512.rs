@@ -129,7 +129,7 @@ impl Block512 for FiveBits<'_> {
             decode_five_bits(
                 self.quants.as_ptr().add(b * 16),
                 *self.high.get_unchecked(b),
-                *self.scales.get_unchecked(b),
+                broadcast(*self.scales.get_unchecked(b)),
             )
         }
     }
@@ -189,7 +189,7 @@ unsafe fn decode_nibbles(quants: *const u8, scale: __m512, offset: __m512) -> (_
 /// The CPU must support AVX-512F; `quants` must point to 16 bytes.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: f32) -> (__m512, __m512) {
+unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: __m512) -> (__m512, __m512) {
     // SAFETY: the caller guarantees 16 readable bytes.
     let bytes = unsafe { _mm_loadu_si128(quants.cast()) };
     let wide = _mm512_cvtepu8_epi32(bytes);
@@ -198,8 +198,8 @@ unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: f32) -> (__m512,
     let low = _mm512_mask_or_epi32(low, high as __mmask16, low, sixteen);
     let upper = _mm512_srli_epi32::<4>(wide);
     let upper = _mm512_mask_or_epi32(upper, (high >> 16) as __mmask16, upper, sixteen);
-    let offset = _mm512_set1_ps(-16.0 * scale);
-    let scale = _mm512_set1_ps(scale);
+    // Exact: a power of two times an f16's value.
+    let offset = _mm512_mul_ps(scale, _mm512_set1_ps(-16.0));
     (
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), scale, offset),
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(upper), scale, offset),
