@@ -240,17 +240,38 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// `gate_up` rows are `[gate | up]`; writes `silu(gate) * up` into `out`.
-pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
-    for (row, dst) in gate_up
-        .chunks_exact(2 * width)
-        .zip(out.chunks_exact_mut(width))
-    {
+/// Elements of a gated activation below which it stays on the calling
+/// thread. Each element costs a libm `exp` or `tanh` (tens of
+/// nanoseconds): a 512-token prefill of Gemma 3 spends about a sixth of its
+/// time in `tanh` on one core when not split. Rows are independent, so
+/// splitting them changes no bit.
+const PARALLEL_MIN_ACTIVATIONS: usize = 1 << 14;
+
+/// `out[r] = f(gate[r]) * up[r]` for each row `[gate | up]` of `gate_up`,
+/// rows split over the pool when there are enough elements.
+fn gated(gate_up: &[f32], width: usize, out: &mut [f32], f: impl Fn(f32) -> f32 + Sync) {
+    let row = |(row, dst): (&[f32], &mut [f32])| {
         let (gate, up) = row.split_at(width);
         for ((d, &g), &u) in dst.iter_mut().zip(gate).zip(up) {
-            *d = g / (1.0 + (-g).exp()) * u;
+            *d = f(g) * u;
         }
+    };
+    if out.len() >= PARALLEL_MIN_ACTIVATIONS {
+        gate_up
+            .par_chunks_exact(2 * width)
+            .zip(out.par_chunks_exact_mut(width))
+            .for_each(row);
+    } else {
+        gate_up
+            .chunks_exact(2 * width)
+            .zip(out.chunks_exact_mut(width))
+            .for_each(row);
     }
+}
+
+/// `gate_up` rows are `[gate | up]`; writes `silu(gate) * up` into `out`.
+pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    gated(gate_up, width, out, |g| g / (1.0 + (-g).exp()));
 }
 
 /// `gate_up` rows are `[gate | up]`; writes `gelu(gate) * up` into `out`,
@@ -259,16 +280,10 @@ pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
 pub fn gelu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     const COEF_A: f32 = 0.044_715;
-    for (row, dst) in gate_up
-        .chunks_exact(2 * width)
-        .zip(out.chunks_exact_mut(width))
-    {
-        let (gate, up) = row.split_at(width);
-        for ((d, &g), &u) in dst.iter_mut().zip(gate).zip(up) {
-            let inner = SQRT_2_OVER_PI * g * (1.0 + COEF_A * g * g);
-            *d = 0.5 * g * (1.0 + inner.tanh()) * u;
-        }
-    }
+    gated(gate_up, width, out, |g| {
+        let inner = SQRT_2_OVER_PI * g * (1.0 + COEF_A * g * g);
+        0.5 * g * (1.0 + inner.tanh())
+    });
 }
 
 /// Rotary position embedding frequencies (Hugging Face's rotate-half form).
@@ -357,6 +372,29 @@ impl Rope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gated_activations_split_over_threads_give_each_row_its_own_bits() {
+        let width = 96;
+        let rows = 2 * PARALLEL_MIN_ACTIVATIONS / width;
+        let gate_up: Vec<f32> = (0..rows * 2 * width)
+            .map(|i| ((i * 7919) % 2001) as f32 / 250.0 - 4.0)
+            .collect();
+        for activation in [silu_mul as fn(&[f32], usize, &mut [f32]), gelu_mul] {
+            let mut whole = vec![0.0; rows * width];
+            activation(&gate_up, width, &mut whole);
+            for (row, expected) in gate_up
+                .chunks_exact(2 * width)
+                .zip(whole.chunks_exact(width))
+            {
+                // One row alone stays on this thread.
+                let mut alone = vec![0.0; width];
+                activation(row, width, &mut alone);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&alone), bits(expected));
+            }
+        }
+    }
     use proptest::prelude::*;
 
     fn naive(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
