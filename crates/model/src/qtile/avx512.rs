@@ -71,10 +71,7 @@ impl Block512 for Decoded<'_> {
 impl<S: Scale> Block512 for Nibbles<'_, S> {
     #[inline(always)]
     fn prefetch(self, b: usize, distance: usize) {
-        // A prefetch is a hint: an address past the end is never read.
-        let at = self.quants.as_ptr().wrapping_add(b * 16 + distance);
-        // SAFETY: prefetching has no effect on memory, valid or not.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+        prefetch_past(self.quants, b * 16 + distance);
     }
 
     #[inline(always)]
@@ -94,9 +91,7 @@ impl<S: Scale> Block512 for Nibbles<'_, S> {
 impl<S: Scale> Block512 for Bytes<'_, S> {
     #[inline(always)]
     fn prefetch(self, b: usize, distance: usize) {
-        let at = self.quants.as_ptr().wrapping_add(b * BLOCK + distance);
-        // SAFETY: prefetching has no effect on memory, valid or not.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+        prefetch_past(self.quants, b * BLOCK + distance);
     }
 
     #[inline(always)]
@@ -115,10 +110,7 @@ impl<S: Scale> Block512 for Bytes<'_, S> {
 impl Block512 for FiveBits<'_> {
     #[inline(always)]
     fn prefetch(self, b: usize, distance: usize) {
-        // A prefetch is a hint: an address past the end is never read.
-        let at = self.quants.as_ptr().wrapping_add(b * 16 + distance);
-        // SAFETY: prefetching has no effect on memory, valid or not.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+        prefetch_past(self.quants, b * 16 + distance);
     }
 
     #[inline(always)]
@@ -133,6 +125,15 @@ impl Block512 for FiveBits<'_> {
             )
         }
     }
+}
+
+/// Asks for the byte `offset` into `bytes` to be brought to L1. A
+/// prefetch is a hint: an address past the end is never read.
+#[inline(always)]
+fn prefetch_past(bytes: &[u8], offset: usize) {
+    let at = bytes.as_ptr().wrapping_add(offset);
+    // SAFETY: prefetching has no effect on memory, valid or not.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
 }
 
 /// A block's scale or offset in every lane: an f16 broadcast and then
