@@ -3,7 +3,9 @@
 //!
 //! A weight row is read one 32-weight block at a time through [`BlockRow`]:
 //! decoded in registers from the repacked 4-bit ([`Nibbles`]) or 8-bit
-//! ([`Bytes`]) layout, or loaded from a row decoded earlier ([`Decoded`]).
+//! ([`Bytes`]) layout or from the file's own 5-bit ([`FiveBits`]) and
+//! 6-bit ([`SixBits`]) blocks, or loaded from a row decoded earlier
+//! ([`Decoded`]).
 //! [`tile`] multiplies up to four activation rows by up to four weight rows
 //! (four with one or two activation rows, else two, so the accumulators fit
 //! the registers; the portable code takes one activation row at a time):
@@ -243,6 +245,97 @@ impl BlockRow for FiveBits<'_> {
             self.quants.len() >= blocks * 16
                 && self.high.len() >= blocks
                 && self.scales.len() >= blocks,
+            "row shorter than its blocks"
+        );
+    }
+}
+
+/// Weights in one Q6_K super-block.
+pub(crate) const SIX_BITS_SUPER: usize = 256;
+/// Bytes of one Q6_K super-block: 128 of low nibbles, 64 of high bit
+/// pairs, 16 signed scales, the f16 super-scale.
+pub(crate) const SIX_BITS_SUPER_BYTES: usize = 210;
+
+/// 6-bit rows (Q6_K) as the file holds them, read in place: no repacking,
+/// so a step reads the file's 210 bytes per 256 weights. Weight `l` of
+/// 32-weight block `b` is `(q - 32) · (d · scale)`, `q` in `0..64` put
+/// together from a nibble and a bit pair, `scale` the block's 16-weight
+/// run's signed byte: `d · scale` is exact (an f16 times an `i8` holds at
+/// most 19 significant bits), so there is one rounding, as in the file's
+/// definition (`quant::dequantize_row`), and the same bits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SixBits<'a>(pub &'a [u8]);
+
+/// Where the pieces of one 32-weight block of a [`SixBits`] row lie.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SixBitsBlock {
+    /// Offset of the 32 bytes holding the block's low nibbles.
+    pub low: usize,
+    /// Shift that brings them to the bottom of each byte (0 or 4).
+    pub low_shift: u32,
+    /// Offset of the 32 bytes holding the block's high bit pairs.
+    pub high: usize,
+    /// Shift that brings them to the bottom of each byte (0, 2, 4 or 6).
+    pub high_shift: u32,
+    /// Offset of the two signed scales (weights `0..16`, `16..32`).
+    pub scales: usize,
+    /// Offset of the super-block's f16 scale.
+    pub d: usize,
+}
+
+impl SixBits<'_> {
+    /// The layout llama.cpp gives a super-block: block `i` of eight is
+    /// quarter `i % 4` of half `i / 4`; a quarter takes the low or high
+    /// nibbles of one 32-byte run of its half's 64 bytes and bit pair
+    /// `i % 4` of its half's 32 bytes of high bits.
+    #[inline(always)]
+    pub(crate) fn at(b: usize) -> SixBitsBlock {
+        let base = b / 8 * SIX_BITS_SUPER_BYTES;
+        let (half, quarter) = (b % 8 / 4, b % 4);
+        SixBitsBlock {
+            low: base + 64 * half + 32 * (quarter % 2),
+            low_shift: 4 * (quarter / 2) as u32,
+            high: base + 128 + 32 * half,
+            high_shift: 2 * quarter as u32,
+            scales: base + 192 + 8 * half + 2 * quarter,
+            d: base + 208,
+        }
+    }
+
+    /// The two 16-weight runs' scales of block `b`, `d · scale` (exact).
+    #[inline(always)]
+    pub(crate) fn scales(self, at: &SixBitsBlock) -> [f32; 2] {
+        let d = half::f16::from_le_bytes([self.0[at.d], self.0[at.d + 1]]).to_f32();
+        [
+            d * f32::from(self.0[at.scales] as i8),
+            d * f32::from(self.0[at.scales + 1] as i8),
+        ]
+    }
+}
+
+impl BlockRow for SixBits<'_> {
+    #[inline(always)]
+    fn block(self, b: usize) -> [f32; BLOCK] {
+        let at = Self::at(b);
+        let scales = self.scales(&at);
+        let mut out = [0.0f32; BLOCK];
+        for (j, o) in out.iter_mut().enumerate() {
+            let low = (self.0[at.low + j] >> at.low_shift) & 0x0F;
+            let high = (self.0[at.high + j] >> at.high_shift) & 3;
+            *o = scales[j / 16] * f32::from((low | high << 4) as i8 - 32);
+        }
+        out
+    }
+
+    #[inline(always)]
+    fn skip(self, i: usize, blocks: usize) -> Self {
+        SixBits(&self.0[i * blocks / 8 * SIX_BITS_SUPER_BYTES..])
+    }
+
+    fn check(self, blocks: usize) {
+        assert!(
+            (blocks * BLOCK).is_multiple_of(SIX_BITS_SUPER)
+                && self.0.len() >= blocks / 8 * SIX_BITS_SUPER_BYTES,
             "row shorter than its blocks"
         );
     }
@@ -617,6 +710,32 @@ pub(crate) fn decode_byte_rows(rows: Bytes<Half>, k: usize, out: &mut [f32]) {
     }
 }
 
+/// [`dots_nibbles`] for 6-bit rows (Q6_K, read where the file put them).
+pub(crate) fn dots_six_bits(
+    rows: SixBits,
+    count: usize,
+    x: &[f32],
+    k: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    match best_isa() {
+        Isa::Portable => portable_dots(rows, count, x, k, stride, out),
+        isa => dots(isa, rows, count, x, k, stride, out),
+    }
+}
+
+/// Decodes the first `out.len() / k` 6-bit rows into `out`, back to back.
+pub(crate) fn decode_six_bit_rows(rows: SixBits, k: usize, out: &mut [f32]) {
+    match best_isa() {
+        Isa::Portable => portable_decode_rows(rows, k, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2(cpu) => avx2::decode_rows(cpu, rows, k, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
+    }
+}
+
 /// Decodes the first `out.len() / k` 5-bit rows into `out`, back to back.
 pub(crate) fn decode_five_bit_rows(rows: FiveBits, k: usize, out: &mut [f32]) {
     match best_isa() {
@@ -776,6 +895,29 @@ pub(crate) mod tests {
             check_all(five, count, m, k, seed, portable_dots)?;
             let values = floats(seed ^ 5, count * k);
             check_all(Decoded(&values), count, m, k, seed, portable_dots)?;
+        }
+
+        #[test]
+        fn six_bit_rows_equal_the_scalar_reference_in_every_variant(
+            m in 1usize..7, count in 1usize..12, supers in 1usize..3, seed in any::<u64>(),
+        ) {
+            let k = supers * SIX_BITS_SUPER;
+            let mut rows = bytes(seed, count * supers * SIX_BITS_SUPER_BYTES);
+            // Finite super-scales of every magnitude an f16 holds.
+            for (i, block) in rows.chunks_exact_mut(SIX_BITS_SUPER_BYTES).enumerate() {
+                let d = half::f16::from_f32(floats(seed ^ i as u64, 1)[0] * 0.01);
+                block[208..].copy_from_slice(&d.to_le_bytes());
+            }
+            check_all(SixBits(&rows), count, m, k, seed, portable_dots)?;
+            // The portable decode is the file's definition.
+            let mut reference = vec![0.0; k];
+            let mut decoded = vec![0.0; k];
+            for (row, bytes) in rows.chunks_exact(supers * SIX_BITS_SUPER_BYTES).enumerate() {
+                crate::quant::dequantize_row(crate::quant::QuantFormat::Q6_K, bytes, &mut reference);
+                decode_rows(SixBits(bytes), k, &mut decoded);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                prop_assert_eq!(bits(&decoded), bits(&reference), "row {}", row);
+            }
         }
 
     }

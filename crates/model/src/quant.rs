@@ -24,7 +24,7 @@ use std::cell::Cell;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::qtile::{self, Bytes, FiveBits, Half, Nibbles};
+use crate::qtile::{self, Bytes, FiveBits, Half, Nibbles, SixBits};
 
 /// A GGUF tensor encoding this runtime can multiply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -625,6 +625,7 @@ enum Run<'a> {
     HalfNibbles(Nibbles<'a, Half>),
     Bytes(Bytes<'a>),
     FiveBits(FiveBits<'a>),
+    SixBits(SixBits<'a>),
     File(QuantFormat, &'a [u8]),
 }
 
@@ -756,7 +757,11 @@ impl QuantMatrix {
                         scales: &scales[row * blocks..],
                     }),
                     Storage::File(data) => {
-                        Run::File(part.format, &data[row * part.format.row_bytes(k)..])
+                        let rows = &data[row * part.format.row_bytes(k)..];
+                        match part.format {
+                            QuantFormat::Q6_K => Run::SixBits(SixBits(rows)),
+                            format => Run::File(format, rows),
+                        }
                     }
                 };
                 return (run, part.rows - row);
@@ -778,6 +783,7 @@ impl QuantMatrix {
                 Run::HalfNibbles(r) => qtile::decode_nibble_rows(r, k, dst),
                 Run::Bytes(r) => qtile::decode_byte_rows(r, k, dst),
                 Run::FiveBits(r) => qtile::decode_five_bit_rows(r, k, dst),
+                Run::SixBits(r) => qtile::decode_six_bit_rows(r, k, dst),
                 Run::File(format, bytes) => {
                     for (row, d) in bytes
                         .chunks(format.row_bytes(k))
@@ -872,6 +878,9 @@ impl QuantMatrix {
                 Run::Bytes(rows) => return qtile::dots_bytes(rows, count, x, k, TASK_ROWS, out),
                 Run::FiveBits(rows) => {
                     return qtile::dots_five_bits(rows, count, x, k, TASK_ROWS, out);
+                }
+                Run::SixBits(rows) => {
+                    return qtile::dots_six_bits(rows, count, x, k, TASK_ROWS, out);
                 }
                 Run::File(..) => {}
             }

@@ -22,7 +22,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale};
+use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale, SixBits, SixBitsBlock};
 
 /// How far ahead of the block being decoded each weight row is prefetched
 /// (the AVX-512 kernels' measured best; the access pattern is the same).
@@ -128,6 +128,20 @@ impl Block256 for FiveBits<'_> {
     }
 }
 
+impl Block256 for SixBits<'_> {
+    #[inline(always)]
+    fn prefetch(self, b: usize, distance: usize) {
+        prefetch_past(self.0, SixBits::at(b).low + distance);
+    }
+
+    #[inline(always)]
+    unsafe fn block256(self, b: usize) -> Block {
+        // SAFETY: the caller guarantees the CPU's features and that block
+        // `b` is in bounds (its super-block's 210 bytes hold every piece).
+        unsafe { decode_six_bits(self.0.as_ptr(), SixBits::at(b)) }
+    }
+}
+
 /// Asks for the byte `offset` into `bytes` to be brought to L1. A
 /// prefetch is a hint: an address past the end is never read.
 #[inline(always)]
@@ -223,6 +237,51 @@ unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: __m256) -> Block
         weight(_mm256_and_si256(second, mask), 1),
         weight(_mm256_srli_epi32::<4>(first), 2),
         weight(_mm256_srli_epi32::<4>(second), 3),
+    ]
+}
+
+/// [`super::SixBits`]'s block `at` of the row at `row` (see the AVX-512
+/// version), eight weights at a time.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; every offset of `at` must lie
+/// inside the row's bytes (32 bytes at `low` and at `high`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_six_bits(row: *const u8, at: SixBitsBlock) -> Block {
+    // SAFETY: the caller guarantees that `at` lies inside `row`'s bytes.
+    let (low, high, d, scales) = unsafe {
+        (
+            _mm256_loadu_si256(row.add(at.low).cast()),
+            _mm256_loadu_si256(row.add(at.high).cast()),
+            _mm256_cvtph_ps(_mm_set1_epi16(row.add(at.d).cast::<i16>().read_unaligned())),
+            [*row.add(at.scales) as i8, *row.add(at.scales + 1) as i8],
+        )
+    };
+    // `d · scale`, exact, in every lane.
+    let scale = |s: i8| _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_set1_epi32(i32::from(s))));
+    let (first, second) = (scale(scales[0]), scale(scales[1]));
+    let shift = |n: u32| _mm_cvtsi32_si128(n as i32);
+    let low = _mm256_and_si256(
+        _mm256_srl_epi16(low, shift(at.low_shift)),
+        _mm256_set1_epi8(0x0F),
+    );
+    let high = _mm256_and_si256(
+        _mm256_srl_epi16(high, shift(at.high_shift)),
+        _mm256_set1_epi8(3),
+    );
+    let q = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
+    let (front, back) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+    let centre = _mm256_set1_epi32(32);
+    let weight = |bytes: __m128i, scale: __m256| {
+        let q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), centre);
+        _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale)
+    };
+    [
+        weight(front, first),
+        weight(_mm_unpackhi_epi64(front, front), first),
+        weight(back, second),
+        weight(_mm_unpackhi_epi64(back, back), second),
     ]
 }
 

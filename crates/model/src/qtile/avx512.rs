@@ -21,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale};
+use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale, SixBits, SixBitsBlock};
 
 /// How far ahead of the block being decoded each weight row is prefetched.
 /// A tile reads up to four rows at once, interleaved streams the hardware
@@ -127,6 +127,20 @@ impl Block512 for FiveBits<'_> {
     }
 }
 
+impl Block512 for SixBits<'_> {
+    #[inline(always)]
+    fn prefetch(self, b: usize, distance: usize) {
+        prefetch_past(self.0, SixBits::at(b).low + distance);
+    }
+
+    #[inline(always)]
+    unsafe fn block512(self, b: usize) -> (__m512, __m512) {
+        // SAFETY: the caller guarantees the CPU's features and that block
+        // `b` is in bounds (its super-block's 210 bytes hold every piece).
+        unsafe { decode_six_bits(self.0.as_ptr(), SixBits::at(b)) }
+    }
+}
+
 /// Asks for the byte `offset` into `bytes` to be brought to L1. A
 /// prefetch is a hint: an address past the end is never read.
 #[inline(always)]
@@ -204,6 +218,53 @@ unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: __m512) -> (__m5
     (
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), scale, offset),
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(upper), scale, offset),
+    )
+}
+
+/// [`super::SixBits`]'s block `at` of the row at `row`: 32 bytes of low
+/// nibbles and 32 of bit pairs shifted into place (on 16-bit lanes; the
+/// masks drop what crosses from the neighbouring byte), each weight
+/// `(q - 32) · (d · scale)`, weights `0..16` with the first run's scale and
+/// `16..32` with the second's.
+///
+/// # Safety
+/// The CPU must support AVX-512F; every offset of `at` must lie inside the
+/// row's bytes (32 bytes at `low` and at `high`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_six_bits(row: *const u8, at: SixBitsBlock) -> (__m512, __m512) {
+    // SAFETY: the caller guarantees that `at` lies inside `row`'s bytes.
+    let (low, high, d, scales) = unsafe {
+        (
+            _mm256_loadu_si256(row.add(at.low).cast()),
+            _mm256_loadu_si256(row.add(at.high).cast()),
+            _mm512_cvtph_ps(_mm256_set1_epi16(
+                row.add(at.d).cast::<i16>().read_unaligned(),
+            )),
+            [*row.add(at.scales) as i8, *row.add(at.scales + 1) as i8],
+        )
+    };
+    // `d · scale`, exact, in every lane.
+    let scale = |s: i8| _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_set1_epi32(i32::from(s))));
+    let (first, second) = (scale(scales[0]), scale(scales[1]));
+    let shift = |n: u32| _mm_cvtsi32_si128(n as i32);
+    let low = _mm256_and_si256(
+        _mm256_srl_epi16(low, shift(at.low_shift)),
+        _mm256_set1_epi8(0x0F),
+    );
+    let high = _mm256_and_si256(
+        _mm256_srl_epi16(high, shift(at.high_shift)),
+        _mm256_set1_epi8(3),
+    );
+    let q = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
+    let centre = _mm512_set1_epi32(32);
+    let weight = |bytes: __m128i, scale: __m512| {
+        let q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), centre);
+        _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale)
+    };
+    (
+        weight(_mm256_castsi256_si128(q), first),
+        weight(_mm256_extracti128_si256::<1>(q), second),
     )
 }
 

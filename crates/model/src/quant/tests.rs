@@ -228,13 +228,20 @@ proptest! {
         }
     }
 
-    /// Q4_K rows repacked as nibbles hold the reference decoder's exact
-    /// values, stacked after Q8_0 rows as an attention block's may be,
-    /// and their matmul is that of the decoded rows, batch-invariant.
+    /// Q4_K rows repacked as nibbles and Q6_K rows read in place hold the
+    /// reference decoder's exact values, stacked after Q8_0 rows as an
+    /// attention block's may be, and their matmul is that of the decoded
+    /// rows, batch-invariant.
     #[test]
-    fn q4_k_repacked_keeps_the_reference_values(
-        m in 1usize..12, n in 1usize..20, supers in 1usize..3, seed in any::<u64>(),
+    fn k_rows_in_register_tiles_keep_the_reference_values(
+        m in 1usize..12, n in 1usize..20, supers in 1usize..3, seed in any::<u64>(), six in any::<bool>(),
     ) {
+        let (format, scales) = if six {
+            (QuantFormat::Q6_K, &[(208, 0.001)][..])
+        } else {
+            (QuantFormat::Q4_K, &[(0, 0.001), (2, 0.0007)][..])
+        };
+        let size = format.block_bytes();
         let k = supers * 256;
         let mut state = seed | 1;
         let mut byte = || {
@@ -243,17 +250,17 @@ proptest! {
             state ^= state << 17;
             (state >> 32) as u8
         };
-        let mut q4k: Vec<u8> = (0..n * supers * 144).map(|_| byte()).collect();
-        for (i, block) in q4k.chunks_exact_mut(144).enumerate() {
-            let d = f16::from_f32(0.001 * (1 + i % 7) as f32);
-            let dmin = f16::from_f32(0.0007 * (1 + i % 5) as f32);
-            block[0..2].copy_from_slice(&d.to_le_bytes());
-            block[2..4].copy_from_slice(&dmin.to_le_bytes());
+        let mut kq: Vec<u8> = (0..n * supers * size).map(|_| byte()).collect();
+        for (i, block) in kq.chunks_exact_mut(size).enumerate() {
+            for (j, &(at, value)) in scales.iter().enumerate() {
+                let scale = f16::from_f32(value * (1 + i % (7 - 2 * j)) as f32);
+                block[at..at + 2].copy_from_slice(&scale.to_le_bytes());
+            }
         }
         let head = quantize_row(QuantFormat::Q8_0, &values(seed, k)).unwrap();
         let matrix = QuantMatrix::stack(vec![
             QuantMatrix::new(QuantFormat::Q8_0, 1, k, head.clone()),
-            QuantMatrix::new(QuantFormat::Q4_K, n, k, q4k.clone()),
+            QuantMatrix::new(format, n, k, kq.clone()),
         ]);
         let x = values(seed ^ 5, m * k);
         let mut out = vec![0.0; m * (n + 1)];
@@ -261,8 +268,8 @@ proptest! {
         let (mut decoded, mut stored) = (vec![0.0; k], vec![0.0; k]);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for c in 0..n {
-            let row = &q4k[c * supers * 144..(c + 1) * supers * 144];
-            dequantize_row(QuantFormat::Q4_K, row, &mut decoded);
+            let row = &kq[c * supers * size..(c + 1) * supers * size];
+            dequantize_row(format, row, &mut decoded);
             matrix.dequantize_row(c + 1, &mut stored);
             prop_assert_eq!(bits(&stored), bits(&decoded), "row {} as stored", c);
             for r in 0..m {
