@@ -66,6 +66,7 @@ use rayon::prelude::*;
 use crate::config::ModelConfig;
 #[cfg(target_arch = "x86_64")]
 use crate::isa::IsaCap;
+use crate::kernels::exp;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -918,33 +919,6 @@ fn value_step<const Q: usize>(
         }
         d += width;
     }
-}
-
-/// `e^x` for `x ≤ 0`, to about one ulp, built only from operations that
-/// round the same everywhere (so it vectorises and stays bit-identical
-/// across instruction sets, unlike the platform's `expf`). Below −87 it
-/// returns `e^−87` (a normal number, far below any weight that matters);
-/// NaN stays NaN.
-#[inline(always)]
-pub fn exp(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split so that n · LN2_HI is exact for the n that occur.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let x = if x < -87.0 { -87.0 } else { x };
-    let n = (x * LOG2_E).round_ties_even();
-    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
-    // Minimax polynomial for (e^r − 1 − r) / r² on |r| ≤ ln 2 / 2.
-    let mut p = 1.987_569_2e-4f32;
-    p = p.mul_add(r, 1.398_199_9e-3);
-    p = p.mul_add(r, 8.333_452e-3);
-    p = p.mul_add(r, 4.166_579_6e-2);
-    p = p.mul_add(r, 1.666_666_5e-1);
-    p = p.mul_add(r, 0.5);
-    let e = p.mul_add(r * r, r) + 1.0;
-    // 2^n for n in −126..=0: the exponent field alone.
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    e * scale
 }
 
 #[cfg(test)]
