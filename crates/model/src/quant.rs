@@ -2,11 +2,11 @@
 //! decoding, and [`QuantMatrix`], a weight matrix kept quantized and
 //! multiplied without ever being expanded to f32 as a whole.
 //!
-//! Q4_0, Q4_1 and Q8_0 are repacked at load (nibbles or bytes contiguous,
-//! scales and offsets as f32) so the kernels of `qtile` decode a block in
-//! registers with no format branch. With up to `FUSED_MAX_ROWS`
-//! activation rows, blocks are decoded in registers once per tile of four
-//! activation rows; with more, each task's weight rows are decoded once to
+//! Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0 are repacked at load (nibbles or bytes
+//! contiguous, scales and offsets as f32 or the file's f16) and Q6_K is read
+//! in place, so the kernels of `qtile` decode a block in registers with no
+//! format branch. With up to `FUSED_MAX_ROWS` activation rows, blocks are
+//! decoded in registers once per tile of activation rows; with more, each task's weight rows are decoded once to
 //! memory and then read by every activation row. Activations stay f32.
 //! (llama.cpp instead rounds activations to 8 bits for an integer dot
 //! product; measured on SmolLM2-135M, that rounding alone moves a logit by
