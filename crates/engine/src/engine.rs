@@ -41,6 +41,18 @@ pub struct Engine {
     threads: Vec<JoinHandle<()>>,
 }
 
+/// A public system prompt as the pools hold it
+/// ([`Engine::cache_public_system_prompt`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublicPrompt {
+    /// Tokens of its whole pages, held by every worker that computes
+    /// prompts.
+    pub tokens: usize,
+    /// Whether the decode worker holds them too; if not, they cross the
+    /// link with each request.
+    pub decode_keeps: bool,
+}
+
 /// One router request's answer on its way back: counted in
 /// [`Engine::in_flight`] until dropped, after its last event is handed to
 /// the link, so a draining worker does not exit between its scheduler
@@ -339,6 +351,66 @@ impl Engine {
             .into_iter()
             .map(|(role, pool)| (role, pool.public_prefix_tokens(&self.model.name, &prompt)))
             .collect())
+    }
+
+    /// Caches `text` as a public system prompt: encoded as a chat's first
+    /// message is (so its tokens begin every chat that begins with it) and
+    /// its whole pages sealed into every pool's public namespace
+    /// ([`Engine::cache_public_prefix`]). Refused before any work when the
+    /// text is empty, the model has no chat template, or its whole pages
+    /// hold fewer tokens than a public prefix must cover; after, when a
+    /// worker that computes prompts could not keep every page. A decode
+    /// worker that keeps none (behind one-sided writes) is no error: the
+    /// pages then cross the link with each request, as any prompt's do.
+    /// Errors never quote the text (I10).
+    pub fn cache_public_system_prompt(&self, text: &str) -> Result<PublicPrompt, EngineError> {
+        if text.trim().is_empty() {
+            return Err(EngineError::PublicPromptEmpty);
+        }
+        let template =
+            self.model
+                .chat_template
+                .as_ref()
+                .ok_or_else(|| EngineError::NoChatTemplate {
+                    model: self.model.name.clone(),
+                })?;
+        let message = kvfence_model::ChatMessage {
+            role: "system".into(),
+            content: text.to_string(),
+        };
+        let tokens =
+            template.encode(&self.model.tokenizer, std::slice::from_ref(&message), false)?;
+        let page_size = self.pool.geometry().page_size;
+        let whole = tokens.len() / page_size * page_size;
+        // A public match must cover at least one token, as the pool's
+        // lookup requires.
+        let min_tokens = self.pool.public_min_tokens().unwrap_or(0).max(1);
+        if whole < min_tokens {
+            return Err(EngineError::PublicPromptTooShort {
+                tokens: tokens.len(),
+                whole,
+                page_size,
+                min_tokens,
+            });
+        }
+        let mut decode_keeps = true;
+        for (role, kept) in self.cache_public_prefix(tokens)? {
+            match role {
+                Role::Colocated | Role::Prefill if kept < whole => {
+                    return Err(EngineError::PublicPromptNotKept {
+                        role: role.label(),
+                        kept,
+                        whole,
+                    });
+                }
+                Role::Decode if kept < whole => decode_keeps = false,
+                _ => {}
+            }
+        }
+        Ok(PublicPrompt {
+            tokens: whole,
+            decode_keeps,
+        })
     }
 
     /// Queues a request. Refused at once, holding nothing, if it can never

@@ -43,6 +43,45 @@ pub enum EngineError {
         /// What failed (never request text).
         reason: String,
     },
+    /// A public system prompt's text is empty.
+    #[error("the public system prompt is empty")]
+    PublicPromptEmpty,
+    /// A public system prompt was given for a model without a chat template.
+    #[error("model {model} has no chat template, so no chat can begin with a system message")]
+    NoChatTemplate {
+        /// The model's name.
+        model: String,
+    },
+    /// A public system prompt fills fewer tokens of whole pages than a
+    /// public prefix must cover, so no prompt could ever read it.
+    #[error(
+        "its {tokens} tokens fill {whole} tokens of whole {page_size}-token pages, fewer than \
+         the {min_tokens} a public prefix must cover, so no prompt could ever read it"
+    )]
+    PublicPromptTooShort {
+        /// Tokens of the encoded prompt.
+        tokens: usize,
+        /// Of those, tokens in whole pages.
+        whole: usize,
+        /// Token slots per page.
+        page_size: usize,
+        /// Tokens a public prefix must cover.
+        min_tokens: usize,
+    },
+    /// A worker that computes prompts kept fewer of a public system
+    /// prompt's pages than it has: its prefix cache's quota ran out.
+    #[error(
+        "the {role} worker's pool kept {kept} of its {whole} tokens; public system prompts may \
+         fill only the prefix cache's tenant quota of a pool"
+    )]
+    PublicPromptNotKept {
+        /// The worker's role.
+        role: &'static str,
+        /// Tokens it kept in public pages.
+        kept: usize,
+        /// Tokens of the prompt's whole pages.
+        whole: usize,
+    },
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),

@@ -29,7 +29,7 @@ mod trace_context;
 pub use config::EngineConfig;
 pub use config::Role;
 pub use counters::{EngineStats, QUEUE_WAIT_BOUNDS, WaitHistogram, WorkerSnapshot};
-pub use engine::{Engine, PrefillPeer};
+pub use engine::{Engine, PrefillPeer, PublicPrompt};
 pub use error::EngineError;
 pub use kvfence_handoff::tls;
 pub use link::Transport;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use kvfence_engine::{Backend, Engine, EngineConfig, Role, Transport};
+use kvfence_engine::{Backend, Engine, EngineConfig, EngineError, Transport};
 use kvfence_model::{LoadedModel, ModelCache, TextModel};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use kvfence_server::{ApiOptions, AppState, Capacity, OtlpProtocol, ServerError, Tenants, Traces};
@@ -567,7 +567,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     info!(mode = ?args.mode, handoff = ?args.handoff, "workers started");
     for path in &args.public.files {
-        cache_public_system_prompt(&engine, &model, path, &args.public, &args.engine)?;
+        cache_public_system_prompt(&engine, path, &args.engine)?;
     }
     serve_http(
         &args.http,
@@ -578,67 +578,34 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// Computes the system prompt in `path` into every pool's public namespace
-/// (see [`PublicPrefixArgs`]) and checks that the workers which compute
-/// prompts hold all of its whole pages.
+/// (see [`PublicPrefixArgs`]); the engine's refusals are told in this
+/// command's flags.
 fn cache_public_system_prompt(
     engine: &Engine,
-    model: &LoadedModel,
     path: &std::path::Path,
-    public: &PublicPrefixArgs,
     pools: &EngineArgs,
 ) -> anyhow::Result<()> {
     let named = || format!("--public-system-prompt {}", path.display());
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", named()))?;
-    anyhow::ensure!(!text.trim().is_empty(), "{} is empty", named());
-    let template = model.chat_template.as_ref().with_context(|| {
-        format!(
-            "{}: model {} has no chat template, so no chat can begin with a system message",
-            named(),
-            model.name
-        )
-    })?;
-    let message = kvfence_model::ChatMessage {
-        role: "system".into(),
-        content: text,
-    };
-    // Encoded as a chat request's first message is, so its tokens are a
-    // prefix of every chat that begins with it.
-    let tokens = template
-        .encode(&model.tokenizer, std::slice::from_ref(&message), false)
-        .with_context(|| format!("encoding {}", named()))?;
-    let whole = tokens.len() / pools.page_size * pools.page_size;
-    anyhow::ensure!(
-        whole >= public.min_tokens,
-        "{}: its {} tokens fill {whole} tokens of whole {}-token pages, fewer than \
-         --public-prefix-min-tokens {}, so no prompt could ever read it",
-        named(),
-        tokens.len(),
-        pools.page_size,
-        public.min_tokens
-    );
-    let held = engine
-        .cache_public_prefix(tokens)
-        .with_context(|| format!("computing {}", named()))?;
-    for (role, tokens) in held {
-        match role {
-            Role::Colocated | Role::Prefill => anyhow::ensure!(
-                tokens >= whole,
-                "{}: the {} worker's pool kept {tokens} of its {whole} tokens; public \
-                 system prompts may fill --prefix-cache-tenant-quota ({}%) of a pool",
-                named(),
-                role.label(),
+    let held = engine.cache_public_system_prompt(&text).map_err(|error| {
+        let hint = match error {
+            EngineError::PublicPromptTooShort { .. } => {
+                " (--public-prefix-min-tokens sets that minimum)".to_string()
+            }
+            EngineError::PublicPromptNotKept { .. } => format!(
+                " (--prefix-cache-tenant-quota, {}% now)",
                 pools.prefix_cache_tenant_quota
             ),
-            // Behind one-sided writes a decode worker caches nothing, and
-            // then every prompt's pages cross the link as they always do.
-            Role::Decode if tokens < whole => warn!(
-                kept = tokens,
-                "the decode worker keeps no public pages; they cross the link with each request"
-            ),
-            Role::Decode => {}
-        }
+            _ => String::new(),
+        };
+        anyhow::Error::new(error).context(format!("{}{hint}", named()))
+    })?;
+    if !held.decode_keeps {
+        // Behind one-sided writes a decode worker caches nothing, and
+        // then every prompt's pages cross the link as they always do.
+        warn!("the decode worker keeps no public pages; they cross the link with each request");
     }
-    info!(tokens = whole, file = %path.display(), "public system prompt cached");
+    info!(tokens = held.tokens, file = %path.display(), "public system prompt cached");
     Ok(())
 }
 

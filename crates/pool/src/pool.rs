@@ -146,6 +146,14 @@ impl Pool {
         self.shared.ledger.lock().cache.is_some()
     }
 
+    /// Prompt tokens a match in the public namespace must cover before a
+    /// lease reads it ([`crate::CacheSpec::public_min_tokens`]); `None`
+    /// without a prefix cache.
+    pub fn public_min_tokens(&self) -> Option<usize> {
+        let ledger = self.shared.ledger.lock();
+        ledger.cache.as_ref().map(|cache| cache.public_min_tokens())
+    }
+
     /// Leases pages for `tokens` tokens to `owner` like [`Pool::lease`], but
     /// starts the lease with the longest prefix of `prompt` cached in
     /// `namespace`: whole pages shared read-only, and a match that ends

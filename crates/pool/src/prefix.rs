@@ -227,6 +227,11 @@ pub(crate) struct CacheLedger {
 }
 
 impl CacheLedger {
+    /// Prompt tokens a match in the public namespace must cover.
+    pub(crate) fn public_min_tokens(&self) -> usize {
+        self.public_min_tokens
+    }
+
     pub(crate) fn new(quota_pages: usize, public_min_tokens: usize, weak_hashes: bool) -> Self {
         CacheLedger {
             quota_pages,

@@ -206,7 +206,14 @@ fn a_public_system_prompt_that_cannot_be_read_is_refused_at_start() {
     let short = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(short.path(), "Be brief.").unwrap();
     let short = short.path().to_str().unwrap();
+    let blank = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(blank.path(), " \n\t\n").unwrap();
+    let blank = blank.path().to_str().unwrap();
     for (args, says) in [
+        (
+            vec!["--public-system-prompt", blank],
+            "the public system prompt is empty",
+        ),
         (
             vec!["--public-system-prompt", system, "--prefix-cache", "off"],
             "--prefix-cache on",
