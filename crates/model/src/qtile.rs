@@ -633,10 +633,11 @@ fn best_isa() -> Isa {
     Isa::Portable
 }
 
-/// `out[r * stride + c] = x[r] · rows[c]` for the first `count` rows of
-/// `rows` (4-bit, decoded in registers).
-pub(crate) fn dots_nibbles<S: Scale>(
-    rows: Nibbles<S>,
+/// `out[r * stride + c] = x[r] · rows[c]` for every activation row of `x`
+/// (rows of `k`) and the first `count` rows of `rows`, by the fastest
+/// implementation this CPU runs.
+pub(crate) fn dots_of<W: Source>(
+    rows: W,
     count: usize,
     x: &[f32],
     k: usize,
@@ -649,43 +650,9 @@ pub(crate) fn dots_nibbles<S: Scale>(
     }
 }
 
-/// [`dots_nibbles`] for 8-bit rows.
-pub(crate) fn dots_bytes(
-    rows: Bytes<Half>,
-    count: usize,
-    x: &[f32],
-    k: usize,
-    stride: usize,
-    out: &mut [f32],
-) {
-    match best_isa() {
-        Isa::Portable => portable_dots(rows, count, x, k, stride, out),
-        isa => dots(isa, rows, count, x, k, stride, out),
-    }
-}
-
-/// [`dots_nibbles`] for 5-bit rows.
-pub(crate) fn dots_five_bits(
-    rows: FiveBits,
-    count: usize,
-    x: &[f32],
-    k: usize,
-    stride: usize,
-    out: &mut [f32],
-) {
-    match best_isa() {
-        Isa::Portable => portable_dots(rows, count, x, k, stride, out),
-        isa => dots(isa, rows, count, x, k, stride, out),
-    }
-}
-
-/// [`dots_nibbles`] for rows decoded earlier, back to back in `decoded`.
+/// [`dots_of`] rows decoded earlier, back to back in `decoded`.
 pub(crate) fn dots_decoded(decoded: &[f32], x: &[f32], k: usize, stride: usize, out: &mut [f32]) {
-    let count = decoded.len() / k;
-    match best_isa() {
-        Isa::Portable => portable_dots(Decoded(decoded), count, x, k, stride, out),
-        isa => dots(isa, Decoded(decoded), count, x, k, stride, out),
-    }
+    dots_of(Decoded(decoded), decoded.len() / k, x, k, stride, out);
 }
 
 // The portable drivers, each compiled for several instruction sets and
@@ -707,56 +674,9 @@ fn portable_dots<W: Source>(
     dots(Isa::Portable, rows, count, x, k, stride, out)
 }
 
-/// Decodes the first `out.len() / k` 4-bit rows into `out`, back to back.
-pub(crate) fn decode_nibble_rows<S: Scale>(rows: Nibbles<S>, k: usize, out: &mut [f32]) {
-    match best_isa() {
-        Isa::Portable => portable_decode_rows(rows, k, out),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2(cpu) => avx2::decode_rows(cpu, rows, k, out),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
-    }
-}
-
-/// Decodes the first `out.len() / k` 8-bit rows into `out`, back to back.
-pub(crate) fn decode_byte_rows(rows: Bytes<Half>, k: usize, out: &mut [f32]) {
-    match best_isa() {
-        Isa::Portable => portable_decode_rows(rows, k, out),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2(cpu) => avx2::decode_rows(cpu, rows, k, out),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
-    }
-}
-
-/// [`dots_nibbles`] for 6-bit rows (Q6_K, read where the file put them).
-pub(crate) fn dots_six_bits(
-    rows: SixBits,
-    count: usize,
-    x: &[f32],
-    k: usize,
-    stride: usize,
-    out: &mut [f32],
-) {
-    match best_isa() {
-        Isa::Portable => portable_dots(rows, count, x, k, stride, out),
-        isa => dots(isa, rows, count, x, k, stride, out),
-    }
-}
-
-/// Decodes the first `out.len() / k` 6-bit rows into `out`, back to back.
-pub(crate) fn decode_six_bit_rows(rows: SixBits, k: usize, out: &mut [f32]) {
-    match best_isa() {
-        Isa::Portable => portable_decode_rows(rows, k, out),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2(cpu) => avx2::decode_rows(cpu, rows, k, out),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512(cpu) => avx512::decode_rows(cpu, rows, k, out),
-    }
-}
-
-/// Decodes the first `out.len() / k` 5-bit rows into `out`, back to back.
-pub(crate) fn decode_five_bit_rows(rows: FiveBits, k: usize, out: &mut [f32]) {
+/// Decodes the first `out.len() / k` rows of `rows` into `out`, back to
+/// back, by the fastest implementation this CPU runs.
+pub(crate) fn decode_rows_of<W: Source>(rows: W, k: usize, out: &mut [f32]) {
     match best_isa() {
         Isa::Portable => portable_decode_rows(rows, k, out),
         #[cfg(target_arch = "x86_64")]

@@ -779,11 +779,11 @@ impl QuantMatrix {
             let rows = available.min(out.len() / k);
             let (dst, rest) = out.split_at_mut(rows * k);
             match run {
-                Run::Nibbles(r) => qtile::decode_nibble_rows(r, k, dst),
-                Run::HalfNibbles(r) => qtile::decode_nibble_rows(r, k, dst),
-                Run::Bytes(r) => qtile::decode_byte_rows(r, k, dst),
-                Run::FiveBits(r) => qtile::decode_five_bit_rows(r, k, dst),
-                Run::SixBits(r) => qtile::decode_six_bit_rows(r, k, dst),
+                Run::Nibbles(r) => qtile::decode_rows_of(r, k, dst),
+                Run::HalfNibbles(r) => qtile::decode_rows_of(r, k, dst),
+                Run::Bytes(r) => qtile::decode_rows_of(r, k, dst),
+                Run::FiveBits(r) => qtile::decode_rows_of(r, k, dst),
+                Run::SixBits(r) => qtile::decode_rows_of(r, k, dst),
                 Run::File(format, bytes) => {
                     for (row, d) in bytes
                         .chunks(format.row_bytes(k))
@@ -870,17 +870,17 @@ impl QuantMatrix {
         if m <= FUSED_MAX_ROWS && available >= count {
             match run {
                 Run::Nibbles(rows) => {
-                    return qtile::dots_nibbles(rows, count, x, k, TASK_ROWS, out);
+                    return qtile::dots_of(rows, count, x, k, TASK_ROWS, out);
                 }
                 Run::HalfNibbles(rows) => {
-                    return qtile::dots_nibbles(rows, count, x, k, TASK_ROWS, out);
+                    return qtile::dots_of(rows, count, x, k, TASK_ROWS, out);
                 }
-                Run::Bytes(rows) => return qtile::dots_bytes(rows, count, x, k, TASK_ROWS, out),
+                Run::Bytes(rows) => return qtile::dots_of(rows, count, x, k, TASK_ROWS, out),
                 Run::FiveBits(rows) => {
-                    return qtile::dots_five_bits(rows, count, x, k, TASK_ROWS, out);
+                    return qtile::dots_of(rows, count, x, k, TASK_ROWS, out);
                 }
                 Run::SixBits(rows) => {
-                    return qtile::dots_six_bits(rows, count, x, k, TASK_ROWS, out);
+                    return qtile::dots_of(rows, count, x, k, TASK_ROWS, out);
                 }
                 Run::File(..) => {}
             }
