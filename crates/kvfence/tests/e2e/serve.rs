@@ -389,7 +389,16 @@ async fn tenant_limits_count_sequences_not_requests() {
 /// `/metrics`, and the request holding the slot goes on.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_queued_past_the_wait_limit_gets_503_and_retry_after() {
-    let server = Server::start(&["--max-running", "1", "--max-queue-wait-ms", "300"]);
+    // builtin:small: the slot stays held until `long` is dropped, however
+    // fast the machine decodes (see `hold_slots`).
+    let server = Server::start(&[
+        "--max-running",
+        "1",
+        "--max-queue-wait-ms",
+        "300",
+        "--model",
+        "builtin:small",
+    ]);
     let url = server.url("/v1/completions");
     let long = hold_slots(&url, None, 1, 3000).await;
     let queued = reqwest::Client::new()

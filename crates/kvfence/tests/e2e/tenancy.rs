@@ -257,9 +257,12 @@ async fn priorities_are_the_tenants_to_use_and_objectives_name_them() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sheddable_requests_make_way_with_503_when_others_wait() {
-    let server = Server::start(&["--max-running", "1"]);
+    // builtin:small decodes at tens of tokens a second, so the request
+    // that holds the only slot holds it until it is dropped, however fast
+    // the machine (builtin:tiny's whole context went by in under 500 ms).
+    let server = Server::start(&["--max-running", "1", "--model", "builtin:small"]);
     let url = server.url("/v1/completions");
-    // The only slot is taken for a while.
+    // The only slot is taken until `long` is dropped.
     let long = hold_slots(&url, None, 1, 3000).await;
     let sheddable = tokio::spawn({
         let url = url.clone();

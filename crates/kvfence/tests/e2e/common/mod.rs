@@ -352,7 +352,10 @@ pub async fn sse(url: &str, key: Option<&str>, body: serde_json::Value) -> (u16,
 }
 
 /// A streamed completion of `n` choices and `max_tokens` each, begun and
-/// left running: it holds its slots until the response is dropped.
+/// left running: it holds its slots until the response is dropped or its
+/// tokens are done. On `builtin:tiny` the second comes within half a
+/// second; a test whose hold must outlast its own waits serves
+/// `builtin:small`, which takes minutes.
 pub async fn hold_slots(
     url: &str,
     key: Option<&str>,
