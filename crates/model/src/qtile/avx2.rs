@@ -240,6 +240,36 @@ unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: __m256) -> Block
     ]
 }
 
+/// The 32 six-bit values `q` (in `0..64`, one a byte) of [`super::SixBits`]'s
+/// block `at` of the row at `row`: 32 bytes of low nibbles and 32 of bit
+/// pairs shifted into place (on 16-bit lanes; the masks drop what crosses
+/// from the neighbouring byte). The AVX-512 decode shares it.
+///
+/// # Safety
+/// The CPU must support AVX2; 32 bytes at `at.low` and at `at.high` must
+/// lie inside the row's bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn six_bit_quants(row: *const u8, at: SixBitsBlock) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes at each offset.
+    let (low, high) = unsafe {
+        (
+            _mm256_loadu_si256(row.add(at.low).cast()),
+            _mm256_loadu_si256(row.add(at.high).cast()),
+        )
+    };
+    let shift = |n: u32| _mm_cvtsi32_si128(n as i32);
+    let low = _mm256_and_si256(
+        _mm256_srl_epi16(low, shift(at.low_shift)),
+        _mm256_set1_epi8(0x0F),
+    );
+    let high = _mm256_and_si256(
+        _mm256_srl_epi16(high, shift(at.high_shift)),
+        _mm256_set1_epi8(3),
+    );
+    _mm256_or_si256(low, _mm256_slli_epi16::<4>(high))
+}
+
 /// [`super::SixBits`]'s block `at` of the row at `row` (see the AVX-512
 /// version), eight weights at a time.
 ///
@@ -250,10 +280,9 @@ unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: __m256) -> Block
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_six_bits(row: *const u8, at: SixBitsBlock) -> Block {
     // SAFETY: the caller guarantees that `at` lies inside `row`'s bytes.
-    let (low, high, d, scales) = unsafe {
+    let (q, d, scales) = unsafe {
         (
-            _mm256_loadu_si256(row.add(at.low).cast()),
-            _mm256_loadu_si256(row.add(at.high).cast()),
+            six_bit_quants(row, at),
             _mm256_cvtph_ps(_mm_set1_epi16(row.add(at.d).cast::<i16>().read_unaligned())),
             [*row.add(at.scales) as i8, *row.add(at.scales + 1) as i8],
         )
@@ -261,16 +290,6 @@ unsafe fn decode_six_bits(row: *const u8, at: SixBitsBlock) -> Block {
     // `d · scale`, exact, in every lane.
     let scale = |s: i8| _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_set1_epi32(i32::from(s))));
     let (first, second) = (scale(scales[0]), scale(scales[1]));
-    let shift = |n: u32| _mm_cvtsi32_si128(n as i32);
-    let low = _mm256_and_si256(
-        _mm256_srl_epi16(low, shift(at.low_shift)),
-        _mm256_set1_epi8(0x0F),
-    );
-    let high = _mm256_and_si256(
-        _mm256_srl_epi16(high, shift(at.high_shift)),
-        _mm256_set1_epi8(3),
-    );
-    let q = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
     let (front, back) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
     let centre = _mm256_set1_epi32(32);
     let weight = |bytes: __m128i, scale: __m256| {

@@ -233,11 +233,11 @@ unsafe fn decode_five_bits(quants: *const u8, high: u32, scale: __m512) -> (__m5
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn decode_six_bits(row: *const u8, at: SixBitsBlock) -> (__m512, __m512) {
-    // SAFETY: the caller guarantees that `at` lies inside `row`'s bytes.
-    let (low, high, d, scales) = unsafe {
+    // SAFETY: the caller guarantees that `at` lies inside `row`'s bytes;
+    // AVX-512F implies the AVX2, FMA and F16C the shared part needs.
+    let (q, d, scales) = unsafe {
         (
-            _mm256_loadu_si256(row.add(at.low).cast()),
-            _mm256_loadu_si256(row.add(at.high).cast()),
+            super::avx2::six_bit_quants(row, at),
             _mm512_cvtph_ps(_mm256_set1_epi16(
                 row.add(at.d).cast::<i16>().read_unaligned(),
             )),
@@ -247,16 +247,6 @@ unsafe fn decode_six_bits(row: *const u8, at: SixBitsBlock) -> (__m512, __m512) 
     // `d · scale`, exact, in every lane.
     let scale = |s: i8| _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_set1_epi32(i32::from(s))));
     let (first, second) = (scale(scales[0]), scale(scales[1]));
-    let shift = |n: u32| _mm_cvtsi32_si128(n as i32);
-    let low = _mm256_and_si256(
-        _mm256_srl_epi16(low, shift(at.low_shift)),
-        _mm256_set1_epi8(0x0F),
-    );
-    let high = _mm256_and_si256(
-        _mm256_srl_epi16(high, shift(at.high_shift)),
-        _mm256_set1_epi8(3),
-    );
-    let q = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
     let centre = _mm512_set1_epi32(32);
     let weight = |bytes: __m128i, scale: __m512| {
         let q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), centre);
