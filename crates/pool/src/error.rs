@@ -92,6 +92,19 @@ pub enum PoolError {
         /// Tokens the lease holds.
         capacity: usize,
     },
+    /// Positions a sliding-window lease gave back to the pool: their pages
+    /// now hold another generation, maybe another request's (I2, I7).
+    #[error(
+        "position {position} asked for, but the lease of request {owner} slid past it: it holds positions from {first_held}"
+    )]
+    Released {
+        /// The lease's request.
+        owner: RequestId,
+        /// The first position asked for.
+        position: usize,
+        /// The first position the lease still holds.
+        first_held: usize,
+    },
     /// Input buffers of the wrong length for the slots being written.
     #[error("expected {expected} elements for the K (and V) buffer, got {got}")]
     ShapeMismatch {

@@ -11,6 +11,13 @@
 //! of the prefix cache: shared, read through the same coverage-checked
 //! views, never written (a write to one is refused like a foreign page's).
 //! [`Lease::seal`] turns the lease's own full pages into shared ones.
+//!
+//! A lease of a sliding-window layer group needs only the last `window`
+//! positions: [`Lease::slide`] gives the pages wholly behind a position back
+//! to the pool and takes as many fresh ones for its end, so the lease holds
+//! a constant number of pages however long the request runs. Positions it
+//! slid past are released: a read or write of one is refused (I2, I7),
+//! never served from a page that now belongs to another generation.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -38,6 +45,9 @@ pub struct Lease {
     namespace: Option<Namespace>,
     /// Positions written before the lease was granted (a cached prefix).
     cached: usize,
+    /// Pages given back from the front by [`Lease::slide`]: `pages[0]`
+    /// holds positions from `released * page_size`.
+    released: usize,
     one_sided: bool,
 }
 
@@ -63,6 +73,7 @@ impl Lease {
             is_shared,
             namespace,
             cached,
+            released: 0,
             one_sided: false,
         }
     }
@@ -102,14 +113,72 @@ impl Lease {
         Ok(())
     }
 
+    /// Gives back every page wholly before position `keep_from` — what a
+    /// sliding-window layer no longer reads — and takes as many fresh pages
+    /// at the end, all or nothing: the lease's page count never changes,
+    /// its positions move forward. Own pages go back to the pool scrubbed
+    /// (their next lease stamps a new generation, so this lease's old
+    /// references fence nothing, I3); shared prefix pages lose a reader and
+    /// only their replacements can run short (`Exhausted`, nothing changed).
+    /// Returns how many pages slid. Never for a lease a one-sided writer
+    /// may reach: its pages are released only by draining (I4).
+    pub fn slide(&mut self, keep_from: usize) -> Result<usize, PoolError> {
+        assert!(
+            !self.one_sided,
+            "a lease exposed to a one-sided writer keeps its pages until drained"
+        );
+        let page_size = self.shared.geometry.page_size;
+        let count = (keep_from / page_size)
+            .saturating_sub(self.released)
+            .min(self.pages.len());
+        if count == 0 {
+            return Ok(0);
+        }
+        let (own, shared): (Vec<_>, Vec<_>) = self.pages[..count]
+            .iter()
+            .zip(&self.is_shared[..count])
+            .partition(|(_, shared)| !**shared);
+        let own: Vec<PageRef> = own.into_iter().map(|(p, _)| *p).collect();
+        let shared: Vec<PageRef> = shared.into_iter().map(|(p, _)| *p).collect();
+        let fresh = self.shared.slide(self.id, self.owner, &own, &shared)?;
+        assert_eq!(
+            fresh.len(),
+            count,
+            "a slide replaces every page it gives back"
+        );
+        // Incident replay (p): the page table keeps the references it gave
+        // back, as if the window never moved.
+        if Mutation::KeepReleasedPages.active() {
+            return Ok(count);
+        }
+        let before = self.capacity_tokens();
+        self.pages.drain(..count);
+        self.is_shared.drain(..count);
+        self.pages.extend(fresh);
+        self.is_shared.extend(std::iter::repeat_n(false, count));
+        self.released += count;
+        assert_eq!(
+            self.capacity_tokens(),
+            before + count * page_size,
+            "a slide moves the lease's end by the pages it gave back"
+        );
+        Ok(count)
+    }
+
+    /// The first position the lease still holds: 0 until it slides.
+    pub fn first_position(&self) -> usize {
+        self.released * self.shared.geometry.page_size
+    }
+
     /// Seals every full page of `tokens` — the tokens whose KV this lease
     /// holds at positions `0..tokens.len()` — into the prefix cache of the
     /// lease's namespace, so later leases of that namespace read them
     /// instead of computing them. A sealed page is never written again,
     /// this lease included (I1). Pages already cached elsewhere, not fully
     /// written, or over the tenant's quota stay the lease's own. Returns how
-    /// many pages were sealed; a lease without a namespace, or one a
-    /// one-sided writer may reach, seals none.
+    /// many pages were sealed; a lease without a namespace, one a one-sided
+    /// writer may reach, or one that slid (its page 0 no longer holds
+    /// position 0), seals none.
     pub fn seal(&mut self, tokens: &[u32]) -> usize {
         let Some(mut namespace) = self.namespace.clone() else {
             return 0;
@@ -125,7 +194,7 @@ impl Lease {
         {
             namespace = public;
         }
-        if self.one_sided {
+        if self.one_sided || self.released > 0 {
             return 0;
         }
         let page_size = self.shared.geometry.page_size;
@@ -158,8 +227,8 @@ impl Lease {
         self.owner
     }
 
-    /// The pages held, in token order: page `i` holds positions
-    /// `i * page_size .. (i + 1) * page_size`.
+    /// The pages held, in token order: page `i` holds positions from
+    /// `first_position() + i * page_size`.
     pub fn pages(&self) -> &[PageRef] {
         &self.pages
     }
@@ -174,9 +243,10 @@ impl Lease {
         self.shared.geometry.elem
     }
 
-    /// Tokens the held pages can store (whole pages).
+    /// One past the last position the held pages can store (whole pages;
+    /// a lease that slid holds only the positions from `first_position()`).
     pub fn capacity_tokens(&self) -> usize {
-        self.pages.len() * self.shared.geometry.page_size
+        (self.released + self.pages.len()) * self.shared.geometry.page_size
     }
 
     /// From now on, a one-sided writer may store into these pages behind the
@@ -361,6 +431,13 @@ impl Lease {
             });
         }
         let end = start + k.len() / per_token;
+        if start < self.first_position() {
+            return Err(PoolError::Released {
+                owner: self.owner,
+                position: start,
+                first_held: self.first_position(),
+            });
+        }
         if end > self.capacity_tokens() {
             return Err(PoolError::BeyondLease {
                 owner: self.owner,
@@ -370,7 +447,10 @@ impl Lease {
         }
         let mut pos = start;
         while pos < end {
-            let (index, slot) = (pos / geometry.page_size, pos % geometry.page_size);
+            let (index, slot) = (
+                pos / geometry.page_size - self.released,
+                pos % geometry.page_size,
+            );
             let run = (geometry.page_size - slot).min(end - pos);
             let from = (pos - start) * per_token;
             let to = from + run * per_token;
@@ -385,6 +465,7 @@ impl Lease {
     /// written in the current generation (I2): the hand-off's commit test.
     pub fn check_covered(&self, len: usize) -> Result<(), PoolError> {
         let page_size = self.shared.geometry.page_size;
+        self.check_held(0, len)?;
         if len > self.capacity_tokens() {
             Counters::bump(&self.shared.counters.reads_refused);
             return Err(PoolError::BeyondLease {
@@ -418,7 +499,7 @@ impl Lease {
     /// A view of positions `0..len` of every layer, refused unless every one
     /// of them was written in the current generation (I2).
     pub fn read_view<E: KvElement>(&self, len: usize) -> Result<ReadView<'_, E>, PoolError> {
-        self.read(0..self.shared.geometry.shape.layers, len)
+        self.read(0..self.shared.geometry.shape.layers, 0, len)
     }
 
     /// A view of positions `0..len` of one layer, refused unless each of them
@@ -429,34 +510,75 @@ impl Lease {
         layer: usize,
         len: usize,
     ) -> Result<ReadView<'_, E>, PoolError> {
+        self.read_layer_from(layer, 0, len)
+    }
+
+    /// A view of one layer from the page holding position `start` to
+    /// position `len`: what a sliding-window layer reads, its window
+    /// beginning at `start`. The view starts at that page's first position
+    /// ([`ReadView::first_page`]); refused if a position it spans was given
+    /// back by [`Lease::slide`] or not written in the current generation
+    /// (I2).
+    pub fn read_layer_from<E: KvElement>(
+        &self,
+        layer: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<ReadView<'_, E>, PoolError> {
         self.check_layer(layer)?;
-        self.read(layer..layer + 1, len)
+        self.read(layer..layer + 1, start, len)
     }
 
     /// A view of positions `0..len` of every layer for raw byte export,
     /// whatever the element type; refused unless covered (I2).
     pub fn read_view_raw(&self, len: usize) -> Result<ReadView<'_, u8>, PoolError> {
-        self.read_unchecked_elem(0..self.shared.geometry.shape.layers, len)
+        self.read_unchecked_elem(0..self.shared.geometry.shape.layers, 0, len)
     }
 
     fn read<E: KvElement>(
         &self,
         layers: Range<usize>,
+        start: usize,
         len: usize,
     ) -> Result<ReadView<'_, E>, PoolError> {
         self.check_elem::<E>()?;
-        self.read_unchecked_elem(layers, len)
+        self.read_unchecked_elem(layers, start, len)
+    }
+
+    /// The pages a view of `start..len` spans: whole pages from the one
+    /// holding `start` (none when the range is empty).
+    fn pages_spanned(&self, start: usize, len: usize) -> Range<usize> {
+        let page_size = self.shared.geometry.page_size;
+        let end = len.div_ceil(page_size);
+        (start / page_size).min(end)..end
+    }
+
+    /// Refuses (and counts) an access to `start..len` that spans a page the
+    /// lease slid past.
+    fn check_held(&self, start: usize, len: usize) -> Result<(), PoolError> {
+        let spanned = self.pages_spanned(start, len);
+        if !spanned.is_empty() && spanned.start < self.released {
+            Counters::bump(&self.shared.counters.reads_refused);
+            return Err(PoolError::Released {
+                owner: self.owner,
+                position: start,
+                first_held: self.first_position(),
+            });
+        }
+        Ok(())
     }
 
     fn read_unchecked_elem<E>(
         &self,
         layers: Range<usize>,
+        start: usize,
         len: usize,
     ) -> Result<ReadView<'_, E>, PoolError> {
         let refuse = |error: PoolError| {
             Counters::bump(&self.shared.counters.reads_refused);
             Err(error)
         };
+        self.check_held(start, len)?;
         if len > self.capacity_tokens() {
             return refuse(PoolError::BeyondLease {
                 owner: self.owner,
@@ -465,14 +587,22 @@ impl Lease {
             });
         }
         let page_size = self.shared.geometry.page_size;
-        let mut guards = Vec::with_capacity(len.div_ceil(page_size));
-        for (index, page_ref) in self.pages[..len.div_ceil(page_size)].iter().enumerate() {
+        let spanned = self.pages_spanned(start, len);
+        let first_page = spanned.start;
+        let held = if spanned.is_empty() {
+            0..0
+        } else {
+            // check_held: no spanned page lies before the held ones.
+            spanned.start - self.released..spanned.end - self.released
+        };
+        let mut guards = Vec::with_capacity(held.len());
+        for (index, page_ref) in (first_page..).zip(&self.pages[held]) {
             let guard = self.shared.pages[page_ref.id.index()].read();
             if !self.shared.checks {
                 guards.push(guard);
                 continue;
             }
-            let held = if self.is_shared[index] {
+            let held = if self.is_shared[index - self.released] {
                 matches!(guard.holder, Holder::Shared { .. })
             } else {
                 matches!(guard.holder, Holder::Leased { lease, .. } if lease == self.id)
@@ -497,7 +627,13 @@ impl Lease {
             }
             guards.push(guard);
         }
-        Ok(ReadView::new(&self.shared.geometry, layers, len, guards))
+        Ok(ReadView::new(
+            &self.shared.geometry,
+            layers,
+            first_page,
+            len,
+            guards,
+        ))
     }
 
     fn check_elem<E: KvElement>(&self) -> Result<(), PoolError> {
@@ -548,6 +684,7 @@ impl std::fmt::Debug for Lease {
             .field("pages", &self.pages.len())
             .field("shared_pages", &self.shared_pages())
             .field("cached", &self.cached)
+            .field("released", &self.released)
             .field("one_sided", &self.one_sided)
             .finish()
     }

@@ -267,6 +267,67 @@ impl Shared {
         Ok(self.stamp(ids, lease, owner))
     }
 
+    /// Gives `own` and `shared` — the front pages of a sliding-window lease,
+    /// behind its window — back to the pool and takes as many fresh pages
+    /// for the lease's end, all or nothing, under one ledger lock: the own
+    /// pages are scrubbed and freed (their next lease stamps a new
+    /// generation, so no write or read through an old reference reaches
+    /// them, I3), the shared ones lose a reader. The lease never holds more
+    /// pages than before, and only the shared pages' replacements can run
+    /// short (`Exhausted`, nothing changed).
+    pub(crate) fn slide(
+        &self,
+        lease: LeaseId,
+        owner: RequestId,
+        own: &[PageRef],
+        shared: &[PageRef],
+    ) -> Result<Vec<PageRef>, PoolError> {
+        let wanted = own.len() + shared.len();
+        let ids = {
+            let mut ledger = self.ledger.lock();
+            // The shared pages this lease lets go of can serve too once no
+            // one else reads them (the eviction in `take_free` finds them).
+            let available = ledger.free.len()
+                + ledger
+                    .cache
+                    .as_ref()
+                    .map_or(0, |c| c.idle_pages() + c.idle_once_unread(shared))
+                + own.len();
+            if available < wanted {
+                drop(ledger);
+                Counters::bump(&self.counters.leases_refused);
+                return Err(PoolError::Exhausted {
+                    owner,
+                    needed_pages: wanted,
+                    free_pages: available,
+                });
+            }
+            // Ledger → page is the one nested lock order (see the module doc).
+            for page_ref in own {
+                let mut page = self.pages[page_ref.id.index()].write();
+                assert!(
+                    page.holder == Holder::Leased { lease, owner }
+                        && page.generation == page_ref.generation,
+                    "I1: page {page_ref} of {owner} was not held by its lease when it slid out"
+                );
+                self.scrub_and_free(&mut page);
+            }
+            ledger.leased -= own.len();
+            ledger.free.extend(own.iter().map(|r| r.id));
+            if !shared.is_empty() {
+                let cache = ledger
+                    .cache
+                    .as_mut()
+                    .expect("a lease reads shared pages only from a pool with a cache");
+                for page in shared {
+                    cache.remove_reader(page.id);
+                }
+            }
+            self.take_free(&mut ledger, wanted)
+        };
+        Ok(self.stamp(ids, lease, owner))
+    }
+
     /// Asserts that `page_ref` is a shared page `namespace` may read, in
     /// the generation the index named (I1): the ledger said so, and the
     /// page itself must agree.

@@ -1,7 +1,7 @@
 //! Incident replays: deliberate bugs, each a real-world way a serving engine
 //! leaked KV between requests, that the test suite must catch. They exist
 //! only in builds with the `mutations` feature, where `KVFENCE_MUTATION`
-//! (a letter, `a` to `o`) switches one on for the whole process and its
+//! (a letter, `a` to `p`) switches one on for the whole process and its
 //! children; in every other build [`Mutation::active`] is a constant
 //! `false` and the bug cannot be reached. `scripts/mutation-check` runs
 //! each one against the tests that should catch it and reports the result.
@@ -61,11 +61,17 @@ pub enum Mutation {
     /// and repetition penalties count the tokens of the request that ended
     /// before it (engine, I9).
     LeftoverHistory,
+    /// (p) A sliding-window lease gives the pages behind its window back to
+    /// the pool but its page table keeps them, as a block table left
+    /// unpruned would: once another request leases and writes such a
+    /// page, a read of the old window position reads that request's KV
+    /// (pool, I1/I2).
+    KeepReleasedPages,
 }
 
 impl Mutation {
     /// Every mutation with its letter.
-    pub const ALL: [(char, Mutation); 15] = [
+    pub const ALL: [(char, Mutation); 16] = [
         ('a', Mutation::PlaceholderDone),
         ('b', Mutation::SkipCoverage),
         ('c', Mutation::IgnoreGenerations),
@@ -81,6 +87,7 @@ impl Mutation {
         ('m', Mutation::SealIntoPublic),
         ('n', Mutation::LeftoverConstraint),
         ('o', Mutation::LeftoverHistory),
+        ('p', Mutation::KeepReleasedPages),
     ];
 
     /// Whether this bug is switched on (never, without the feature).
@@ -102,7 +109,7 @@ impl Mutation {
                 .map(|&(_, m)| m);
             assert!(
                 found.is_some(),
-                "KVFENCE_MUTATION={letter:?} names no mutation (a to o)"
+                "KVFENCE_MUTATION={letter:?} names no mutation (a to p)"
             );
             found
         }) == Some(self)

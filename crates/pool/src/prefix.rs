@@ -403,6 +403,19 @@ impl CacheLedger {
         found
     }
 
+    /// How many of `pages` — shared pages one lease reads — become idle
+    /// (evictable) once that lease stops reading them.
+    pub(crate) fn idle_once_unread(&self, pages: &[PageRef]) -> usize {
+        pages
+            .iter()
+            .filter(|page| {
+                self.pages
+                    .get(&page.id)
+                    .is_some_and(|p| p.readers == 1 && p.tenant != TenantTag::Public)
+            })
+            .count()
+    }
+
     /// One more lease reads `page`.
     pub(crate) fn add_reader(&mut self, page: PageId) {
         let shared = self

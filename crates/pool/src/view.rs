@@ -14,10 +14,13 @@ use crate::element::KvElement;
 use crate::ledger::Page;
 use crate::spec::Geometry;
 
-/// Read access to positions `0..len` of some layers of one lease.
+/// Read access to positions `first_page * page_size..len` of some layers
+/// of one lease (`first_page` is 0 except in a sliding-window layer's
+/// view). Page numbers in its methods count from position 0.
 pub struct ReadView<'a, E> {
     geometry: &'a Geometry,
     layers: Range<usize>,
+    first_page: usize,
     len: usize,
     guards: Vec<RwLockReadGuard<'a, Page>>,
     elem: PhantomData<E>,
@@ -27,12 +30,19 @@ impl<'a, E> ReadView<'a, E> {
     pub(crate) fn new(
         geometry: &'a Geometry,
         layers: Range<usize>,
+        first_page: usize,
         len: usize,
         guards: Vec<RwLockReadGuard<'a, Page>>,
     ) -> Self {
+        assert_eq!(
+            first_page + guards.len(),
+            len.div_ceil(geometry.page_size),
+            "a view holds every page from its first to the one holding position len - 1"
+        );
         ReadView {
             geometry,
             layers,
+            first_page,
             len,
             guards,
             elem: PhantomData,
@@ -41,7 +51,7 @@ impl<'a, E> ReadView<'a, E> {
 }
 
 impl<E> ReadView<'_, E> {
-    /// Positions covered by the view.
+    /// One past the last position covered by the view.
     pub fn len(&self) -> usize {
         self.len
     }
@@ -56,17 +66,37 @@ impl<E> ReadView<'_, E> {
         self.geometry.page_size
     }
 
-    /// Pages the view spans.
+    /// One past the last page the view spans: pages
+    /// `first_page()..num_pages()` are readable.
     pub fn num_pages(&self) -> usize {
-        self.guards.len()
+        self.first_page + self.guards.len()
+    }
+
+    /// The first page the view spans (it begins at that page's first
+    /// position); earlier positions are not part of it.
+    pub fn first_page(&self) -> usize {
+        self.first_page
     }
 
     /// Valid slots in page `page` of the view (the last may be partial).
     pub fn slots_in_page(&self, page: usize) -> usize {
-        assert!(page < self.guards.len(), "page {page} is outside the view");
+        self.guard(page);
         self.geometry
             .page_size
             .min(self.len - page * self.geometry.page_size)
+    }
+
+    /// The held page `page` (counted from position 0). A page before the
+    /// view's first is a position a sliding window gave back: reading it
+    /// would read whatever the page holds now (I2).
+    fn guard(&self, page: usize) -> &Page {
+        assert!(
+            page >= self.first_page && page < self.num_pages(),
+            "I2: page {page} is outside the view's pages {}..{}",
+            self.first_page,
+            self.num_pages()
+        );
+        &self.guards[page - self.first_page]
     }
 
     /// Every layer's K and V of `slots` of page `page` as raw bytes, laid
@@ -98,7 +128,7 @@ impl<E> ReadView<'_, E> {
             slots.start < slots.end && slots.end <= self.slots_in_page(page),
             "slots {slots:?} are outside the view's page {page}"
         );
-        let data: &[u8] = bytemuck::cast_slice(&self.guards[page].data);
+        let data: &[u8] = bytemuck::cast_slice(&self.guard(page).data);
         g.chunk_runs(slots).map(move |bytes| &data[bytes])
     }
 }
@@ -127,7 +157,7 @@ impl<E: KvElement> ReadView<'_, E> {
             "kv head {head} does not exist"
         );
         let slots = self.slots_in_page(page);
-        let data: &[E] = bytemuck::cast_slice(&self.guards[page].data);
+        let data: &[E] = bytemuck::cast_slice(&self.guard(page).data);
         let start = self.geometry.block_offset(layer, kv, head);
         &data[start..start + slots * self.geometry.shape.head_dim]
     }
@@ -137,6 +167,7 @@ impl<E> std::fmt::Debug for ReadView<'_, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ReadView")
             .field("layers", &self.layers)
+            .field("first_page", &self.first_page)
             .field("len", &self.len)
             .field("pages", &self.guards.len())
             .finish()

@@ -1,12 +1,13 @@
 //! Property test: the pool against a plain reference model.
 //!
 //! Random sequences of lease / write / stale write / foreign write / read /
-//! drop / one-sided drop / drain run on a real pool and on a model made of
-//! maps and vectors. After every step the page states, counts and counters
-//! must agree (I1, I8); every read must succeed exactly when the model says
-//! every position was written in this generation, and return exactly the
-//! values this lease wrote (I2); every fenced write that should fail fails
-//! and leaves no trace (I3).
+//! slide / drop / one-sided drop / drain run on a real pool and on a model
+//! made of maps and vectors. After every step the page states, counts and
+//! counters must agree (I1, I8); every read must succeed exactly when the
+//! model says every position was written in this generation and is still
+//! held (a slid lease's window), and return exactly the values this lease
+//! wrote (I2, I7); every fenced write that should fail fails and leaves no
+//! trace (I3).
 
 // In a test, a panic is the failure report.
 #![allow(clippy::unwrap_used)]
@@ -51,8 +52,13 @@ enum Op {
     },
     Read {
         slot: usize,
+        start: usize,
         len: usize,
         layer: Option<usize>,
+    },
+    Slide {
+        slot: usize,
+        keep_from: usize,
     },
     Drop {
         slot: usize,
@@ -66,12 +72,15 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0..SLOTS, 0..=PAGES * PAGE + 2).prop_map(|(slot, tokens)| Op::Lease { slot, tokens }),
-        6 => (0..SLOTS, 0..PAGES * PAGE, 1..=PAGE + 3, 0..SHAPE.layers)
+        6 => (0..SLOTS, 0..3 * PAGES * PAGE, 1..=PAGE + 3, 0..SHAPE.layers)
             .prop_map(|(slot, start, len, layer)| Op::Write { slot, start, len, layer }),
         1 => (0..SLOTS, 0..PAGES).prop_map(|(slot, page)| Op::WriteStale { slot, page }),
         1 => (0..SLOTS, 0..PAGES as u32 + 2).prop_map(|(slot, page)| Op::WriteForeign { slot, page }),
         4 => (0..SLOTS, 0..=PAGES * PAGE + 1, proptest::option::of(0..SHAPE.layers))
-            .prop_map(|(slot, len, layer)| Op::Read { slot, len, layer }),
+            .prop_map(|(slot, len, layer)| Op::Read { slot, start: 0, len, layer }),
+        3 => (0..SLOTS, 0..=3 * PAGES * PAGE, 0..=3 * PAGES * PAGE, 0..SHAPE.layers)
+            .prop_map(|(slot, start, len, layer)| Op::Read { slot, start, len, layer: Some(layer) }),
+        2 => (0..SLOTS, 0..=3 * PAGES * PAGE).prop_map(|(slot, keep_from)| Op::Slide { slot, keep_from }),
         2 => (0..SLOTS, any::<bool>()).prop_map(|(slot, one_sided)| Op::Drop { slot, one_sided }),
         1 => (0..8usize).prop_map(|pick| Op::Drain { pick }),
     ]
@@ -81,6 +90,8 @@ fn op() -> impl Strategy<Value = Op> {
 struct ModelLease {
     owner: RequestId,
     pages: Vec<PageRef>,
+    /// The position `pages[0]` starts at: 0 until the lease slides.
+    first: usize,
     /// (layer, position) -> the K and V values last written there.
     written: HashMap<(usize, usize), (Vec<f32>, Vec<f32>)>,
 }
@@ -150,7 +161,13 @@ impl Harness {
             } => self.write(slot, start, len, layer),
             Op::WriteStale { slot, page } => self.write_stale(slot, page),
             Op::WriteForeign { slot, page } => self.write_foreign(slot, page),
-            Op::Read { slot, len, layer } => self.read(slot, len, layer),
+            Op::Read {
+                slot,
+                start,
+                len,
+                layer,
+            } => self.read(slot, start, len, layer),
+            Op::Slide { slot, keep_from } => self.slide(slot, keep_from),
             Op::Drop { slot, one_sided } => self.drop_lease(slot, one_sided),
             Op::Drain { pick } => self.drain(pick),
         }
@@ -200,6 +217,7 @@ impl Harness {
                     ModelLease {
                         owner,
                         pages,
+                        first: 0,
                         written: HashMap::new(),
                     },
                 ));
@@ -229,7 +247,14 @@ impl Harness {
             return;
         };
         let result = lease.write_positions(layer, start, &k, &v);
-        if start + len > model.pages.len() * PAGE {
+        if start < model.first {
+            assert!(
+                matches!(result, Err(PoolError::Released { .. })),
+                "I7: a write behind the window: {result:?}"
+            );
+            return;
+        }
+        if start + len > model.first + model.pages.len() * PAGE {
             assert!(
                 matches!(result, Err(PoolError::BeyondLease { .. })),
                 "{result:?}"
@@ -294,7 +319,45 @@ impl Harness {
         self.model.foreign += 1;
     }
 
-    fn read(&mut self, slot: usize, len: usize, layer: Option<usize>) {
+    fn slide(&mut self, slot: usize, keep_from: usize) {
+        let Some((lease, model)) = self.live[slot].as_mut() else {
+            return;
+        };
+        let count = (keep_from / PAGE)
+            .saturating_sub(model.first / PAGE)
+            .min(model.pages.len());
+        // These leases read no shared pages: a slide cannot run short.
+        assert_eq!(lease.slide(keep_from), Ok(count));
+        for page in model.pages.drain(..count) {
+            self.model.states[page.id.index()] = PageState::Free;
+        }
+        let fresh = &lease.pages()[lease.pages().len() - count..];
+        for page in fresh {
+            let i = page.id.index();
+            assert_eq!(
+                self.model.states[i],
+                PageState::Free,
+                "I1: a slide took a page that was not free"
+            );
+            assert!(
+                page.generation.0 > self.model.generations[i],
+                "I3: a page re-leased by a slide keeps its old generation"
+            );
+            self.model.generations[i] = page.generation.0;
+            self.model.states[i] = PageState::Leased {
+                owner: model.owner,
+                generation: page.generation,
+            };
+        }
+        model.pages.extend_from_slice(fresh);
+        model.first += count * PAGE;
+        let first = model.first;
+        model.written.retain(|&(_, position), _| position >= first);
+        assert_eq!(lease.first_position(), model.first);
+        assert_eq!(lease.pages(), model.pages.as_slice());
+    }
+
+    fn read(&mut self, slot: usize, start: usize, len: usize, layer: Option<usize>) {
         let Some((lease, model)) = self.live[slot].as_ref() else {
             return;
         };
@@ -303,22 +366,31 @@ impl Harness {
             None => (0..SHAPE.layers).collect(),
         };
         let result = match layer {
-            Some(l) => lease.read_layer::<f32>(l, len),
+            Some(l) => lease.read_layer_from::<f32>(l, start, len),
             None => lease.read_view::<f32>(len),
         };
-        let beyond = len > model.pages.len() * PAGE;
-        let covered = !beyond
-            && layers
-                .iter()
-                .all(|&l| (0..len).all(|p| model.written.contains_key(&(l, p))));
+        // A view spans whole pages, from the one holding `start`.
+        let end_page = len.div_ceil(PAGE);
+        let spanned = (start / PAGE).min(end_page)..end_page;
+        let released = !spanned.is_empty() && spanned.start * PAGE < model.first;
+        let beyond = len > model.first + model.pages.len() * PAGE;
+        let positions = spanned.start * PAGE..len;
+        let covered = !released
+            && !beyond
+            && layers.iter().all(|&l| {
+                positions
+                    .clone()
+                    .all(|p| model.written.contains_key(&(l, p)))
+            });
         match result {
             Ok(view) => {
                 assert!(
                     covered,
-                    "I2: read of {len} allowed over unwritten positions"
+                    "I2: read of {start}..{len} allowed over unwritten or released positions"
                 );
+                assert_eq!(view.first_page(), spanned.start);
                 for &l in &layers {
-                    for pos in 0..len {
+                    for pos in positions.clone() {
                         let (page, s) = (pos / PAGE, pos % PAGE);
                         let (k, v) = &model.written[&(l, pos)];
                         for head in 0..SHAPE.kv_heads {
@@ -341,6 +413,11 @@ impl Harness {
             }
             Err(error) => {
                 assert!(!covered, "read of {len} refused although covered: {error}");
+                assert_eq!(
+                    released,
+                    matches!(error, PoolError::Released { .. }),
+                    "I7: a read behind the window is refused as released: {error}"
+                );
                 self.model.reads_refused += 1;
             }
         }
