@@ -38,6 +38,14 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// The most positions one step writes for one sequence: a decode row,
+    /// or a prefill chunk of at most a step's tokens (at least 16, so a
+    /// full decode batch never starves prefill). A pool whose windowed
+    /// layers keep only their windows must leave room for it.
+    pub fn longest_write(&self) -> usize {
+        self.step_tokens.max(self.shared_step_tokens).max(16)
+    }
+
     /// The longest a grant of `prompt_tokens` may stay uncommitted,
     /// however alive its prefill worker is: `handoff_timeout` plus
     /// `handoff_time_per_token` for every prompt token.

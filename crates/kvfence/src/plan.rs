@@ -2,7 +2,8 @@
 
 use anyhow::Context;
 use clap::Args;
-use kvfence_pool::{ElemType, KvShape, PoolSize, PoolSpec};
+use kvfence_engine::EngineConfig;
+use kvfence_pool::{ElemType, KvShape, LayerGroups, PoolSize, PoolSpec};
 
 use crate::Dtype;
 
@@ -26,9 +27,21 @@ pub(crate) struct PlanArgs {
     /// Memory budget for the pool, in MiB.
     #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
     mib: Option<usize>,
-    /// Tokens the pool must hold at least.
+    /// Tokens the pool must hold at least (one request of this length).
     #[arg(long)]
     tokens: Option<usize>,
+    /// Positions a sliding-window layer sees (Gemma 3 270M: 512): those
+    /// layers keep only their window, as a colocated worker's pool does.
+    #[arg(long)]
+    sliding_window: Option<usize>,
+    /// With --sliding-window: layer `i` attends to everything when
+    /// `i % N == N − 1` (Gemma 3: 6), the others through the window.
+    #[arg(long, default_value_t = 6, requires = "sliding_window")]
+    global_every: usize,
+    /// With --sliding-window: the worker's --step-tokens, the most
+    /// positions one step writes for a request (a window's pages hold it).
+    #[arg(long, default_value_t = 256, requires = "sliding_window")]
+    step_tokens: usize,
 }
 
 pub(crate) fn run(args: &PlanArgs) -> anyhow::Result<()> {
@@ -43,15 +56,50 @@ pub(crate) fn run(args: &PlanArgs) -> anyhow::Result<()> {
         head_dim: args.head_dim,
     };
     let elem = ElemType::from(args.dtype);
-    let geometry = PoolSpec::new(shape, args.page_size, elem, size)
-        .geometry()
-        .context("this pool cannot be built")?;
+    let mut spec = PoolSpec::new(shape, args.page_size, elem, size);
+    if let Some(window) = args.sliding_window {
+        anyhow::ensure!(
+            args.global_every > 0 && args.step_tokens > 0,
+            "--global-every and --step-tokens must be positive"
+        );
+        let windows: Vec<Option<usize>> = (0..args.layers)
+            .map(|i| (i % args.global_every != args.global_every - 1).then_some(window))
+            .collect();
+        let config = EngineConfig {
+            step_tokens: args.step_tokens,
+            ..EngineConfig::default()
+        };
+        let groups = LayerGroups::of_windows(
+            &windows,
+            kvfence_model::attention::CHUNK,
+            config.longest_write(),
+        )
+        .context("these layers cannot share pages")?;
+        spec = spec.with_layer_groups(groups);
+    }
+    let geometry = spec.geometry().context("this pool cannot be built")?;
+    let groups = spec.layer_groups();
+    let capacity = groups.capacity_tokens(geometry.num_pages, geometry.page_size);
     println!("pages           {}", geometry.num_pages);
     println!(
         "page size       {} tokens, {} bytes",
         geometry.page_size, geometry.page_bytes
     );
-    println!("capacity        {} tokens", geometry.capacity_tokens());
+    println!("capacity        {} tokens", capacity);
     println!("memory          {} bytes", geometry.capacity_bytes());
+    if groups.is_windowed() {
+        // What the longest request would cost if every layer kept every
+        // position: one page of every group per page of positions.
+        let full = capacity / geometry.page_size * groups.len() * geometry.page_bytes;
+        println!(
+            "layer groups    {} of {} layers; {} keep a window",
+            groups.len(),
+            groups.group_size(),
+            (0..groups.len())
+                .filter(|&g| groups.keep(g) != kvfence_pool::Keep::All)
+                .count()
+        );
+        println!("full KV         {full} bytes for {capacity} tokens");
+    }
     Ok(())
 }

@@ -327,6 +327,11 @@ pub fn attend<E: KvValue>(
             part.view.len() >= part.past + part.rows,
             "the view must cover every position the rows attend to"
         );
+        assert!(
+            part.view.first_page() * part.view.page_size()
+                <= visible(part.past, window).start / CHUNK * CHUNK,
+            "the view must start by the first chunk the rows read"
+        );
         let single_tile = part.rows <= TILE_ROWS;
         for row in (0..part.rows).step_by(TILE_ROWS) {
             let rows = TILE_ROWS.min(part.rows - row);

@@ -7,7 +7,7 @@
 //! error, never a computation.
 
 use half::{bf16, f16};
-use kvfence_pool::{ElemType, KvShape, Lease, ReadView};
+use kvfence_pool::{ElemType, KvShape, LayerGroups, Lease, ReadView};
 
 use crate::attention::{self, KvValue, SequenceQueries};
 use crate::config::{Activation, Architecture, ModelConfig};
@@ -420,6 +420,31 @@ impl Model {
         }
     }
 
+    /// How this model's layers share a KV pool's pages when its leases
+    /// keep only the windows of sliding-window layers: global layers and
+    /// windowed ones in groups of one size, reads starting at
+    /// [`attention::CHUNK`] granules (what the kernel reads). `max_run` is
+    /// the most positions one pass writes for one sequence. One group of
+    /// every layer for a model without sliding windows.
+    pub fn layer_groups(&self, max_run: usize) -> Result<LayerGroups, ModelError> {
+        Model::layer_groups_of(&self.config, max_run)
+    }
+
+    /// [`Model::layer_groups`] of a configuration.
+    pub fn layer_groups_of(
+        config: &ModelConfig,
+        max_run: usize,
+    ) -> Result<LayerGroups, ModelError> {
+        let windows: Vec<Option<usize>> = (0..config.num_layers)
+            .map(|layer| config.attention_window(layer))
+            .collect();
+        Ok(LayerGroups::of_windows(
+            &windows,
+            attention::CHUNK,
+            max_run,
+        )?)
+    }
+
     /// Bytes of weights one decode step reads (the bandwidth roofline's numerator).
     pub fn weight_bytes(&self) -> usize {
         let per_layer =
@@ -746,7 +771,13 @@ impl Model {
                 if failure.is_some() {
                     return None;
                 }
-                match s.lease.read_layer::<E>(layer, s.past + s.tokens.len()) {
+                // A sliding-window layer's lease holds only the positions
+                // its rows can see, from where the pool says they start.
+                let start = s.lease.read_start(layer, s.past);
+                match s
+                    .lease
+                    .read_layer_from::<E>(layer, start, s.past + s.tokens.len())
+                {
                     Ok(view) => Some(view),
                     Err(error) => {
                         *failure = Some(error.into());

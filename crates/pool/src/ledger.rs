@@ -36,6 +36,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::coverage::Coverage;
 use crate::element::poison_word;
 use crate::error::PoolError;
+use crate::layers::LayerGroups;
 use crate::mutation::Mutation;
 use crate::page::{Generation, LeaseId, NamespaceId, PageId, PageRef, RequestId};
 use crate::prefix::{CacheLedger, Namespace};
@@ -108,6 +109,8 @@ impl Counters {
 
 pub(crate) struct Shared {
     pub(crate) geometry: Geometry,
+    /// How the model's layers share pages.
+    pub(crate) groups: LayerGroups,
     scrub: Scrub,
     reuse: ReusePolicy,
     /// False only in measurement builds asked to skip the checks.
@@ -153,6 +156,7 @@ impl Shared {
             .collect();
         Ok(Shared {
             geometry,
+            groups: spec.layer_groups(),
             scrub: spec.scrub,
             reuse: spec.reuse,
             checks: spec.checks == crate::spec::Checks::On,
@@ -242,29 +246,22 @@ impl Shared {
             .collect()
     }
 
-    /// `pages` more pages for `lease`, all or nothing, from free and idle
-    /// shared pages; `Exhausted` when there are not enough.
-    pub(crate) fn grow(
-        &self,
-        lease: LeaseId,
-        owner: RequestId,
-        pages: usize,
-    ) -> Result<Vec<PageRef>, PoolError> {
-        let ids = {
-            let mut ledger = self.ledger.lock();
-            let available = ledger.free.len() + ledger.cache.as_ref().map_or(0, |c| c.idle_pages());
-            if available < pages {
-                drop(ledger);
-                Counters::bump(&self.counters.leases_refused);
-                return Err(PoolError::Exhausted {
-                    owner,
-                    needed_pages: pages,
-                    free_pages: available,
-                });
-            }
-            self.take_free(&mut ledger, pages)
-        };
-        Ok(self.stamp(ids, lease, owner))
+    /// `pages` more pages for `owner`'s leases, all or nothing, from free
+    /// and idle shared pages; `Exhausted` when there are not enough. They
+    /// stay invisible until [`Shared::stamp`] gives them to a lease.
+    pub(crate) fn take(&self, owner: RequestId, pages: usize) -> Result<Vec<PageId>, PoolError> {
+        let mut ledger = self.ledger.lock();
+        let available = ledger.free.len() + ledger.cache.as_ref().map_or(0, |c| c.idle_pages());
+        if available < pages {
+            drop(ledger);
+            Counters::bump(&self.counters.leases_refused);
+            return Err(PoolError::Exhausted {
+                owner,
+                needed_pages: pages,
+                free_pages: available,
+            });
+        }
+        Ok(self.take_free(&mut ledger, pages))
     }
 
     /// Gives `own` and `shared` — the front pages of a sliding-window lease,

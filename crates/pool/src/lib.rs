@@ -17,6 +17,8 @@
 mod coverage;
 mod element;
 mod error;
+mod group;
+mod layers;
 mod lease;
 mod ledger;
 pub mod mutation;
@@ -30,6 +32,7 @@ mod window;
 
 pub use element::{ElemType, KvElement};
 pub use error::PoolError;
+pub use layers::{Keep, LayerGroups};
 pub use lease::Lease;
 pub use page::{Generation, NamespaceId, PageId, PageRef, PageState, RequestId};
 pub use pool::{Pool, PoolStats};

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::PoolError;
+use crate::group::GroupLease;
+use crate::layers::LayerGroups;
 use crate::lease::Lease;
 use crate::ledger::{Counters, Holder, Shared};
 use crate::mutation::Mutation;
@@ -100,10 +102,26 @@ impl Pool {
     }
 
     /// Tokens a request can be given: what was allocated (not what was
-    /// asked), less the pages public prefixes pin.
+    /// asked), less the pages public prefixes pin, for the longest request
+    /// its layer groups' pages hold.
     pub fn capacity_tokens(&self) -> usize {
         let pinned = self.stats().pinned_shared_pages;
-        self.shared.geometry.capacity_tokens() - pinned * self.shared.geometry.page_size
+        let geometry = &self.shared.geometry;
+        self.shared
+            .groups
+            .capacity_tokens(geometry.num_pages - pinned, geometry.page_size)
+    }
+
+    /// How the model's layers share this pool's pages.
+    pub fn layer_groups(&self) -> &LayerGroups {
+        &self.shared.groups
+    }
+
+    /// Pages a lease of `tokens` positions holds, every layer group's.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        self.shared
+            .groups
+            .pages_for(tokens, self.shared.geometry.page_size)
     }
 
     /// Leases pages for `tokens` tokens to `owner`, all or nothing.
@@ -136,8 +154,14 @@ impl Pool {
     pub fn public_prefix_tokens(&self, model: &str, prompt: &[u32]) -> usize {
         let public = self.public_namespace(model);
         let ledger = self.shared.ledger.lock();
+        // Every layer group must hold the prefix for a lease to start from it.
         ledger.cache.as_ref().map_or(0, |cache| {
-            cache.public_tokens(&public, prompt, self.shared.geometry.page_size)
+            (0..self.shared.groups.len())
+                .map(|g| {
+                    cache.public_tokens(&public.group(g), prompt, self.shared.geometry.page_size)
+                })
+                .min()
+                .unwrap_or(0)
         })
     }
 
@@ -192,39 +216,70 @@ impl Pool {
         if tokens == 0 {
             return refuse(PoolError::EmptyLease { owner });
         }
-        if tokens > geometry.capacity_tokens() {
+        let capacity = shared.groups.capacity_tokens(geometry.num_pages, page_size);
+        if tokens > capacity {
             return refuse(PoolError::LargerThanPool {
                 owner,
                 needed: tokens,
-                capacity: geometry.capacity_tokens(),
+                capacity,
             });
         }
-        let total = tokens.div_ceil(page_size);
-        let (found, ids) = {
+        let per_group = shared.groups.pages_per_group(tokens, page_size);
+        let namespaces: Vec<Option<Namespace>> = (0..per_group.len())
+            .map(|g| prefix.map(|(namespace, _)| namespace.group(g)))
+            .collect();
+        let (mut found, ids) = {
             let mut ledger = shared.ledger.lock();
-            let mut found = match (prefix, &ledger.cache) {
-                (Some((namespace, prompt)), Some(cache)) => {
+            let mut found: Vec<Found> = match (prefix, &ledger.cache) {
+                (Some((_, prompt)), Some(cache)) => {
                     Counters::bump(&shared.counters.cache_lookups);
-                    cache.find(namespace, prompt, page_size)
+                    namespaces
+                        .iter()
+                        .map(|n| {
+                            cache.find(n.as_ref().expect("a prefix names one"), prompt, page_size)
+                        })
+                        .collect()
                 }
-                _ => Found::default(),
+                _ => per_group.iter().map(|_| Found::default()).collect(),
             };
-            let needed = total - found.full.len();
+            // Every group starts from one prefix: the shortest match, within
+            // what each group's pages hold.
+            let common = found
+                .iter()
+                .zip(&per_group)
+                .map(|(f, &pages)| f.tokens(page_size).min(pages * page_size))
+                .min()
+                .unwrap_or(0);
+            for f in &mut found {
+                f.truncate(common, page_size);
+            }
+            let needed: usize = per_group
+                .iter()
+                .zip(&found)
+                .map(|(pages, f)| pages - f.full.len())
+                .sum();
             let idle =
                 |page: &PageRef| ledger.cache.as_ref().and_then(|c| c.readers(page.id)) == Some(0);
             let idle_pages = ledger.cache.as_ref().map_or(0, |c| c.idle_pages());
             // Attaching an idle page takes it out of what may be evicted:
             // a whole page also takes one off what is needed, a page only
             // copied from does not. When the pool is that tight, copy nothing.
-            let mut available =
-                ledger.free_pages() + idle_pages - found.full.iter().filter(|p| idle(p)).count();
-            if let Some((source, _)) = found.partial
-                && idle(&source)
-                && available < needed + 1
-            {
-                found.partial = None;
-            } else if found.partial.is_some_and(|(source, _)| idle(&source)) {
-                available -= 1;
+            let attached_idle: usize = found
+                .iter()
+                .map(|f| f.full.iter().filter(|p| idle(p)).count())
+                .sum();
+            let mut available = ledger.free_pages() + idle_pages - attached_idle;
+            let idle_sources = found
+                .iter()
+                .filter(|f| f.partial.is_some_and(|(source, _)| idle(&source)))
+                .count();
+            if idle_sources > 0 && available < needed + idle_sources {
+                // Every group starts from the same prefix: none copies.
+                for f in &mut found {
+                    f.partial = None;
+                }
+            } else {
+                available -= idle_sources;
             }
             if available < needed {
                 drop(ledger);
@@ -234,30 +289,65 @@ impl Pool {
                     free_pages: available,
                 });
             }
-            let attached = found
-                .full
-                .iter()
-                .chain(found.partial.iter().map(|(p, _)| p));
             if let Some(cache) = &mut ledger.cache {
-                for page in attached {
-                    cache.add_reader(page.id);
+                for f in &found {
+                    for page in f.full.iter().chain(f.partial.iter().map(|(p, _)| p)) {
+                        cache.add_reader(page.id);
+                    }
                 }
             }
             (found, shared.take_free(&mut ledger, needed))
         };
+        let mut ids = ids.into_iter();
+        let cached = found.first().map_or(0, |f| f.tokens(page_size));
+        let groups = found
+            .iter_mut()
+            .zip(&per_group)
+            .zip(namespaces)
+            .map(|((found, &total), namespace)| {
+                let own: Vec<_> = ids.by_ref().take(total - found.full.len()).collect();
+                self.lease_group(owner, total, found, own, namespace)
+            })
+            .collect();
+        if cached > 0 {
+            Counters::bump(&shared.counters.cache_hits);
+            shared
+                .counters
+                .cache_hit_tokens
+                .fetch_add(cached as u64, Ordering::Relaxed);
+        }
+        Counters::bump(&shared.counters.leases_granted);
+        Ok(Lease::new(Arc::clone(shared), groups, tokens, cached))
+    }
+
+    /// One layer group's run of `total` pages: the shared pages `found`
+    /// matched, then `own` (taken off the free list), the first of them
+    /// copied from `found`'s partial page when there is one.
+    fn lease_group(
+        &self,
+        owner: RequestId,
+        total: usize,
+        found: &Found,
+        own: Vec<PageId>,
+        namespace: Option<Namespace>,
+    ) -> GroupLease {
+        let shared = &self.shared;
         let lease = shared.next_lease_id();
-        let namespace = prefix.map(|(namespace, _)| namespace);
         let mut pages: Vec<PageRef> = Vec::with_capacity(total);
         for page_ref in &found.full {
-            shared.check_shared(*page_ref, namespace);
+            shared.check_shared(*page_ref, namespace.as_ref());
             pages.push(*page_ref);
         }
-        pages.extend(shared.stamp(ids, lease, owner));
+        pages.extend(shared.stamp(own, lease, owner));
+        assert_eq!(
+            pages.len(),
+            total,
+            "a group's run holds every page it needs"
+        );
         let mut shared_flags = vec![true; found.full.len()];
         shared_flags.resize(total, false);
-        let mut cached = found.full.len() * page_size;
         if let Some((source, slots)) = found.partial {
-            shared.check_shared(source, namespace);
+            shared.check_shared(source, namespace.as_ref());
             let at = found.full.len();
             if Mutation::WriteShared.active() {
                 // Incident replay (k): the shared page itself goes into the
@@ -275,26 +365,15 @@ impl Pool {
                     .expect("a partial match comes from the cache")
                     .remove_reader(source.id);
             }
-            cached += slots;
         }
-        if cached > 0 {
-            Counters::bump(&shared.counters.cache_hits);
-            shared
-                .counters
-                .cache_hit_tokens
-                .fetch_add(cached as u64, Ordering::Relaxed);
-        }
-        Counters::bump(&shared.counters.leases_granted);
-        Ok(Lease::new(
+        GroupLease::new(
             Arc::clone(shared),
             lease,
             owner,
-            tokens,
             pages,
             shared_flags,
-            namespace.cloned(),
-            cached,
-        ))
+            namespace,
+        )
     }
 
     /// Frees the pages quarantined for `owner` once its one-sided writer has

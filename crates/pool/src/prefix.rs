@@ -152,6 +152,29 @@ impl Namespace {
         self.tenant
     }
 
+    /// The namespace of layer group `group` inside this one: each group's
+    /// pages hold other layers of the same prompt, so each has a wall and a
+    /// chain of its own (group 0's is this namespace itself, so a pool of one
+    /// group keys its pages as it always did). The public namespace it
+    /// reads is its public namespace's group `group`.
+    pub(crate) fn group(&self, group: usize) -> Namespace {
+        if group == 0 {
+            return self.clone();
+        }
+        let derive = |id: NamespaceId| {
+            let mut hasher = Sha256::new();
+            field(&mut hasher, b"kvfence/prefix-namespace/layer-group/v1");
+            field(&mut hasher, &id.0);
+            field(&mut hasher, &(group as u64).to_le_bytes());
+            NamespaceId(hasher.finalize().into())
+        };
+        Namespace {
+            id: derive(self.id),
+            tenant: self.tenant,
+            public: self.public.map(derive),
+        }
+    }
+
     /// The chain's root: the parent of a prompt's first page.
     pub(crate) fn root(&self) -> BlockHash {
         BlockHash(self.id.0)
@@ -204,6 +227,28 @@ impl Found {
     /// Prompt positions the match covers.
     pub(crate) fn tokens(&self, page_size: usize) -> usize {
         self.full.len() * page_size + self.partial.map_or(0, |(_, slots)| slots)
+    }
+
+    /// Cuts the match to its first `tokens` positions (no more than it
+    /// covers): what every layer group of a lease holds alike. A whole page
+    /// past the cut becomes the page copied from.
+    pub(crate) fn truncate(&mut self, tokens: usize, page_size: usize) {
+        assert!(
+            tokens <= self.tokens(page_size),
+            "a match is cut, never lengthened"
+        );
+        let (full, rest) = (tokens / page_size, tokens % page_size);
+        if self.full.len() > full {
+            let source = self.full[full];
+            self.full.truncate(full);
+            self.partial = (rest > 0).then_some((source, rest));
+        } else {
+            self.partial = self
+                .partial
+                .filter(|_| rest > 0)
+                .map(|(page, _)| (page, rest));
+        }
+        assert_eq!(self.tokens(page_size), tokens, "the cut is exact");
     }
 }
 

@@ -8,6 +8,7 @@ use std::ops::Range;
 
 use crate::element::ElemType;
 use crate::error::PoolError;
+use crate::layers::LayerGroups;
 
 /// The per-token shape of a model's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,7 +28,8 @@ pub enum PoolSize {
     Pages(usize),
     /// As many whole pages as fit in this many bytes.
     Bytes(usize),
-    /// Enough whole pages for at least this many tokens.
+    /// Enough whole pages for one request of at least this many tokens
+    /// (every layer group's pages of it).
     Tokens(usize),
 }
 
@@ -67,8 +69,11 @@ pub enum ReusePolicy {
 /// Everything needed to build a [`crate::Pool`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolSpec {
-    /// Per-token KV shape.
+    /// Per-token KV shape of the whole model (every layer).
     pub shape: KvShape,
+    /// How the layers share pages: one group of every layer unless
+    /// [`PoolSpec::with_layer_groups`] says otherwise.
+    pub groups: Option<LayerGroups>,
     /// Token slots per page.
     pub page_size: usize,
     /// Element type of stored K/V.
@@ -136,6 +141,7 @@ impl PoolSpec {
         let harsh = cfg!(debug_assertions) && std::env::var_os("KVFENCE_HARSH_POOLS").is_some();
         PoolSpec {
             shape,
+            groups: None,
             page_size,
             elem,
             size,
@@ -184,6 +190,21 @@ impl PoolSpec {
         self
     }
 
+    /// Same spec with its layers in `groups`: a page holds one group's
+    /// layers, a lease one run of pages per group, and sliding-window
+    /// groups keep only their window (see [`LayerGroups`]).
+    pub fn with_layer_groups(mut self, groups: LayerGroups) -> Self {
+        self.groups = Some(groups);
+        self
+    }
+
+    /// The layer groups, one of every layer unless the spec names others.
+    pub fn layer_groups(&self) -> LayerGroups {
+        self.groups
+            .clone()
+            .unwrap_or_else(|| LayerGroups::single(self.shape.layers))
+    }
+
     /// Same spec with another scrub policy.
     pub fn with_scrub(mut self, scrub: Scrub) -> Self {
         self.scrub = scrub;
@@ -216,6 +237,19 @@ impl PoolSpec {
                 "layers ({layers}), kv heads ({kv_heads}) and head dim ({head_dim}) must all be positive"
             )));
         }
+        let groups = self.layer_groups();
+        if groups.layers() != layers {
+            return Err(invalid(format!(
+                "the layer groups place {} layers, the model has {layers}",
+                groups.layers()
+            )));
+        }
+        // A page holds one group's layers.
+        let shape = KvShape {
+            layers: groups.group_size(),
+            ..self.shape
+        };
+        let layers = shape.layers;
         if self.page_size == 0 || self.page_size > MAX_PAGE_SIZE {
             return Err(invalid(format!(
                 "page size {} must be between 1 and {MAX_PAGE_SIZE} tokens",
@@ -232,7 +266,7 @@ impl PoolSpec {
         let num_pages = match self.size {
             PoolSize::Pages(n) => n,
             PoolSize::Bytes(budget) => budget / page_bytes,
-            PoolSize::Tokens(tokens) => tokens.div_ceil(self.page_size),
+            PoolSize::Tokens(tokens) => groups.pages_for(tokens, self.page_size),
         };
         if num_pages == 0 {
             return Err(invalid(format!(
@@ -246,7 +280,7 @@ impl PoolSpec {
             )));
         }
         Ok(Geometry {
-            shape: self.shape,
+            shape,
             page_size: self.page_size,
             elem: self.elem,
             num_pages,
@@ -259,7 +293,7 @@ impl PoolSpec {
 /// The pool's real dimensions, derived from a validated [`PoolSpec`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Geometry {
-    /// Per-token KV shape.
+    /// Per-token KV shape of one page: one layer group's layers.
     pub shape: KvShape,
     /// Token slots per page.
     pub page_size: usize,
@@ -274,8 +308,9 @@ pub struct Geometry {
 }
 
 impl Geometry {
-    /// Tokens the whole pool holds.
-    pub fn capacity_tokens(&self) -> usize {
+    /// Token slots of every page together (one layer group's positions
+    /// each: a request's context is [`crate::Pool::capacity_tokens`]).
+    pub fn slots(&self) -> usize {
         self.num_pages * self.page_size
     }
 

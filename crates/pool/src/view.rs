@@ -19,7 +19,10 @@ use crate::spec::Geometry;
 /// view). Page numbers in its methods count from position 0.
 pub struct ReadView<'a, E> {
     geometry: &'a Geometry,
+    /// The layers readable, as the caller numbers them (the model's).
     layers: Range<usize>,
+    /// Where `layers.start` lies in a page (its index in the layer group).
+    page_layer: usize,
     first_page: usize,
     len: usize,
     guards: Vec<RwLockReadGuard<'a, Page>>,
@@ -41,6 +44,7 @@ impl<'a, E> ReadView<'a, E> {
         );
         ReadView {
             geometry,
+            page_layer: layers.start,
             layers,
             first_page,
             len,
@@ -51,6 +55,14 @@ impl<'a, E> ReadView<'a, E> {
 }
 
 impl<E> ReadView<'_, E> {
+    /// The same one-layer view, its layer called `layer`: a layer group's
+    /// page holds the model's layer `layer` at the view's index.
+    pub(crate) fn named(mut self, layer: usize) -> Self {
+        assert_eq!(self.layers.len(), 1, "only a one-layer view is renamed");
+        self.layers = layer..layer + 1;
+        self
+    }
+
     /// One past the last position covered by the view.
     pub fn len(&self) -> usize {
         self.len
@@ -158,7 +170,9 @@ impl<E: KvElement> ReadView<'_, E> {
         );
         let slots = self.slots_in_page(page);
         let data: &[E] = bytemuck::cast_slice(&self.guard(page).data);
-        let start = self.geometry.block_offset(layer, kv, head);
+        let start =
+            self.geometry
+                .block_offset(layer - self.layers.start + self.page_layer, kv, head);
         &data[start..start + slots * self.geometry.shape.head_dim]
     }
 }

@@ -5,9 +5,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+use crate::common::PAGE;
 use crate::common::{generate, pool_for};
 use kvfence_model::{Builtin, Logits, Model, Sequence};
-use kvfence_pool::RequestId;
+use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
 
 const LENGTHS: [usize; 8] = [3, 17, 1, 40, 9, 25, 5, 33];
 const STEPS: usize = 12;
@@ -183,14 +184,9 @@ fn a_bad_sequence_fails_alone_and_the_rest_of_the_batch_is_untouched() {
     }
 }
 
-/// On sliding-window layers too, a sequence's logits do not depend on
-/// where its prefill was cut — what a prefix-cache hit (prefill resumed at
-/// a page boundary) and chunked prefill rely on — nor on what shares its
-/// batch: prompts longer than the window (40) and than an attention chunk
-/// (128), cut at 1, 7, 37, 64 and 128 tokens, equal the whole prefill bit
-/// for bit, alone and beside another sequence.
-#[test]
-fn sliding_window_rows_equal_bit_for_bit_however_prefill_is_cut() {
+/// A Gemma-3-shaped tiny model: every other layer attends through a
+/// window of 40 positions.
+fn windowed_model() -> Model {
     let mut config = Builtin::Tiny.config();
     config.architecture = kvfence_model::Architecture::Gemma3;
     config.tie_word_embeddings = true;
@@ -200,7 +196,56 @@ fn sliding_window_rows_equal_bit_for_bit_however_prefill_is_cut() {
         local_rope_theta: 1_000.0,
     });
     let tensors = kvfence_model::builtin::weights_for(&config, 23);
-    let model = Model::from_tensors(config, &tensors).unwrap();
+    Model::from_tensors(config, &tensors).unwrap()
+}
+
+/// A lease that keeps only the windows of its sliding-window layers —
+/// their pages given back as the request moves on and stamped anew for its
+/// end (newest freed first, poisoned) — reads exactly what a lease that
+/// keeps everything reads: the logits are the same bit for bit, however
+/// prefill is cut, and short chunks hold a window, not the context.
+#[test]
+fn a_lease_that_keeps_only_the_windows_answers_bit_for_bit_as_one_that_keeps_everything() {
+    let model = windowed_model();
+    let whole_pool = pool_for(&model, 2048);
+    let long = prompt(3, 300);
+    let (whole, tokens) = generate(&model, &whole_pool, 1, &long, 6, usize::MAX);
+    for chunk in [1, 7, 37, 64, 128, 300] {
+        let groups = model.layer_groups(chunk).unwrap();
+        assert_eq!(groups.len(), 2, "a global group and a windowed one");
+        let spec = PoolSpec::new(
+            model.kv_shape(),
+            PAGE,
+            ElemType::F32,
+            PoolSize::Tokens(2048),
+        )
+        .with_layer_groups(groups)
+        .with_scrub(Scrub::Poison)
+        .with_reuse(ReusePolicy::NewestFreedFirst);
+        let pool = Pool::new(&spec).unwrap();
+        let (rows, generated) = generate(&model, &pool, 2, &long, 6, chunk);
+        assert_eq!(rows, whole, "prefill in chunks of {chunk}");
+        assert_eq!(generated, tokens);
+        assert!(pool.stats().at_baseline());
+        if chunk <= 64 {
+            let held = pool.pages_for(306);
+            assert!(
+                held < 2 * 306usize.div_ceil(PAGE),
+                "{held} pages: the windowed group holds a window, not the context"
+            );
+        }
+    }
+}
+
+/// On sliding-window layers too, a sequence's logits do not depend on
+/// where its prefill was cut — what a prefix-cache hit (prefill resumed at
+/// a page boundary) and chunked prefill rely on — nor on what shares its
+/// batch: prompts longer than the window (40) and than an attention chunk
+/// (128), cut at 1, 7, 37, 64 and 128 tokens, equal the whole prefill bit
+/// for bit, alone and beside another sequence.
+#[test]
+fn sliding_window_rows_equal_bit_for_bit_however_prefill_is_cut() {
+    let model = windowed_model();
     let pool = pool_for(&model, 2048);
     let long = prompt(3, 300);
     let (whole, _) = generate(&model, &pool, 1, &long, 4, usize::MAX);
