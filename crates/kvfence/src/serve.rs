@@ -38,8 +38,11 @@ pub(crate) struct ServeArgs {
     /// ends live in this process).
     #[arg(long, value_enum, default_value_t = Handoff::Inproc)]
     handoff: Handoff,
-    /// Tokens of KV cache for the decode (or colocated) worker, rounded up
-    /// to whole pages.
+    /// KV cache for the decode (or colocated) worker: the memory this many
+    /// tokens of the model's KV take, rounded up to whole pages. A
+    /// colocated worker of a model with sliding-window layers (Gemma 3)
+    /// keeps only their windows, so the same memory holds a longer context
+    /// (logged at start-up; `kvfence pool plan` computes it).
     #[arg(long, default_value_t = 16384)]
     kv_pool_tokens: usize,
     /// Tokens of KV cache for the prefill worker (disaggregated mode);
@@ -183,6 +186,16 @@ pub(crate) struct EngineArgs {
     pub(crate) prefix_cache_tenant_quota: u8,
 }
 
+/// What a worker's leases keep of a sliding-window layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KvKeep {
+    /// Every position: a worker whose KV crosses a hand-off (the hand-off
+    /// moves leases of one layer group).
+    Everything,
+    /// Only each sliding-window layer's window (a colocated worker).
+    Windows,
+}
+
 /// On or off.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Switch {
@@ -211,20 +224,41 @@ impl EngineArgs {
         })
     }
 
-    /// A KV pool of `tokens` tokens; public-namespace matches count from
-    /// `public_min_tokens` (only `serve` declares public prefixes).
+    /// A KV pool of the memory `tokens` tokens of the model's KV take;
+    /// public-namespace matches count from `public_min_tokens` (only
+    /// `serve` declares public prefixes). With [`KvKeep::Windows`], a
+    /// model's sliding-window layers keep only their windows, in layer
+    /// groups sharing that memory: short requests fit as many as before,
+    /// long ones cost their global layers and a window of the rest, so the
+    /// longest context grows.
     pub(crate) fn pool(
         &self,
         model: &LoadedModel,
         tokens: usize,
         public_min_tokens: usize,
+        keep: KvKeep,
     ) -> anyhow::Result<Pool> {
-        let mut spec = PoolSpec::new(
+        let full = PoolSpec::new(
             model.model.kv_shape(),
             self.page_size,
             ElemType::from(self.kv_dtype),
             PoolSize::Tokens(tokens),
         );
+        let groups = model.model.layer_groups(self.config()?.longest_write())?;
+        let mut spec = match keep {
+            KvKeep::Windows if groups.is_windowed() => {
+                let bytes = full
+                    .geometry()
+                    .context("sizing a KV pool")?
+                    .capacity_bytes();
+                PoolSpec {
+                    size: PoolSize::Bytes(bytes),
+                    ..full
+                }
+                .with_layer_groups(groups)
+            }
+            KvKeep::Windows | KvKeep::Everything => full,
+        };
         if self.prefix_cache == Switch::On {
             let pages = spec.geometry().context("sizing a KV pool")?.num_pages;
             let quota = (pages * usize::from(self.prefix_cache_tenant_quota)).div_ceil(100);
@@ -235,6 +269,7 @@ impl EngineArgs {
         let pool = Pool::new(&spec).context("allocating a KV pool")?;
         info!(
             tokens = pool.capacity_tokens(),
+            layer_groups = pool.layer_groups().len(),
             bytes = pool.geometry().capacity_bytes(),
             kv_dtype = pool.geometry().elem.name(),
             "KV pool allocated"
@@ -546,7 +581,8 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     let engine = match args.mode {
         Mode::Colocated => Engine::start(
             Arc::clone(&model),
-            args.engine.pool(&model, args.kv_pool_tokens, min)?,
+            args.engine
+                .pool(&model, args.kv_pool_tokens, min, KvKeep::Windows)?,
             config,
         ),
         Mode::Disaggregated => {
@@ -554,8 +590,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
                 &model,
                 args.prefill_pool_tokens.unwrap_or(args.kv_pool_tokens),
                 min,
+                KvKeep::Everything,
             )?;
-            let decode = args.engine.pool(&model, args.kv_pool_tokens, min)?;
+            let decode = args
+                .engine
+                .pool(&model, args.kv_pool_tokens, min, KvKeep::Everything)?;
             let transport = match args.handoff {
                 Handoff::Inproc => Transport::InProcess,
                 Handoff::Shm => Transport::SharedMemory,

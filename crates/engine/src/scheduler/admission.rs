@@ -193,13 +193,15 @@ impl Scheduler {
     }
 
     /// Whether admitting a request that needs `pages` new pages leaves
-    /// every running request a page to grow by: admission stops short of
-    /// the point where the next step would have to preempt.
+    /// every running request room to grow by a page of positions (a page
+    /// of each of its layer groups at most): admission stops short of the
+    /// point where the next step would have to preempt.
     pub(super) fn leaves_room_to_grow(&self, pages: usize) -> bool {
         if self.role == Role::Prefill || self.active.is_empty() {
             return true;
         }
-        self.pool.stats().available_pages() >= pages + self.active.len()
+        let growth = self.active.len() * self.pool.layer_groups().len();
+        self.pool.stats().available_pages() >= pages + growth
     }
 
     /// Tenants admitted no more for now: they hold
@@ -275,8 +277,7 @@ impl Scheduler {
                 self.refuse(&mut pending, FailureKind::TooLong, message);
                 continue;
             }
-            let page_size = self.pool.geometry().page_size;
-            if !self.leaves_room_to_grow(self.first_lease(pending).0.div_ceil(page_size)) {
+            if !self.leaves_room_to_grow(self.pool.pages_for(self.first_lease(pending).0)) {
                 self.shed_for(pending.request.share.sheddable());
                 break;
             }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
 
-use kvfence_model::{SamplingParams, StopStrings};
+use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
 
 use super::{Command, Pending, Role, Scheduler};
@@ -39,7 +39,27 @@ struct Worker {
 }
 
 fn worker(cache: Cache, tokens: usize, step_tokens: usize) -> Worker {
-    let model = model();
+    worker_of(model(), Keep::Everything, cache, tokens, step_tokens)
+}
+
+/// What the pool keeps of sliding-window layers.
+#[derive(Clone, Copy)]
+enum Keep {
+    Everything,
+    Windows,
+}
+
+fn worker_of(
+    model: Arc<LoadedModel>,
+    keep: Keep,
+    cache: Cache,
+    tokens: usize,
+    step_tokens: usize,
+) -> Worker {
+    let config = EngineConfig {
+        step_tokens,
+        ..EngineConfig::default()
+    };
     let mut spec = PoolSpec::new(
         model.model.kv_shape(),
         PAGE,
@@ -48,7 +68,10 @@ fn worker(cache: Cache, tokens: usize, step_tokens: usize) -> Worker {
     )
     .with_scrub(Scrub::Poison)
     .with_reuse(ReusePolicy::NewestFreedFirst);
-    let pages = tokens.div_ceil(PAGE);
+    if let Keep::Windows = keep {
+        spec = spec.with_layer_groups(model.model.layer_groups(config.longest_write()).unwrap());
+    }
+    let pages = spec.geometry().unwrap().num_pages;
     spec = match cache {
         Cache::Off => spec,
         Cache::On => spec.with_prefix_cache(pages),
@@ -56,10 +79,6 @@ fn worker(cache: Cache, tokens: usize, step_tokens: usize) -> Worker {
     };
     let pool = Pool::new(&spec).unwrap();
     let (inbox_tx, inbox) = mpsc::channel();
-    let config = EngineConfig {
-        step_tokens,
-        ..EngineConfig::default()
-    };
     let scheduler = Scheduler::new(
         Role::Colocated,
         model,
@@ -386,4 +405,83 @@ fn i8_a_pool_too_small_for_everyone_grows_lazily_preempts_and_answers_exactly() 
             "lazy growth ran {peak} at once, what up-front reservation allows"
         );
     }
+}
+
+/// A model with sliding-window layers on a pool that keeps only their
+/// windows: every answer — prompts longer than the window, prefilled in
+/// small or large chunks, alone and together, with and without the prefix
+/// cache — is the answer of a pool that keeps every position, and the pool
+/// ends at baseline (I8). Prompts cached past the window are computed
+/// again, not read wrong.
+#[test]
+fn i2_windows_only_answer_bit_for_bit_as_full_kv_does() {
+    let model = crate::testing::windowed_model();
+    let run = |keep: Keep, cache: Cache, step_tokens: usize| {
+        let mut worker = worker_of(Arc::clone(&model), keep, cache, 4096, step_tokens);
+        let mut prompts = family();
+        // Longer than the window (40), an attention chunk (128) and the
+        // pages a window's group holds (448 positions at 256 a step).
+        prompts.push((0..600).map(|i| (i * 7 + 1) % 250).collect());
+        prompts.push((0..600).map(|i| (i * 7 + 1) % 250).collect());
+        let mut out = Vec::new();
+        for prompt in &prompts {
+            out.extend(worker.run(&[request("a", prompt.clone(), 50)]));
+        }
+        let all: Vec<_> = prompts
+            .iter()
+            .map(|p| request("a", p.clone(), 50))
+            .collect();
+        out.extend(worker.run(&all));
+        out
+    };
+    let reference = run(Keep::Everything, Cache::Off, 256);
+    for (cache, step_tokens) in [
+        (Cache::Off, 256),
+        (Cache::Off, 7),
+        (Cache::On, 256),
+        (Cache::On, 7),
+    ] {
+        let windowed = run(Keep::Windows, cache, step_tokens);
+        assert_eq!(texts(&windowed), texts(&reference), "step of {step_tokens}");
+        let hits: usize = windowed.iter().map(|(_, u)| u.cached_tokens).sum();
+        assert_eq!(hits > 0, matches!(cache, Cache::On), "{hits} cached tokens");
+        for ((_, got), (_, want)) in windowed.iter().zip(&reference) {
+            assert_eq!(
+                (got.prompt_tokens, got.completion_tokens),
+                (want.prompt_tokens, want.completion_tokens)
+            );
+        }
+    }
+}
+
+/// The same memory holds a longer context when windows keep only what
+/// they read: a pool of 4,096 tokens of full KV advertises more, and a
+/// request of that length runs to the end.
+#[test]
+fn i6_windows_only_advertise_the_context_their_pages_hold() {
+    let model = crate::testing::windowed_model();
+    let full = worker_of(Arc::clone(&model), Keep::Everything, Cache::Off, 1024, 256);
+    let bytes = full.pool.geometry().capacity_bytes();
+    let config = EngineConfig::default();
+    let spec = PoolSpec::new(
+        model.model.kv_shape(),
+        PAGE,
+        ElemType::F32,
+        PoolSize::Bytes(bytes),
+    )
+    .with_layer_groups(model.model.layer_groups(config.longest_write()).unwrap());
+    let pool = Pool::new(&spec).unwrap();
+    assert!(pool.geometry().capacity_bytes() <= bytes);
+    assert_eq!(full.pool.capacity_tokens(), 1024);
+    assert!(
+        pool.capacity_tokens() > 1024 * 3 / 2,
+        "{} tokens in the memory of 1,024",
+        pool.capacity_tokens()
+    );
+    let pages = pool.geometry().num_pages;
+    assert!(pool.pages_for(pool.capacity_tokens()) <= pages);
+    assert!(
+        pool.pages_for(pool.capacity_tokens() + PAGE) > pages,
+        "the capacity is the longest context the pages hold"
+    );
 }

@@ -69,7 +69,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use kvfence_handoff::{HandoffId, Message, Receiver, Streaming};
 use kvfence_model::{Constraint, LoadedModel, Logits, Pass, PromptLogprob, Sampler};
-use kvfence_pool::{Lease, Pool, RequestId, Window, WindowKey};
+use kvfence_pool::{Keep, Lease, Pool, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, warn};
 
@@ -549,6 +549,18 @@ impl Scheduler {
         counters: Arc<Counters>,
         inbox: mpsc::Receiver<Command>,
     ) -> Self {
+        let groups = pool.layer_groups();
+        assert!(
+            role == Role::Colocated || groups.len() == 1,
+            "a worker whose KV crosses a hand-off keeps every layer in one group"
+        );
+        assert!(
+            (0..groups.len()).all(|g| match groups.keep(g) {
+                Keep::All => true,
+                Keep::Window { max_run, .. } => max_run >= config.longest_write(),
+            }),
+            "a pool's windows hold the longest write of a step"
+        );
         let vocab = model.model.config().vocab_size;
         Scheduler {
             scoring_rows: (step::SCORING_LOGITS_BYTES / (vocab * std::mem::size_of::<f32>()))

@@ -3,6 +3,9 @@
 //! mode (TCP hand-off) as colocated; without a chat template chat requests
 //! are refused with a reason, and with `--chat-template` they are served,
 //! structured outputs included (SentencePiece pieces under a grammar).
+//! Colocated, its sliding-window layers keep only their windows: the same
+//! memory advertises a longer context and a prompt past the window
+//! answers as full KV does.
 
 #![allow(clippy::unwrap_used)]
 
@@ -58,10 +61,45 @@ async fn echoed_scores(server: &Server) -> serde_json::Value {
     logprobs
 }
 
+/// The context `/v1/models` advertises.
+async fn advertised_context(server: &Server) -> u64 {
+    let models = reqwest::get(server.url("/v1/models"))
+        .await
+        .unwrap()
+        .json::<serde_json::Value>()
+        .await
+        .unwrap();
+    models["data"][0]["context_length"].as_u64().unwrap()
+}
+
+/// A greedy continuation of a prompt longer than the window (512) and
+/// than what a window's pages hold (912 positions at 256-token steps), so
+/// a pool that keeps only windows has given pages back before it answers.
+async fn past_the_window(server: &Server) -> (String, u64) {
+    let prompt: String = (0..96)
+        .map(|i| format!("Line {i}: the fox jumps.\n"))
+        .collect();
+    let body = json!({"model": "gemma3-270m", "prompt": prompt, "max_tokens": 12,
+                      "temperature": 0});
+    let (status, answer) = post(&server.url("/v1/completions"), None, body).await;
+    assert_eq!(status, 200, "{answer}");
+    (
+        answer["choices"][0]["text"].as_str().unwrap().to_string(),
+        answer["usage"]["prompt_tokens"].as_u64().unwrap(),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template() {
     let args = ["--model", "gemma3-270m", "--kv-pool-tokens", "1024"];
     let colocated = Server::start(&[&args[..], &["--mode", "colocated"]].concat());
+    // The memory of 1,024 tokens of full KV, windows kept alone: 1,584.
+    assert!(advertised_context(&colocated).await > 1024 * 3 / 2);
+    let (long, prompt_tokens) = past_the_window(&colocated).await;
+    assert!(
+        (913..=1012).contains(&prompt_tokens),
+        "{prompt_tokens} tokens: past a window's pages, within the full pool"
+    );
     let expected = continuations(&colocated).await;
     assert!(
         expected[0].starts_with(" the capital of the country of France."),
@@ -79,6 +117,7 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
         "{refusal}"
     );
     let scored = echoed_scores(&colocated).await;
+    colocated.wait_for_baseline().await;
     drop(colocated);
 
     let template = tempfile::NamedTempFile::new().unwrap();
@@ -97,6 +136,8 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
         ]
         .concat(),
     );
+    assert_eq!(advertised_context(&disaggregated).await, 1024);
+    assert_eq!(past_the_window(&disaggregated).await.0, long);
     assert_eq!(continuations(&disaggregated).await, expected);
     assert_eq!(echoed_scores(&disaggregated).await, scored);
     let url = disaggregated.url("/v1/chat/completions");
