@@ -45,6 +45,16 @@ pub(crate) struct ServeArgs {
     /// (logged at start-up; `kvfence pool plan` computes it).
     #[arg(long, default_value_t = 16384)]
     kv_pool_tokens: usize,
+    /// Whether a colocated worker's sliding-window layers keep only their
+    /// windows (on) or every position (off). Off costs Gemma 3 about five
+    /// times the memory per position of a long context, but keeps a long
+    /// prompt's prefix cacheable: with windows, a window's pages are cached
+    /// only while the prompt fits in them, so a conversation longer than
+    /// that is computed again each turn. On by default with --mode
+    /// colocated; the disaggregated workers keep every position (the
+    /// hand-off moves full KV), so `on` is refused there.
+    #[arg(long, value_enum)]
+    kv_windows: Option<Switch>,
     /// Tokens of KV cache for the prefill worker (disaggregated mode);
     /// defaults to --kv-pool-tokens. The advertised context is the smallest pool's.
     #[arg(long)]
@@ -577,12 +587,23 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.public.files.is_empty() || args.engine.prefix_cache == Switch::On,
         "--public-system-prompt needs --prefix-cache on"
     );
+    anyhow::ensure!(
+        args.mode == Mode::Colocated || args.kv_windows != Some(Switch::On),
+        "--kv-windows on needs --mode colocated: the hand-off between disaggregated workers moves every position"
+    );
     let min = args.public.min_tokens;
     let engine = match args.mode {
         Mode::Colocated => Engine::start(
             Arc::clone(&model),
-            args.engine
-                .pool(&model, args.kv_pool_tokens, min, KvKeep::Windows)?,
+            args.engine.pool(
+                &model,
+                args.kv_pool_tokens,
+                min,
+                match args.kv_windows {
+                    Some(Switch::On) | None => KvKeep::Windows,
+                    Some(Switch::Off) => KvKeep::Everything,
+                },
+            )?,
             config,
         ),
         Mode::Disaggregated => {

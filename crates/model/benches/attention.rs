@@ -2,7 +2,10 @@
 //! 64), read page by page through coverage-checked views: one decode row
 //! over contexts of 512 to 8,192 positions (throughput: KV bytes read per
 //! second, to compare with the machine's memory bandwidth) and a 512-row
-//! prefill tile set over a 2,048-position prefix, for f32 and f16 KV.
+//! prefill tile set over a 2,048-position prefix, for f32 and f16 KV; and
+//! the f16 decode rows again with pages of one layer each (layer groups of
+//! one), where a head's keys are a run in a page of that layer alone rather
+//! than a run in a page of every layer.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -10,13 +13,27 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvfence_model::attention::{KvValue, SequenceQueries, attend};
 use kvfence_model::{Builtin, Model, ModelConfig};
-use kvfence_pool::{Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
+use kvfence_pool::{Keep, LayerGroups, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 const LONGEST: usize = 8192;
 
-fn filled<E: KvValue>(config: &ModelConfig) -> (Pool, Lease) {
+/// How the pool's pages hold the layers.
+#[derive(Clone, Copy)]
+enum Layout {
+    /// A page holds every layer (the pool of one layer group).
+    EveryLayer,
+    /// A page holds one layer (a layer group each).
+    LayerAlone,
+}
+
+fn filled<E: KvValue>(config: &ModelConfig, layout: Layout) -> (Pool, Lease) {
     let shape = Model::kv_shape_of(config);
-    let spec = PoolSpec::new(shape, 16, E::ELEM, PoolSize::Tokens(LONGEST)).with_scrub(Scrub::Off);
+    let mut spec =
+        PoolSpec::new(shape, 16, E::ELEM, PoolSize::Tokens(LONGEST)).with_scrub(Scrub::Off);
+    if let Layout::LayerAlone = layout {
+        let groups = (0..shape.layers).map(|l| (vec![l], Keep::All)).collect();
+        spec = spec.with_layer_groups(LayerGroups::new(groups).expect("a group a layer"));
+    }
     let pool = Pool::new(&spec).expect("bench pool");
     let mut lease = pool.lease(RequestId(1), LONGEST).expect("room");
     let values: Vec<f32> = (0..LONGEST * config.kv_dim())
@@ -29,10 +46,10 @@ fn filled<E: KvValue>(config: &ModelConfig) -> (Pool, Lease) {
     (pool, lease)
 }
 
-fn run<E: KvValue>(c: &mut Criterion, name: &str) {
+fn run<E: KvValue>(c: &mut Criterion, name: &str, layout: Layout) {
     // builtin:small has SmolLM2's attention shape; only its config is used.
     let config = Builtin::Small.config();
-    let (_pool, lease) = filled::<E>(&config);
+    let (_pool, lease) = filled::<E>(&config, layout);
     let q_dim = config.q_dim();
     let queries: Vec<f32> = (0..512 * q_dim)
         .map(|i| ((i * 104_729) % 1000) as f32 / 1000.0 - 0.5)
@@ -63,6 +80,10 @@ fn run<E: KvValue>(c: &mut Criterion, name: &str) {
             })
         });
     }
+    if let Layout::LayerAlone = layout {
+        group.finish();
+        return;
+    }
     group.throughput(Throughput::Elements(512));
     group.bench_function("512 prefill rows after 1,536 positions", |b| {
         b.iter(|| {
@@ -82,8 +103,9 @@ fn run<E: KvValue>(c: &mut Criterion, name: &str) {
 }
 
 fn bench(c: &mut Criterion) {
-    run::<f32>(c, "f32 KV");
-    run::<half::f16>(c, "f16 KV");
+    run::<f32>(c, "f32 KV", Layout::EveryLayer);
+    run::<half::f16>(c, "f16 KV", Layout::EveryLayer);
+    run::<half::f16>(c, "f16 KV, a page a layer", Layout::LayerAlone);
 }
 
 criterion_group!(benches, bench);

@@ -75,7 +75,7 @@ async fn advertised_context(server: &Server) -> u64 {
 /// A greedy continuation of a prompt longer than the window (512) and
 /// than what a window's pages hold (912 positions at 256-token steps), so
 /// a pool that keeps only windows has given pages back before it answers.
-async fn past_the_window(server: &Server) -> (String, u64) {
+async fn past_the_window(server: &Server) -> (String, u64, u64) {
     let prompt: String = (0..96)
         .map(|i| format!("Line {i}: the fox jumps.\n"))
         .collect();
@@ -83,9 +83,13 @@ async fn past_the_window(server: &Server) -> (String, u64) {
                       "temperature": 0});
     let (status, answer) = post(&server.url("/v1/completions"), None, body).await;
     assert_eq!(status, 200, "{answer}");
+    let usage = &answer["usage"];
     (
         answer["choices"][0]["text"].as_str().unwrap().to_string(),
-        answer["usage"]["prompt_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
     )
 }
 
@@ -95,10 +99,16 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
     let colocated = Server::start(&[&args[..], &["--mode", "colocated"]].concat());
     // The memory of 1,024 tokens of full KV, windows kept alone: 1,584.
     assert!(advertised_context(&colocated).await > 1024 * 3 / 2);
-    let (long, prompt_tokens) = past_the_window(&colocated).await;
+    let (long, prompt_tokens, _) = past_the_window(&colocated).await;
     assert!(
         (913..=1012).contains(&prompt_tokens),
         "{prompt_tokens} tokens: past a window's pages, within the full pool"
+    );
+    // Its windows slid before they were sealed: sent again, it is computed
+    // again (the answer stays the same).
+    assert_eq!(
+        past_the_window(&colocated).await,
+        (long.clone(), prompt_tokens, 0)
     );
     let expected = continuations(&colocated).await;
     assert!(
@@ -138,6 +148,36 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
     );
     assert_eq!(advertised_context(&disaggregated).await, 1024);
     assert_eq!(past_the_window(&disaggregated).await.0, long);
+
+    // Windows off: the memory of 1,024 tokens holds 1,024, and the long
+    // prompt's prefix is cached.
+    let full =
+        Server::start(&[&args[..], &["--mode", "colocated", "--kv-windows", "off"]].concat());
+    assert_eq!(advertised_context(&full).await, 1024);
+    assert_eq!(past_the_window(&full).await.0, long);
+    let (again, _, cached) = past_the_window(&full).await;
+    assert_eq!(again, long);
+    // As much as a tenant may cache: half the pool, 512 tokens.
+    assert_eq!(cached, 512);
+    drop(full);
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args([
+            "serve",
+            "--model",
+            "builtin:tiny",
+            "--port",
+            "0",
+            "--kv-windows",
+            "on",
+        ])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--mode colocated"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
     assert_eq!(continuations(&disaggregated).await, expected);
     assert_eq!(echoed_scores(&disaggregated).await, scored);
     let url = disaggregated.url("/v1/chat/completions");
