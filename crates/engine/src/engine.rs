@@ -396,6 +396,12 @@ impl Engine {
         let mut decode_keeps = true;
         for (role, kept) in self.cache_public_prefix(tokens)? {
             match role {
+                // A window's pages are sealed only while the prompt fits in
+                // them: a longer public prompt is not kept, however roomy
+                // the cache.
+                Role::Colocated if kept < whole && self.pool.layer_groups().is_windowed() => {
+                    return Err(EngineError::PublicPromptPastWindow { kept, whole });
+                }
                 Role::Colocated | Role::Prefill if kept < whole => {
                     return Err(EngineError::PublicPromptNotKept {
                         role: role.label(),
@@ -678,6 +684,35 @@ mod tests {
         assert_eq!(engine.in_flight(), 1, "still relaying its end");
         drop(relayed);
         assert_eq!(engine.in_flight(), 0);
+        engine.shutdown();
+    }
+
+    /// A public system prompt a colocated worker keeping only its windows
+    /// cannot seal is refused for that reason, not for a quota; one that
+    /// fits a window's pages is kept.
+    #[test]
+    fn a_public_prompt_longer_than_a_window_is_refused_for_the_window() {
+        let model = crate::testing::windowed_model();
+        let config = EngineConfig::default();
+        let spec = PoolSpec::new(
+            model.model.kv_shape(),
+            16,
+            ElemType::F32,
+            PoolSize::Tokens(8192),
+        )
+        .with_layer_groups(model.model.layer_groups(config.longest_write()).unwrap())
+        .with_prefix_cache(1024);
+        let engine = Engine::start(Arc::clone(&model), Pool::new(&spec).unwrap(), config);
+        let kept = engine
+            .cache_public_system_prompt(&"Be brief. ".repeat(20))
+            .unwrap();
+        assert!(kept.tokens >= 64, "{} tokens kept", kept.tokens);
+        match engine.cache_public_system_prompt(&"Answer in full sentences. ".repeat(40)) {
+            Err(EngineError::PublicPromptPastWindow { kept, whole }) => {
+                assert!(kept < whole, "{kept} of {whole}");
+            }
+            other => panic!("{other:?}"),
+        }
         engine.shutdown();
     }
 }

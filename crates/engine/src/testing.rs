@@ -33,7 +33,7 @@ pub(crate) fn windowed_model() -> Arc<LoadedModel> {
             model: kvfence_model::Model::from_tensors(config, &tensors)
                 .expect("tiny weights fit their own config"),
             tokenizer: tiny.tokenizer.clone(),
-            chat_template: None,
+            chat_template: tiny.chat_template.clone(),
         })
     }))
 }

@@ -652,6 +652,7 @@ fn cache_public_system_prompt(
             EngineError::PublicPromptTooShort { .. } => {
                 " (--public-prefix-min-tokens sets that minimum)".to_string()
             }
+            EngineError::PublicPromptPastWindow { .. } => " (--kv-windows off keeps it)".into(),
             EngineError::PublicPromptNotKept { .. } => format!(
                 " (--prefix-cache-tenant-quota, {}% now)",
                 pools.prefix_cache_tenant_quota
