@@ -82,20 +82,6 @@ pub enum EngineError {
         /// Tokens of the prompt's whole pages.
         whole: usize,
     },
-    /// A colocated worker that keeps only its sliding-window layers'
-    /// windows kept fewer of a public system prompt's pages than it has:
-    /// the prompt is longer than the pages a window holds, which slid
-    /// before they could be sealed.
-    #[error(
-        "the colocated worker kept {kept} of the public system prompt's {whole} tokens: its \
-         sliding-window layers keep only their windows, and the prompt is longer than a window's pages"
-    )]
-    PublicPromptPastWindow {
-        /// Tokens it kept in public pages.
-        kept: usize,
-        /// Tokens of the prompt's whole pages.
-        whole: usize,
-    },
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),

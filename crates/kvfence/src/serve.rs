@@ -46,11 +46,10 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 16384)]
     kv_pool_tokens: usize,
     /// Whether a colocated worker's sliding-window layers keep only their
-    /// windows (on) or every position (off). Off costs Gemma 3 about five
-    /// times the memory per position of a long context, but keeps a long
-    /// prompt's prefix cacheable: with windows, a window's pages are cached
-    /// only while the prompt fits in them, so a conversation longer than
-    /// that is computed again each turn. On by default with --mode
+    /// windows (on) or every position (off, about five times the memory
+    /// per position of a long Gemma 3 context). Either way a prompt's
+    /// prefix is cached: with windows, its global layers' pages and each
+    /// window's pages behind its end. On by default with --mode
     /// colocated; the disaggregated workers keep every position (the
     /// hand-off moves full KV), so `on` is refused there.
     #[arg(long, value_enum)]
@@ -652,7 +651,6 @@ fn cache_public_system_prompt(
             EngineError::PublicPromptTooShort { .. } => {
                 " (--public-prefix-min-tokens sets that minimum)".to_string()
             }
-            EngineError::PublicPromptPastWindow { .. } => " (--kv-windows off keeps it)".into(),
             EngineError::PublicPromptNotKept { .. } => format!(
                 " (--prefix-cache-tenant-quota, {}% now)",
                 pools.prefix_cache_tenant_quota

@@ -28,7 +28,7 @@ use crate::error::PoolError;
 use crate::ledger::{Counters, Holder, Shared};
 use crate::mutation::Mutation;
 use crate::page::{LeaseId, PageRef, RequestId};
-use crate::prefix::{Namespace, block_hash};
+use crate::prefix::{BlockHash, Namespace, block_hash};
 use crate::view::ReadView;
 use crate::window::Window;
 
@@ -46,10 +46,18 @@ pub(crate) struct GroupLease {
     /// Pages given back from the front by [`GroupLease::slide`]: `pages[0]`
     /// holds positions from `released * page_size`.
     released: usize,
+    /// The prompt the lease was granted for, when it has a namespace: a
+    /// slide seals the prompt's full pages it gives back before they go,
+    /// so a window's pages stay in the cache behind it.
+    prompt: Option<Arc<[u32]>>,
+    /// The block hashes of the namespace's chain computed so far, with
+    /// the tokens each was computed from: `(hash of block k, block k)`.
+    chain: Vec<(BlockHash, Box<[u32]>)>,
     one_sided: bool,
 }
 
 impl GroupLease {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         shared: Arc<Shared>,
         id: LeaseId,
@@ -57,6 +65,8 @@ impl GroupLease {
         pages: Vec<PageRef>,
         is_shared: Vec<bool>,
         namespace: Option<Namespace>,
+        released: usize,
+        prompt: Option<Arc<[u32]>>,
     ) -> Self {
         assert_eq!(pages.len(), is_shared.len(), "one flag per page");
         GroupLease {
@@ -66,7 +76,9 @@ impl GroupLease {
             pages,
             is_shared,
             namespace,
-            released: 0,
+            released,
+            prompt,
+            chain: Vec::new(),
             one_sided: false,
         }
     }
@@ -123,6 +135,13 @@ impl GroupLease {
         if count == 0 {
             return Ok(0);
         }
+        // The prompt's full pages behind the window are cached before they
+        // go: a later prompt that begins with this one reads its window
+        // from them.
+        if let Some(prompt) = self.prompt.clone() {
+            let end = prompt.len().min((self.released + count) * page_size);
+            self.seal(&prompt[..end]);
+        }
         let (own, shared): (Vec<_>, Vec<_>) = self.pages[..count]
             .iter()
             .zip(&self.is_shared[..count])
@@ -165,9 +184,9 @@ impl GroupLease {
     /// instead of computing them. A sealed page is never written again,
     /// this lease included (I1). Pages already cached elsewhere, not fully
     /// written, or over the tenant's quota stay the lease's own. Returns how
-    /// many pages were sealed; a lease without a namespace, one a one-sided
-    /// writer may reach, or one that slid (its page 0 no longer holds
-    /// position 0), seals none.
+    /// many pages were sealed; a lease without a namespace or one a
+    /// one-sided writer may reach seals none. Positions a slide gave back
+    /// are not sealed here (the slide sealed what it could).
     pub fn seal(&mut self, tokens: &[u32]) -> usize {
         let Some(mut namespace) = self.namespace.clone() else {
             return 0;
@@ -183,7 +202,7 @@ impl GroupLease {
         {
             namespace = public;
         }
-        if self.one_sided || self.released > 0 {
+        if self.one_sided {
             return 0;
         }
         let page_size = self.shared.geometry.page_size;
@@ -191,20 +210,35 @@ impl GroupLease {
             Some(cache) => cache.weak_hashes(),
             None => return 0,
         };
+        // The chain is remembered for this lease's own namespace only.
+        let remember = Some(&namespace) == self.namespace.as_ref();
         let mut parent = namespace.root();
         let mut sealed = 0;
-        for (index, block) in tokens.chunks_exact(page_size).enumerate() {
-            if index >= self.pages.len() {
-                break;
-            }
-            let hash = block_hash(parent, block, weak);
-            if !self.is_shared[index]
-                && self
-                    .shared
-                    .seal(self.id, self.pages[index], &namespace, hash, parent, block)
-            {
-                self.is_shared[index] = true;
-                sealed += 1;
+        for (block_index, block) in tokens.chunks_exact(page_size).enumerate() {
+            let hash = match self.chain.get(block_index) {
+                Some((hash, seen)) if remember && **seen == *block => *hash,
+                _ => {
+                    let hash = block_hash(parent, block, weak);
+                    if remember {
+                        self.chain.truncate(block_index);
+                        self.chain.push((hash, block.into()));
+                    }
+                    hash
+                }
+            };
+            // Blocks behind a window are hashed for the chain, not sealed.
+            if let Some(index) = block_index.checked_sub(self.released) {
+                if index >= self.pages.len() {
+                    break;
+                }
+                if !self.is_shared[index]
+                    && self
+                        .shared
+                        .seal(self.id, self.pages[index], &namespace, hash, parent, block)
+                {
+                    self.is_shared[index] = true;
+                    sealed += 1;
+                }
             }
             parent = hash;
         }

@@ -7,13 +7,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::PoolError;
 use crate::group::GroupLease;
-use crate::layers::LayerGroups;
+use crate::layers::{Keep, LayerGroups};
 use crate::lease::Lease;
 use crate::ledger::{Counters, Holder, Shared};
 use crate::mutation::Mutation;
 use crate::page::{PageId, PageRef, PageState, RequestId};
 use crate::prefix::{CacheLedger, Found, Namespace};
 use crate::spec::{Geometry, PoolSpec};
+
+/// A prefix whose windows the windowed layer groups hold behind its end
+/// ([`Pool::window_match`]).
+struct WindowMatch {
+    /// The prefix's end (whole pages).
+    end: usize,
+    /// The window's first page.
+    base: usize,
+    /// Each windowed group's pages `base..end / page_size`.
+    windows: Vec<(usize, Vec<PageRef>)>,
+}
 
 /// A fenced KV page pool. Cheap to clone: clones share one arena.
 #[derive(Clone)]
@@ -228,7 +239,7 @@ impl Pool {
         let namespaces: Vec<Option<Namespace>> = (0..per_group.len())
             .map(|g| prefix.map(|(namespace, _)| namespace.group(g)))
             .collect();
-        let (mut found, ids) = {
+        let (mut found, released, ids) = {
             let mut ledger = shared.ledger.lock();
             let mut found: Vec<Found> = match (prefix, &ledger.cache) {
                 (Some((_, prompt)), Some(cache)) => {
@@ -244,14 +255,29 @@ impl Pool {
             };
             // Every group starts from one prefix: the shortest match, within
             // what each group's pages hold.
-            let common = found
+            let mut common = found
                 .iter()
                 .zip(&per_group)
                 .map(|(f, &pages)| f.tokens(page_size).min(pages * page_size))
                 .min()
                 .unwrap_or(0);
-            for f in &mut found {
-                f.truncate(common, page_size);
+            // Where a window's group holds only the pages behind a longer
+            // match, the lease starts with that window, slid to it.
+            let mut released = vec![0; per_group.len()];
+            if let (Some((_, prompt)), Some(cache)) = (prefix, &ledger.cache)
+                && let Some(window) = self.window_match(cache, &found, &namespaces, prompt, common)
+            {
+                for (g, pages) in window.windows {
+                    found[g] = Found {
+                        full: pages,
+                        partial: None,
+                    };
+                    released[g] = window.base;
+                }
+                common = window.end;
+            }
+            for (f, &base) in found.iter_mut().zip(&released) {
+                f.truncate(common - base * page_size, page_size);
             }
             let needed: usize = per_group
                 .iter()
@@ -296,17 +322,25 @@ impl Pool {
                     }
                 }
             }
-            (found, shared.take_free(&mut ledger, needed))
+            (found, released, shared.take_free(&mut ledger, needed))
         };
         let mut ids = ids.into_iter();
-        let cached = found.first().map_or(0, |f| f.tokens(page_size));
+        let cached = found
+            .iter()
+            .zip(&released)
+            .map(|(f, base)| base * page_size + f.tokens(page_size))
+            .min()
+            .unwrap_or(0);
+        let prompt: Option<Arc<[u32]>> = prefix.map(|(_, prompt)| prompt.into());
         let groups = found
             .iter_mut()
             .zip(&per_group)
             .zip(namespaces)
-            .map(|((found, &total), namespace)| {
+            .zip(released)
+            .map(|(((found, &total), namespace), base)| {
                 let own: Vec<_> = ids.by_ref().take(total - found.full.len()).collect();
-                self.lease_group(owner, total, found, own, namespace)
+                let prompt = namespace.as_ref().and(prompt.clone());
+                self.lease_group(owner, total, found, own, namespace, base, prompt)
             })
             .collect();
         if cached > 0 {
@@ -320,9 +354,71 @@ impl Pool {
         Ok(Lease::new(Arc::clone(shared), groups, tokens, cached))
     }
 
+    /// The longest prefix of `prompt` past `contiguous` (the match every
+    /// group holds from position 0) that the groups keeping every position
+    /// hold from 0 and every windowed group holds behind its end — the
+    /// pages a window reads there, from [`Keep::read_start`]: the prefix's
+    /// end, the window's first page, and each windowed group's pages.
+    fn window_match(
+        &self,
+        cache: &CacheLedger,
+        found: &[Found],
+        namespaces: &[Option<Namespace>],
+        prompt: &[u32],
+        contiguous: usize,
+    ) -> Option<WindowMatch> {
+        let groups = &self.shared.groups;
+        let page_size = self.shared.geometry.page_size;
+        let windowed: Vec<usize> = (0..groups.len())
+            .filter(|&g| groups.keep(g) != Keep::All)
+            .collect();
+        let keep = groups.keep(*windowed.first()?);
+        // Whole pages only: a window's pages are never copied from.
+        let kept = (0..groups.len())
+            .filter(|&g| groups.keep(g) == Keep::All)
+            .map(|g| found[g].full.len())
+            .min()?;
+        if kept * page_size <= contiguous {
+            return None;
+        }
+        let cached: Vec<Vec<Option<PageRef>>> = windowed
+            .iter()
+            .map(|&g| {
+                let namespace = namespaces[g].as_ref().expect("a prefix names one");
+                cache.window_pages(namespace, prompt, kept * page_size, page_size)
+            })
+            .collect();
+        (1..=kept)
+            .rev()
+            .take_while(|&end| end * page_size > contiguous)
+            .find_map(|end| {
+                let base = keep.read_start(end * page_size) / page_size;
+                let windows: Option<Vec<_>> = windowed
+                    .iter()
+                    .zip(&cached)
+                    .map(|(&g, pages)| {
+                        Some((
+                            g,
+                            pages[base..end]
+                                .iter()
+                                .copied()
+                                .collect::<Option<Vec<_>>>()?,
+                        ))
+                    })
+                    .collect();
+                Some(WindowMatch {
+                    end: end * page_size,
+                    base,
+                    windows: windows?,
+                })
+            })
+    }
+
     /// One layer group's run of `total` pages: the shared pages `found`
     /// matched, then `own` (taken off the free list), the first of them
-    /// copied from `found`'s partial page when there is one.
+    /// copied from `found`'s partial page when there is one; the run
+    /// starts at page `released` (a window's first).
+    #[allow(clippy::too_many_arguments)]
     fn lease_group(
         &self,
         owner: RequestId,
@@ -330,6 +426,8 @@ impl Pool {
         found: &Found,
         own: Vec<PageId>,
         namespace: Option<Namespace>,
+        released: usize,
+        prompt: Option<Arc<[u32]>>,
     ) -> GroupLease {
         let shared = &self.shared;
         let lease = shared.next_lease_id();
@@ -373,6 +471,8 @@ impl Pool {
             pages,
             shared_flags,
             namespace,
+            released,
+            prompt,
         )
     }
 

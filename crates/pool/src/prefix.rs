@@ -393,6 +393,36 @@ impl CacheLedger {
     /// The cached pages of namespace `ns` that continue `prompt` from page
     /// `first` on, whose chain there has reached `parent`: whole pages, then
     /// the best partial page, all within `limit` positions.
+    /// A windowed layer group's cached pages for prefixes of `prompt`: for
+    /// each whole block `k` below `limit` positions, the shared page
+    /// `namespace`'s own chain holds for it (tokens compared, I9), or
+    /// `None`. Unlike a lookup from the root, gaps are allowed: a window
+    /// needs only the pages behind its end, which [`Found`]-style walks
+    /// would not reach once earlier pages are evicted.
+    pub(crate) fn window_pages(
+        &self,
+        namespace: &Namespace,
+        prompt: &[u32],
+        limit: usize,
+        page_size: usize,
+    ) -> Vec<Option<PageRef>> {
+        let mut parent = namespace.root();
+        prompt[..limit.min(prompt.len())]
+            .chunks_exact(page_size)
+            .map(|block| {
+                let hash = block_hash(parent, block, self.weak_hashes);
+                parent = hash;
+                self.entries
+                    .get(&hash)
+                    .filter(|entry| {
+                        self.resolves(&hash, entry, namespace.id)
+                            && (Mutation::SkipTokenCompare.active() || *entry.tokens == *block)
+                    })
+                    .map(|entry| entry.page)
+            })
+            .collect()
+    }
+
     fn walk(
         &self,
         ns: NamespaceId,

@@ -5,7 +5,8 @@
 //! while other requests take the pages windows gave back (I1, I2); a read
 //! behind a window is refused (I7); a request holds the pages its
 //! positions need and no more, and the pool returns to baseline (I6, I8);
-//! every group of a lease starts from one cached prefix (I9).
+//! every group of a lease starts from one cached prefix, a window's from
+//! the pages behind its end (I9).
 
 // In a test, a panic is the failure report.
 #![allow(clippy::unwrap_used)]
@@ -157,9 +158,11 @@ fn every_group_of_a_lease_starts_from_one_cached_prefix() {
     );
     drop(second);
 
-    // A longer prompt whose windowed group slid before it sealed: its
-    // global pages are cached, its windowed ones are not, and a later
-    // lease starts from the prefix both hold.
+    // A prompt longer than a window's pages: the windowed group seals the
+    // pages it slides past before they go, and the rest at the end; a
+    // later lease starts from the whole prefix — its global pages from
+    // position 0, its window's pages behind the end — and reads what a
+    // miss would compute.
     let long: Vec<u32> = (100..132).collect();
     let mut third = pool
         .lease_with_prefix(RequestId(3), 32, &namespace, &long)
@@ -167,20 +170,33 @@ fn every_group_of_a_lease_starts_from_one_cached_prefix() {
     for start in (0..32).step_by(MAX_RUN) {
         write_run(&mut third, 8, start, MAX_RUN).unwrap();
     }
-    assert_eq!(third.seal(&long), 8, "the global group's eight pages only");
+    assert_eq!(
+        third.seal(&long),
+        8 + 3,
+        "every global page, the window's last three"
+    );
     drop(third);
     let mut longer = long.clone();
     longer.push(7);
-    let fourth = pool
+    let mut fourth = pool
         .lease_with_prefix(RequestId(4), 33, &namespace, &longer)
         .unwrap();
-    assert_eq!(
-        fourth.cached_tokens(),
-        0,
-        "no windowed page holds the prefix"
+    assert_eq!(fourth.cached_tokens(), 32);
+    // The window of a row at 32 reads from 24: pages 6 and 7.
+    assert_eq!(fourth.shared_pages(), 8 + 2);
+    write_run(&mut fourth, 8, 32, 1).unwrap();
+    assert!(
+        reads_own(&fourth, 8, 32, 33),
+        "a hit reads what a miss computes"
     );
-    assert_eq!(fourth.shared_pages(), 0);
     drop(fourth);
+    // Another tenant reads none of it (I9).
+    let stranger = pool.namespace("stranger", None, "model");
+    let fifth = pool
+        .lease_with_prefix(RequestId(5), 33, &stranger, &longer)
+        .unwrap();
+    assert_eq!(fifth.cached_tokens(), 0);
+    drop(fifth);
     assert!(pool.stats().at_baseline());
 }
 

@@ -411,8 +411,8 @@ fn i8_a_pool_too_small_for_everyone_grows_lazily_preempts_and_answers_exactly() 
 /// windows: every answer — prompts longer than the window, prefilled in
 /// small or large chunks, alone and together, with and without the prefix
 /// cache — is the answer of a pool that keeps every position, and the pool
-/// ends at baseline (I8). Prompts cached past the window are computed
-/// again, not read wrong.
+/// ends at baseline (I8). A prompt cached past the window starts from its
+/// global pages and the window's pages behind the match.
 #[test]
 fn i2_windows_only_answer_bit_for_bit_as_full_kv_does() {
     let model = crate::testing::windowed_model();
@@ -445,6 +445,15 @@ fn i2_windows_only_answer_bit_for_bit_as_full_kv_does() {
         assert_eq!(texts(&windowed), texts(&reference), "step of {step_tokens}");
         let hits: usize = windowed.iter().map(|(_, u)| u.cached_tokens).sum();
         assert_eq!(hits > 0, matches!(cache, Cache::On), "{hits} cached tokens");
+        // The second long prompt reads the first's pages: its global layers
+        // from position 0, its windows behind the match's end.
+        let long = family().len() + 1;
+        assert_eq!(
+            windowed[long].1.cached_tokens > 500,
+            matches!(cache, Cache::On),
+            "{:?}",
+            windowed[long].1
+        );
         for ((_, got), (_, want)) in windowed.iter().zip(&reference) {
             assert_eq!(
                 (got.prompt_tokens, got.completion_tokens),
