@@ -494,3 +494,43 @@ fn i6_windows_only_advertise_the_context_their_pages_hold() {
         "the capacity is the longest context the pages hold"
     );
 }
+
+/// Windows that slide while a pool too small for everyone preempts: eight
+/// requests of 320 positions (past the 256 a window's pages hold at
+/// 64-token steps) over 80 pages, which hold two of them grown whole. Each
+/// preempted request gives its windows back, comes back through the
+/// prefix cache or recomputes, and answers what it answers alone on full
+/// KV; the pool ends at baseline (I8).
+#[test]
+fn i8_sliding_windows_preempted_and_resumed_answer_exactly() {
+    let model = crate::testing::windowed_model();
+    let crowd: Vec<GenerationRequest> = (0..8u32)
+        .map(|i| {
+            let prompt = (0..20).map(|t| (t * 7 + i * 31) % 250).collect();
+            let mut request = request("a", prompt, 300);
+            if i % 2 == 1 {
+                request.sampling.temperature = 0.8;
+                request.sampling.seed = u64::from(i);
+            }
+            request
+        })
+        .collect();
+    let mut reference = worker_of(Arc::clone(&model), Keep::Everything, Cache::Off, 4096, 16);
+    let expected = reference.run(&crowd);
+    for cache in [Cache::Off, Cache::On] {
+        let mut small = worker_of(Arc::clone(&model), Keep::Windows, cache, 1024, 16);
+        assert_eq!(small.pool.geometry().num_pages, 80);
+        let got = small.run(&crowd);
+        assert_eq!(
+            texts(&got),
+            texts(&expected),
+            "a preempted request answered differently"
+        );
+        let preempted = small
+            .scheduler
+            .counters
+            .preempted
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert!(preempted > 0, "the pool was meant to run out");
+    }
+}
