@@ -88,9 +88,7 @@ impl GroupLease {
         self.is_shared.iter().filter(|s| **s).count()
     }
 
-    /// Leading pages that are shared: positions
-    /// `0..leading_shared_pages() * page_size` are written and sealed, so a
-    /// hand-off into this lease need not carry them.
+    /// [`crate::Lease::leading_shared_pages`] of this group.
     pub fn leading_shared_pages(&self) -> usize {
         self.is_shared.iter().take_while(|s| **s).count()
     }
@@ -262,9 +260,7 @@ impl GroupLease {
         (self.released + self.pages.len()) * self.shared.geometry.page_size
     }
 
-    /// From now on, a one-sided writer may store into these pages behind the
-    /// pool's back. When the lease is dropped its pages go to `Quarantined`,
-    /// not `Free`, until [`crate::Pool::drain`] is called for this request (I4).
+    /// [`crate::Lease::expose_to_one_sided_writer`] for this group.
     pub fn expose_to_one_sided_writer(&mut self) {
         assert_eq!(
             self.shared_pages(),
@@ -274,11 +270,7 @@ impl GroupLease {
         self.one_sided = true;
     }
 
-    /// Writes K and V of `layer` for `slots` of one page, fenced by `page`.
-    ///
-    /// `k` and `v` are token-major: `[slot][kv_head][head_dim]`. Refused,
-    /// counted and without effect if the page is not held by this lease or
-    /// `page.generation` is not its current generation (I3).
+    /// [`crate::Lease::write`] into this group's pages (`layer` indexes the group).
     pub fn write<E: KvElement>(
         &mut self,
         page: PageRef,
@@ -319,10 +311,7 @@ impl GroupLease {
         Ok(())
     }
 
-    /// Writes every layer's K and V for `slots` of one page from the raw
-    /// bytes of a hand-off chunk, laid out as [`ReadView::export_slots`]
-    /// produces them. Fenced exactly like [`GroupLease::write`] (I3); on success
-    /// the slots are covered in every layer.
+    /// [`crate::Lease::write_slots_raw`] into this group's pages.
     pub fn write_slots_raw(
         &mut self,
         page: PageRef,
@@ -334,10 +323,7 @@ impl GroupLease {
             .copy_slots_in(&mut guard, slots, std::iter::once(bytes))
     }
 
-    /// Opens a one-sided write window over this lease's pages and marks the
-    /// lease as exposed: when it is dropped its pages are quarantined until
-    /// [`Window::release`] finds the window drained (I4). Close it with
-    /// [`GroupLease::close_window`] once the writer is done to release normally.
+    /// [`crate::Lease::open_window`] over this group's pages.
     pub fn open_window(&mut self) -> Window {
         assert_eq!(
             self.shared_pages(),
@@ -352,14 +338,12 @@ impl GroupLease {
         )
     }
 
-    /// Whether a one-sided writer may still reach these pages (an open,
-    /// unclosed window): if so, dropping the lease quarantines them.
+    /// [`crate::Lease::is_exposed`] for this group.
     pub fn is_exposed(&self) -> bool {
         self.one_sided
     }
 
-    /// Revokes `window` and, if no write is still in flight, returns this
-    /// lease to ordinary release. Refused while writes are in flight.
+    /// [`crate::Lease::close_window`] for this group.
     pub fn close_window(&mut self, window: &Window) -> Result<(), PoolError> {
         assert_eq!(
             window.owner(),
@@ -474,8 +458,7 @@ impl GroupLease {
         Ok(())
     }
 
-    /// Checks, without reading, that positions `0..len` of every layer were
-    /// written in the current generation (I2): the hand-off's commit test.
+    /// [`crate::Lease::check_covered`] over this group's layers.
     pub fn check_covered(&self, len: usize) -> Result<(), PoolError> {
         let page_size = self.shared.geometry.page_size;
         self.check_held(0, len)?;
@@ -504,8 +487,7 @@ impl GroupLease {
         Ok(())
     }
 
-    /// A view of positions `0..len` of every layer, refused unless every one
-    /// of them was written in the current generation (I2).
+    /// [`crate::Lease::read_view`] of this group's layers.
     pub fn read_view<E: KvElement>(&self, len: usize) -> Result<ReadView<'_, E>, PoolError> {
         self.read(0..self.shared.geometry.shape.layers, 0, len)
     }
@@ -526,8 +508,7 @@ impl GroupLease {
         self.read(layer..layer + 1, start, len)
     }
 
-    /// A view of positions `0..len` of every layer for raw byte export,
-    /// whatever the element type; refused unless covered (I2).
+    /// [`crate::Lease::read_view_raw`] of this group's layers.
     pub fn read_view_raw(&self, len: usize) -> Result<ReadView<'_, u8>, PoolError> {
         self.read_unchecked_elem(0..self.shared.geometry.shape.layers, 0, len)
     }

@@ -361,14 +361,13 @@ fn a_finished_request_seals_its_completion_for_the_next_turn() {
     assert_eq!(worker.pool.stats().shared_pages, 1 + 3);
 }
 
-/// Eight requests of a 20-token prompt and 60 completion tokens each (five
-/// pages, all reserved up front, so twelve pages would hold two at once),
-/// greedy and sampled, over twelve pages.
-fn crowd() -> Vec<GenerationRequest> {
+/// Eight requests of a 20-token prompt and `max_tokens` completion tokens
+/// each, greedy and sampled.
+fn crowd(max_tokens: usize) -> Vec<GenerationRequest> {
     (0..8u32)
         .map(|i| {
             let prompt = (0..20).map(|t| (t * 7 + i * 31) % 250).collect();
-            let mut request = request("a", prompt, 60);
+            let mut request = request("a", prompt, max_tokens);
             if i % 2 == 1 {
                 request.sampling.temperature = 0.8;
                 request.sampling.seed = u64::from(i);
@@ -380,11 +379,13 @@ fn crowd() -> Vec<GenerationRequest> {
 
 #[test]
 fn i8_a_pool_too_small_for_everyone_grows_lazily_preempts_and_answers_exactly() {
+    // 60 completion tokens each: five pages, all reserved up front, so
+    // twelve pages would hold two at once.
     let mut reference = worker(Cache::Off, 4096, 256);
-    let expected = reference.run(&crowd());
+    let expected = reference.run(&crowd(60));
     for cache in [Cache::Off, Cache::On] {
         let mut small = worker(cache, 12 * PAGE, 256);
-        let (got, peak) = small.run_counting_peak(&crowd());
+        let (got, peak) = small.run_counting_peak(&crowd(60));
         assert_eq!(
             texts(&got),
             texts(&expected),
@@ -504,17 +505,7 @@ fn i6_windows_only_advertise_the_context_their_pages_hold() {
 #[test]
 fn i8_sliding_windows_preempted_and_resumed_answer_exactly() {
     let model = crate::testing::windowed_model();
-    let crowd: Vec<GenerationRequest> = (0..8u32)
-        .map(|i| {
-            let prompt = (0..20).map(|t| (t * 7 + i * 31) % 250).collect();
-            let mut request = request("a", prompt, 300);
-            if i % 2 == 1 {
-                request.sampling.temperature = 0.8;
-                request.sampling.seed = u64::from(i);
-            }
-            request
-        })
-        .collect();
+    let crowd = crowd(300);
     let mut reference = worker_of(Arc::clone(&model), Keep::Everything, Cache::Off, 4096, 16);
     let expected = reference.run(&crowd);
     for cache in [Cache::Off, Cache::On] {
