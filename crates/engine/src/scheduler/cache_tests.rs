@@ -110,6 +110,14 @@ fn request(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerationReque
 }
 
 impl Worker {
+    /// Requests preempted so far.
+    fn preempted(&self) -> u64 {
+        self.scheduler
+            .counters
+            .preempted
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Submits every request in one go (they meet in one admission pass)
     /// and steps until all have ended; their texts and usage, in order.
     fn run(&mut self, requests: &[GenerationRequest]) -> Vec<(String, Usage)> {
@@ -395,12 +403,7 @@ fn i8_a_pool_too_small_for_everyone_grows_lazily_preempts_and_answers_exactly() 
             got.iter().all(|(_, u)| u.completion_tokens == 60),
             "every request ran to its end"
         );
-        let preempted = small
-            .scheduler
-            .counters
-            .preempted
-            .load(std::sync::atomic::Ordering::Relaxed);
-        assert!(preempted > 0, "the pool was meant to run out");
+        assert!(small.preempted() > 0, "the pool was meant to run out");
         assert!(
             peak > 2,
             "lazy growth ran {peak} at once, what up-front reservation allows"
@@ -517,11 +520,6 @@ fn i8_sliding_windows_preempted_and_resumed_answer_exactly() {
             texts(&expected),
             "a preempted request answered differently"
         );
-        let preempted = small
-            .scheduler
-            .counters
-            .preempted
-            .load(std::sync::atomic::Ordering::Relaxed);
-        assert!(preempted > 0, "the pool was meant to run out");
+        assert!(small.preempted() > 0, "the pool was meant to run out");
     }
 }
