@@ -70,7 +70,8 @@ impl LayerGroups {
     /// attends through `windows[i]` (`None`: to everything): global layers
     /// and windowed layers each cut, in order, into groups of the largest
     /// size that divides both counts. Windowed layers must share one
-    /// window. `align` and `max_run` as in [`Keep::Window`].
+    /// window. `align` and `max_run` as in [`Keep::Window`]. A model whose
+    /// every layer is windowed is one group that keeps everything.
     pub fn of_windows(
         windows: &[Option<usize>],
         align: usize,
@@ -95,11 +96,11 @@ impl LayerGroups {
                 "window ({window}), alignment ({align}) and longest write ({max_run}) must be positive"
             ));
         }
+        // Every layer windowed (a small Gemma 3 has no global layer): no
+        // group would say how long a context the pages hold, so the
+        // layers keep every position, as one group.
         if global.is_empty() {
-            return invalid(
-                "a pool of only windowed layers has no context to advertise; give it one group"
-                    .into(),
-            );
+            return Ok(LayerGroups::single(windows.len()));
         }
         let size = gcd(global.len(), local.len());
         let keep = Keep::Window {
@@ -315,7 +316,11 @@ mod tests {
             max_run: 1,
         };
         assert!(LayerGroups::new(vec![(vec![0], window)]).is_err());
-        assert!(LayerGroups::of_windows(&[Some(4), Some(4)], 1, 1).is_err());
+        assert_eq!(
+            LayerGroups::of_windows(&[Some(4), Some(4)], 1, 1),
+            Ok(LayerGroups::single(2)),
+            "no global layer: one group that keeps everything"
+        );
         assert!(LayerGroups::of_windows(&[Some(4), None, Some(8)], 1, 1).is_err());
         assert_eq!(
             LayerGroups::of_windows(&[None, None], 1, 1),
