@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use kvfence_model::LoadedModel;
-use kvfence_pool::{Pool, RequestId};
+use kvfence_pool::{Pool, PoolError, RequestId};
 
 use crate::config::EngineConfig;
 use crate::config::Role;
@@ -154,6 +154,14 @@ impl Engine {
         config: EngineConfig,
         transport: &Transport,
     ) -> Result<Engine, EngineError> {
+        let grouped = prefill_pool.layer_groups().len() > 1 || decode_pool.layer_groups().len() > 1;
+        if *transport == Transport::SharedMemory && grouped {
+            return Err(EngineError::Pool(PoolError::InvalidSpec {
+                reason: "a one-sided (shared-memory) hand-off moves pools of one layer group: \
+                         keep every position of sliding-window layers, or use another transport"
+                    .into(),
+            }));
+        }
         let (prefill_tx, prefill_inbox) = mpsc::channel();
         let mut engine = Engine::decode_worker(
             model.clone(),
@@ -705,5 +713,128 @@ mod tests {
         // Past the 448 positions a window's pages hold at 256-token steps.
         assert!(kept.tokens > 900, "{} tokens kept", kept.tokens);
         engine.shutdown();
+    }
+
+    /// Disaggregated workers that keep only their windows hand off only
+    /// what decode reads — every prompt page of the global layers, the
+    /// window of the others — and answer exactly as one colocated worker
+    /// keeping every position does, over both two-sided transports, with
+    /// and without the prefix caches (a second long prompt starts from
+    /// cached pages at both ends). Both pools end at baseline (I8).
+    #[test]
+    fn sliding_windows_cross_the_hand_off_and_answer_as_full_kv_does() {
+        use crate::request::{CacheScope, Event, GenerationRequest, Share};
+        use crate::{EngineStats, Transport};
+        use kvfence_model::{SamplingParams, StopStrings};
+
+        let model = crate::testing::windowed_model();
+        let config = EngineConfig::default();
+        let groups = model.model.layer_groups(config.longest_write()).unwrap();
+        assert!(groups.is_windowed());
+        let pool = |windows: bool, cache: bool| {
+            let mut spec = PoolSpec::new(
+                model.model.kv_shape(),
+                16,
+                ElemType::F32,
+                PoolSize::Tokens(4096),
+            );
+            if windows {
+                spec = spec.with_layer_groups(groups.clone());
+            }
+            if cache {
+                spec = spec.with_prefix_cache(256);
+            }
+            Pool::new(&spec).unwrap()
+        };
+        let long: Vec<u32> = (0..600).map(|i| (i * 7 + 1) % 250).collect();
+        let prompts = [long.clone(), (0..30).collect(), long];
+        // Texts, counters, and each pool's prefix-cache hits.
+        let run = |engine: &Engine| -> (Vec<String>, EngineStats, Vec<u64>) {
+            let texts = prompts
+                .iter()
+                .map(|prompt| {
+                    let mut handle = engine
+                        .submit(GenerationRequest {
+                            prompt: prompt.clone(),
+                            max_tokens: 30,
+                            sampling: SamplingParams::greedy(),
+                            stop: StopStrings::default(),
+                            ignore_eos: true,
+                            cache: Some(CacheScope::tenant("a", None)),
+                            constraint: None,
+                            share: Share::new("a", 1),
+                            trace: None,
+                        })
+                        .unwrap();
+                    let mut text = String::new();
+                    loop {
+                        match handle.blocking_next().unwrap() {
+                            Event::Token { text: t, .. } => text.push_str(&t),
+                            Event::Finished { .. } => return text,
+                            other => panic!("{other:?}"),
+                        }
+                    }
+                })
+                .collect();
+            // The answer's end reaches the client before its pages go back.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while engine
+                .pools()
+                .iter()
+                .any(|(_, p)| p.stats().leased_pages + p.stats().quarantined_pages > 0)
+            {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "I8: every page back once every request ended"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            let hits: Vec<u64> = engine
+                .pools()
+                .iter()
+                .map(|(_, p)| p.stats().cache_hit_tokens)
+                .collect();
+            (texts, engine.stats(), hits)
+        };
+        let colocated = Engine::start(Arc::clone(&model), pool(false, false), config);
+        let (reference, ..) = run(&colocated);
+        colocated.shutdown();
+        for transport in [Transport::InProcess, Transport::Tcp] {
+            let start = |windows: bool, cache: bool| {
+                Engine::start_disaggregated(
+                    Arc::clone(&model),
+                    pool(windows, cache),
+                    pool(windows, cache),
+                    config,
+                    &transport,
+                )
+                .unwrap()
+            };
+            let full = start(false, false);
+            let (texts, everything, _) = run(&full);
+            full.shutdown();
+            assert_eq!(texts, reference, "{transport:?}, every position");
+            for cache in [false, true] {
+                let windowed = start(true, cache);
+                let (texts, windows, hits) = run(&windowed);
+                windowed.shutdown();
+                assert_eq!(texts, reference, "{transport:?}, windows, cache {cache}");
+                // The second long prompt: the prefill worker computes from
+                // its cached pages, the decode worker is sent only the rest.
+                assert_eq!(
+                    hits.iter().all(|&h| h > 500),
+                    cache,
+                    "decode and prefill cache hits {hits:?}"
+                );
+                assert_eq!(windows.handoffs_committed, 3);
+                // Half the layers cross with a window of their prompt.
+                assert!(
+                    windows.handoff_bytes * 10 < everything.handoff_bytes * 7,
+                    "{} bytes where every position took {}",
+                    windows.handoff_bytes,
+                    everything.handoff_bytes
+                );
+            }
+        }
     }
 }

@@ -18,6 +18,10 @@
 //! whose prompts share prefixes, so shared pages are sealed, read, copied,
 //! evicted and skipped by hand-offs through all of the above.
 //!
+//! A second run of worlds serves a model with sliding-window layers
+//! ([`Kv::Windows`]): every worker keeps only the windows, prompts run past
+//! them, and hand-offs carry only what decode reads.
+//!
 //! After every event it checks:
 //! - I1/I8: every live pool's pages add up (free + leased + shared +
 //!   quarantined);
@@ -33,8 +37,9 @@
 //! - liveness: once the world heals, every request ends, and every pool is
 //!   back at baseline with nothing queued or running.
 //!
-//! `cargo test -p kvfence-engine --lib sim::` runs 2,000 seeds;
-//! `KVFENCE_FLEET_SIM_SEEDS=N` runs N; `KVFENCE_FLEET_SIM_SEED=S` replays one.
+//! `cargo test -p kvfence-engine --lib sim::` runs 2,000 seeds of full KV
+//! and 200 of windows; `KVFENCE_FLEET_SIM_SEEDS=N` runs N of each;
+//! `KVFENCE_FLEET_SIM_SEED=S` replays one (of both).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -43,7 +48,9 @@ use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use kvfence_model::{LoadedModel, PromptLogprob, SamplingParams, StopStrings};
-use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
+use kvfence_pool::{
+    ElemType, LayerGroups, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -66,14 +73,45 @@ const DEADLINE: Duration = Duration::from_secs(30);
 
 use crate::testing::tiny_model as model;
 
-/// What a request produces alone on a colocated engine: its text and
-/// completion tokens. Cached across seeds (requests come from a small
-/// family, so most repeat).
-fn reference(request: &GenerationRequest) -> Reference {
-    type Key = (Vec<u32>, usize, u32, u64, Option<usize>);
-    static ENGINE: OnceLock<Engine> = OnceLock::new();
+/// What the workers of a world keep of their KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kv {
+    /// `builtin:tiny`, every position.
+    Full,
+    /// A tiny model whose every other layer attends through a window of
+    /// 40 positions; every pool keeps only the windows.
+    Windows,
+}
+
+impl Kv {
+    fn model(self) -> Arc<LoadedModel> {
+        match self {
+            Kv::Full => model(),
+            Kv::Windows => crate::testing::windowed_model(),
+        }
+    }
+
+    /// A worker's pool of `tokens` for this model, its layers grouped as
+    /// a worker of `config` groups them.
+    fn pool(self, tokens: usize, config: &EngineConfig) -> Pool {
+        let model = self.model();
+        let groups = match self {
+            Kv::Full => None,
+            Kv::Windows => Some(model.model.layer_groups(config.longest_write()).unwrap()),
+        };
+        pool_of(&model, tokens, Scrub::Poison, true, groups)
+    }
+}
+
+/// What a request produces alone on a colocated engine that keeps every
+/// position of `kv`'s model: its text and completion tokens. Cached
+/// across seeds (requests come from a small family, so most repeat).
+fn reference(kv: Kv, request: &GenerationRequest) -> Reference {
+    type Key = (Kv, Vec<u32>, usize, u32, u64, Option<usize>);
+    static ENGINES: OnceLock<Mutex<HashMap<Kv, Arc<Engine>>>> = OnceLock::new();
     static CACHE: OnceLock<Mutex<HashMap<Key, Reference>>> = OnceLock::new();
     let key = (
+        kv,
         request.prompt.clone(),
         request.max_tokens,
         request.sampling.temperature.to_bits(),
@@ -84,11 +122,18 @@ fn reference(request: &GenerationRequest) -> Reference {
     if let Some(hit) = cache.lock().unwrap().get(&key) {
         return hit.clone();
     }
-    let engine = ENGINE.get_or_init(|| {
-        let model = model();
-        let pool = pool(&model, 1024, Scrub::Zero, false);
-        Engine::start(model, pool, EngineConfig::default())
-    });
+    let engine = Arc::clone(
+        ENGINES
+            .get_or_init(Mutex::default)
+            .lock()
+            .unwrap()
+            .entry(kv)
+            .or_insert_with(|| {
+                let model = kv.model();
+                let pool = pool(&model, 1024, Scrub::Zero, false);
+                Arc::new(Engine::start(model, pool, EngineConfig::default()))
+            }),
+    );
     let mut handle = engine.submit(request.clone()).unwrap();
     let mut text = String::new();
     let mut scores = None;
@@ -109,6 +154,17 @@ fn reference(request: &GenerationRequest) -> Reference {
 type Reference = (String, usize, Option<Vec<PromptLogprob>>);
 
 fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, cache: bool) -> Pool {
+    pool_of(model, tokens, scrub, cache, None)
+}
+
+/// [`pool`], its layers in `groups` if given.
+fn pool_of(
+    model: &LoadedModel,
+    tokens: usize,
+    scrub: Scrub,
+    cache: bool,
+    groups: Option<LayerGroups>,
+) -> Pool {
     let mut spec = PoolSpec::new(
         model.model.kv_shape(),
         PAGE,
@@ -117,6 +173,9 @@ fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, cache: bool) -> Pool {
     )
     .with_scrub(scrub)
     .with_reuse(ReusePolicy::NewestFreedFirst);
+    if let Some(groups) = groups {
+        spec = spec.with_layer_groups(groups);
+    }
     if cache {
         // Half the pool per tenant: two tenants can fill it together.
         spec = spec.with_prefix_cache(tokens.div_ceil(PAGE) / 2);
@@ -127,6 +186,7 @@ fn pool(model: &LoadedModel, tokens: usize, scrub: Scrub, cache: bool) -> Pool {
 /// One worker process: its scheduler while it runs.
 struct Node {
     role: Role,
+    kv: Kv,
     tokens: usize,
     config: EngineConfig,
     live: Option<Live>,
@@ -148,8 +208,8 @@ struct Live {
 
 impl Node {
     fn start(&mut self) {
-        let model = model();
-        let pool = pool(&model, self.tokens, Scrub::Poison, true);
+        let model = self.kv.model();
+        let pool = self.kv.pool(self.tokens, &self.config);
         let counters = Arc::new(Counters::default());
         let (inbox_tx, inbox) = mpsc::channel();
         let scheduler = Scheduler::new(
@@ -249,6 +309,7 @@ enum Fault {
 }
 
 struct World {
+    kv: Kv,
     rng: ChaCha8Rng,
     base: Instant,
     t: Duration,
@@ -265,9 +326,14 @@ struct World {
     log: Vec<String>,
 }
 
-fn request_from(rng: &mut ChaCha8Rng) -> GenerationRequest {
+fn request_from(rng: &mut ChaCha8Rng, kv: Kv) -> GenerationRequest {
     let family = rng.random_range(0..8usize);
-    let len = [3, 9, 17, 30, 45, 70, 100][rng.random_range(0..7)];
+    let len = match kv {
+        Kv::Full => [3, 9, 17, 30, 45, 70, 100][rng.random_range(0..7)],
+        // Past the window (40) and the chunk a windowed read starts on
+        // (128), so windows slide while a prompt is computed and decoded.
+        Kv::Windows => [9, 45, 100, 150, 200, 300][rng.random_range(0..6)],
+    };
     let greedy = rng.random_bool(0.6);
     // Tenant b weighs twice tenant a on every worker.
     let (tenant, weight) = [("a", 1), ("b", 2)][rng.random_range(0..2)];
@@ -306,7 +372,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 impl World {
-    fn new(seed: u64) -> World {
+    fn new(seed: u64, kv: Kv) -> World {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let config = |rng: &mut ChaCha8Rng| EngineConfig {
             max_running: [2, 4, 8][rng.random_range(0..3)],
@@ -321,9 +387,16 @@ impl World {
             // do (and, in half the worlds, from what requests say).
             shared: false,
         };
+        // Windowed worlds hold longer prompts: the incident's prompt fits
+        // a decode pool and no prefill pool there too.
+        let scale: usize = match kv {
+            Kv::Full => 1,
+            Kv::Windows => 2,
+        };
         let node = |role, tokens, config| Node {
             role,
-            tokens,
+            kv,
+            tokens: tokens * scale,
             config,
             live: None,
             restart_at: None,
@@ -359,7 +432,7 @@ impl World {
         }
         let clients = (0..rng.random_range(4..=12))
             .map(|_| {
-                let request = request_from(&mut rng);
+                let request = request_from(&mut rng, kv);
                 let arrives = Duration::from_micros(rng.random_range(0..CHAOS.as_micros() as u64));
                 let abort_at = rng
                     .random_bool(0.15)
@@ -392,6 +465,7 @@ impl World {
         }
         let decode_lives = vec![0; decodes.len()];
         let mut world = World {
+            kv,
             rng,
             base: Instant::now(),
             t: Duration::ZERO,
@@ -640,6 +714,7 @@ impl World {
     /// Reads every client's events and checks them.
     fn clients(&mut self) -> Result<(), String> {
         let lives = self.decode_lives.clone();
+        let kv = self.kv;
         for index in 0..self.clients.len() {
             let client = &mut self.clients[index];
             if client.ended.is_some() {
@@ -682,7 +757,7 @@ impl World {
                         client.tokens += 1;
                     }
                     Ok(Event::Finished { usage, .. }) => {
-                        let (text, tokens, scores) = reference(&client.request);
+                        let (text, tokens, scores) = reference(kv, &client.request);
                         if client.text != text || usage.completion_tokens != tokens {
                             return Err(format!(
                                 "client {index}: finished with {:?} ({} tokens), alone it gives {text:?} ({tokens})",
@@ -919,13 +994,14 @@ impl World {
     }
 }
 
-fn run_seed(seed: u64) -> Result<(), (String, Vec<String>)> {
-    let mut world = World::new(seed);
+fn run_seed(seed: u64, kv: Kv) -> Result<(), (String, Vec<String>)> {
+    let mut world = World::new(seed, kv);
     world.run().map_err(|error| (error, world.log.clone()))
 }
 
-#[test]
-fn the_whole_fleet_holds_every_invariant_under_crashes_partitions_and_aborts() {
+/// Runs `default_seeds` worlds whose workers keep `kv` (or the seeds the
+/// environment names) and checks every invariant in each.
+fn run_worlds(kv: Kv, default_seeds: u64) {
     let replay = |seed| {
         format!(
             "KVFENCE_FLEET_SIM_SEED={seed} cargo test -p kvfence-engine --lib sim:: -- --nocapture"
@@ -933,34 +1009,45 @@ fn the_whole_fleet_holds_every_invariant_under_crashes_partitions_and_aborts() {
     };
     if let Ok(seed) = std::env::var("KVFENCE_FLEET_SIM_SEED") {
         let seed: u64 = seed.parse().expect("KVFENCE_FLEET_SIM_SEED is a number");
-        if let Err((error, log)) = run_seed(seed) {
-            panic!("seed {seed}: {error}\n{}", log.join("\n"));
+        if let Err((error, log)) = run_seed(seed, kv) {
+            panic!("{kv:?} seed {seed}: {error}\n{}", log.join("\n"));
         }
         return;
     }
     // The simulator's pools are harsh already (newest freed page first,
     // poisoned on free): CI's harsh-pools pass adds nothing here but time.
     let default_seeds = if std::env::var_os("KVFENCE_HARSH_POOLS").is_some() {
-        200
+        default_seeds / 10
     } else {
-        2_000
+        default_seeds
     };
     let seeds: u64 = std::env::var("KVFENCE_FLEET_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(default_seeds);
-    let (mut finished, mut faulty) = (0usize, 0usize);
+    let (mut finished, mut faulty, mut past_windows) = (0usize, 0usize, 0usize);
     for seed in 0..seeds {
-        let mut world = World::new(seed);
+        let mut world = World::new(seed, kv);
         if let Err(error) = world.run() {
-            panic!("seed {seed}: {error}\nreplay: {}", replay(seed));
+            panic!("{kv:?} seed {seed}: {error}\nreplay: {}", replay(seed));
         }
         faulty += usize::from(world.faulty);
-        finished += world
-            .clients
-            .iter()
-            .filter(|c| c.ended == Some(Ending::Finished))
-            .count();
+        let done = || {
+            world
+                .clients
+                .iter()
+                .filter(|c| c.ended == Some(Ending::Finished))
+        };
+        finished += done().count();
+        // Prompts whose windowed layers read from past position 0 (the
+        // window, 40, ends past the first 128-position chunk).
+        past_windows += done().filter(|c| c.request.prompt.len() > 168).count();
+    }
+    if kv == Kv::Windows {
+        assert!(
+            past_windows as u64 > seeds / 2,
+            "{past_windows} prompts past a window finished in {seeds} seeds"
+        );
     }
     // The runs really exercised something.
     assert!(
@@ -971,6 +1058,19 @@ fn the_whole_fleet_holds_every_invariant_under_crashes_partitions_and_aborts() {
         faulty as u64 > seeds / 2,
         "{faulty} of {seeds} seeds had faults"
     );
+}
+
+#[test]
+fn the_whole_fleet_holds_every_invariant_under_crashes_partitions_and_aborts() {
+    run_worlds(Kv::Full, 2_000);
+}
+
+/// The same worlds over a model with sliding-window layers, every worker
+/// keeping only the windows: prompts run past the window, hand-offs carry
+/// each window alone, and every answer is still the full-KV answer.
+#[test]
+fn a_fleet_keeping_only_sliding_windows_holds_every_invariant_too() {
+    run_worlds(Kv::Windows, 200);
 }
 
 /// One decode link cannot make a prefill worker hold more orders than it
@@ -1072,7 +1172,7 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
 #[test]
 fn i11_a_fleet_shares_its_workers_between_tenants_by_weight() {
     for seed in 0..8 {
-        let mut world = World::new(seed);
+        let mut world = World::new(seed, Kv::Full);
         world.faults.clear();
         world.faulty = false;
         let client = |tenant: &str, weight: u32, i: usize, arrives: u64| {
@@ -1081,7 +1181,7 @@ fn i11_a_fleet_shares_its_workers_between_tenants_by_weight() {
                 max_tokens: 1,
                 share: Share::new(tenant, weight),
                 cache: Some(CacheScope::tenant(tenant, None)),
-                ..request_from(&mut ChaCha8Rng::seed_from_u64(0))
+                ..request_from(&mut ChaCha8Rng::seed_from_u64(0), Kv::Full)
             };
             Client::new(request, Duration::from_micros(arrives), None)
         };

@@ -47,6 +47,16 @@ pub enum HandoffError {
         /// Source's page size.
         source_size: usize,
     },
+    /// The grant's layer groups are not the source's, or not what the
+    /// transport can move: the bytes of one group's page would land in
+    /// another's layers.
+    #[error("hand-off {id}: the grant's layer groups do not fit: {reason}")]
+    LayerGroupsMismatch {
+        /// Hand-off.
+        id: HandoffId,
+        /// What differs.
+        reason: &'static str,
+    },
     /// A chunk's bytes do not match its checksum (I7).
     #[error("hand-off {id}: checksum mismatch on page {page}")]
     ChecksumMismatch {

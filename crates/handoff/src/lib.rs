@@ -26,4 +26,4 @@ pub use sender::{
     AllSent, ChunkFrames, Chunks, Grant, Put, Streaming, TwoSided, WindowWrites, send_kv,
     send_kv_one_sided,
 };
-pub use wire::{MAX_FRAME, Message, PromptScore};
+pub use wire::{GrantedGroup, MAX_FRAME, Message, PromptScore};

@@ -21,7 +21,7 @@ use kvfence_pool::{Lease, Window};
 use crate::error::HandoffError;
 use crate::id::{Epoch, HandoffId, RejectReason};
 use crate::sender::{chunk_checksum, digest};
-use crate::wire::{MAX_FIRST_LOGPROBS, Message, PromptScore};
+use crate::wire::{GrantedGroup, MAX_FIRST_LOGPROBS, Message, PromptScore};
 
 /// A hand-off whose KV is complete and verified. The lease now holds the
 /// prompt's KV; decoding may start at position `tokens`.
@@ -127,16 +127,24 @@ struct Incoming {
     lease: Lease,
     tokens: usize,
     page_size: usize,
-    /// Leading granted pages the lease already holds (shared prefix-cache
-    /// pages): no chunk may name them, and the digest leaves them out.
-    present: usize,
-    /// Per granted page: the checksum of the chunk received (two-sided).
-    checksums: Vec<Option<u64>>,
+    /// Each layer group's share of the grant.
+    groups: Vec<IncomingGroup>,
     /// The writer's window (one-sided).
     window: Option<Window>,
     /// Alternatives per prompt score `Done` must carry, if the request
     /// asked for the prompt's log-probabilities.
     prompt_logprobs: Option<usize>,
+}
+
+/// One layer group's granted pages as the receiver tracks them.
+struct IncomingGroup {
+    /// The number of the first granted page (counted from position 0).
+    first_page: usize,
+    /// Leading granted pages the lease already holds (shared prefix-cache
+    /// pages): no chunk may name them, and the digest leaves them out.
+    present: usize,
+    /// Per granted page: the checksum of the chunk received (two-sided).
+    checksums: Vec<Option<u64>>,
 }
 
 /// The decode worker's half of the protocol.
@@ -180,13 +188,21 @@ impl Receiver {
         self.draining.len()
     }
 
+    /// Whether `lease` can receive a grant of `tokens` prompt positions:
+    /// every group holds its pages from its first position (a windowed
+    /// group slid to where the first pass reads) to position `tokens`.
     fn check_grant(id: HandoffId, lease: &Lease, tokens: usize) -> Result<u32, HandoffError> {
         let too_large = || HandoffError::GrantTooLarge {
             id,
             tokens,
             capacity: lease.capacity_tokens(),
         };
-        if tokens == 0 || tokens > lease.capacity_tokens() {
+        let page_size = lease.page_size();
+        let holds = (0..lease.layer_groups().len()).all(|g| {
+            let first = lease.group_first_position(g);
+            tokens <= first + lease.group_pages(g).len() * page_size
+        });
+        if tokens == 0 || tokens > lease.capacity_tokens() || !holds {
             return Err(too_large());
         }
         u32::try_from(tokens).map_err(|_| too_large())
@@ -202,19 +218,39 @@ impl Receiver {
         self.next_epoch = self.next_epoch.wrapping_add(1);
         let epoch = Epoch(self.next_epoch);
         let page_size = lease.page_size();
-        let pages = lease.pages()[..(tokens as usize).div_ceil(page_size)].to_vec();
-        let present = lease
-            .leading_shared_pages()
-            .min(pages.len().saturating_sub(1));
+        let pages = (tokens as usize).div_ceil(page_size);
+        let mut granted = Vec::new();
+        let mut incoming = Vec::new();
+        for g in 0..lease.layer_groups().len() {
+            let first_page = lease.group_first_position(g) / page_size;
+            let count = pages.saturating_sub(first_page);
+            let present = lease
+                .group_leading_shared_pages(g)
+                .min(count.saturating_sub(1));
+            granted.push(GrantedGroup {
+                layers: lease
+                    .layer_groups()
+                    .members(g)
+                    .iter()
+                    .map(|&layer| u32::try_from(layer).expect("a model has few layers"))
+                    .collect(),
+                first_page: u32::try_from(first_page).expect("a granted page number fits u32"),
+                present: present as u32,
+                pages: lease.group_pages(g)[..count].to_vec(),
+            });
+            incoming.push(IncomingGroup {
+                first_page,
+                present,
+                checksums: vec![None; count],
+            });
+        }
         let message = Message::Grant {
             id,
             epoch,
             page_size: page_size as u32,
             tokens,
-            present: present as u32,
-            pages: pages.clone(),
+            groups: granted,
         };
-        let checksums = vec![None; pages.len()];
         self.live.insert(
             id,
             Incoming {
@@ -222,8 +258,7 @@ impl Receiver {
                 lease,
                 tokens: tokens as usize,
                 page_size,
-                present,
-                checksums,
+                groups: incoming,
                 window,
                 prompt_logprobs: None,
             },
@@ -233,13 +268,17 @@ impl Receiver {
 
     /// Grants the first `tokens` positions of `lease` (reserved all or
     /// nothing by the caller) to hand-off `id`; returns the `Grant` to send.
-    /// The sender answers with `Chunk`s.
+    /// The sender answers with `Chunk`s. A sliding-window layer group is
+    /// first slid to where the lease's first pass, at position `tokens`,
+    /// reads: it is granted only its window's pages, so the positions
+    /// behind the window never cross the link.
     pub fn grant(
         &mut self,
         id: HandoffId,
-        lease: Lease,
+        mut lease: Lease,
         tokens: usize,
     ) -> Result<Message, HandoffError> {
+        lease.slide_windows(tokens)?;
         let tokens = Self::check_grant(id, &lease, tokens)?;
         Ok(self.insert(id, lease, tokens, None))
     }
@@ -247,12 +286,19 @@ impl Receiver {
     /// Grants like [`Receiver::grant`], but for a one-sided writer: returns
     /// the `Grant` and the [`Window`] through which the writer stores the KV
     /// directly (hand the writer `window.key()` with it).
+    /// A one-sided writer stores into leases of one layer group.
     pub fn grant_one_sided(
         &mut self,
         id: HandoffId,
         mut lease: Lease,
         tokens: usize,
     ) -> Result<(Message, Window), HandoffError> {
+        if lease.layer_groups().len() != 1 {
+            return Err(HandoffError::LayerGroupsMismatch {
+                id,
+                reason: "a one-sided writer stores into leases of one layer group",
+            });
+        }
         let tokens = Self::check_grant(id, &lease, tokens)?;
         let window = lease.open_window();
         Ok((self.insert(id, lease, tokens, Some(window.clone())), window))
@@ -348,11 +394,12 @@ impl Receiver {
                         },
                     );
                 }
-                let granted = incoming.checksums.len();
-                let Some(index) = incoming.lease.pages()[..granted]
-                    .iter()
-                    .position(|p| p.id == page.id)
-                else {
+                let found = incoming.groups.iter().enumerate().find_map(|(g, group)| {
+                    let granted = &incoming.lease.group_pages(g)[..group.checksums.len()];
+                    let index = granted.iter().position(|p| p.id == page.id)?;
+                    Some((g, index))
+                });
+                let Some((g, index)) = found else {
                     return self.fail(
                         id,
                         HandoffError::ChunkOutsideGrant {
@@ -361,7 +408,8 @@ impl Receiver {
                         },
                     );
                 };
-                if index < incoming.present {
+                let group = &incoming.groups[g];
+                if index < group.present {
                     return self.fail(
                         id,
                         HandoffError::ChunkOutsideGrant {
@@ -370,10 +418,11 @@ impl Receiver {
                         },
                     );
                 }
+                let number = group.first_page + index;
                 let slots = slot_start as usize..slot_end as usize;
                 let expected = 0..incoming
                     .page_size
-                    .min(incoming.tokens - index * incoming.page_size);
+                    .min(incoming.tokens - number * incoming.page_size);
                 if slots != expected {
                     return self.fail(
                         id,
@@ -385,13 +434,13 @@ impl Receiver {
                 }
                 if chunk_checksum(std::iter::once(&bytes[..])) != checksum {
                     self.stats.checksum_failures += 1;
-                    return self.fail(id, HandoffError::ChecksumMismatch { id, page: index });
+                    return self.fail(id, HandoffError::ChecksumMismatch { id, page: number });
                 }
                 // The pool checks ownership and the page's generation (I3).
-                if let Err(error) = incoming.lease.write_slots_raw(page, slots, &bytes) {
+                if let Err(error) = incoming.lease.write_group_slots_raw(g, page, slots, &bytes) {
                     return self.fail(id, error.into());
                 }
-                incoming.checksums[index] = Some(checksum);
+                incoming.groups[g].checksums[index] = Some(checksum);
                 self.stats.bytes += bytes.len() as u64;
                 Outcome::Accepted
             }
@@ -480,28 +529,40 @@ impl Receiver {
         if let Some(window) = &incoming.window {
             // Close the window first: from here on nothing can change the
             // bytes being verified, and the lease releases normally later.
+            // (A one-sided grant is of one group, from position 0.)
             incoming.lease.close_window(window)?;
             let view = incoming.lease.read_view_raw(incoming.tokens)?;
-            for index in 0..incoming.checksums.len() {
+            let checksums = &mut incoming.groups[0].checksums;
+            for (index, checksum) in checksums.iter_mut().enumerate() {
                 let slots = 0..incoming
                     .page_size
                     .min(incoming.tokens - index * incoming.page_size);
                 let runs = view.slot_runs(index, slots);
                 written_in_place += runs.clone().map(|run| run.len() as u64).sum::<u64>();
                 // Hashed where the writer put them: no copy.
-                incoming.checksums[index] = Some(chunk_checksum(runs));
+                *checksum = Some(chunk_checksum(runs));
             }
         }
-        let shipped = &incoming.checksums[incoming.present..];
-        let pages = shipped.len();
-        let missing = shipped.iter().filter(|c| c.is_none()).count();
+        let shipped = || {
+            incoming
+                .groups
+                .iter()
+                .flat_map(|group| &group.checksums[group.present..])
+        };
+        let pages = shipped().count();
+        let missing = shipped().filter(|c| c.is_none()).count();
         if missing > 0 {
             return Err(HandoffError::Incomplete { id, missing, pages });
         }
-        // Present pages are covered too: the lease proves every granted
+        // Present pages are covered too: every group proves every granted
         // slot, whichever way it was written (I2).
-        incoming.lease.check_covered(incoming.tokens)?;
-        if digest(shipped.iter().flatten().copied()) != claimed {
+        for (g, group) in incoming.groups.iter().enumerate() {
+            let start = group.first_page * incoming.page_size;
+            incoming
+                .lease
+                .check_group_covered(g, start, incoming.tokens)?;
+        }
+        if digest(shipped().flatten().copied()) != claimed {
             return Err(HandoffError::DigestMismatch { id });
         }
         Ok(written_in_place)

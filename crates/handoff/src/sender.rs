@@ -13,7 +13,7 @@ use twox_hash::XxHash3_64;
 
 use crate::error::HandoffError;
 use crate::id::{Epoch, HandoffId};
-use crate::wire::{Message, PromptScore, chunk_frame};
+use crate::wire::{GrantedGroup, Message, PromptScore, chunk_frame};
 
 /// A grant as the sender holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,10 +26,8 @@ pub struct Grant {
     pub page_size: usize,
     /// Prompt tokens granted.
     pub tokens: usize,
-    /// Leading pages the receiver already holds; they are not shipped.
-    pub present: usize,
-    /// Target pages, in token order.
-    pub pages: Vec<PageRef>,
+    /// Each layer group's pages, in the receiver pool's group order.
+    pub groups: Vec<GrantedGroup>,
 }
 
 impl Grant {
@@ -41,23 +39,35 @@ impl Grant {
                 epoch,
                 page_size,
                 tokens,
-                present,
-                pages,
+                groups,
             } => Some(Grant {
                 id: *id,
                 epoch: *epoch,
                 page_size: *page_size as usize,
                 tokens: *tokens as usize,
-                present: *present as usize,
-                pages: pages.clone(),
+                groups: groups.clone(),
             }),
             _ => None,
         }
     }
 
-    /// Slots of page `index` that hold granted tokens.
-    pub fn slots(&self, index: usize) -> std::ops::Range<usize> {
-        0..self.page_size.min(self.tokens - index * self.page_size)
+    /// Slots of page `page` (counted from position 0) that hold granted
+    /// tokens.
+    pub fn slots(&self, page: usize) -> std::ops::Range<usize> {
+        0..self.page_size.min(self.tokens - page * self.page_size)
+    }
+
+    /// Pages every group is granted, present ones included.
+    pub fn pages(&self) -> usize {
+        self.groups.iter().map(|g| g.pages.len()).sum()
+    }
+
+    /// Pages the sender ships: every group's after its present ones.
+    pub fn pages_to_ship(&self) -> usize {
+        self.groups
+            .iter()
+            .map(|g| g.pages.len().saturating_sub(g.present as usize))
+            .sum()
     }
 }
 
@@ -143,13 +153,15 @@ pub(crate) fn digest(checksums: impl Iterator<Item = u64>) -> u64 {
 #[derive(Debug)]
 pub struct Streaming {
     grant: Grant,
-    checksums: Vec<Option<u64>>,
+    /// For each group, each granted page's shipped chunk's checksum.
+    checksums: Vec<Vec<Option<u64>>>,
 }
 
 /// Where a transfer puts each page: a `Chunk` message (two-sided) or a
 /// write through a window (one-sided).
 pub trait Put {
-    /// Delivers page `index` of the grant (`page`): its `slots`, the chunk's
+    /// Delivers granted page `index` (counted from position 0) of one
+    /// group, `page`: its `slots`, the chunk's
     /// bytes as the source page's `runs` (concatenated in order), and its
     /// checksum.
     fn put<'b>(
@@ -266,11 +278,12 @@ impl Put for WindowWrites<'_> {
 impl Streaming {
     /// Starts a transfer into `grant`.
     pub fn new(grant: Grant) -> Streaming {
-        let pages = grant.pages.len();
-        Streaming {
-            grant,
-            checksums: vec![None; pages],
-        }
+        let checksums = grant
+            .groups
+            .iter()
+            .map(|group| vec![None; group.pages.len()])
+            .collect();
+        Streaming { grant, checksums }
     }
 
     /// The grant being filled.
@@ -292,7 +305,8 @@ impl Streaming {
     }
 
     /// Ships every not-yet-shipped page whose granted slots all lie within
-    /// the first `written` tokens of `source` (proven by its coverage).
+    /// the first `written` tokens of `source` (proven by its coverage),
+    /// group by group.
     pub fn send_ready(
         &mut self,
         source: &Lease,
@@ -301,49 +315,59 @@ impl Streaming {
     ) -> Result<(), HandoffError> {
         self.check_shape(source)?;
         let written = written.min(self.grant.tokens);
-        let ready = (self.grant.present..self.checksums.len())
-            .filter(|&i| {
-                self.checksums[i].is_none()
-                    && self.grant.slots(i).end + i * self.grant.page_size <= written
-            })
-            .count();
-        if ready == 0 {
-            return Ok(());
-        }
-        source.check_covered(written)?;
-        let view = source.read_view_raw(written)?;
-        for index in self.grant.present..self.checksums.len() {
-            let slots = self.grant.slots(index);
-            if self.checksums[index].is_some() || index * self.grant.page_size + slots.end > written
-            {
+        let page_size = self.grant.page_size;
+        for (g, group) in self.grant.groups.iter().enumerate() {
+            let first = group.first_page as usize;
+            let ready: Vec<usize> = (group.present as usize..group.pages.len())
+                .filter(|&i| {
+                    let page = first + i;
+                    self.checksums[g][i].is_none()
+                        && page * page_size + self.grant.slots(page).end <= written
+                })
+                .collect();
+            if ready.is_empty() {
                 continue;
             }
-            let runs = view.slot_runs(index, slots.clone());
-            let checksum = chunk_checksum(runs.clone());
-            out.put(index, self.grant.pages[index], slots, runs, checksum)?;
-            self.checksums[index] = Some(checksum);
+            // A sliding-window group of the source still holds its pages
+            // from the grant's first: it slid only to where its last write
+            // read, never past where the receiver's first pass reads.
+            source.check_group_covered(g, first * page_size, written)?;
+            let view = source.read_group_raw(g, first * page_size, written)?;
+            for i in ready {
+                let page = first + i;
+                let slots = self.grant.slots(page);
+                let runs = view.slot_runs(page, slots.clone());
+                let checksum = chunk_checksum(runs.clone());
+                out.put(page, group.pages[i], slots, runs, checksum)?;
+                self.checksums[g][i] = Some(checksum);
+            }
         }
         Ok(())
     }
 
     /// Ships what is left; refuses (`SourceIncomplete`) unless `source`
-    /// proves every granted token written. Returns the proof for `Done`.
+    /// proves every granted token written in every group. Returns the
+    /// proof for `Done`.
     pub fn finish(mut self, source: &Lease, out: &mut impl Put) -> Result<AllSent, HandoffError> {
         self.check_shape(source)?;
         let need = self.grant.tokens;
-        source
-            .check_covered(need)
-            .map_err(|_| HandoffError::SourceIncomplete {
+        if !self.source_covers(source, need) {
+            return Err(HandoffError::SourceIncomplete {
                 id: self.grant.id,
                 need,
-                have: (0..=need)
+                have: (0..need)
                     .rev()
-                    .find(|&n| source.check_covered(n).is_ok())
+                    .find(|&n| self.source_covers(source, n))
                     .unwrap_or(0),
-            })?;
+            });
+        }
         self.send_ready(source, need, out)?;
-        let checksums: Vec<u64> = self.checksums[self.grant.present..]
+        let checksums: Vec<u64> = self
+            .grant
+            .groups
             .iter()
+            .zip(&self.checksums)
+            .flat_map(|(group, sums)| &sums[group.present as usize..])
             .map(|c| c.expect("every page shipped once the source is complete"))
             .collect();
         Ok(AllSent {
@@ -354,26 +378,56 @@ impl Streaming {
         })
     }
 
+    /// Whether `source` holds the first `len` granted positions of every
+    /// group written.
+    fn source_covers(&self, source: &Lease, len: usize) -> bool {
+        self.grant.groups.iter().enumerate().all(|(g, group)| {
+            let start = group.first_page as usize * self.grant.page_size;
+            source.check_group_covered(g, start, len).is_ok()
+        })
+    }
+
     fn check_shape(&self, source: &Lease) -> Result<(), HandoffError> {
         let grant = &self.grant;
+        let id = grant.id;
         if grant.page_size != source.page_size() {
             return Err(HandoffError::PageSizeMismatch {
-                id: grant.id,
+                id,
                 grant: grant.page_size,
                 source_size: source.page_size(),
             });
         }
-        if grant.pages.len() != grant.tokens.div_ceil(grant.page_size) {
+        let groups = source.layer_groups();
+        if grant.groups.len() != groups.len()
+            || grant.groups.iter().enumerate().any(|(g, group)| {
+                !group
+                    .layers
+                    .iter()
+                    .map(|&layer| layer as usize)
+                    .eq(groups.members(g).iter().copied())
+            })
+        {
+            return Err(HandoffError::LayerGroupsMismatch {
+                id,
+                reason: "the grant's groups hold other layers than the source's",
+            });
+        }
+        let pages = grant.tokens.div_ceil(grant.page_size);
+        if grant
+            .groups
+            .iter()
+            .any(|group| group.pages.len() != pages.saturating_sub(group.first_page as usize))
+        {
             return Err(HandoffError::ChunkOutsideGrant {
-                id: grant.id,
+                id,
                 reason: "grant pages do not match its token count",
             });
         }
         // The receiver keeps at least the last page to be written: a
         // hand-off that ships nothing proves nothing.
-        if grant.present >= grant.pages.len() {
+        if grant.pages_to_ship() == 0 {
             return Err(HandoffError::ChunkOutsideGrant {
-                id: grant.id,
+                id,
                 reason: "a grant leaves no page to ship",
             });
         }

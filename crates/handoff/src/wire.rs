@@ -37,6 +37,27 @@ pub struct PromptScore {
 /// smallest a score can be, which bounds how many a frame can hold.
 const PROMPT_SCORE_MIN_BYTES: usize = 4 + 1 + 8;
 
+/// One layer group's share of a grant: the pages that receive its
+/// layers' KV. A group that keeps every position is granted every page of
+/// the prompt; a sliding-window group only those from where the
+/// receiver's first pass reads (`first_page`), so the positions behind its
+/// window never cross the link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrantedGroup {
+    /// The model layers each of its pages holds, in the order a page
+    /// stores them: the sender's group must hold the same, or its bytes
+    /// would land in other layers.
+    pub layers: Vec<u32>,
+    /// The number of the first granted page, counted from position 0: it
+    /// holds positions from `first_page * page_size`.
+    pub first_page: u32,
+    /// Leading granted pages the receiver already holds (its prefix
+    /// cache): the sender ships none of them.
+    pub present: u32,
+    /// The pages, in token order.
+    pub pages: Vec<PageRef>,
+}
+
 /// One protocol message (`docs/architecture.md`, "The KV hand-off").
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -50,11 +71,9 @@ pub enum Message {
         page_size: u32,
         /// Prompt tokens granted.
         tokens: u32,
-        /// Leading pages the receiver already holds (its prefix cache):
-        /// the sender ships none of them.
-        present: u32,
-        /// The pages, in token order.
-        pages: Vec<PageRef>,
+        /// The receiver's layer groups, in its pool's order, each with the
+        /// pages granted to it.
+        groups: Vec<GrantedGroup>,
     },
     /// prefill → decode: every layer's KV for `slots` of one granted page.
     Chunk {
@@ -145,6 +164,9 @@ const ABORT_ACK: u8 = 6;
 const PROGRESS: u8 = 7;
 
 const PAGE_REF_BYTES: usize = 12;
+/// Bytes of a [`GrantedGroup`] with no layers and no pages: its three
+/// counts and two fields.
+const GRANTED_GROUP_MIN_BYTES: usize = 4 * 4;
 /// A `Chunk` frame's type and fields before its payload.
 const CHUNK_HEADER_BYTES: usize = 1 + 8 + 4 + PAGE_REF_BYTES + 2 + 2 + 8 + 4;
 
@@ -170,22 +192,26 @@ impl Message {
                 epoch,
                 page_size,
                 tokens,
-                present,
-                pages,
+                groups,
             } => {
                 out.push(GRANT);
                 put_u64(out, id.0);
                 put_u32(out, epoch.0);
                 put_u32(out, *page_size);
                 put_u32(out, *tokens);
-                put_u32(out, *present);
-                put_u32(
-                    out,
-                    u32::try_from(pages.len()).expect("grants hold far fewer than 2^32 pages"),
-                );
-                for page in pages {
-                    put_u32(out, page.id.0);
-                    put_u64(out, page.generation.0);
+                put_len(out, groups.len());
+                for group in groups {
+                    put_len(out, group.layers.len());
+                    for &layer in &group.layers {
+                        put_u32(out, layer);
+                    }
+                    put_u32(out, group.first_page);
+                    put_u32(out, group.present);
+                    put_len(out, group.pages.len());
+                    for page in &group.pages {
+                        put_u32(out, page.id.0);
+                        put_u64(out, page.generation.0);
+                    }
                 }
             }
             Message::Chunk {
@@ -324,34 +350,44 @@ impl Message {
         let message = match r.u8()? {
             GRANT => {
                 r.kind = "Grant";
-                let (id, epoch, page_size, tokens, present) = (
-                    HandoffId(r.u64()?),
-                    Epoch(r.u32()?),
-                    r.u32()?,
-                    r.u32()?,
-                    r.u32()?,
-                );
-                let count = r.u32()? as usize;
-                if count.checked_mul(PAGE_REF_BYTES) != Some(r.buf.len()) {
-                    return Err(r.malformed("page count does not match the frame length"));
-                }
-                let mut pages = Vec::with_capacity(count);
+                let (id, epoch, page_size, tokens) =
+                    (HandoffId(r.u64()?), Epoch(r.u32()?), r.u32()?, r.u32()?);
+                // Every count is checked against the bytes left before
+                // anything is allocated for it: counts are the peer's word.
+                let count = r.count(
+                    GRANTED_GROUP_MIN_BYTES,
+                    "more layer groups than the frame holds",
+                )?;
+                let mut groups = Vec::with_capacity(count);
                 for _ in 0..count {
-                    pages.push(PageRef {
-                        id: PageId(r.u32()?),
-                        generation: Generation(r.u64()?),
+                    let layers = r.count(4, "more layers than the frame holds")?;
+                    let layers = (0..layers).map(|_| r.u32()).collect::<Result<_, _>>()?;
+                    let (first_page, present) = (r.u32()?, r.u32()?);
+                    let pages = r.count(PAGE_REF_BYTES, "more pages than the frame holds")?;
+                    let pages = (0..pages)
+                        .map(|_| {
+                            Ok(PageRef {
+                                id: PageId(r.u32()?),
+                                generation: Generation(r.u64()?),
+                            })
+                        })
+                        .collect::<Result<Vec<_>, HandoffError>>()?;
+                    if present as usize > pages.len() {
+                        return Err(r.malformed("more pages present than granted"));
+                    }
+                    groups.push(GrantedGroup {
+                        layers,
+                        first_page,
+                        present,
+                        pages,
                     });
-                }
-                if present as usize > count {
-                    return Err(r.malformed("more pages present than granted"));
                 }
                 Message::Grant {
                     id,
                     epoch,
                     page_size,
                     tokens,
-                    present,
-                    pages,
+                    groups,
                 }
             }
             CHUNK => {
@@ -527,6 +563,14 @@ fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
+/// A count of things in a frame, which is far below 4 GiB.
+fn put_len(out: &mut Vec<u8>, len: usize) {
+    put_u32(
+        out,
+        u32::try_from(len).expect("a frame counts far fewer than 2^32 things"),
+    );
+}
+
 fn put_u64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
@@ -551,6 +595,16 @@ impl<'a> Reader<'a> {
         let (head, tail) = self.buf.split_at(n);
         self.buf = tail;
         Ok(head)
+    }
+
+    /// A count of things of at least `each` bytes, refused (`reason`)
+    /// when the bytes left cannot hold that many.
+    fn count(&mut self, each: usize, reason: &'static str) -> Result<usize, HandoffError> {
+        let count = self.u32()? as usize;
+        if count > self.buf.len() / each {
+            return Err(self.malformed(reason));
+        }
+        Ok(count)
     }
 
     fn u8(&mut self) -> Result<u8, HandoffError> {

@@ -3,7 +3,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-use kvfence_handoff::{Epoch, HandoffId, MAX_FRAME, Message, PromptScore, RejectReason};
+use kvfence_handoff::{
+    Epoch, GrantedGroup, HandoffId, MAX_FRAME, Message, PromptScore, RejectReason,
+};
 use kvfence_pool::{Generation, PageId, PageRef};
 use proptest::prelude::*;
 
@@ -12,6 +14,21 @@ fn page_ref() -> impl Strategy<Value = PageRef> {
         id: PageId(id),
         generation: Generation(g),
     })
+}
+
+fn granted_group() -> impl Strategy<Value = GrantedGroup> {
+    (
+        proptest::collection::vec(any::<u32>(), 0..20),
+        any::<u32>(),
+        proptest::collection::vec(page_ref(), 0..20),
+        any::<prop::sample::Index>(),
+    )
+        .prop_map(|(layers, first_page, pages, present)| GrantedGroup {
+            layers,
+            first_page,
+            present: present.index(pages.len() + 1) as u32,
+            pages,
+        })
 }
 
 fn message() -> impl Strategy<Value = Message> {
@@ -23,19 +40,15 @@ fn message() -> impl Strategy<Value = Message> {
             epoch.clone(),
             any::<u32>(),
             any::<u32>(),
-            proptest::collection::vec(page_ref(), 0..20),
-            any::<prop::sample::Index>()
+            proptest::collection::vec(granted_group(), 0..4),
         )
-            .prop_map(
-                |(id, epoch, page_size, tokens, pages, present)| Message::Grant {
-                    id,
-                    epoch,
-                    page_size,
-                    tokens,
-                    present: present.index(pages.len() + 1) as u32,
-                    pages
-                }
-            ),
+            .prop_map(|(id, epoch, page_size, tokens, groups)| Message::Grant {
+                id,
+                epoch,
+                page_size,
+                tokens,
+                groups
+            }),
         (
             id.clone(),
             epoch.clone(),
@@ -161,15 +174,28 @@ fn malformed_frames_are_errors() {
         epoch: Epoch(1),
         page_size: 16,
         tokens: 3,
-        present: 0,
-        pages: vec![],
+        groups: vec![GrantedGroup {
+            layers: vec![],
+            first_page: 0,
+            present: 0,
+            pages: vec![],
+        }],
     }
     .to_frame();
-    let at = 4 + 1 + 8 + 4 + 4 + 4;
-    grant[at + 4] = 5; // claims 5 pages, carries none
+    assert!(Message::decode(&grant).is_ok());
+    // After the length, type, id, epoch, page size, tokens and group count:
+    // the group's layer count, first page, present count and page count.
+    let at = 4 + 1 + 8 + 4 + 4 + 4 + 4;
+    grant[at + 12] = 5; // claims 5 pages, carries none
     assert!(Message::decode(&grant).is_err());
-    grant[at + 4] = 0;
-    grant[at] = 1; // one page present of none granted
+    grant[at + 12] = 0;
+    grant[at + 8] = 1; // one page present of none granted
+    assert!(Message::decode(&grant).is_err());
+    grant[at + 8] = 0;
+    grant[at] = 200; // claims 200 layers, carries none
+    assert!(Message::decode(&grant).is_err());
+    grant[at] = 0;
+    grant[at - 4] = 2; // claims two groups, carries one
     assert!(Message::decode(&grant).is_err());
     let mut trailing = Message::Abort {
         id: HandoffId(1),

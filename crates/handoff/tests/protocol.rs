@@ -61,7 +61,7 @@ fn setup() -> Setup {
     let reservation = decode.lease(RequestId(100), TOKENS + 6).unwrap();
     let grant_message = wire(&receiver.grant(ID, reservation, TOKENS).unwrap());
     let grant = Grant::from_message(&grant_message).unwrap();
-    assert_eq!(grant.pages.len(), 3, "10 tokens in 4-slot pages");
+    assert_eq!(grant.pages(), 3, "10 tokens in 4-slot pages");
     let source = written_source(&prefill, TOKENS);
     Setup {
         prefill,
@@ -408,7 +408,7 @@ fn pages_ship_as_they_fill_and_the_transfer_still_commits_exactly() {
         // A page leaves once every granted slot of it is written: after 3
         // tokens none, after 6 one, after 9 two, after 10 all three (the last
         // page's grant ends at token 10).
-        let complete = (0..grant.pages.len())
+        let complete = (0..grant.pages())
             .filter(|i| ((i + 1) * PAGE).min(TOKENS) <= end)
             .count();
         assert_eq!(sent.len(), complete, "after {end} tokens");
@@ -479,7 +479,7 @@ fn setup_with_present_page() -> Setup {
 #[test]
 fn i2_pages_the_receiver_holds_are_not_shipped_and_the_commit_still_proves_every_slot() {
     let mut s = setup_with_present_page();
-    assert_eq!(s.grant.present, 2, "two full pages are present");
+    assert_eq!(s.grant.groups[0].present, 2, "two full pages are present");
     let (messages, proof) = chunks(&s);
     assert_eq!(messages.len(), 1, "only the last page crosses the link");
     for m in messages {
@@ -499,7 +499,7 @@ fn i1_a_chunk_for_a_present_page_fails_the_hand_off() {
     let mut s = setup_with_present_page();
     // A sender that ignores `present` and ships page 0 anyway.
     let mut everything = s.grant.clone();
-    everything.present = 0;
+    everything.groups[0].present = 0;
     let mut out = Vec::new();
     let _ = send_kv(&everything, &s.source, |m| out.push(wire(&m))).unwrap();
     fails_with(

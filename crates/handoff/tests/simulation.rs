@@ -216,11 +216,13 @@ impl Sim {
     fn push_done(&mut self, req: &mut Req, done: Message) {
         if self.rng.random_bool(0.05) && req.grant.tokens > 1 {
             req.poisoned = true;
-            let placeholder = Grant {
+            let mut placeholder = Grant {
                 tokens: 1,
-                pages: req.grant.pages[..1].to_vec(),
                 ..req.grant.clone()
             };
+            for group in &mut placeholder.groups {
+                group.pages.truncate(1);
+            }
             let proof = send_kv(&placeholder, &req.source, |m| self.net.push(m)).unwrap();
             self.net.push(proof.done(0, 0));
         } else {

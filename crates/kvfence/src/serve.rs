@@ -39,21 +39,12 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_enum, default_value_t = Handoff::Inproc)]
     handoff: Handoff,
     /// KV cache for the decode (or colocated) worker: the memory this many
-    /// tokens of the model's KV take, rounded up to whole pages. A
-    /// colocated worker of a model with sliding-window layers (Gemma 3)
-    /// keeps only their windows, so the same memory holds a longer context
-    /// (logged at start-up; `kvfence pool plan` computes it).
+    /// tokens of the model's KV take, rounded up to whole pages. A model
+    /// with sliding-window layers (Gemma 3) keeps only their windows
+    /// (--kv-windows), so the same memory holds a longer context (logged
+    /// at start-up; `kvfence pool plan` computes it).
     #[arg(long, default_value_t = 16384)]
     kv_pool_tokens: usize,
-    /// Whether a colocated worker's sliding-window layers keep only their
-    /// windows (on) or every position (off, about five times the memory
-    /// per position of a long Gemma 3 context). Either way a prompt's
-    /// prefix is cached: with windows, its global layers' pages and each
-    /// window's pages behind its end. On by default with --mode
-    /// colocated; the disaggregated workers keep every position (the
-    /// hand-off moves full KV), so `on` is refused there.
-    #[arg(long, value_enum)]
-    kv_windows: Option<Switch>,
     /// Tokens of KV cache for the prefill worker (disaggregated mode);
     /// defaults to --kv-pool-tokens. The advertised context is the smallest pool's.
     #[arg(long)]
@@ -142,6 +133,16 @@ pub(crate) struct EngineArgs {
     /// Token slots per KV page (prefill and decode workers must agree).
     #[arg(long, default_value_t = 16)]
     pub(crate) page_size: usize,
+    /// Whether sliding-window layers (Gemma 3's) keep only their windows
+    /// (on) or every position (off: about five times the memory per
+    /// position of a long Gemma 3 context). With windows, a hand-off moves
+    /// only what decode reads — the global layers' prompt and each
+    /// window — and a prompt's cached prefix is its global layers' pages
+    /// and each window's pages behind its end. On by default, except over
+    /// the shared-memory hand-off, which moves every position (`on` is
+    /// refused there). Every worker of a fleet must say the same.
+    #[arg(long, value_enum)]
+    pub(crate) kv_windows: Option<Switch>,
     /// Element type the KV cache is stored in: f16 holds twice the tokens
     /// of f32 in the same memory and reads half the bytes per decode step;
     /// attention computes in f32 either way (see docs/performance.md for
@@ -198,10 +199,9 @@ pub(crate) struct EngineArgs {
 /// What a worker's leases keep of a sliding-window layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum KvKeep {
-    /// Every position: a worker whose KV crosses a hand-off (the hand-off
-    /// moves leases of one layer group).
+    /// Every position (one layer group).
     Everything,
-    /// Only each sliding-window layer's window (a colocated worker).
+    /// Only each sliding-window layer's window.
     Windows,
 }
 
@@ -213,6 +213,19 @@ pub(crate) enum Switch {
 }
 
 impl EngineArgs {
+    /// What `--kv-windows` asks for, for workers whose KV crosses a
+    /// one-sided (shared-memory) hand-off or not.
+    pub(crate) fn kv_keep(&self, one_sided: bool) -> anyhow::Result<KvKeep> {
+        match (self.kv_windows, one_sided) {
+            (Some(Switch::On), true) => anyhow::bail!(
+                "--kv-windows on needs a two-sided hand-off (--handoff inproc or tcp): \
+                 a shared-memory writer stores every position"
+            ),
+            (Some(Switch::Off), _) | (None, true) => Ok(KvKeep::Everything),
+            (Some(Switch::On) | None, false) => Ok(KvKeep::Windows),
+        }
+    }
+
     pub(crate) fn config(&self) -> anyhow::Result<EngineConfig> {
         anyhow::ensure!(
             self.max_running > 0
@@ -586,23 +599,14 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.public.files.is_empty() || args.engine.prefix_cache == Switch::On,
         "--public-system-prompt needs --prefix-cache on"
     );
-    anyhow::ensure!(
-        args.mode == Mode::Colocated || args.kv_windows != Some(Switch::On),
-        "--kv-windows on needs --mode colocated: the hand-off between disaggregated workers moves every position"
-    );
+    let keep = args
+        .engine
+        .kv_keep(args.mode == Mode::Disaggregated && args.handoff == Handoff::Shm)?;
     let min = args.public.min_tokens;
     let engine = match args.mode {
         Mode::Colocated => Engine::start(
             Arc::clone(&model),
-            args.engine.pool(
-                &model,
-                args.kv_pool_tokens,
-                min,
-                match args.kv_windows {
-                    Some(Switch::On) | None => KvKeep::Windows,
-                    Some(Switch::Off) => KvKeep::Everything,
-                },
-            )?,
+            args.engine.pool(&model, args.kv_pool_tokens, min, keep)?,
             config,
         ),
         Mode::Disaggregated => {
@@ -610,11 +614,9 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
                 &model,
                 args.prefill_pool_tokens.unwrap_or(args.kv_pool_tokens),
                 min,
-                KvKeep::Everything,
+                keep,
             )?;
-            let decode = args
-                .engine
-                .pool(&model, args.kv_pool_tokens, min, KvKeep::Everything)?;
+            let decode = args.engine.pool(&model, args.kv_pool_tokens, min, keep)?;
             let transport = match args.handoff {
                 Handoff::Inproc => Transport::InProcess,
                 Handoff::Shm => Transport::SharedMemory,

@@ -27,8 +27,8 @@ use kvfence_server::{Traces, WorkerStatus};
 use tracing::{info, warn};
 
 use crate::serve::{
-    EngineArgs, HttpArgs, KvKeep, TraceArgs, chat_template_file, load_model, load_text_model,
-    serve_http, shutdown_signal, tenants,
+    EngineArgs, HttpArgs, TraceArgs, chat_template_file, load_model, load_text_model, serve_http,
+    shutdown_signal, tenants,
 };
 
 /// Where a process finds its TLS credentials.
@@ -147,7 +147,7 @@ fn start_worker(
         &model,
         args.kv_pool_tokens,
         kvfence_pool::DEFAULT_PUBLIC_MIN_TOKENS,
-        KvKeep::Everything,
+        args.engine.kv_keep(false)?,
     )?;
     Ok((credentials, model, pool, traces))
 }

@@ -460,8 +460,15 @@ impl GroupLease {
 
     /// [`crate::Lease::check_covered`] over this group's layers.
     pub fn check_covered(&self, len: usize) -> Result<(), PoolError> {
+        self.check_covered_from(0, len)
+    }
+
+    /// Checks, without reading, that every position of the pages from the
+    /// one holding `start` to position `len` is written in every layer of
+    /// this group in the current generation and still held (I2).
+    pub fn check_covered_from(&self, start: usize, len: usize) -> Result<(), PoolError> {
         let page_size = self.shared.geometry.page_size;
-        self.check_held(0, len)?;
+        self.check_held(start, len)?;
         if len > self.capacity_tokens() {
             Counters::bump(&self.shared.counters.reads_refused);
             return Err(PoolError::BeyondLease {
@@ -470,7 +477,13 @@ impl GroupLease {
                 capacity: self.capacity_tokens(),
             });
         }
-        for (index, page_ref) in self.pages[..len.div_ceil(page_size)].iter().enumerate() {
+        let spanned = self.pages_spanned(start, len);
+        if spanned.is_empty() {
+            return Ok(());
+        }
+        // check_held: no spanned page lies before the held ones.
+        let held = spanned.start - self.released..spanned.end - self.released;
+        for (index, page_ref) in spanned.zip(&self.pages[held]) {
             let guard = self.shared.pages[page_ref.id.index()].read();
             let slots = page_size.min(len - index * page_size);
             for layer in 0..self.shared.geometry.shape.layers {
@@ -510,7 +523,17 @@ impl GroupLease {
 
     /// [`crate::Lease::read_view_raw`] of this group's layers.
     pub fn read_view_raw(&self, len: usize) -> Result<ReadView<'_, u8>, PoolError> {
-        self.read_unchecked_elem(0..self.shared.geometry.shape.layers, 0, len)
+        self.read_view_raw_from(0, len)
+    }
+
+    /// A raw view of every layer of this group from the page holding
+    /// `start` to position `len`, refused unless covered and held (I2).
+    pub fn read_view_raw_from(
+        &self,
+        start: usize,
+        len: usize,
+    ) -> Result<ReadView<'_, u8>, PoolError> {
+        self.read_unchecked_elem(0..self.shared.geometry.shape.layers, start, len)
     }
 
     fn read<E: KvElement>(

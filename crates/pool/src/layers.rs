@@ -177,6 +177,12 @@ impl LayerGroups {
         self.place.get(layer).copied()
     }
 
+    /// The model layers group `group` holds, in the order a page stores
+    /// them.
+    pub fn members(&self, group: usize) -> &[usize] {
+        &self.groups[group].0
+    }
+
     /// What group `group` keeps.
     pub fn keep(&self, group: usize) -> Keep {
         self.groups[group].1

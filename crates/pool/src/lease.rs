@@ -239,8 +239,85 @@ impl Lease {
         self.groups.iter().any(GroupLease::is_exposed)
     }
 
-    // Page-level access, for leases of one layer group: the hand-off moves
-    // such leases' pages, a one-sided writer stores into them.
+    // Page-level access by layer group: the hand-off moves each group's
+    // pages from one lease into another of the same groups.
+
+    /// The pool's layer groups, which this lease holds a run of pages in
+    /// each of.
+    pub fn layer_groups(&self) -> &LayerGroups {
+        &self.shared.groups
+    }
+
+    /// Group `group`'s pages, in token order: page `i` holds positions from
+    /// `group_first_position(group) + i * page_size`.
+    pub fn group_pages(&self, group: usize) -> &[PageRef] {
+        self.groups[group].pages()
+    }
+
+    /// The first position group `group` still holds: 0 unless it slid.
+    pub fn group_first_position(&self, group: usize) -> usize {
+        self.groups[group].first_position()
+    }
+
+    /// Group `group`'s leading pages that are shared (written and sealed).
+    pub fn group_leading_shared_pages(&self, group: usize) -> usize {
+        self.groups[group].leading_shared_pages()
+    }
+
+    /// Slides every windowed group to where a pass whose rows start at
+    /// `past` reads ([`Keep::read_start`]), as its first write there would:
+    /// a lease about to receive a prompt of `past` positions holds only
+    /// the pages its next pass reads. All or nothing per group
+    /// (`Exhausted` when the fresh pages for shared ones run short).
+    pub fn slide_windows(&mut self, past: usize) -> Result<(), PoolError> {
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let keep = self.shared.groups.keep(g);
+            if let Keep::Window { .. } = keep {
+                group.slide(keep.read_start(past))?;
+            }
+        }
+        self.assert_windows_sized();
+        Ok(())
+    }
+
+    /// Checks, without reading, that every position of group `group`'s
+    /// pages from the one holding `start` to position `len` was written in
+    /// the current generation and is still held, in each of its layers
+    /// (I2): the hand-off's commit test, group by group.
+    pub fn check_group_covered(
+        &self,
+        group: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<(), PoolError> {
+        self.groups[group].check_covered_from(start, len)
+    }
+
+    /// A view of every layer of group `group` from the page holding
+    /// `start` to position `len`, for raw byte export; refused unless
+    /// covered and held (I2).
+    pub fn read_group_raw(
+        &self,
+        group: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<ReadView<'_, u8>, PoolError> {
+        self.groups[group].read_view_raw_from(start, len)
+    }
+
+    /// [`Lease::write_slots_raw`] into group `group`'s page `page`.
+    pub fn write_group_slots_raw(
+        &mut self,
+        group: usize,
+        page: PageRef,
+        slots: Range<usize>,
+        bytes: &[u8],
+    ) -> Result<(), PoolError> {
+        self.groups[group].write_slots_raw(page, slots, bytes)
+    }
+
+    // Page-level access for leases of one layer group: a one-sided writer
+    // stores into such leases' pages, and tests look at them whole.
 
     /// The pages held, in token order: page `i` holds positions from
     /// `first_position() + i * page_size`. One group only.

@@ -20,13 +20,13 @@ use std::sync::{Arc, Mutex, Weak, mpsc};
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
 use kvfence_model::{LoadedModel, StopStrings};
-use kvfence_pool::{ElemType, Pool};
+use kvfence_pool::Pool;
 use tracing::{info, warn};
 
 use super::discovery::{Membership, PeerNames};
 use super::wire::{
-    Control, Hello, ModelFingerprint, PROTOCOL, Refusal, WireEvent, WirePool, WireStats,
-    parse_control, send_control,
+    Control, Hello, ModelFingerprint, PROTOCOL, PageLayout, Refusal, WireEvent, WirePool,
+    WireStats, parse_control, send_control,
 };
 use super::{Backoff, dial, io, is_transient, lock};
 use crate::Engine;
@@ -56,14 +56,13 @@ impl Engine {
         prefills: PeerNames,
         credentials: &Credentials,
     ) -> Result<Engine, EngineError> {
-        let (page_size, kv_dtype) = (pool.geometry().page_size, pool.geometry().elem);
+        let layout = PageLayout::of(&pool);
         let engine = Engine::decode_worker(model, pool, config, false);
         let keepers = Keepers {
             template: KeeperTemplate {
                 credentials: credentials.clone(),
                 model: ModelFingerprint::of(engine.model()),
-                page_size,
-                kv_dtype,
+                layout,
                 commands: engine.commands(),
                 directory: engine.prefill_directory(),
                 ids: Arc::new(AtomicU64::new(0)),
@@ -112,8 +111,7 @@ fn discover_prefills(
 struct KeeperTemplate {
     credentials: Credentials,
     model: ModelFingerprint,
-    page_size: usize,
-    kv_dtype: ElemType,
+    layout: PageLayout,
     commands: mpsc::Sender<Command>,
     directory: Arc<PrefillDirectory>,
     ids: Arc<AtomicU64>,
@@ -194,7 +192,7 @@ impl PrefillKeeper {
         let shared = &self.shared;
         let (link, hello) = dial(self.address, LinkRole::Prefill, &shared.credentials)?;
         hello
-            .check(shared.model, Some((shared.page_size, shared.kv_dtype)))
+            .check(shared.model, Some(&shared.layout))
             .map_err(|why| EngineError::Invalid {
                 reason: format!(
                     "the prefill worker at {} does not match: {why}",
@@ -318,6 +316,7 @@ pub(crate) fn hello(engine: &Engine) -> Hello {
         model: ModelFingerprint::of(engine.model()),
         page_size: engine.pool().geometry().page_size,
         kv_dtype: engine.pool().geometry().elem.name().into(),
+        layer_groups: PageLayout::of(engine.pool()).layer_groups,
         tokens: engine.pool().capacity_tokens(),
         prefills: engine.prefill_peers(),
     }

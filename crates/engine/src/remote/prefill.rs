@@ -16,7 +16,7 @@ use kvfence_pool::{Pool, PoolStats};
 use tracing::{info, warn};
 
 use super::io;
-use super::wire::{Control, Hello, ModelFingerprint, PROTOCOL, send_control};
+use super::wire::{Control, Hello, ModelFingerprint, PROTOCOL, PageLayout, send_control};
 use crate::config::EngineConfig;
 use crate::config::Role;
 use crate::counters::{Counters, EngineStats, WorkerSnapshot};
@@ -71,6 +71,7 @@ impl PrefillWorker {
             model: ModelFingerprint::of(&model),
             page_size: pool.geometry().page_size,
             kv_dtype: pool.geometry().elem.name().into(),
+            layer_groups: PageLayout::of(&pool).layer_groups,
             tokens: pool.capacity_tokens(),
             prefills: Vec::new(),
         };

@@ -11,7 +11,7 @@ use kvfence_handoff::HandoffError;
 use kvfence_model::{
     Grammar, LoadedModel, ModelConfig, PromptLogprob, SamplingParams, TokenLogprobs,
 };
-use kvfence_pool::{ElemType, PoolStats};
+use kvfence_pool::{ElemType, Pool, PoolStats};
 use serde::{Deserialize, Serialize};
 
 use crate::counters::EngineStats;
@@ -23,8 +23,35 @@ use crate::trace::TraceContext;
 
 /// The control protocol's version; a peer speaking another is refused
 /// (8: orders and `Submit` carry a trace context; 9: `Done` carries the
-/// prompt's scores, and an event carries them to the router).
-pub(crate) const PROTOCOL: u32 = 9;
+/// prompt's scores, and an event carries them to the router; 10: a grant
+/// names each layer group's pages, and `Hello` the groups).
+pub(crate) const PROTOCOL: u32 = 10;
+
+/// How a worker's pool lays out KV pages: what both ends of a hand-off
+/// must share, since pages cross as bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PageLayout {
+    /// Token slots per page.
+    pub(crate) page_size: usize,
+    /// Element type of stored K and V.
+    pub(crate) elem: ElemType,
+    /// The model layers each layer group's pages hold.
+    pub(crate) layer_groups: Vec<Vec<usize>>,
+}
+
+impl PageLayout {
+    /// The layout of `pool`'s pages.
+    pub(crate) fn of(pool: &Pool) -> PageLayout {
+        let groups = pool.layer_groups();
+        PageLayout {
+            page_size: pool.geometry().page_size,
+            elem: pool.geometry().elem,
+            layer_groups: (0..groups.len())
+                .map(|g| groups.members(g).to_vec())
+                .collect(),
+        }
+    }
+}
 
 /// What identifies a model for the hand-off: two workers whose
 /// fingerprints differ cannot read each other's KV.
@@ -83,6 +110,13 @@ pub struct Hello {
     /// Element type of its stored K and V ([`ElemType::name`]): pages are
     /// shipped as bytes, so both ends must read them alike.
     pub kv_dtype: String,
+    /// The model layers each of its pool's layer groups holds: one group
+    /// of every layer, or — keeping only the windows of sliding-window
+    /// layers — global and windowed groups. A hand-off moves pages group
+    /// by group, so both ends must group alike. (Absent from an older
+    /// build's `Hello`, which its protocol number refuses.)
+    #[serde(default)]
+    pub layer_groups: Vec<Vec<usize>>,
     /// Tokens of KV the worker's own pool holds.
     pub tokens: usize,
     /// A decode worker's prefill workers, as its links stand now.
@@ -91,12 +125,12 @@ pub struct Hello {
 
 impl Hello {
     /// Whether a peer that said this can work with one running `model`
-    /// whose pool has `pages` (page size, element type), where that
-    /// matters; `Err` says what differs (no request content).
+    /// whose pool lays out pages as `pages`, where that matters; `Err`
+    /// says what differs (no request content).
     pub(crate) fn check(
         &self,
         model: ModelFingerprint,
-        pages: Option<(usize, ElemType)>,
+        pages: Option<&PageLayout>,
     ) -> Result<(), String> {
         if self.protocol != PROTOCOL {
             return Err(format!(
@@ -110,7 +144,12 @@ impl Hello {
                 self.model, model
             ));
         }
-        let Some((page_size, elem)) = pages else {
+        let Some(&PageLayout {
+            page_size,
+            elem,
+            ref layer_groups,
+        }) = pages
+        else {
             return Ok(());
         };
         if self.page_size != page_size {
@@ -124,6 +163,14 @@ impl Hello {
                 "it stores KV as {}, this process as {}",
                 self.kv_dtype,
                 elem.name()
+            ));
+        }
+        if &self.layer_groups != layer_groups {
+            return Err(format!(
+                "it groups its KV layers as {:?}, this process as {layer_groups:?} \
+                 (one keeps only sliding windows, the other every position: \
+                 set --kv-windows alike)",
+                self.layer_groups
             ));
         }
         Ok(())
@@ -389,7 +436,7 @@ mod tests {
     }
 
     #[test]
-    fn hellos_from_another_protocol_model_page_size_or_kv_type_are_refused() {
+    fn hellos_from_another_protocol_model_page_size_kv_type_or_grouping_are_refused() {
         let model = ModelFingerprint {
             layers: 4,
             kv_heads: 2,
@@ -403,13 +450,27 @@ mod tests {
             model,
             page_size: 16,
             kv_dtype: "f16".into(),
+            layer_groups: vec![vec![0, 1, 2, 3]],
             tokens: 1024,
             prefills: Vec::new(),
         };
-        assert!(hello.check(model, Some((16, ElemType::F16))).is_ok());
-        assert!(hello.check(model, Some((32, ElemType::F16))).is_err());
-        let why = hello.check(model, Some((16, ElemType::BF16))).unwrap_err();
+        let layout = |page_size, elem, layer_groups| PageLayout {
+            page_size,
+            elem,
+            layer_groups,
+        };
+        let ours = layout(16, ElemType::F16, vec![vec![0, 1, 2, 3]]);
+        assert!(hello.check(model, Some(&ours)).is_ok());
+        let pages = layout(32, ElemType::F16, ours.layer_groups.clone());
+        assert!(hello.check(model, Some(&pages)).is_err());
+        let elem = layout(16, ElemType::BF16, ours.layer_groups.clone());
+        let why = hello.check(model, Some(&elem)).unwrap_err();
         assert!(why.contains("f16") && why.contains("bf16"), "{why}");
+        // A decode worker that keeps only windows, a prefill worker that
+        // keeps every position: pages of other layers.
+        let windows = layout(16, ElemType::F16, vec![vec![1, 3], vec![0, 2]]);
+        let why = hello.check(model, Some(&windows)).unwrap_err();
+        assert!(why.contains("--kv-windows"), "{why}");
         let other = ModelFingerprint {
             vocab: 301,
             ..model

@@ -551,10 +551,6 @@ impl Scheduler {
     ) -> Self {
         let groups = pool.layer_groups();
         assert!(
-            role == Role::Colocated || groups.len() == 1,
-            "a worker whose KV crosses a hand-off keeps every layer in one group"
-        );
-        assert!(
             (0..groups.len()).all(|g| match groups.keep(g) {
                 Keep::All => true,
                 Keep::Window { max_run, .. } => max_run >= config.longest_write(),
@@ -589,6 +585,10 @@ impl Scheduler {
 
     /// Decode role over a one-sided transport.
     pub(crate) fn with_one_sided_grants(mut self, one_sided: bool) -> Self {
+        assert!(
+            !one_sided || self.pool.layer_groups().len() == 1,
+            "a one-sided writer stores into pools of one layer group"
+        );
         self.one_sided = one_sided;
         self
     }

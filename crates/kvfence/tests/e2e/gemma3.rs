@@ -3,9 +3,9 @@
 //! mode (TCP hand-off) as colocated; without a chat template chat requests
 //! are refused with a reason, and with `--chat-template` they are served,
 //! structured outputs included (SentencePiece pieces under a grammar).
-//! Colocated, its sliding-window layers keep only their windows: the same
-//! memory advertises a longer context and a prompt past the window
-//! answers as full KV does.
+//! Its sliding-window layers keep only their windows, colocated and across
+//! the hand-off: the same memory advertises a longer context and a prompt
+//! past the window answers as full KV does.
 
 #![allow(clippy::unwrap_used)]
 
@@ -104,7 +104,8 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
         .concat(),
     );
     // The memory of 1,024 tokens of full KV, windows kept alone: 1,584.
-    assert!(advertised_context(&colocated).await > 1024 * 3 / 2);
+    let context = advertised_context(&colocated).await;
+    assert!(context > 1024 * 3 / 2, "{context}");
     let (long, prompt_tokens, _) = past_the_window(&colocated).await;
     assert!(
         (913..=1012).contains(&prompt_tokens),
@@ -153,7 +154,9 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
         ]
         .concat(),
     );
-    assert_eq!(advertised_context(&disaggregated).await, 1024);
+    // Both workers keep windows: each pool holds what the colocated one
+    // did, and only the windows cross the link.
+    assert_eq!(advertised_context(&disaggregated).await, context);
     assert_eq!(past_the_window(&disaggregated).await.0, long);
 
     // Windows off: the memory of 1,024 tokens holds 1,024, and the long
@@ -176,12 +179,14 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
             "0",
             "--kv-windows",
             "on",
+            "--handoff",
+            "shm",
         ])
         .output()
         .unwrap();
     assert!(!refused.status.success());
     assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("--mode colocated"),
+        String::from_utf8_lossy(&refused.stderr).contains("two-sided"),
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
@@ -217,4 +222,45 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
         serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
     assert!(value["city"].is_string(), "{value}");
     disaggregated.wait_for_baseline().await;
+}
+
+/// Gemma 3 as separate processes — `kvfence prefill`, `decode` and
+/// `router` over mutual TLS — keeps only its windows on both workers and
+/// answers as one process does, a prompt past the window included; a
+/// decode worker that keeps every position refuses to link to a prefill
+/// worker that keeps windows, and says which flag to set.
+#[tokio::test(flavor = "multi_thread")]
+async fn gemma3_keeps_its_windows_across_processes() {
+    use crate::common::ClusterTls;
+    use crate::multiprocess::{start_decode, start_prefill, start_router};
+
+    let model = ["--model", "gemma3-270m", "--kv-pool-tokens", "1024"];
+    let one = Server::start(&model);
+    let expected = continuations(&one).await;
+    let (long, ..) = past_the_window(&one).await;
+    let context = advertised_context(&one).await;
+    drop(one);
+
+    let tls = ClusterTls::init();
+    let prefill = start_prefill(&tls, &model);
+    let decode = start_decode(&tls, &prefill.base, &model);
+    let router = start_router(&tls, &decode.base, &model[..2]);
+    assert_eq!(advertised_context(&router).await, context);
+    assert!(context > 1024 * 3 / 2, "{context}");
+    assert_eq!(continuations(&router).await, expected);
+    assert_eq!(past_the_window(&router).await.0, long);
+    router.wait_for_baseline().await;
+
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+        .args(["decode", "--listen", "127.0.0.1:0", "--kv-windows", "off"])
+        .args(model)
+        .args(["--prefill", &prefill.base, "--tls-dir", tls.dir()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "the decode worker started: {stderr}"
+    );
+    assert!(stderr.contains("--kv-windows"), "{stderr}");
 }
