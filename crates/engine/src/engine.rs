@@ -746,7 +746,9 @@ mod tests {
             }
             Pool::new(&spec).unwrap()
         };
-        let long: Vec<u32> = (0..600).map(|i| (i * 7 + 1) % 250).collect();
+        // Past the window (40), and past the 448 positions a window's
+        // pages hold at 256-token steps: a decode lease's window jumps.
+        let long: Vec<u32> = (0..1000).map(|i| (i * 7 + 1) % 250).collect();
         let prompts = [long.clone(), (0..30).collect(), long];
         // Texts, counters, and each pool's prefix-cache hits.
         let run = |engine: &Engine| -> (Vec<String>, EngineStats, Vec<u64>) {

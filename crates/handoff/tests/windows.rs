@@ -66,8 +66,13 @@ fn write(lease: &mut Lease, start: usize, end: usize) -> Result<(), PoolError> {
 
 /// A decode lease granted TOKENS prompt positions, and the grant.
 fn granted(decode: &Pool, receiver: &mut Receiver) -> Grant {
-    let reservation = decode.lease(RequestId(100), TOKENS + 2).unwrap();
-    Grant::from_message(&wire(&receiver.grant(ID, reservation, TOKENS).unwrap())).unwrap()
+    granted_of(decode, receiver, TOKENS)
+}
+
+/// A decode lease granted `tokens` prompt positions, and the grant.
+fn granted_of(decode: &Pool, receiver: &mut Receiver, tokens: usize) -> Grant {
+    let reservation = decode.lease(RequestId(100), tokens + 2).unwrap();
+    Grant::from_message(&wire(&receiver.grant(ID, reservation, tokens).unwrap())).unwrap()
 }
 
 /// What the lease's next pass, at `past`, reads of every layer is the
@@ -259,4 +264,36 @@ fn a_one_sided_writer_is_not_granted_a_lease_of_several_groups() {
         at_baseline(&decode),
         "I8: the refused lease's pages are back"
     );
+}
+
+/// A prompt many windows long: the decode lease's windowed group, which
+/// holds four pages, jumps straight to the window's last pages (page 13 of
+/// a 61-token prompt) instead of stopping four pages in; only they cross.
+#[test]
+fn a_prompt_many_windows_long_is_granted_only_its_last_window() {
+    const LONG: usize = 61;
+    let (prefill, decode) = (pool(windowed()), pool(windowed()));
+    let mut receiver = Receiver::new();
+    let grant = granted_of(&decode, &mut receiver, LONG);
+    // A pass at 61 reads from align_down(61 + 1 − 6, 2) = 56: page 14.
+    let firsts: Vec<u32> = grant.groups.iter().map(|g| g.first_page).collect();
+    let pages: Vec<usize> = grant.groups.iter().map(|g| g.pages.len()).collect();
+    assert_eq!((firsts, pages), (vec![0, 14], vec![16, 2]));
+    let mut source = prefill.lease(RequestId(1), LONG).unwrap();
+    for start in (0..LONG).step_by(STEP) {
+        write(&mut source, start, (start + STEP).min(LONG)).unwrap();
+    }
+    let mut sent = Vec::new();
+    let proof = send_kv(&grant, &source, |m| sent.push(m)).unwrap();
+    assert_eq!(sent.len(), 18);
+    for chunk in sent {
+        assert!(matches!(receiver.handle(wire(&chunk)), Outcome::Accepted));
+    }
+    let Outcome::Committed(committed) = receiver.handle(wire(&proof.done(9, 0))) else {
+        panic!("no commit")
+    };
+    let lease = committed.into_lease();
+    reads_the_prompt(&lease, LONG);
+    drop((lease, source));
+    assert!(at_baseline(&prefill) && at_baseline(&decode), "I8");
 }

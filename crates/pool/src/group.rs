@@ -127,9 +127,11 @@ impl GroupLease {
             "a lease exposed to a one-sided writer keeps its pages until drained"
         );
         let page_size = self.shared.geometry.page_size;
-        let count = (keep_from / page_size)
-            .saturating_sub(self.released)
-            .min(self.pages.len());
+        // Pages of positions to move past; a window asked to keep from
+        // farther than the lease reaches (a receiver's, jumping to a long
+        // prompt's end) gives back every page and starts at `keep_from`.
+        let skip = (keep_from / page_size).saturating_sub(self.released);
+        let count = skip.min(self.pages.len());
         if count == 0 {
             return Ok(0);
         }
@@ -162,11 +164,15 @@ impl GroupLease {
         self.is_shared.drain(..count);
         self.pages.extend(fresh);
         self.is_shared.extend(std::iter::repeat_n(false, count));
-        self.released += count;
+        self.released += skip;
         assert_eq!(
             self.capacity_tokens(),
-            before + count * page_size,
-            "a slide moves the lease's end by the pages it gave back"
+            before + skip * page_size,
+            "a slide moves the lease's end by the pages it moved past"
+        );
+        assert!(
+            self.first_position() <= keep_from,
+            "a slide keeps the page holding keep_from"
         );
         Ok(count)
     }

@@ -323,9 +323,10 @@ impl Harness {
         let Some((lease, model)) = self.live[slot].as_mut() else {
             return;
         };
-        let count = (keep_from / PAGE)
-            .saturating_sub(model.first / PAGE)
-            .min(model.pages.len());
+        // Every page before keep_from's goes, the lease then holding from
+        // there even if that is past all it held.
+        let skip = (keep_from / PAGE).saturating_sub(model.first / PAGE);
+        let count = skip.min(model.pages.len());
         // These leases read no shared pages: a slide cannot run short.
         assert_eq!(lease.slide(keep_from), Ok(count));
         for page in model.pages.drain(..count) {
@@ -350,7 +351,7 @@ impl Harness {
             };
         }
         model.pages.extend_from_slice(fresh);
-        model.first += count * PAGE;
+        model.first += skip * PAGE;
         let first = model.first;
         model.written.retain(|&(_, position), _| position >= first);
         assert_eq!(lease.first_position(), model.first);

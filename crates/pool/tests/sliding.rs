@@ -139,9 +139,12 @@ fn a_slide_gives_back_only_whole_pages_behind_the_window() {
         lease.read_layer_from::<f32>(0, 2 * PAGE, 3 * PAGE + 1),
         Err(PoolError::NotCovered { .. })
     ));
-    // Far past the end: every page is replaced, the count stays.
+    // Far past the end: every page is replaced, the count stays, and the
+    // lease holds the positions from where it was asked to keep (a
+    // receiver's window jumps to a long prompt's end at once).
     assert_eq!(lease.slide(100 * PAGE), Ok(3));
-    assert_eq!(lease.first_position(), 5 * PAGE);
+    assert_eq!(lease.first_position(), 100 * PAGE);
+    assert_eq!(lease.capacity_tokens(), 103 * PAGE);
     assert_eq!(lease.pages().len(), 3);
     let stats = pool.stats();
     assert_eq!((stats.leased_pages, stats.free_pages), (3, 1));
