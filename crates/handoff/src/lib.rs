@@ -10,6 +10,11 @@
 //! - a hand-off commits only if `Done` names the granted token count, every
 //!   page arrived, coverage spans every granted slot and the digest matches;
 //!   anything else fails it and frees its pages (I2, I7, I8).
+//!
+//! A grant is made per layer group of the receiver's pool
+//! ([`GrantedGroup`]): a group of sliding-window layers is granted only the
+//! pages its first pass reads, so positions behind the window never cross;
+//! the sender's groups must hold the same layers.
 
 mod error;
 mod id;

@@ -5,8 +5,8 @@
 //! [`Outcome`]s; it never touches sockets, clocks or threads. A [`Committed`]
 //! hand-off — the only way to get the lease back for decoding — exists only
 //! after `Done` matched the grant's token count, every granted page arrived
-//! intact, coverage spans every granted slot in the lease's current
-//! generation, and the digest matched (I2, I3, I7).
+//! intact, coverage spans every granted slot of every layer group in the
+//! lease's current generation, and the digest matched (I2, I3, I7).
 //!
 //! Two-sided grants (in-process, TCP) see every byte in a `Chunk`, so a
 //! failed or aborted grant frees its pages at once. One-sided grants

@@ -4,6 +4,9 @@
 //! the only way to build a `Done` message. `send_kv` refuses a source that
 //! cannot prove every granted token was written, so a rejected or truncated
 //! prompt — the incident's one-token placeholder — has no path to `Done` (I5).
+//! Pages ship layer group by layer group, each from the source's group of
+//! the same layers, and a grant whose groups are not the source's is refused
+//! before a byte moves.
 
 use std::hash::Hasher as _;
 use std::marker::PhantomData;

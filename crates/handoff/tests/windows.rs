@@ -64,6 +64,16 @@ fn write(lease: &mut Lease, start: usize, end: usize) -> Result<(), PoolError> {
     Ok(())
 }
 
+/// A prefill lease of `prefill` holding `tokens` prompt positions, written
+/// a step at a time.
+fn prefilled(prefill: &Pool, tokens: usize) -> Lease {
+    let mut source = prefill.lease(RequestId(1), tokens).unwrap();
+    for start in (0..tokens).step_by(STEP) {
+        write(&mut source, start, (start + STEP).min(tokens)).unwrap();
+    }
+    source
+}
+
 /// A decode lease granted TOKENS prompt positions, and the grant.
 fn granted(decode: &Pool, receiver: &mut Receiver) -> Grant {
     granted_of(decode, receiver, TOKENS)
@@ -183,10 +193,7 @@ fn i7_done_before_the_windows_pages_arrived_fails_and_frees_them() {
     let (prefill, decode) = (pool(windowed()), pool(windowed()));
     let mut receiver = Receiver::new();
     let grant = granted(&decode, &mut receiver);
-    let mut source = prefill.lease(RequestId(1), TOKENS).unwrap();
-    for start in (0..TOKENS).step_by(STEP) {
-        write(&mut source, start, (start + STEP).min(TOKENS)).unwrap();
-    }
+    let source = prefilled(&prefill, TOKENS);
     let mut sent = Vec::new();
     let proof = send_kv(&grant, &source, |m| sent.push(m)).unwrap();
     // Every chunk of the global layers, none of the window's.
@@ -234,10 +241,7 @@ fn a_source_whose_layers_are_grouped_otherwise_is_refused_before_a_byte_moves() 
         LayerGroups::of_windows(&[None, Some(WINDOW), None, Some(WINDOW)], ALIGN, STEP).unwrap(),
     );
     for prefill in [everything, swapped] {
-        let mut source = prefill.lease(RequestId(1), TOKENS).unwrap();
-        for start in (0..TOKENS).step_by(STEP) {
-            write(&mut source, start, (start + STEP).min(TOKENS)).unwrap();
-        }
+        let source = prefilled(&prefill, TOKENS);
         let mut sent = 0;
         let error = send_kv(&grant, &source, |_| sent += 1).unwrap_err();
         assert!(
@@ -279,10 +283,7 @@ fn a_prompt_many_windows_long_is_granted_only_its_last_window() {
     let firsts: Vec<u32> = grant.groups.iter().map(|g| g.first_page).collect();
     let pages: Vec<usize> = grant.groups.iter().map(|g| g.pages.len()).collect();
     assert_eq!((firsts, pages), (vec![0, 14], vec![16, 2]));
-    let mut source = prefill.lease(RequestId(1), LONG).unwrap();
-    for start in (0..LONG).step_by(STEP) {
-        write(&mut source, start, (start + STEP).min(LONG)).unwrap();
-    }
+    let source = prefilled(&prefill, LONG);
     let mut sent = Vec::new();
     let proof = send_kv(&grant, &source, |m| sent.push(m)).unwrap();
     assert_eq!(sent.len(), 18);
