@@ -151,7 +151,22 @@ impl Scheduler {
     /// writer is never given shared pages: shared-memory grants lease
     /// plainly. A prompt being scored is computed whole where it is
     /// computed: a cached position would have no logits to score it by.)
+    ///
+    /// A lease a decode worker grants holds, of each sliding-window layer
+    /// group, only the pages from where its first pass reads: its windows
+    /// slide there now, so that sliding past cached pages, which takes
+    /// fresh ones, runs short here (`Exhausted`: the request waits) rather
+    /// than in the grant.
     pub(super) fn lease_for(&self, pending: &Pending) -> Result<Lease, PoolError> {
+        let mut lease = self.first_pages(pending)?;
+        if self.role == Role::Decode && pending.resume.is_none() {
+            lease.slide_windows(pending.request.prompt.len())?;
+        }
+        Ok(lease)
+    }
+
+    /// [`Scheduler::lease_for`] before any window slides.
+    fn first_pages(&self, pending: &Pending) -> Result<Lease, PoolError> {
         let (tokens, context) = self.first_lease(pending);
         let one_sided_grant =
             self.role == Role::Decode && self.one_sided && pending.resume.is_none();
