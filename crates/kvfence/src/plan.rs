@@ -31,7 +31,8 @@ pub(crate) struct PlanArgs {
     #[arg(long)]
     tokens: Option<usize>,
     /// Positions a sliding-window layer sees (Gemma 3 270M: 512): those
-    /// layers keep only their window, as a colocated worker's pool does.
+    /// layers keep only their window, as every worker's pool does unless
+    /// `--kv-windows off` (or the shared-memory hand-off).
     #[arg(long)]
     sliding_window: Option<usize>,
     /// With --sliding-window: layer `i` attends to everything when
