@@ -157,7 +157,19 @@ async fn gemma3_continues_like_llama_cpp_in_every_mode_and_chats_with_a_template
     // Both workers keep windows: each pool holds what the colocated one
     // did, and only the windows cross the link.
     assert_eq!(advertised_context(&disaggregated).await, context);
-    assert_eq!(past_the_window(&disaggregated).await.0, long);
+    let (text, prompt_tokens, _) = past_the_window(&disaggregated).await;
+    assert_eq!(text, long);
+    // Full KV would be 18,432 bytes a token (18 layers, one KV head of 256,
+    // f16); the three global layers' prompt and fifteen windows are about
+    // two thirds of it at this length.
+    let moved = disaggregated
+        .metric_sum(|line| line.starts_with("kvfence_handoff_bytes_total"))
+        .await;
+    let full = (prompt_tokens * 18_432) as f64;
+    assert!(
+        moved > 0.0 && moved < 0.75 * full,
+        "{moved} bytes crossed where full KV is {full}"
+    );
 
     // Windows off: the memory of 1,024 tokens holds 1,024, and the long
     // prompt's prefix is cached.
