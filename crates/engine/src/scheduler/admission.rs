@@ -270,6 +270,18 @@ impl Scheduler {
             .collect()
     }
 
+    /// Takes the request at the front of the queue for tenants `eligible`
+    /// — one is there: the caller just looked at it — and stops counting
+    /// it queued.
+    fn take_front(&mut self, eligible: impl Fn(&str) -> bool) -> Pending {
+        let pending = self
+            .waiting
+            .pop_front(eligible)
+            .expect("the front the caller looked at is still there");
+        self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+        pending
+    }
+
     pub(super) fn admit(&mut self, now: Instant) {
         // Incident replay (l): cached tokens read off the pool-wide counter
         // across an admission pass, other tenants' hits included.
@@ -287,8 +299,7 @@ impl Scheduler {
                 break;
             }
             if let Some(message) = self.can_never_fit(pending) {
-                let mut pending = self.waiting.pop_front(eligible).expect("the front exists");
-                self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+                let mut pending = self.take_front(eligible);
                 self.refuse(&mut pending, FailureKind::TooLong, message);
                 continue;
             }
@@ -303,9 +314,7 @@ impl Scheduler {
                 match self.choose_prefill(pending) {
                     Ok(peer) => Some(peer),
                     Err((kind, message)) => {
-                        let mut pending =
-                            self.waiting.pop_front(eligible).expect("the front exists");
-                        self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+                        let mut pending = self.take_front(eligible);
                         self.refuse(&mut pending, kind, message);
                         continue;
                     }
@@ -321,14 +330,12 @@ impl Scheduler {
                     break;
                 }
                 Err(error) => {
-                    let mut pending = self.waiting.pop_front(eligible).expect("the front exists");
-                    self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+                    let mut pending = self.take_front(eligible);
                     self.refuse(&mut pending, FailureKind::TooLong, error.to_string());
                     continue;
                 }
             };
-            let mut pending = self.waiting.pop_front(eligible).expect("the front exists");
-            self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+            let mut pending = self.take_front(eligible);
             if matches!(pending.origin, Origin::Client { .. }) && pending.resume.is_none() {
                 let waited = pending
                     .waiting_since
