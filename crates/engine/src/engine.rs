@@ -15,9 +15,9 @@ use crate::config::EngineConfig;
 use crate::config::Role;
 use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
-use crate::link::{self, Transport};
-use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle, Share};
-use crate::scheduler::{Command, PeerId, PeerUp, Pending, Scheduler};
+use crate::port::{Port, Transport};
+use crate::request::{CacheScope, Event, GenerationRequest, LinkGrammars, RequestHandle, Share};
+use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Scheduler};
 
 /// A worker: the scheduler(s) behind one client-facing queue.
 pub struct Engine {
@@ -57,7 +57,7 @@ pub struct PublicPrompt {
 /// [`Engine::in_flight`] until dropped, after its last event is handed to
 /// the link, so a draining worker does not exit between its scheduler
 /// finishing a request and the router hearing so.
-pub(crate) struct Relaying(Arc<AtomicUsize>);
+pub struct Relaying(Arc<AtomicUsize>);
 
 impl Drop for Relaying {
     fn drop(&mut self) {
@@ -77,15 +77,21 @@ pub struct PrefillPeer {
 /// The prefill workers a decode worker has a link to now: written where
 /// links come up and go, read for capacity, routing and metrics.
 #[derive(Debug, Default)]
-pub(crate) struct PrefillDirectory(std::sync::Mutex<BTreeMap<PeerId, PrefillPeer>>);
+pub(crate) struct PrefillDirectory {
+    linked: std::sync::Mutex<BTreeMap<PeerId, PrefillPeer>>,
+    /// The next link's name: each link is a namespace of its own.
+    next: AtomicU64,
+}
 
 impl PrefillDirectory {
-    pub(crate) fn insert(&self, peer: PeerId, prefill: PrefillPeer) {
-        self.lock().insert(peer, prefill);
+    fn insert(&self, peer: PeerId, prefill: PrefillPeer) {
+        let replaced = self.lock().insert(peer, prefill);
+        assert!(replaced.is_none(), "{peer} names one link, once");
     }
 
-    pub(crate) fn remove(&self, peer: PeerId) {
-        self.lock().remove(&peer);
+    fn remove(&self, peer: PeerId) {
+        let removed = self.lock().remove(&peer);
+        assert!(removed.is_some(), "{peer} ends once, after it was linked");
     }
 
     pub(crate) fn list(&self) -> Vec<PrefillPeer> {
@@ -93,9 +99,60 @@ impl PrefillDirectory {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<PeerId, PrefillPeer>> {
-        self.0
+        self.linked
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// How links to prefill workers in other processes join a decode worker
+/// ([`Engine::prefill_links`]): held by whatever keeps those links up,
+/// without keeping the worker alive.
+#[derive(Clone)]
+pub struct PrefillLinks {
+    commands: mpsc::Sender<Command>,
+    directory: std::sync::Weak<PrefillDirectory>,
+}
+
+impl std::fmt::Debug for PrefillLinks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillLinks")
+            .field("closed", &self.is_closed())
+            .finish()
+    }
+}
+
+impl PrefillLinks {
+    /// A new link to the prefill worker `prefill` (its name and pool): the
+    /// decode worker may grant on it at once, lists it among its prefill
+    /// peers while it lasts, and fails what it was filling when the port's
+    /// [`Inbound`](crate::Inbound) drops. `ShuttingDown` once the worker
+    /// has stopped.
+    pub fn link(&self, prefill: PrefillPeer) -> Result<Port, EngineError> {
+        let directory = self.directory.upgrade().ok_or(EngineError::ShuttingDown)?;
+        let peer = PeerId(directory.next.fetch_add(1, Ordering::Relaxed));
+        let (name, tokens) = (prefill.name.clone(), prefill.tokens);
+        directory.insert(peer, prefill);
+        let weak = Arc::downgrade(&directory);
+        let on_end = Box::new(move || {
+            if let Some(directory) = weak.upgrade() {
+                directory.remove(peer);
+            }
+        });
+        Port::open(
+            self.commands.clone(),
+            peer,
+            name,
+            tokens,
+            None,
+            Some(on_end),
+        )
+        .inspect_err(|_| directory.remove(peer))
+    }
+
+    /// Whether the decode worker has stopped: no link will join it again.
+    pub fn is_closed(&self) -> bool {
+        self.directory.strong_count() == 0
     }
 }
 
@@ -155,7 +212,8 @@ impl Engine {
         transport: &Transport,
     ) -> Result<Engine, EngineError> {
         let grouped = prefill_pool.layer_groups().len() > 1 || decode_pool.layer_groups().len() > 1;
-        if *transport == Transport::SharedMemory && grouped {
+        let one_sided = matches!(transport, Transport::SharedMemory);
+        if one_sided && grouped {
             return Err(EngineError::Pool(PoolError::InvalidSpec {
                 reason: "a one-sided (shared-memory) hand-off moves pools of one layer group: \
                          keep every position of sliding-window layers, or use another transport"
@@ -163,18 +221,45 @@ impl Engine {
             }));
         }
         let (prefill_tx, prefill_inbox) = mpsc::channel();
-        let mut engine = Engine::decode_worker(
-            model.clone(),
-            decode_pool,
-            config,
-            *transport == Transport::SharedMemory,
-        );
-        let (prefill_to_decode, decode_to_prefill) = link::connect(
-            transport,
-            &model,
-            prefill_tx.clone(),
-            engine.commands.clone(),
-        )?;
+        let mut engine = Engine::decode_worker(model.clone(), decode_pool, config, one_sided);
+        // One link each way, named 0 at both ends.
+        let link = PeerId(0);
+        let prefill_tokens = prefill_pool.capacity_tokens();
+        match transport {
+            Transport::InProcess | Transport::SharedMemory => {
+                // Each scheduler's way to its peer is the peer's inbox.
+                let up = |tx, name: &str, tokens| {
+                    Command::PeerUp(Box::new(PeerUp {
+                        peer: link,
+                        tx: PeerTx::new(tx, link),
+                        name: name.into(),
+                        tokens,
+                    }))
+                };
+                let sent = prefill_tx
+                    .send(up(engine.commands.clone(), "decode", 0))
+                    .is_ok()
+                    && engine
+                        .commands
+                        .send(up(prefill_tx.clone(), "prefill", prefill_tokens))
+                        .is_ok();
+                assert!(sent, "both schedulers' inboxes are open until they stop");
+            }
+            Transport::Linked(connector) => {
+                let grammars = Some(LinkGrammars::new(Arc::clone(&model)));
+                let prefill_end =
+                    Port::open(prefill_tx.clone(), link, "decode".into(), 0, grammars, None)?;
+                let decode_end = Port::open(
+                    engine.commands.clone(),
+                    link,
+                    "prefill".into(),
+                    prefill_tokens,
+                    None,
+                    None,
+                )?;
+                connector.connect(prefill_end, decode_end)?;
+            }
+        }
         let prefill = Scheduler::new(
             Role::Prefill,
             model,
@@ -183,26 +268,6 @@ impl Engine {
             Arc::new(Counters::default()),
             prefill_inbox,
         );
-        // One link each way, named 0 at both ends.
-        let link = PeerId(0);
-        let up = |tx, name: &str, tokens| {
-            Command::PeerUp(Box::new(PeerUp {
-                peer: link,
-                tx,
-                name: name.into(),
-                tokens,
-            }))
-        };
-        let sent = prefill_tx.send(up(prefill_to_decode, "decode", 0)).is_ok()
-            && engine
-                .commands
-                .send(up(
-                    decode_to_prefill,
-                    "prefill",
-                    prefill_pool.capacity_tokens(),
-                ))
-                .is_ok();
-        assert!(sent, "both schedulers' inboxes are open until they stop");
         engine.prefill = Some(Peer {
             commands: prefill_tx,
             pool: prefill_pool,
@@ -211,10 +276,15 @@ impl Engine {
         Ok(engine)
     }
 
-    /// A decode worker with no prefill worker yet: links to them arrive as
-    /// `Command::PeerUp` on its command channel. `one_sided` grants
+    /// A decode worker with no prefill worker yet: links to prefill workers
+    /// in other processes join it through [`Engine::prefill_links`].
+    pub fn start_decode(model: Arc<LoadedModel>, pool: Pool, config: EngineConfig) -> Engine {
+        Engine::decode_worker(model, pool, config, false)
+    }
+
+    /// A decode worker with no prefill worker yet. `one_sided` grants
     /// shared-memory windows.
-    pub(crate) fn decode_worker(
+    fn decode_worker(
         model: Arc<LoadedModel>,
         pool: Pool,
         config: EngineConfig,
@@ -265,14 +335,13 @@ impl Engine {
         self.prefills.list()
     }
 
-    /// Where links to prefill workers register (decode role).
-    pub(crate) fn prefill_directory(&self) -> Arc<PrefillDirectory> {
-        Arc::clone(&self.prefills)
-    }
-
-    /// The scheduler's command channel, for links that feed it.
-    pub(crate) fn commands(&self) -> mpsc::Sender<Command> {
-        self.commands.clone()
+    /// Where links to prefill workers in other processes join this decode
+    /// worker.
+    pub fn prefill_links(&self) -> PrefillLinks {
+        PrefillLinks {
+            commands: self.commands.clone(),
+            directory: Arc::downgrade(&self.prefills),
+        }
     }
 
     /// Pool and engine counters, by role (local pools only).
@@ -286,7 +355,7 @@ impl Engine {
     }
 
     /// The model this worker runs.
-    pub(crate) fn model(&self) -> &Arc<LoadedModel> {
+    pub fn model(&self) -> &Arc<LoadedModel> {
         &self.model
     }
 
@@ -538,7 +607,7 @@ impl Engine {
 
     /// Counts a router request's answer as in flight until the returned
     /// guard drops.
-    pub(crate) fn relaying(&self) -> Relaying {
+    pub fn relaying(&self) -> Relaying {
         self.relaying.fetch_add(1, Ordering::AcqRel);
         Relaying(Arc::clone(&self.relaying))
     }
@@ -801,7 +870,10 @@ mod tests {
         let colocated = Engine::start(Arc::clone(&model), pool(false, false), config);
         let (reference, ..) = run(&colocated);
         colocated.shutdown();
-        for transport in [Transport::InProcess, Transport::Tcp] {
+        for transport in [
+            Transport::InProcess,
+            Transport::Linked(Arc::new(crate::testing::Pipe)),
+        ] {
             let start = |windows: bool, cache: bool| {
                 Engine::start_disaggregated(
                     Arc::clone(&model),

@@ -1,641 +1,92 @@
-//! Transports between the workers of a disaggregated pair. Schedulers talk
-//! to their peer through a `Sender<Command>`; a transport decides what is
-//! behind it.
-//!
-//! - **In-process**: the peer's inbox itself. Hand-off messages still cross
-//!   as encoded frames, so the codec's checks are always on the path.
-//! - **TCP**: a link inside TLS 1.3 with mutual, role-bound certificates
-//!   ([`crate::net`]); one thread encodes commands into link frames and one
-//!   decodes frames into the local inbox. A lost link — closed, or a record
-//!   that fails TLS's integrity check — becomes `Command::PeerLost`, so
-//!   in-flight hand-offs fail instead of hanging.
+//! Links between workers over TCP: a [`Port`] carried inside TLS 1.3 with
+//! mutual, role-bound certificates ([`crate::net`]). One thread writes the
+//! port's outbound frames to the link and one delivers the link's frames to
+//! the port's inbound side. A lost link — closed, or a record that fails
+//! TLS's integrity check — drops the inbound side, so the worker hears
+//! `PeerLost` and in-flight hand-offs fail instead of hanging.
 
-use std::borrow::Cow;
 use std::net::TcpListener;
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use bytes::Bytes;
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{ClusterCa, Role as LinkRole};
-use kvfence_model::{Grammar, LoadedModel, SamplingParams, StopStrings};
 use tracing::warn;
 
 use crate::error::EngineError;
 use crate::net::{self, Link, ListenLimits};
+use crate::port::{Connector, Port, Transport};
 
-use crate::request::{CacheScope, GenerationRequest, LinkGrammars, Share};
-use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, PrefillOrder};
-use crate::trace::TraceContext;
-
-/// How the prefill and decode workers of a pair are connected.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Transport {
-    /// Channels inside one process.
-    InProcess,
-    /// Channels inside one process, with one-sided grants: the prefill
-    /// worker writes KV straight into the decode worker's pages through a
-    /// revocable window (the RDMA memory-key model); aborted pages wait in
-    /// quarantine until the writer acknowledges (I4).
-    SharedMemory,
-    /// A loopback TCP link inside mutually authenticated TLS 1.3, with
-    /// credentials made for this process alone (an ephemeral cluster CA).
-    Tcp,
-}
-
-const FRAME: u8 = 1;
-const ORDER: u8 = 2;
-/// A control-plane message (JSON): worker hellos, router requests and events.
-pub(crate) const CONTROL: u8 = 3;
-/// The sender drains (no body): send it nothing new if another can take it.
-const DRAINING: u8 = 4;
-
-/// An order's cache scope: none, a tenant's (name and salt follow), or the
-/// public namespace a worker's own start-up fills.
-const CACHE_NONE: u8 = 0;
-const CACHE_TENANT: u8 = 1;
-const CACHE_PUBLIC: u8 = 2;
-
-/// A command as a link frame: its kind, then its body. A hand-off frame is
-/// its own body, borrowed: a chunk's bytes are not copied again on the way
-/// to the socket.
-fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
-    match command {
-        Command::Frame { frame, .. } => Some((FRAME, Cow::Borrowed(frame))),
-        Command::Prefill { order, .. } => {
-            // A window is a mapping into this process's memory; over TCP
-            // grants are always two-sided.
-            debug_assert!(order.window.is_none(), "one-sided grants never cross TCP");
-            let mut out = Vec::new();
-            out.extend_from_slice(&(order.grant.len() as u32).to_le_bytes());
-            out.extend_from_slice(&order.grant);
-            out.extend_from_slice(&(order.request.prompt.len() as u32).to_le_bytes());
-            for token in &order.request.prompt {
-                out.extend_from_slice(&token.to_le_bytes());
-            }
-            // How the first token is drawn: the sampling parameters and
-            // the grammar, as JSON (both ends are the same build).
-            let shaping = serde_json::to_vec(&Shaping {
-                sampling: order.request.sampling.clone(),
-                constraint: order.request.constraint.as_ref().map(|c| c.grammar.clone()),
-            })
-            .expect("sampling parameters and grammars always serialise");
-            out.extend_from_slice(&(shaping.len() as u32).to_le_bytes());
-            out.extend_from_slice(&shaping);
-            match &order.request.cache {
-                None => out.push(CACHE_NONE),
-                Some(CacheScope::Tenant(scope)) => {
-                    out.push(CACHE_TENANT);
-                    put_name(&mut out, &scope.tenant);
-                    match &scope.salt {
-                        None => out.push(0),
-                        Some(salt) => {
-                            out.push(1);
-                            put_name(&mut out, salt);
-                        }
-                    }
-                }
-                Some(CacheScope::Public) => out.push(CACHE_PUBLIC),
-            }
-            // Whose share of the prefill worker it counts against (I11).
-            put_name(&mut out, &order.request.share.tenant);
-            out.extend_from_slice(&order.request.share.weight().to_le_bytes());
-            out.extend_from_slice(&order.request.share.priority().to_le_bytes());
-            out.push(u8::from(order.request.share.shared()));
-            // The span the prefill worker's spans hang under, if traced.
-            match &order.request.trace {
-                None => out.push(0),
-                Some(trace) => {
-                    out.push(1);
-                    out.extend_from_slice(&trace.trace_id().to_be_bytes());
-                    out.extend_from_slice(&trace.span_id().to_be_bytes());
-                }
-            }
-            Some((ORDER, Cow::Owned(out)))
-        }
-        // Local-only commands never cross a link.
-        Command::PeerDraining(_) => Some((DRAINING, Cow::Borrowed(&[][..]))),
-        Command::Submit(_)
-        | Command::Shutdown
-        | Command::Drain
-        | Command::PeerUp(_)
-        | Command::PeerLost(_) => None,
-    }
-}
-
-fn malformed(reason: &'static str) -> HandoffError {
-    HandoffError::Malformed {
-        kind: "link",
-        reason,
-    }
-}
-
-struct Cursor<'a>(&'a [u8]);
-
-impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], HandoffError> {
-        if self.0.len() < n {
-            return Err(malformed("frame ends inside a field"));
-        }
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        Ok(head)
-    }
-
-    fn u32(&mut self) -> Result<u32, HandoffError> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
-    }
-
-    /// A length-prefixed UTF-8 string of at most `MAX_NAME` bytes.
-    fn name(&mut self) -> Result<String, HandoffError> {
-        let len = self.u32()? as usize;
-        if len > MAX_NAME {
-            return Err(malformed("a name is longer than a tenant name can be"));
-        }
-        String::from_utf8(self.take(len)?.to_vec()).map_err(|_| malformed("a name is not UTF-8"))
-    }
-
-    fn byte(&mut self) -> Result<u8, HandoffError> {
-        Ok(self.take(1)?[0])
-    }
-
-    /// A trace context (`TraceContext`): 16 bytes of trace id, 8 of span
-    /// id, neither zero.
-    fn trace(&mut self) -> Result<TraceContext, HandoffError> {
-        let trace_id = u128::from_be_bytes(self.take(16)?.try_into().expect("16 bytes"));
-        let span_id = u64::from_be_bytes(self.take(8)?.try_into().expect("8 bytes"));
-        TraceContext::new(trace_id, span_id).ok_or_else(|| malformed("a trace id is zero"))
-    }
-
-    /// A `0`/`1` presence byte.
-    fn flag(&mut self) -> Result<bool, HandoffError> {
-        match self.take(1)? {
-            [0] => Ok(false),
-            [1] => Ok(true),
-            _ => Err(malformed("a presence flag is neither 0 nor 1")),
-        }
-    }
-}
-
-/// How an order's first token is drawn.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Shaping {
-    sampling: SamplingParams,
-    constraint: Option<Grammar>,
-}
-
-/// Largest sampling section an order may carry: a grammar is at most a
-/// request body (the front door's limit is 2 MiB by default).
-const MAX_SHAPING: usize = 16 << 20;
-
-/// Longest tenant name or cache salt an order may carry.
-const MAX_NAME: usize = 1024;
-
-fn put_name(out: &mut Vec<u8>, name: &str) {
-    out.extend_from_slice(&(name.len() as u32).to_le_bytes());
-    out.extend_from_slice(name.as_bytes());
-}
-
-/// The command a link frame carries, as from the link `peer`; an error for
-/// anything malformed, never a panic, whatever the peer sent (the property
-/// tests below feed it damaged and random frames). A hand-off frame stays a
-/// view of `payload`.
-fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
-    let &kind = payload.first().ok_or_else(|| malformed("empty frame"))?;
-    match kind {
-        FRAME => Ok(Command::Frame {
-            peer,
-            frame: payload.slice(1..),
-        }),
-        DRAINING if payload.len() == 1 => Ok(Command::PeerDraining(peer)),
-        ORDER => {
-            let mut c = Cursor(&payload[1..]);
-            let grant_len = c.u32()? as usize;
-            let grant = c.take(grant_len)?.to_vec();
-            let count = c.u32()? as usize;
-            if count.checked_mul(4).is_none_or(|bytes| bytes > c.0.len()) {
-                return Err(malformed("prompt length overruns the frame"));
-            }
-            let prompt = (0..count).map(|_| c.u32()).collect::<Result<Vec<_>, _>>()?;
-            let shaping_len = c.u32()? as usize;
-            if shaping_len > MAX_SHAPING {
-                return Err(malformed(
-                    "the sampling section is larger than a request can be",
-                ));
-            }
-            let Shaping {
-                sampling,
-                constraint,
-            } = serde_json::from_slice(c.take(shaping_len)?)
-                .map_err(|_| malformed("the sampling section is not valid"))?;
-            let cache = match c.byte()? {
-                CACHE_NONE => None,
-                CACHE_TENANT => {
-                    let tenant = c.name()?;
-                    let salt = if c.flag()? { Some(c.name()?) } else { None };
-                    Some(CacheScope::tenant(tenant, salt))
-                }
-                CACHE_PUBLIC => Some(CacheScope::Public),
-                _ => return Err(malformed("unknown cache scope")),
-            };
-            let tenant = c.name()?;
-            let weight = c.u32()?;
-            let share = Share::new(tenant, weight)
-                .with_priority(c.u32()?.cast_signed())
-                .on_shared_workers(c.flag()?);
-            let trace = if c.flag()? { Some(c.trace()?) } else { None };
-            if !c.0.is_empty() {
-                return Err(malformed("trailing bytes"));
-            }
-            let request = GenerationRequest {
-                prompt,
-                // Prefill samples only the first token; the rest is decode's.
-                max_tokens: 1,
-                sampling,
-                stop: StopStrings::default(),
-                ignore_eos: false,
-                cache,
-                constraint: constraint.map(Into::into),
-                share,
-                trace,
-            };
-            Ok(Command::Prefill {
-                peer,
-                order: Box::new(PrefillOrder {
-                    grant,
-                    request,
-                    window: None,
-                }),
-            })
-        }
-        _ => Err(malformed("unknown link frame kind")),
-    }
-}
-
-/// Bridges an authenticated link to a scheduler: returns the sender the
-/// scheduler uses to reach its peer. Frames from the peer go to `inbox`;
-/// the link's end arrives there as `Command::PeerLost`. With `grammars`
-/// (a prefill worker's end), an order's grammar is compiled by the reader,
-/// before the scheduler sees it.
-pub(crate) fn bridge(
-    link: Link,
-    inbox: mpsc::Sender<Command>,
-    peer: PeerId,
-    name: &str,
-    announce: Option<(String, usize)>,
-    mut grammars: Option<LinkGrammars>,
-) -> std::io::Result<(PeerTx, JoinHandle<()>)> {
+/// Carries `port` over `link`: returns the reader thread, which ends with
+/// the link (and drops the port's inbound side as it does).
+pub(crate) fn bridge(link: Link, port: Port, name: &str) -> std::io::Result<JoinHandle<()>> {
     let Link { tx, rx, .. } = link;
-    let (to_peer, outbox) = mpsc::channel::<Command>();
-    // The stamp is for in-process peers; the writer below drops it.
-    let peer_tx = PeerTx::new(to_peer, peer);
-    if let Some((name, tokens)) = announce {
-        // Before the reader starts, so the scheduler knows the link before
-        // its first frame.
-        let up = PeerUp {
-            peer,
-            tx: peer_tx.clone(),
-            name,
-            tokens,
-        };
-        if inbox.send(Command::PeerUp(Box::new(up))).is_err() {
-            return Err(std::io::Error::other("the scheduler has stopped"));
-        }
-    }
+    let Port {
+        mut inbound,
+        outbound,
+    } = port;
     std::thread::Builder::new()
         .name(format!("{name}-tx"))
         .spawn(move || {
-            for command in outbox {
-                let parts = match command {
-                    // Shared, not copied: a chunk's bytes go to TLS as they are.
-                    Command::Frame { frame, .. } => vec![Bytes::from_static(&[FRAME]), frame],
-                    other => match encode(&other) {
-                        Some((kind, body)) => {
-                            vec![
-                                Bytes::from_static(kind_byte(kind)),
-                                body.into_owned().into(),
-                            ]
-                        }
-                        None => continue,
-                    },
-                };
+            for parts in outbound {
                 if !tx.send(parts) {
                     break;
                 }
             }
             // Dropping the link's sender closes it.
         })?;
-    let reader = std::thread::Builder::new()
+    std::thread::Builder::new()
         .name(format!("{name}-rx"))
         .spawn(move || {
             for frame in rx {
-                match decode(frame, peer) {
-                    Ok(mut command) => {
-                        if let (Some(grammars), Command::Prefill { order, .. }) =
-                            (grammars.as_mut(), &mut command)
-                            && let Some(constraint) = order.request.constraint.take()
-                        {
-                            // Kept bare when it fails: the scheduler then
-                            // refuses the order the way it refuses any.
-                            let kept = constraint.clone();
-                            order.request.constraint =
-                                Some(grammars.compile(constraint).unwrap_or(kept));
-                        }
-                        if inbox.send(command).is_err() {
-                            return;
-                        }
-                    }
-                    Err(error) => {
+                if let Err(error) = inbound.deliver(frame) {
+                    if !matches!(error, EngineError::ShuttingDown) {
                         warn!(%error, "hand-off link closed on a bad frame");
-                        break;
                     }
+                    break;
                 }
             }
-            let _ = inbox.send(Command::PeerLost(peer));
-        })?;
-    Ok((peer_tx, reader))
+            // Dropping `inbound` tells the worker the link is gone.
+        })
 }
 
-/// The one-byte kind prefix of a link frame, as a static slice.
-fn kind_byte(kind: u8) -> &'static [u8] {
-    match kind {
-        FRAME => &[FRAME],
-        ORDER => &[ORDER],
-        DRAINING => &[DRAINING],
-        _ => &[CONTROL],
-    }
-}
+/// A pair's two ends joined by a TLS link over loopback, with credentials
+/// made for this process alone (an ephemeral cluster CA, trusted by nothing
+/// else and forgotten when the process ends).
+#[derive(Debug, Clone, Copy)]
+pub struct TlsLoopback;
 
-/// Connects the two inboxes of a pair over `transport`; returns the senders
-/// (prefill's way to decode, decode's way to prefill).
-pub(crate) fn connect(
-    transport: &Transport,
-    model: &Arc<LoadedModel>,
-    prefill_inbox: mpsc::Sender<Command>,
-    decode_inbox: mpsc::Sender<Command>,
-) -> Result<(PeerTx, PeerTx), EngineError> {
-    // The pair's one link is named 0 at both ends.
-    let link = PeerId(0);
-    match transport {
-        Transport::InProcess | Transport::SharedMemory => Ok((
-            PeerTx::new(decode_inbox, link),
-            PeerTx::new(prefill_inbox, link),
-        )),
-        Transport::Tcp => {
-            let io = |e: std::io::Error| EngineError::Handoff(HandoffError::Io(e.to_string()));
-            // Both ends live in this process: a CA made now, trusted by
-            // nothing else, and forgotten when the process ends.
-            let ca = ClusterCa::generate()?;
-            let prefill_credentials = ca.credentials(LinkRole::Prefill)?;
-            let decode_credentials = ca.credentials(LinkRole::Decode)?;
-            let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
-            let address = listener.local_addr().map_err(io)?;
-            let accepted = net::accept(
-                listener,
-                &prefill_credentials,
-                &[LinkRole::Decode],
-                ListenLimits::new(1),
-            )?;
-            let decode_link = net::dial(address, LinkRole::Prefill, &decode_credentials)?;
-            let prefill_link = accepted
-                .recv_timeout(ListenLimits::new(1).handshake_timeout)
-                .map_err(|_| {
-                    EngineError::Handoff(HandoffError::Tls(
-                        "the in-process TLS link did not come up".into(),
-                    ))
-                })?;
-            let (prefill_to_decode, _) = bridge(
-                prefill_link,
-                prefill_inbox,
-                link,
-                "kvfence-prefill-link",
-                None,
-                Some(LinkGrammars::new(Arc::clone(model))),
-            )
-            .map_err(io)?;
-            let (decode_to_prefill, _) = bridge(
-                decode_link,
-                decode_inbox,
-                link,
-                "kvfence-decode-link",
-                None,
-                None,
-            )
-            .map_err(io)?;
-            Ok((prefill_to_decode, decode_to_prefill))
-        }
+impl TlsLoopback {
+    /// The transport of a pair joined so.
+    pub fn transport() -> Transport {
+        Transport::Linked(Arc::new(TlsLoopback))
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kvfence_handoff::tcp::{read_link_frame, write_link_frame_parts};
-
-    /// What the peer's reader decodes for `command`: its encoding through
-    /// the real link framing.
-    fn over_the_link(command: &Command) -> Result<Command, HandoffError> {
-        let (kind, body) = encode(command).expect("a command that crosses links");
-        let mut wire = Vec::new();
-        write_link_frame_parts(&mut wire, &[&[kind], &body])?;
-        let payload = read_link_frame(&mut &wire[..])?.expect("one whole frame");
-        decode(payload.into(), PeerId(7))
-    }
-
-    #[test]
-    fn hand_off_frames_cross_the_link_unchanged() {
-        for len in [0, 1, 5, 70_000] {
-            let frame: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-            let sent = Command::Frame {
-                peer: PeerId(1),
-                frame: frame.clone().into(),
-            };
-            let Command::Frame { peer, frame: got } = over_the_link(&sent).unwrap() else {
-                panic!("not a frame")
-            };
-            assert_eq!(peer, PeerId(7), "stamped with the link it came on");
-            assert_eq!(got, frame);
-        }
-    }
-
-    #[test]
-    fn a_drain_notice_crosses_the_link_as_from_its_link() {
-        let got = over_the_link(&Command::PeerDraining(PeerId(3))).unwrap();
-        assert!(matches!(got, Command::PeerDraining(PeerId(7))));
-        // A drain notice has no body; one with bytes is malformed.
-        assert!(decode(Bytes::from_static(&[DRAINING, 0]), PeerId(0)).is_err());
-    }
-
-    #[test]
-    fn orders_round_trip_through_the_link_encoding() {
-        let request = GenerationRequest {
-            prompt: vec![1, 2, 300],
-            max_tokens: 1,
-            sampling: shaped(),
-            stop: StopStrings::default(),
-            ignore_eos: false,
-            cache: Some(CacheScope::tenant("tenant-a", Some("salt".into()))),
-            constraint: Some(Grammar::Regex("[a-z]+".into()).into()),
-            share: Share::new("tenant-a", 3)
-                .with_priority(-2)
-                .on_shared_workers(true),
-            trace: TraceContext::new(u128::MAX - 5, 0x0102_0304_0506_0708),
-        };
-        let sent = Command::Prefill {
-            peer: PeerId(1),
-            order: Box::new(PrefillOrder {
-                window: None,
-                grant: vec![9, 9],
-                request,
-            }),
-        };
-        let Command::Prefill { order, .. } = over_the_link(&sent).unwrap() else {
-            panic!("not an order")
-        };
-        assert_eq!(order.grant, vec![9, 9]);
-        assert_eq!(order.request.prompt, vec![1, 2, 300]);
-        assert_eq!(
-            order.request.trace,
-            TraceContext::new(u128::MAX - 5, 0x0102_0304_0506_0708)
-        );
-        assert_eq!(order.request.sampling, shaped());
-        assert_eq!(
-            order.request.constraint.as_ref().map(|c| c.grammar.clone()),
-            Some(Grammar::Regex("[a-z]+".into()))
-        );
-        assert_eq!(
-            order.request.cache,
-            Some(CacheScope::tenant("tenant-a", Some("salt".into())))
-        );
-        assert_eq!(
-            order.request.share,
-            Share::new("tenant-a", 3)
-                .with_priority(-2)
-                .on_shared_workers(true)
-        );
-        for cache in [
-            None,
-            Some(CacheScope::tenant("b", None)),
-            Some(CacheScope::Public),
-        ] {
-            let mut request = order.request.clone();
-            request.cache = cache.clone();
-            let sent = Command::Prefill {
-                peer: PeerId(1),
-                order: Box::new(PrefillOrder {
-                    window: None,
-                    grant: vec![9],
-                    request,
-                }),
-            };
-            let Command::Prefill { order, .. } = over_the_link(&sent).unwrap() else {
-                panic!("not an order")
-            };
-            assert_eq!(order.request.cache, cache);
-        }
-    }
-
-    proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
-
-        #[test]
-        fn any_order_round_trips_and_damage_never_panics(
-            prompt in proptest::collection::vec(0u32..300_000, 0..48),
-            grant in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40),
-            tenant in "[a-z-]{0,12}",
-            salt in proptest::option::of("[a-z]{1,8}"),
-            weight in 1u32..1_000,
-            priority in -5i32..5,
-            shared in proptest::prelude::any::<bool>(),
-            trace in proptest::option::of((1u128.., 1u64..)),
-            cut in proptest::prelude::any::<proptest::sample::Index>(),
-            flip in proptest::prelude::any::<(proptest::sample::Index, u8)>(),
-            noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
-        ) {
-            let request = GenerationRequest {
-                prompt,
-                max_tokens: 1,
-                sampling: shaped(),
-                stop: StopStrings::default(),
-                ignore_eos: false,
-                cache: Some(CacheScope::tenant(tenant.clone(), salt)),
-                constraint: None,
-                share: Share::new(tenant, weight)
-                    .with_priority(priority)
-                    .on_shared_workers(shared),
-                trace: trace.and_then(|(trace, span)| TraceContext::new(trace, span)),
-            };
-            let sent = Command::Prefill {
-                peer: PeerId(1),
-                order: Box::new(PrefillOrder { grant, request: request.clone(), window: None }),
-            };
-            let Ok(Command::Prefill { order, .. }) = over_the_link(&sent) else {
-                panic!("an order comes back an order")
-            };
-            proptest::prop_assert_eq!(&order.request.prompt, &request.prompt);
-            proptest::prop_assert_eq!(&order.request.cache, &request.cache);
-            proptest::prop_assert_eq!(&order.request.share, &request.share);
-            proptest::prop_assert_eq!(order.request.trace, request.trace);
-            let (kind, body) = encode(&sent).expect("an order crosses links");
-            let whole: Vec<u8> = std::iter::once(kind).chain(body.iter().copied()).collect();
-            // Every field is length-prefixed or fixed: a frame cut short
-            // always ends inside one.
-            let short = cut.index(whole.len());
-            proptest::prop_assert!(decode(Bytes::copy_from_slice(&whole[..short]), PeerId(0)).is_err());
-            // A damaged byte is refused or read as some other order.
-            let mut damaged = whole.clone();
-            let at = flip.0.index(damaged.len());
-            damaged[at] ^= flip.1 | 1;
-            let _ = decode(Bytes::from(damaged), PeerId(0));
-            // So is any noise after an order's kind.
-            let noisy: Vec<u8> = std::iter::once(ORDER).chain(noise).collect();
-            let _ = decode(Bytes::from(noisy), PeerId(0));
-        }
-    }
-
-    /// Sampling parameters with every field away from its default.
-    fn shaped() -> SamplingParams {
-        SamplingParams {
-            temperature: 0.5,
-            top_k: 7,
-            top_p: 0.9,
-            seed: 42,
-            presence_penalty: 0.25,
-            frequency_penalty: -0.5,
-            repetition_penalty: 1.1,
-            logit_bias: vec![(3, -100.0), (17, 2.5)],
-            logprobs: Some(4),
-            prompt_logprobs: Some(3),
-        }
-    }
-
-    #[test]
-    fn malformed_link_frames_are_errors_not_panics() {
-        for bad in [
-            &[][..],
-            &[7],
-            &[ORDER],
-            &[ORDER, 255, 255, 255, 255],
-            &[ORDER, 0, 0, 0, 0, 255, 255, 255, 255],
-        ] {
-            assert!(
-                decode(Bytes::copy_from_slice(bad), PeerId(0)).is_err(),
-                "{bad:?}"
-            );
-        }
-        let mut s = 1u64;
-        for len in 0..400 {
-            let bytes: Vec<u8> = (0..len)
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    s as u8
-                })
-                .collect();
-            let _ = decode(bytes.into(), PeerId(0));
-        }
+impl Connector for TlsLoopback {
+    fn connect(&self, prefill: Port, decode: Port) -> Result<(), EngineError> {
+        let io = |e: std::io::Error| EngineError::Handoff(HandoffError::Io(e.to_string()));
+        let ca = ClusterCa::generate()?;
+        let prefill_credentials = ca.credentials(LinkRole::Prefill)?;
+        let decode_credentials = ca.credentials(LinkRole::Decode)?;
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+        let address = listener.local_addr().map_err(io)?;
+        let accepted = net::accept(
+            listener,
+            &prefill_credentials,
+            &[LinkRole::Decode],
+            ListenLimits::new(1),
+        )?;
+        let decode_link = net::dial(address, LinkRole::Prefill, &decode_credentials)?;
+        let prefill_link = accepted
+            .recv_timeout(ListenLimits::new(1).handshake_timeout)
+            .map_err(|_| {
+                EngineError::Handoff(HandoffError::Tls(
+                    "the in-process TLS link did not come up".into(),
+                ))
+            })?;
+        bridge(prefill_link, prefill, "kvfence-prefill-link").map_err(io)?;
+        bridge(decode_link, decode, "kvfence-decode-link").map_err(io)?;
+        Ok(())
     }
 }

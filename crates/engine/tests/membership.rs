@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use kvfence_engine::tls::{ClusterCa, Role as LinkRole};
 use kvfence_engine::{
     Backend, Engine, EngineConfig, Event, Fleet, GenerationRequest, ModelFingerprint, PeerNames,
-    PrefillWorker, RequestHandle, Resolver, Share, Status, serve_routers,
+    PrefillWorker, RequestHandle, Resolver, Share, Status, serve_decode_workers, serve_routers,
+    start_decode_worker,
 };
 use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
@@ -64,17 +65,19 @@ impl Cluster {
         }
     }
 
-    fn prefill(&self) -> (SocketAddr, PrefillWorker) {
+    fn prefill(&self) -> (SocketAddr, Arc<PrefillWorker>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap();
-        let worker = PrefillWorker::start(
-            Arc::clone(&self.model),
-            pool(&self.model),
-            EngineConfig::default(),
-            listener,
-            &self.ca.credentials(LinkRole::Prefill).unwrap(),
-        )
-        .unwrap();
+        let worker = Arc::new(
+            PrefillWorker::start(
+                Arc::clone(&self.model),
+                pool(&self.model),
+                EngineConfig::default(),
+            )
+            .unwrap(),
+        );
+        let credentials = self.ca.credentials(LinkRole::Prefill).unwrap();
+        serve_decode_workers(&worker, listener, &credentials).unwrap();
         (address, worker)
     }
 
@@ -83,7 +86,7 @@ impl Cluster {
     fn decode(&self, prefills: PeerNames) -> (SocketAddr, Arc<Engine>) {
         let credentials = self.ca.credentials(LinkRole::Decode).unwrap();
         let engine = Arc::new(
-            Engine::start_decode_worker(
+            start_decode_worker(
                 Arc::clone(&self.model),
                 pool(&self.model),
                 EngineConfig::default(),

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use kvfence_engine::{Backend, Engine, EngineConfig, EngineError, Transport};
+use kvfence_engine::{Backend, Engine, EngineConfig, EngineError, TlsLoopback, Transport};
 use kvfence_model::{LoadedModel, ModelCache, TextModel};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use kvfence_server::{ApiOptions, AppState, Capacity, OtlpProtocol, ServerError, Tenants, Traces};
@@ -620,7 +620,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             let transport = match args.handoff {
                 Handoff::Inproc => Transport::InProcess,
                 Handoff::Shm => Transport::SharedMemory,
-                Handoff::Tcp => Transport::Tcp,
+                Handoff::Tcp => TlsLoopback::transport(),
             };
             Engine::start_disaggregated(Arc::clone(&model), prefill, decode, config, &transport)
                 .context("connecting the prefill and decode workers")?

@@ -19,7 +19,8 @@ use anyhow::Context;
 use clap::Args;
 use kvfence_engine::tls::{Credentials, Role};
 use kvfence_engine::{
-    Drain, Engine, Fleet, ModelFingerprint, PeerNames, PrefillWorker, serve_routers,
+    Drain, Fleet, ModelFingerprint, PeerNames, PrefillWorker, serve_decode_workers, serve_routers,
+    start_decode_worker,
 };
 use kvfence_model::LoadedModel;
 use kvfence_pool::Pool;
@@ -211,21 +212,17 @@ pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
     let listener = TcpListener::bind(args.worker.listen)
         .with_context(|| format!("binding {}", args.worker.listen))?;
     let address = listener.local_addr()?;
-    let worker = PrefillWorker::start(
-        Arc::clone(&model),
-        pool,
-        args.worker.engine.config()?,
-        listener,
-        &credentials,
-    )
-    .context("starting the prefill worker")?;
-    run_until_drained(address, &args.worker, model, Arc::new(worker))
+    let worker = PrefillWorker::start(Arc::clone(&model), pool, args.worker.engine.config()?)
+        .context("starting the prefill worker")?;
+    let worker = Arc::new(worker);
+    serve_decode_workers(&worker, listener, &credentials).context("accepting decode workers")?;
+    run_until_drained(address, &args.worker, model, worker)
 }
 
 pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
     let prefills = PeerNames::parse(&args.prefill, "prefill worker")?;
     let (credentials, model, pool, _traces) = start_worker(&args.worker, Role::Decode)?;
-    let engine = Engine::start_decode_worker(
+    let engine = start_decode_worker(
         Arc::clone(&model),
         pool,
         args.worker.engine.config()?,

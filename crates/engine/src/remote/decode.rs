@@ -3,7 +3,7 @@
 //!
 //! Each prefill address has a keeper thread that dials it, checks its
 //! `Hello` (protocol, model, page size), hands the link to the scheduler
-//! (`PeerUp`), waits for the link to end, and dials again with backoff.
+//! (a [`Port`](crate::Port)), waits for the link to end, and dials again with backoff.
 //! The addresses are what the prefill names ([`PeerNames`]) resolve to,
 //! again every few seconds: a new address gets a keeper; a keeper whose
 //! address left the names keeps its link while it lasts (hand-offs in
@@ -14,8 +14,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
@@ -29,71 +28,59 @@ use super::wire::{
     WireStats, parse_control, send_control,
 };
 use super::{Backoff, dial, io, is_transient, lock};
-use crate::Engine;
 use crate::config::EngineConfig;
-use crate::engine::{PrefillDirectory, PrefillPeer, Relaying};
 use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, Link, ListenLimits};
 use crate::request::{
     CacheScope, Canceller, Event, GenerationRequest, LinkGrammars, RequestHandle,
 };
-use crate::scheduler::{Command, PeerId};
+use crate::{Engine, PrefillLinks, PrefillPeer, Relaying};
 
 /// Routers one decode worker serves at once.
 const MAX_ROUTER_LINKS: usize = 64;
 
-impl Engine {
-    /// A decode worker whose prefill workers are other processes at the
-    /// addresses `prefills` resolve to. Each is dialled now: a certificate
-    /// or model that can never work is an error here; one that is merely
-    /// unreachable is dialled again in the background, as is any link that
-    /// drops later, and the names are resolved again in the background.
-    pub fn start_decode_worker(
-        model: Arc<LoadedModel>,
-        pool: Pool,
-        config: EngineConfig,
-        prefills: PeerNames,
-        credentials: &Credentials,
-    ) -> Result<Engine, EngineError> {
-        let layout = PageLayout::of(&pool);
-        let engine = Engine::decode_worker(model, pool, config, false);
-        let keepers = Keepers {
-            template: KeeperTemplate {
-                credentials: credentials.clone(),
-                model: ModelFingerprint::of(engine.model()),
-                layout,
-                commands: engine.commands(),
-                directory: engine.prefill_directory(),
-                ids: Arc::new(AtomicU64::new(0)),
-            },
-            wanted: Arc::default(),
-        };
-        let every = prefills.resolve_every();
-        let mut membership = Membership::new(prefills);
-        for address in membership.refresh() {
-            keepers.keep(address, true)?;
-        }
-        let directory = Arc::downgrade(&engine.prefill_directory());
-        std::thread::Builder::new()
-            .name("kvfence-prefill-discovery".into())
-            .spawn(move || discover_prefills(&keepers, &mut membership, every, &directory))
-            .map_err(io)?;
-        Ok(engine)
+/// A decode worker whose prefill workers are other processes at the
+/// addresses `prefills` resolve to. Each is dialled now: a certificate or
+/// model that can never work is an error here; one that is merely
+/// unreachable is dialled again in the background, as is any link that
+/// drops later, and the names are resolved again in the background.
+pub fn start_decode_worker(
+    model: Arc<LoadedModel>,
+    pool: Pool,
+    config: EngineConfig,
+    prefills: PeerNames,
+    credentials: &Credentials,
+) -> Result<Engine, EngineError> {
+    let layout = PageLayout::of(&pool);
+    let engine = Engine::start_decode(model, pool, config);
+    let keepers = Keepers {
+        template: KeeperTemplate {
+            credentials: credentials.clone(),
+            model: ModelFingerprint::of(engine.model()),
+            layout,
+            links: engine.prefill_links(),
+        },
+        wanted: Arc::default(),
+    };
+    let every = prefills.resolve_every();
+    let mut membership = Membership::new(prefills);
+    for address in membership.refresh() {
+        keepers.keep(address, true)?;
     }
+    std::thread::Builder::new()
+        .name("kvfence-prefill-discovery".into())
+        .spawn(move || discover_prefills(&keepers, &mut membership, every))
+        .map_err(io)?;
+    Ok(engine)
 }
 
 /// Resolves the prefill names every `every` and keeps exactly their
-/// addresses, for as long as the decode worker (its directory) lives.
-fn discover_prefills(
-    keepers: &Keepers,
-    membership: &mut Membership,
-    every: std::time::Duration,
-    directory: &Weak<PrefillDirectory>,
-) {
+/// addresses, for as long as the decode worker lives.
+fn discover_prefills(keepers: &Keepers, membership: &mut Membership, every: std::time::Duration) {
     loop {
         std::thread::sleep(every);
-        if directory.strong_count() == 0 {
+        if keepers.template.links.is_closed() {
             return;
         }
         let wanted = membership.refresh();
@@ -112,9 +99,7 @@ struct KeeperTemplate {
     credentials: Credentials,
     model: ModelFingerprint,
     layout: PageLayout,
-    commands: mpsc::Sender<Command>,
-    directory: Arc<PrefillDirectory>,
-    ids: Arc<AtomicU64>,
+    links: PrefillLinks,
 }
 
 /// The keepers running, by address, each with whether its address is
@@ -241,36 +226,26 @@ impl PrefillKeeper {
                     continue;
                 }
             };
-            let peer = PeerId(shared.ids.fetch_add(1, Ordering::Relaxed));
-            let name = address.to_string();
-            let announce = Some((name.clone(), hello.tokens));
-            let reader = match bridge(
-                link,
-                shared.commands.clone(),
-                peer,
-                "kvfence-decode-link",
-                announce,
-                None,
-            ) {
-                Ok((_, reader)) => reader,
-                // The scheduler has stopped: so does this keeper.
+            let prefill = PrefillPeer {
+                name: address.to_string(),
+                tokens: hello.tokens,
+            };
+            let reader = match shared
+                .links
+                .link(prefill)
+                .and_then(|port| bridge(link, port, "kvfence-decode-link").map_err(io))
+            {
+                Ok(reader) => reader,
+                // The worker has stopped: so does this keeper.
                 Err(_) => {
                     lock(&self.wanted).remove(&address);
                     return;
                 }
             };
-            shared.directory.insert(
-                peer,
-                PrefillPeer {
-                    name,
-                    tokens: hello.tokens,
-                },
-            );
-            info!(%address, %peer, tokens = hello.tokens, "linked to a prefill worker");
+            info!(%address, tokens = hello.tokens, "linked to a prefill worker");
             backoff.reset();
             let _ = reader.join();
-            shared.directory.remove(peer);
-            warn!(%address, %peer, "link to the prefill worker lost");
+            warn!(%address, "link to the prefill worker lost");
             backoff.wait();
         }
     }
@@ -404,7 +379,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                         // A task per request on the link runtime, asleep
                         // until its next event: no thread per request.
                         let relaying = engine.relaying();
-                        crate::net::runtime().spawn(forward(id, handle, out, cancellers, relaying));
+                        net::runtime().spawn(forward(id, handle, out, cancellers, relaying));
                     }
                     Err(error) => refuse(id, refusal(error)),
                 }

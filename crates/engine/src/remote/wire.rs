@@ -16,8 +16,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::counters::EngineStats;
 use crate::engine::PrefillPeer;
-use crate::link::CONTROL;
 use crate::net::LinkTx;
+use crate::port::CONTROL;
 use crate::request::{FailureKind, FinishReason, Share, TenantScope, Usage};
 use crate::trace::TraceContext;
 
