@@ -13,11 +13,8 @@ mod config;
 mod counters;
 mod engine;
 mod error;
-mod link;
-mod net;
 mod port;
 mod prefill_worker;
-mod remote;
 mod request;
 mod scheduler;
 #[cfg(test)]
@@ -33,20 +30,11 @@ pub use config::Role;
 pub use counters::{EngineStats, QUEUE_WAIT_BOUNDS, WaitHistogram, WorkerSnapshot};
 pub use engine::{Engine, PrefillLinks, PrefillPeer, PublicPrompt, Relaying};
 pub use error::EngineError;
-pub use kvfence_handoff::tls;
-pub use link::TlsLoopback;
-pub use net::ListenLimits;
 pub use port::{CONTROL, Connector, Inbound, Outbound, Port, Transport};
 pub use prefill_worker::PrefillWorker;
-pub use remote::client::RemoteEngine;
-pub use remote::decode::{serve_routers, start_decode_worker};
-pub use remote::discovery::{PeerNames, RESOLVE_EVERY, Resolver};
-pub use remote::fleet::Fleet;
-pub use remote::prefill::{MAX_DECODE_LINKS, serve_decode_workers};
-pub use remote::wire::{Hello, ModelFingerprint};
 pub use request::{
     CacheScope, Canceller, Constrained, Event, FailureKind, FinishReason, GenerationRequest,
-    RequestHandle, Share, TenantScope, Usage,
+    LinkGrammars, RequestHandle, Share, TenantScope, Usage,
 };
 pub use text::{Pushed, TextStream};
 

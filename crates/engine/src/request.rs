@@ -73,14 +73,15 @@ impl Constrained {
 /// scheduler behind the link, which every tenant's requests share, only
 /// copies a compiled start state. A large schema then holds up that link's
 /// next message, never the batch.
-pub(crate) struct LinkGrammars {
+pub struct LinkGrammars {
     model: Arc<LoadedModel>,
     /// Built at the link's first grammar.
     grammars: Option<Grammars>,
 }
 
 impl LinkGrammars {
-    pub(crate) fn new(model: Arc<LoadedModel>) -> LinkGrammars {
+    /// Grammars for `model`'s tokenizer, none built yet.
+    pub fn new(model: Arc<LoadedModel>) -> LinkGrammars {
         LinkGrammars {
             model,
             grammars: None,
@@ -91,7 +92,7 @@ impl LinkGrammars {
     /// compiled the same grammar for the same tokenizer before sending it;
     /// should this fail anyway, the reason is the runtime's, never the
     /// client's text (I10).
-    pub(crate) fn compile(&mut self, constraint: Constrained) -> Result<Constrained, String> {
+    pub fn compile(&mut self, constraint: Constrained) -> Result<Constrained, String> {
         if constraint.start.is_some() {
             return Ok(constraint);
         }
@@ -380,7 +381,10 @@ impl Drop for CancelOnDrop {
 }
 
 impl RequestHandle {
-    pub(crate) fn new(
+    /// A handle over events that arrive from elsewhere — a router's client
+    /// of a decode worker in another process relays them into `events` —
+    /// whose `cancel` flag is set when the handle is dropped or cancelled.
+    pub fn new(
         id: RequestId,
         events: mpsc::UnboundedReceiver<Event>,
         cancel: Arc<AtomicBool>,

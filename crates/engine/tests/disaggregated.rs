@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvfence_engine::{
     Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Role, Share,
-    TlsLoopback, Transport,
+    Transport,
 };
 use kvfence_model::{
     Grammar, LoadedModel, Logits, PromptLogprob, SamplingParams, Sequence, StopStrings,
@@ -42,7 +42,7 @@ fn transports() -> [Transport; 3] {
     [
         Transport::InProcess,
         Transport::SharedMemory,
-        TlsLoopback::transport(),
+        kvfence_fleet::TlsLoopback::transport(),
     ]
 }
 
@@ -476,7 +476,7 @@ fn cancelling_during_the_hand_off_frees_both_pools_over(transport: &Transport) {
 #[test]
 fn losing_the_prefill_worker_fails_in_flight_requests_and_refuses_new_ones() {
     let model = model();
-    let transport = TlsLoopback::transport();
+    let transport = kvfence_fleet::TlsLoopback::transport();
     let engine = Engine::start_disaggregated(
         Arc::clone(&model),
         pool(&model, 4096, Scrub::Poison, ReusePolicy::NewestFreedFirst),

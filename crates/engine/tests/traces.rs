@@ -14,8 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use kvfence_engine::trace::TraceContext;
 use kvfence_engine::{
-    Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Share, TlsLoopback,
-    Transport,
+    Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Share, Transport,
 };
 use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
@@ -234,7 +233,7 @@ fn the_prefill_workers_span_hangs_under_the_decode_workers_over_every_transport(
     for transport in [
         Transport::InProcess,
         Transport::SharedMemory,
-        TlsLoopback::transport(),
+        kvfence_fleet::TlsLoopback::transport(),
     ] {
         let engine = Engine::start_disaggregated(
             Arc::clone(&model),

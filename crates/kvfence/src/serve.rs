@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use kvfence_engine::{Backend, Engine, EngineConfig, EngineError, TlsLoopback, Transport};
+use kvfence_engine::{Backend, Engine, EngineConfig, EngineError, Transport};
+use kvfence_fleet::TlsLoopback;
 use kvfence_model::{LoadedModel, ModelCache, TextModel};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use kvfence_server::{ApiOptions, AppState, Capacity, OtlpProtocol, ServerError, Tenants, Traces};

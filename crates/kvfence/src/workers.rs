@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use kvfence_engine::tls::{Credentials, Role};
-use kvfence_engine::{
-    Drain, Fleet, ModelFingerprint, PeerNames, PrefillWorker, serve_decode_workers, serve_routers,
-    start_decode_worker,
+use kvfence_engine::{Drain, PrefillWorker};
+use kvfence_fleet::tls::{Credentials, Role};
+use kvfence_fleet::{
+    Fleet, ModelFingerprint, PeerNames, serve_decode_workers, serve_routers, start_decode_worker,
 };
 use kvfence_model::LoadedModel;
 use kvfence_pool::Pool;
@@ -293,7 +293,7 @@ fn wait_for_workers(fleet: &Fleet, names: &[String]) {
 
 /// `kvfence cluster init`: a new cluster CA and a certificate per role.
 pub(crate) fn cluster_init(out: &std::path::Path) -> anyhow::Result<()> {
-    let ca = kvfence_engine::tls::ClusterCa::generate()?;
+    let ca = kvfence_fleet::tls::ClusterCa::generate()?;
     let files = ca
         .write_dir(out)
         .with_context(|| format!("writing cluster credentials to {}", out.display()))?;

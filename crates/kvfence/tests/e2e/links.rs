@@ -11,7 +11,7 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvfence_engine::tls::{Credentials, Role};
+use kvfence_fleet::tls::{Credentials, Role};
 use serde_json::json;
 
 use crate::common::{ClusterTls, Server, post, wait_for_status};

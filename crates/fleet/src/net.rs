@@ -30,7 +30,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, warn};
 
-use crate::error::EngineError;
+use kvfence_engine::EngineError;
 
 /// The IO runtime every link of this process runs on: one thread, since it
 /// only moves bytes (encryption included) and the cores belong to the

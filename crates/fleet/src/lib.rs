@@ -1,10 +1,17 @@
-//! Workers in separate processes, over authenticated TCP links:
+//! kvfence's fleet: workers in separate processes, over authenticated TCP
+//! links. The workers themselves — schedulers, pools, the link codec — are
+//! `kvfence_engine`'s; this crate carries their [`Port`]s over TLS and
+//! speaks the control plane between processes:
 //!
 //! ```text
 //! router ──control link──▶ decode workers ──hand-off links──▶ prefill workers
 //! ```
 //!
-//! - [`prefill`]: a prefill worker serving every decode worker that
+//! - [`link`]: a [`Port`] carried inside a TLS link ([`bridge`](link)), and
+//!   [`TlsLoopback`], an in-process pair joined so.
+//! - [`net`]: the TLS links themselves — dial, accept with the listener's
+//!   bounds on what an unauthenticated peer can cost ([`ListenLimits`]).
+//! - [`prefill`]: a [`PrefillWorker`] serving every decode worker that
 //!   connects, each link its own namespace of hand-off ids.
 //! - [`decode`]: a decode worker holding links to its prefill workers
 //!   (reconnected with backoff when they drop) and serving routers.
@@ -13,36 +20,55 @@
 //! - [`fleet`]: [`Fleet`], the router's choice of a decode and a prefill
 //!   worker per request, preferring the pair that holds the request's
 //!   prefix within its tenant ([`affinity`]).
-//! - [`discovery`]: [`discovery::PeerNames`], peers named as `host:port`
-//!   and resolved again every few seconds, so pods behind a Kubernetes
-//!   headless Service join and leave without a restart.
+//! - [`discovery`]: [`PeerNames`], peers named as `host:port` and resolved
+//!   again every few seconds, so pods behind a Kubernetes headless Service
+//!   join and leave without a restart.
 //! - [`wire`]: the control plane's messages.
 //!
-//! Every link is TLS 1.3 with mutual, role-bound certificates
-//! ([`crate::net`]): a prefill worker accepts only decode workers, a decode
-//! worker only routers, and each dialler checks it reached the role it
-//! meant. A lost link fails what depended on it instead of hanging — the
-//! decode worker fails hand-offs that link was filling, the router fails
-//! requests in flight on that worker — and is dialled again, so a restarted
-//! process rejoins without restarting the others.
+//! Every link is TLS 1.3 with mutual, role-bound certificates: a prefill
+//! worker accepts only decode workers, a decode worker only routers, and
+//! each dialler checks it reached the role it meant. A lost link fails what
+//! depended on it instead of hanging — the decode worker fails hand-offs
+//! that link was filling, the router fails requests in flight on that
+//! worker — and is dialled again, so a restarted process rejoins without
+//! restarting the others.
+//!
+//! Errors are the engine's [`EngineError`]: what this crate serves is the
+//! engine's [`Backend`](kvfence_engine::Backend), whose callers cannot tell
+//! a worker in this process from one across a link.
+//!
+//! [`Port`]: kvfence_engine::Port
+//! [`PrefillWorker`]: kvfence_engine::PrefillWorker
 
-pub(crate) mod affinity;
-pub(crate) mod client;
-pub(crate) mod decode;
-pub(crate) mod discovery;
-pub(crate) mod fleet;
-pub(crate) mod prefill;
-pub(crate) mod wire;
+mod affinity;
+mod client;
+mod decode;
+mod discovery;
+mod fleet;
+mod link;
+mod net;
+mod prefill;
+mod wire;
+
+pub use client::RemoteEngine;
+pub use decode::{serve_routers, start_decode_worker};
+pub use discovery::{PeerNames, RESOLVE_EVERY, Resolver};
+pub use fleet::Fleet;
+pub use kvfence_handoff::tls;
+pub use link::TlsLoopback;
+pub use net::ListenLimits;
+pub use prefill::{MAX_DECODE_LINKS, serve_decode_workers};
+pub use wire::{Hello, ModelFingerprint};
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kvfence_engine::EngineError;
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
 
-use crate::error::EngineError;
-use crate::net::{self, Link};
-use wire::{Control, Hello, parse_control};
+use crate::net::Link;
+use crate::wire::{Control, parse_control};
 
 /// How long a worker may take to say `Hello` once the TLS link is up.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);

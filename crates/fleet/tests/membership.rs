@@ -11,10 +11,13 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvfence_engine::tls::{ClusterCa, Role as LinkRole};
 use kvfence_engine::{
-    Backend, Engine, EngineConfig, Event, Fleet, GenerationRequest, ModelFingerprint, PeerNames,
-    PrefillWorker, RequestHandle, Resolver, Share, Status, serve_decode_workers, serve_routers,
+    Backend, Engine, EngineConfig, Event, GenerationRequest, PrefillWorker, RequestHandle, Share,
+    Status,
+};
+use kvfence_fleet::tls::{ClusterCa, Role as LinkRole};
+use kvfence_fleet::{
+    Fleet, ModelFingerprint, PeerNames, Resolver, serve_decode_workers, serve_routers,
     start_decode_worker,
 };
 use kvfence_model::{LoadedModel, SamplingParams, StopStrings};

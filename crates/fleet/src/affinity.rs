@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
 
-use crate::request::{CacheScope, GenerationRequest};
+use kvfence_engine::{CacheScope, GenerationRequest};
 
 /// Tokens per routing block: the workers' default page size. A worker with
 /// another page size still gains, only less exactly.
@@ -128,7 +128,7 @@ mod tests {
     use kvfence_model::{SamplingParams, StopStrings};
 
     use super::*;
-    use crate::request::Share;
+    use kvfence_engine::Share;
 
     fn request(tenant: &str, salt: Option<&str>, prompt: Vec<u32>) -> GenerationRequest {
         GenerationRequest {

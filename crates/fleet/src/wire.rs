@@ -14,12 +14,12 @@ use kvfence_model::{
 use kvfence_pool::{ElemType, Pool, PoolStats};
 use serde::{Deserialize, Serialize};
 
-use crate::counters::EngineStats;
-use crate::engine::PrefillPeer;
 use crate::net::LinkTx;
-use crate::port::CONTROL;
-use crate::request::{FailureKind, FinishReason, Share, TenantScope, Usage};
-use crate::trace::TraceContext;
+use kvfence_engine::CONTROL;
+use kvfence_engine::EngineStats;
+use kvfence_engine::PrefillPeer;
+use kvfence_engine::trace::TraceContext;
+use kvfence_engine::{FailureKind, FinishReason, Share, TenantScope, Usage};
 
 /// The control protocol's version; a peer speaking another is refused
 /// (8: orders and `Submit` carry a trace context; 9: `Done` carries the

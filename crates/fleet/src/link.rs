@@ -13,9 +13,9 @@ use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{ClusterCa, Role as LinkRole};
 use tracing::warn;
 
-use crate::error::EngineError;
 use crate::net::{self, Link, ListenLimits};
-use crate::port::{Connector, Port, Transport};
+use kvfence_engine::EngineError;
+use kvfence_engine::{Connector, Port, Transport};
 
 /// Carries `port` over `link`: returns the reader thread, which ends with
 /// the link (and drops the port's inbound side as it does).

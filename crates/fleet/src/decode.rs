@@ -28,14 +28,14 @@ use super::wire::{
     WireStats, parse_control, send_control,
 };
 use super::{Backoff, dial, io, is_transient, lock};
-use crate::config::EngineConfig;
-use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, Link, ListenLimits};
-use crate::request::{
+use kvfence_engine::EngineConfig;
+use kvfence_engine::EngineError;
+use kvfence_engine::{
     CacheScope, Canceller, Event, GenerationRequest, LinkGrammars, RequestHandle,
 };
-use crate::{Engine, PrefillLinks, PrefillPeer, Relaying};
+use kvfence_engine::{Engine, PrefillLinks, PrefillPeer, Relaying};
 
 /// Routers one decode worker serves at once.
 const MAX_ROUTER_LINKS: usize = 64;

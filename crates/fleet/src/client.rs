@@ -26,12 +26,12 @@ use super::wire::{
     Control, Hello, ModelFingerprint, Refusal, WireEvent, WireStats, parse_control, send_control,
 };
 use super::{Backoff, dial, io, is_transient, lock};
-use crate::config::Role;
-use crate::counters::WorkerSnapshot;
-use crate::engine::PrefillPeer;
-use crate::error::EngineError;
 use crate::net::Link;
-use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle};
+use kvfence_engine::EngineError;
+use kvfence_engine::PrefillPeer;
+use kvfence_engine::Role;
+use kvfence_engine::WorkerSnapshot;
+use kvfence_engine::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle};
 
 /// How long a submit waits for the worker's `Accepted` or `Refused`.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -118,7 +118,7 @@ impl State {
 }
 
 /// A router's client of a decode worker in another process. Implements
-/// [`crate::Backend`], so the HTTP server serves it exactly like a local
+/// [`kvfence_engine::Backend`], so the HTTP server serves it exactly like a local
 /// engine.
 pub struct RemoteEngine {
     address: SocketAddr,
@@ -501,7 +501,7 @@ fn read_decode_worker(stream: &mpsc::Receiver<Bytes>, connection: &Connection) {
     lock(&connection.stats).clear();
 }
 
-impl crate::Status for RemoteEngine {
+impl kvfence_engine::Status for RemoteEngine {
     fn capacities(&self) -> Vec<(&'static str, usize)> {
         let mut out = Vec::new();
         if let Some(hello) = self.hello() {
@@ -537,8 +537,8 @@ impl crate::Status for RemoteEngine {
     }
 }
 
-impl crate::Backend for RemoteEngine {
-    fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
+impl kvfence_engine::Backend for RemoteEngine {
+    fn submit(&self, request: GenerationRequest) -> kvfence_engine::Submitted<'_> {
         Box::pin(self.submit_to(request, None))
     }
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
-use crate::error::EngineError;
+use kvfence_engine::EngineError;
 
 /// How often every name is resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);

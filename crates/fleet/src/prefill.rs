@@ -12,11 +12,11 @@ use tracing::{info, warn};
 
 use super::io;
 use super::wire::{Control, Hello, ModelFingerprint, PROTOCOL, PageLayout, send_control};
-use crate::PrefillWorker;
-use crate::config::Role;
-use crate::error::EngineError;
 use crate::link::bridge;
 use crate::net::{self, ListenLimits};
+use kvfence_engine::EngineError;
+use kvfence_engine::PrefillWorker;
+use kvfence_engine::Role;
 
 /// Decode workers one prefill worker serves at once.
 pub const MAX_DECODE_LINKS: usize = 64;

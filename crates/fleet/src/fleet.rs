@@ -36,10 +36,10 @@ use super::client::RemoteEngine;
 use super::discovery::{Membership, PeerNames};
 use super::lock;
 use super::wire::ModelFingerprint;
-use crate::config::Role;
-use crate::counters::WorkerSnapshot;
-use crate::error::EngineError;
-use crate::request::GenerationRequest;
+use kvfence_engine::EngineError;
+use kvfence_engine::GenerationRequest;
+use kvfence_engine::Role;
+use kvfence_engine::WorkerSnapshot;
 
 /// The decode workers behind one router. The advertised context is the
 /// smallest pool any of them, or any prefill worker they were linked to,
@@ -180,7 +180,7 @@ impl Fleet {
             let busy = worker.in_flight() > 0 && worker.is_alive();
             if !busy {
                 info!(address = %worker.address(), "retired decode worker let go");
-                crate::Backend::shutdown(&**worker);
+                kvfence_engine::Backend::shutdown(&**worker);
             }
             busy
         });
@@ -253,10 +253,14 @@ impl Fleet {
     }
 }
 
-impl crate::Status for Fleet {
+impl kvfence_engine::Status for Fleet {
     fn capacities(&self) -> Vec<(&'static str, usize)> {
         let mut least: Vec<(&'static str, usize)> = Vec::new();
-        for (role, tokens) in self.members().iter().flat_map(crate::Status::capacities) {
+        for (role, tokens) in self
+            .members()
+            .iter()
+            .flat_map(kvfence_engine::Status::capacities)
+        {
             match least.iter_mut().find(|(r, _)| *r == role) {
                 Some(entry) => entry.1 = entry.1.min(tokens),
                 None => least.push((role, tokens)),
@@ -268,17 +272,17 @@ impl crate::Status for Fleet {
     fn snapshot(&self) -> Vec<WorkerSnapshot> {
         self.members()
             .iter()
-            .flat_map(crate::Status::snapshot)
+            .flat_map(kvfence_engine::Status::snapshot)
             .collect()
     }
 
     fn is_ready(&self) -> bool {
-        self.members().iter().any(crate::Status::is_ready)
+        self.members().iter().any(kvfence_engine::Status::is_ready)
     }
 }
 
-impl crate::Backend for Fleet {
-    fn submit(&self, request: GenerationRequest) -> crate::Submitted<'_> {
+impl kvfence_engine::Backend for Fleet {
+    fn submit(&self, request: GenerationRequest) -> kvfence_engine::Submitted<'_> {
         Box::pin(async move {
             let mut last = EngineError::Unavailable {
                 reason: format!(
@@ -322,7 +326,7 @@ impl crate::Backend for Fleet {
     fn shutdown(&self) {
         self.stopped.store(true, Ordering::Release);
         for worker in self.members().iter().chain(lock(&self.retiring).iter()) {
-            crate::Backend::shutdown(&**worker);
+            kvfence_engine::Backend::shutdown(&**worker);
         }
     }
 }
