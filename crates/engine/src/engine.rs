@@ -15,7 +15,7 @@ use crate::config::EngineConfig;
 use crate::config::Role;
 use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
-use crate::port::{Port, Transport};
+use crate::port::{Facing, Port, Transport};
 use crate::request::{CacheScope, Event, GenerationRequest, LinkGrammars, RequestHandle, Share};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Scheduler};
 
@@ -144,7 +144,7 @@ impl PrefillLinks {
             peer,
             name,
             tokens,
-            None,
+            Facing::Prefill,
             Some(on_end),
         )
         .inspect_err(|_| directory.remove(peer))
@@ -246,15 +246,15 @@ impl Engine {
                 assert!(sent, "both schedulers' inboxes are open until they stop");
             }
             Transport::Linked(connector) => {
-                let grammars = Some(LinkGrammars::new(Arc::clone(&model)));
+                let facing = Facing::Decode(LinkGrammars::new(Arc::clone(&model)));
                 let prefill_end =
-                    Port::open(prefill_tx.clone(), link, "decode".into(), 0, grammars, None)?;
+                    Port::open(prefill_tx.clone(), link, "decode".into(), 0, facing, None)?;
                 let decode_end = Port::open(
                     engine.commands.clone(),
                     link,
                     "prefill".into(),
                     prefill_tokens,
-                    None,
+                    Facing::Prefill,
                     None,
                 )?;
                 connector.connect(prefill_end, decode_end)?;

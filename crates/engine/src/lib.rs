@@ -30,7 +30,7 @@ pub use config::Role;
 pub use counters::{EngineStats, QUEUE_WAIT_BOUNDS, WaitHistogram, WorkerSnapshot};
 pub use engine::{Engine, PrefillLinks, PrefillPeer, PublicPrompt, Relaying};
 pub use error::EngineError;
-pub use port::{CONTROL, Connector, Inbound, Outbound, Port, Transport};
+pub use port::{CONTROL, Connector, Inbound, Outbound, Port, Transport, decode_frame};
 pub use prefill_worker::PrefillWorker;
 pub use request::{
     CacheScope, Canceller, Constrained, Event, FailureKind, FinishReason, GenerationRequest,

@@ -23,12 +23,11 @@ use std::sync::{Arc, mpsc};
 
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
-use kvfence_model::{Grammar, SamplingParams, StopStrings};
+use kvfence_model::StopStrings;
 
 use crate::error::EngineError;
-use crate::request::{CacheScope, GenerationRequest, LinkGrammars, Share};
+use crate::request::{GenerationRequest, LinkGrammars};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, PrefillOrder};
-use crate::trace::TraceContext;
 
 /// One link between a worker and a peer, as the worker sees it.
 pub struct Port {
@@ -74,21 +73,32 @@ pub trait Connector: Send + Sync + std::fmt::Debug {
     fn connect(&self, prefill: Port, decode: Port) -> Result<(), EngineError>;
 }
 
+/// Who is at the other end of a link, which decides what it may send.
+pub(crate) enum Facing {
+    /// A decode worker: it sends orders — their grammars compiled here, as
+    /// they are delivered, off the scheduler's thread — and hand-off
+    /// messages.
+    Decode(LinkGrammars),
+    /// A prefill worker: it sends hand-off messages and drain notices; an
+    /// order from it (a decode worker is never one's prefill worker) closes
+    /// the link.
+    Prefill,
+}
+
 /// What runs when a link ends, after the worker has heard so.
 type OnEnd = Box<dyn FnOnce() + Send>;
 
 impl Port {
-    /// Opens a link named `peer` into the scheduler behind `inbox`: the
-    /// scheduler hears `PeerUp` (the peer's `name` and the `tokens` of KV
-    /// its pool holds) before any frame. With `grammars` (a prefill
-    /// worker's end), an order's grammar is compiled as it is delivered,
-    /// off the scheduler's thread. `on_end` runs when the link ends.
+    /// Opens a link named `peer` into the scheduler behind `inbox`, to a
+    /// worker of the role `facing` says: the scheduler hears `PeerUp` (the
+    /// peer's `name` and the `tokens` of KV its pool holds) before any
+    /// frame. `on_end` runs when the link ends.
     pub(crate) fn open(
         inbox: mpsc::Sender<Command>,
         peer: PeerId,
         name: String,
         tokens: usize,
-        grammars: Option<LinkGrammars>,
+        facing: Facing,
         on_end: Option<OnEnd>,
     ) -> Result<Port, EngineError> {
         let (to_peer, outbox) = mpsc::channel::<Command>();
@@ -105,7 +115,7 @@ impl Port {
             inbound: Inbound {
                 inbox,
                 peer,
-                grammars,
+                facing,
                 on_end,
             },
             outbound: Outbound(outbox),
@@ -118,7 +128,7 @@ impl Port {
 pub struct Inbound {
     inbox: mpsc::Sender<Command>,
     peer: PeerId,
-    grammars: Option<LinkGrammars>,
+    facing: Facing,
     on_end: Option<OnEnd>,
 }
 
@@ -128,13 +138,16 @@ impl Inbound {
     /// the worker has stopped (`ShuttingDown`).
     pub fn deliver(&mut self, frame: Bytes) -> Result<(), EngineError> {
         let mut command = decode(frame, self.peer)?;
-        if let (Some(grammars), Command::Prefill { order, .. }) = (&mut self.grammars, &mut command)
-            && let Some(constraint) = order.request.constraint.take()
-        {
-            // Kept bare when it fails: the scheduler then refuses the order
-            // the way it refuses any.
-            let kept = constraint.clone();
-            order.request.constraint = Some(grammars.compile(constraint).unwrap_or(kept));
+        if let Command::Prefill { order, .. } = &mut command {
+            let Facing::Decode(grammars) = &mut self.facing else {
+                return Err(malformed("an order from a prefill worker").into());
+            };
+            if let Some(constraint) = order.request.constraint.take() {
+                // Kept bare when it fails: the scheduler then refuses the
+                // order the way it refuses any.
+                let kept = constraint.clone();
+                order.request.constraint = Some(grammars.compile(constraint).unwrap_or(kept));
+            }
         }
         self.inbox
             .send(command)
@@ -200,71 +213,30 @@ pub const CONTROL: u8 = 3;
 /// The sender drains (no body): send it nothing new if another can take it.
 const DRAINING: u8 = 4;
 
-/// An order's cache scope: none, a tenant's (name and salt follow), or the
-/// public namespace a worker's own start-up fills.
-const CACHE_NONE: u8 = 0;
-const CACHE_TENANT: u8 = 1;
-const CACHE_PUBLIC: u8 = 2;
-
 /// A command as a link frame: its kind, then its body. A hand-off frame is
 /// its own body, borrowed: a chunk's bytes are not copied again on the way
-/// to the socket.
+/// to the socket. An order is its grant (a hand-off frame, length-prefixed)
+/// and then its request in the request's own serde form, the schema every
+/// control message uses.
 fn encode(command: &Command) -> Option<(u8, Cow<'_, [u8]>)> {
     match command {
         Command::Frame { frame, .. } => Some((FRAME, Cow::Borrowed(frame))),
         Command::Prefill { order, .. } => {
-            // A window is a mapping into this process's memory; over TCP
-            // grants are always two-sided.
-            debug_assert!(order.window.is_none(), "one-sided grants never cross TCP");
-            let mut out = Vec::new();
+            // A window is a mapping into this process's memory; over a
+            // link grants are always two-sided.
+            debug_assert!(
+                order.window.is_none(),
+                "one-sided grants never cross a link"
+            );
+            let mut out =
+                Vec::with_capacity(4 + order.grant.len() + 16 * order.request.prompt.len());
             out.extend_from_slice(&(order.grant.len() as u32).to_le_bytes());
             out.extend_from_slice(&order.grant);
-            out.extend_from_slice(&(order.request.prompt.len() as u32).to_le_bytes());
-            for token in &order.request.prompt {
-                out.extend_from_slice(&token.to_le_bytes());
-            }
-            // How the first token is drawn: the sampling parameters and
-            // the grammar, as JSON (both ends are the same build).
-            let shaping = serde_json::to_vec(&Shaping {
-                sampling: order.request.sampling.clone(),
-                constraint: order.request.constraint.as_ref().map(|c| c.grammar.clone()),
-            })
-            .expect("sampling parameters and grammars always serialise");
-            out.extend_from_slice(&(shaping.len() as u32).to_le_bytes());
-            out.extend_from_slice(&shaping);
-            match &order.request.cache {
-                None => out.push(CACHE_NONE),
-                Some(CacheScope::Tenant(scope)) => {
-                    out.push(CACHE_TENANT);
-                    put_name(&mut out, &scope.tenant);
-                    match &scope.salt {
-                        None => out.push(0),
-                        Some(salt) => {
-                            out.push(1);
-                            put_name(&mut out, salt);
-                        }
-                    }
-                }
-                Some(CacheScope::Public) => out.push(CACHE_PUBLIC),
-            }
-            // Whose share of the prefill worker it counts against (I11).
-            put_name(&mut out, &order.request.share.tenant);
-            out.extend_from_slice(&order.request.share.weight().to_le_bytes());
-            out.extend_from_slice(&order.request.share.priority().to_le_bytes());
-            out.push(u8::from(order.request.share.shared()));
-            // The span the prefill worker's spans hang under, if traced.
-            match &order.request.trace {
-                None => out.push(0),
-                Some(trace) => {
-                    out.push(1);
-                    out.extend_from_slice(&trace.trace_id().to_be_bytes());
-                    out.extend_from_slice(&trace.span_id().to_be_bytes());
-                }
-            }
+            serde_json::to_writer(&mut out, &order.request).expect("a request always serialises");
             Some((ORDER, Cow::Owned(out)))
         }
-        // Local-only commands never cross a link.
         Command::PeerDraining(_) => Some((DRAINING, Cow::Borrowed(&[][..]))),
+        // Local-only commands never cross a link.
         Command::Submit(_)
         | Command::Shutdown
         | Command::Drain
@@ -280,74 +252,6 @@ fn malformed(reason: &'static str) -> HandoffError {
     }
 }
 
-struct Cursor<'a>(&'a [u8]);
-
-impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], HandoffError> {
-        if self.0.len() < n {
-            return Err(malformed("frame ends inside a field"));
-        }
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        Ok(head)
-    }
-
-    fn u32(&mut self) -> Result<u32, HandoffError> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
-    }
-
-    /// A length-prefixed UTF-8 string of at most `MAX_NAME` bytes.
-    fn name(&mut self) -> Result<String, HandoffError> {
-        let len = self.u32()? as usize;
-        if len > MAX_NAME {
-            return Err(malformed("a name is longer than a tenant name can be"));
-        }
-        String::from_utf8(self.take(len)?.to_vec()).map_err(|_| malformed("a name is not UTF-8"))
-    }
-
-    fn byte(&mut self) -> Result<u8, HandoffError> {
-        Ok(self.take(1)?[0])
-    }
-
-    /// A trace context (`TraceContext`): 16 bytes of trace id, 8 of span
-    /// id, neither zero.
-    fn trace(&mut self) -> Result<TraceContext, HandoffError> {
-        let trace_id = u128::from_be_bytes(self.take(16)?.try_into().expect("16 bytes"));
-        let span_id = u64::from_be_bytes(self.take(8)?.try_into().expect("8 bytes"));
-        TraceContext::new(trace_id, span_id).ok_or_else(|| malformed("a trace id is zero"))
-    }
-
-    /// A `0`/`1` presence byte.
-    fn flag(&mut self) -> Result<bool, HandoffError> {
-        match self.take(1)? {
-            [0] => Ok(false),
-            [1] => Ok(true),
-            _ => Err(malformed("a presence flag is neither 0 nor 1")),
-        }
-    }
-}
-
-/// How an order's first token is drawn.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Shaping {
-    sampling: SamplingParams,
-    constraint: Option<Grammar>,
-}
-
-/// Largest sampling section an order may carry: a grammar is at most a
-/// request body (the front door's limit is 2 MiB by default).
-const MAX_SHAPING: usize = 16 << 20;
-
-/// Longest tenant name or cache salt an order may carry.
-const MAX_NAME: usize = 1024;
-
-fn put_name(out: &mut Vec<u8>, name: &str) {
-    out.extend_from_slice(&(name.len() as u32).to_le_bytes());
-    out.extend_from_slice(name.as_bytes());
-}
-
 /// The command a link frame carries, as from the link `peer`; an error for
 /// anything malformed, never a panic, whatever the peer sent (the property
 /// tests below feed it damaged and random frames). A hand-off frame stays a
@@ -361,60 +265,29 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
         }),
         DRAINING if payload.len() == 1 => Ok(Command::PeerDraining(peer)),
         ORDER => {
-            let mut c = Cursor(&payload[1..]);
-            let grant_len = c.u32()? as usize;
-            let grant = c.take(grant_len)?.to_vec();
-            let count = c.u32()? as usize;
-            if count.checked_mul(4).is_none_or(|bytes| bytes > c.0.len()) {
-                return Err(malformed("prompt length overruns the frame"));
+            let body = &payload[1..];
+            let (len, rest) = body
+                .split_first_chunk::<4>()
+                .ok_or_else(|| malformed("frame ends inside the grant's length"))?;
+            let len = u32::from_le_bytes(*len) as usize;
+            if len > rest.len() {
+                return Err(malformed("the grant overruns the frame"));
             }
-            let prompt = (0..count).map(|_| c.u32()).collect::<Result<Vec<_>, _>>()?;
-            let shaping_len = c.u32()? as usize;
-            if shaping_len > MAX_SHAPING {
-                return Err(malformed(
-                    "the sampling section is larger than a request can be",
-                ));
-            }
-            let Shaping {
-                sampling,
-                constraint,
-            } = serde_json::from_slice(c.take(shaping_len)?)
-                .map_err(|_| malformed("the sampling section is not valid"))?;
-            let cache = match c.byte()? {
-                CACHE_NONE => None,
-                CACHE_TENANT => {
-                    let tenant = c.name()?;
-                    let salt = if c.flag()? { Some(c.name()?) } else { None };
-                    Some(CacheScope::tenant(tenant, salt))
-                }
-                CACHE_PUBLIC => Some(CacheScope::Public),
-                _ => return Err(malformed("unknown cache scope")),
-            };
-            let tenant = c.name()?;
-            let weight = c.u32()?;
-            let share = Share::new(tenant, weight)
-                .with_priority(c.u32()?.cast_signed())
-                .on_shared_workers(c.flag()?);
-            let trace = if c.flag()? { Some(c.trace()?) } else { None };
-            if !c.0.is_empty() {
-                return Err(malformed("trailing bytes"));
-            }
+            let (grant, request) = rest.split_at(len);
+            let request: GenerationRequest = serde_json::from_slice(request)
+                .map_err(|_| malformed("the order's request is not valid"))?;
             let request = GenerationRequest {
-                prompt,
-                // Prefill samples only the first token; the rest is decode's.
+                // Prefill samples only the first token; the rest, and
+                // how the completion ends, is decode's.
                 max_tokens: 1,
-                sampling,
                 stop: StopStrings::default(),
                 ignore_eos: false,
-                cache,
-                constraint: constraint.map(Into::into),
-                share,
-                trace,
+                ..request
             };
             Ok(Command::Prefill {
                 peer,
                 order: Box::new(PrefillOrder {
-                    grant,
+                    grant: grant.to_vec(),
                     request,
                     window: None,
                 }),
@@ -424,10 +297,23 @@ fn decode(payload: Bytes, peer: PeerId) -> Result<Command, HandoffError> {
     }
 }
 
+/// Decodes one link frame as a worker's link does, with no worker behind
+/// it: `Ok` for a frame a peer of this build could send, else why the link
+/// would close. The fuzz target `port_frame` (`fuzz/`) drives it.
+#[doc(hidden)]
+pub fn decode_frame(frame: Bytes) -> Result<(), EngineError> {
+    decode(frame, PeerId(0))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::LinkGrammars;
+    use crate::request::{CacheScope, Share};
+    use crate::trace::TraceContext;
     use kvfence_handoff::tcp::{read_link_frame, write_link_frame_parts};
+    use kvfence_model::{Grammar, SamplingParams};
 
     /// What the peer's reader decodes for `command`: its encoding through
     /// the real link framing.
@@ -437,6 +323,101 @@ mod tests {
         write_link_frame_parts(&mut wire, &[&[kind], &body])?;
         let payload = read_link_frame(&mut &wire[..])?.expect("one whole frame");
         decode(payload.into(), PeerId(7))
+    }
+
+    /// An order's link frame, whole.
+    fn order_frame() -> Bytes {
+        let request = GenerationRequest {
+            prompt: vec![1, 2, 3],
+            max_tokens: 9,
+            sampling: SamplingParams::greedy(),
+            stop: StopStrings::new(vec!["x".into()]).unwrap(),
+            ignore_eos: true,
+            cache: None,
+            constraint: None,
+            share: Share::default(),
+            trace: None,
+        };
+        let order = Command::Prefill {
+            peer: PeerId(0),
+            order: Box::new(PrefillOrder {
+                grant: vec![9],
+                request,
+                window: None,
+            }),
+        };
+        let (kind, body) = encode(&order).expect("orders cross links");
+        std::iter::once(kind).chain(body.iter().copied()).collect()
+    }
+
+    fn open(facing: Facing) -> (Port, mpsc::Receiver<Command>) {
+        let (inbox, commands) = mpsc::channel();
+        let port = Port::open(inbox, PeerId(4), "peer".into(), 0, facing, None).unwrap();
+        assert!(
+            matches!(commands.try_recv(), Ok(Command::PeerUp(up)) if up.peer == PeerId(4)),
+            "the worker hears of the link before any frame"
+        );
+        (port, commands)
+    }
+
+    #[test]
+    fn a_decode_worker_takes_no_order_from_its_prefill_worker() {
+        let (mut port, commands) = open(Facing::Prefill);
+        assert!(
+            port.inbound.deliver(order_frame()).is_err(),
+            "the link closes"
+        );
+        drop(port);
+        assert!(
+            matches!(commands.try_recv(), Ok(Command::PeerLost(PeerId(4)))),
+            "nothing but the link's end reaches the worker"
+        );
+        assert!(commands.try_recv().is_err());
+    }
+
+    #[test]
+    fn a_prefill_worker_takes_orders_and_only_their_first_token_is_its() {
+        let model = crate::testing::tiny_model();
+        let (mut port, commands) = open(Facing::Decode(LinkGrammars::new(model)));
+        port.inbound.deliver(order_frame()).unwrap();
+        let Ok(Command::Prefill { peer, order }) = commands.try_recv() else {
+            panic!("an order reaches the prefill worker")
+        };
+        assert_eq!(peer, PeerId(4), "stamped with the link it came on");
+        assert_eq!(order.request.prompt, [1, 2, 3]);
+        // How the completion ends is the decode worker's business.
+        assert_eq!(order.request.max_tokens, 1);
+        assert!(order.request.stop.strings().is_empty() && !order.request.ignore_eos);
+    }
+
+    #[test]
+    fn a_link_ends_once_and_its_end_runs_after_the_worker_hears() {
+        let (inbox, commands) = mpsc::channel();
+        let (ended_tx, ended) = mpsc::channel();
+        let on_end = Box::new(move || {
+            // The worker has heard by now.
+            let _ = ended_tx.send(());
+        });
+        let port = Port::open(
+            inbox,
+            PeerId(1),
+            "p".into(),
+            0,
+            Facing::Prefill,
+            Some(on_end),
+        )
+        .unwrap();
+        let Port { inbound, outbound } = port;
+        drop(outbound);
+        assert!(
+            ended.try_recv().is_err(),
+            "the outbound side is not the link's end"
+        );
+        drop(inbound);
+        ended.try_recv().unwrap();
+        let heard: Vec<_> = commands.try_iter().collect();
+        assert_eq!(heard.len(), 2, "PeerUp, then PeerLost once");
+        assert!(matches!(heard[1], Command::PeerLost(PeerId(1))));
     }
 
     #[test]
@@ -575,8 +556,7 @@ mod tests {
             proptest::prop_assert_eq!(order.request.trace, request.trace);
             let (kind, body) = encode(&sent).expect("an order crosses links");
             let whole: Vec<u8> = std::iter::once(kind).chain(body.iter().copied()).collect();
-            // Every field is length-prefixed or fixed: a frame cut short
-            // always ends inside one.
+            // A frame cut short ends inside the grant or the request.
             let short = cut.index(whole.len());
             proptest::prop_assert!(decode(Bytes::copy_from_slice(&whole[..short]), PeerId(0)).is_err());
             // A damaged byte is refused or read as some other order.

@@ -16,7 +16,7 @@ use kvfence_pool::{Pool, PoolStats};
 use crate::config::{EngineConfig, Role};
 use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
-use crate::port::Port;
+use crate::port::{Facing, Port};
 use crate::request::LinkGrammars;
 use crate::scheduler::{Command, PeerId, Scheduler};
 
@@ -84,14 +84,14 @@ impl PrefillWorker {
     /// `ShuttingDown` once the worker has stopped.
     pub fn link_decode(&self, name: String) -> Result<Port, EngineError> {
         let peer = PeerId(self.next_link.fetch_add(1, Ordering::Relaxed));
-        let grammars = Some(LinkGrammars::new(Arc::clone(&self.model)));
+        let facing = Facing::Decode(LinkGrammars::new(Arc::clone(&self.model)));
         self.links.fetch_add(1, Ordering::AcqRel);
         let links = Arc::clone(&self.links);
         let on_end = Box::new(move || {
             let before = links.fetch_sub(1, Ordering::AcqRel);
             assert!(before > 0, "a link ends once, after it was counted");
         });
-        Port::open(self.commands.clone(), peer, name, 0, grammars, Some(on_end)).inspect_err(|_| {
+        Port::open(self.commands.clone(), peer, name, 0, facing, Some(on_end)).inspect_err(|_| {
             self.links.fetch_sub(1, Ordering::AcqRel);
         })
     }

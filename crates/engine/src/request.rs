@@ -13,8 +13,10 @@ use tokio::sync::mpsc;
 
 use crate::trace_context::TraceContext;
 
-/// One generation request, already tokenized.
-#[derive(Debug, Clone)]
+/// One generation request, already tokenized. On a link (a router's
+/// `Submit`, a decode worker's order) it is this type's own serde form: one
+/// schema, whatever carries it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct GenerationRequest {
     /// Prompt token ids.
     pub prompt: Vec<u32>,
@@ -23,19 +25,24 @@ pub struct GenerationRequest {
     /// How to pick tokens.
     pub sampling: SamplingParams,
     /// Strings that end the completion (excluded from it).
+    #[serde(default)]
     pub stop: StopStrings,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
     /// Whose prefix cache the request reads and adds to; `None` computes
     /// every token and caches nothing.
+    #[serde(default)]
     pub cache: Option<CacheScope>,
     /// What the completion must match (structured outputs); every token is
     /// drawn from what the grammar allows next.
+    #[serde(default)]
     pub constraint: Option<Constrained>,
     /// Whose share of the worker its work counts against (I11).
+    #[serde(default)]
     pub share: Share,
     /// The span the request's work hangs under (the router's), if it is
     /// traced: each worker it reaches records its own spans beneath.
+    #[serde(default)]
     pub trace: Option<TraceContext>,
 }
 
@@ -45,7 +52,8 @@ pub struct GenerationRequest {
 /// every tenant shares — a large JSON schema takes seconds. A request that
 /// crosses a link carries the grammar alone; the link's reader compiles it
 /// ([`LinkGrammars`]) before the scheduler sees it.
-#[derive(Clone)]
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+#[serde(from = "Grammar", into = "Grammar")]
 pub struct Constrained {
     /// The grammar.
     pub grammar: Grammar,
@@ -112,6 +120,13 @@ impl LinkGrammars {
         };
         let start = grammars.compile(&constraint.grammar).map_err(failed)?;
         Ok(Constrained::compiled(constraint.grammar, start))
+    }
+}
+
+impl From<Constrained> for Grammar {
+    /// The grammar alone: a compiled start state never leaves its process.
+    fn from(constrained: Constrained) -> Grammar {
+        constrained.grammar
     }
 }
 
@@ -218,14 +233,15 @@ impl Default for Share {
 }
 
 /// The wall a request's cached prefixes live behind (I9).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum CacheScope {
     /// A tenant's own namespace (which also reads the public one).
     Tenant(TenantScope),
     /// The public namespace: prefixes the operator declared common to
     /// every tenant (`serve --public-system-prompt`), computed at start-up.
-    /// Only the engine's own start-up submits it; the router protocol
-    /// cannot express it, and nothing a client sends reaches it.
+    /// Only the engine's own start-up submits it, and nothing a client
+    /// sends reaches it: a decode worker refuses a router's request that
+    /// names it.
     Public,
 }
 
@@ -316,8 +332,9 @@ impl FailureKind {
 }
 
 /// One event of a request's life, in order. After `Finished` or `Failed`
-/// nothing more comes.
-#[derive(Debug, Clone, PartialEq)]
+/// nothing more comes. A decode worker relays each to its router in this
+/// type's serde form.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Event {
     /// The prompt's scores, if the request asked (`prompt_logprobs`): one
     /// per prompt token after the first, in order, before any `Token`.
@@ -332,6 +349,7 @@ pub enum Event {
         text: String,
         /// The token's log-probabilities, if the request asked (none for
         /// the end-of-sequence token, which is not part of the text).
+        #[serde(default)]
         logprobs: Option<TokenLogprobs>,
     },
     /// The completion ended normally.

@@ -23,7 +23,8 @@ use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 use tracing::{info, warn};
 
 use super::wire::{
-    Control, Hello, ModelFingerprint, Refusal, WireEvent, WireStats, parse_control, send_control,
+    Control, Hello, ModelFingerprint, PUBLIC_OVER_A_LINK, Refusal, WireStats, parse_control,
+    send_control,
 };
 use super::{Backoff, dial, io, is_transient, lock};
 use crate::net::Link;
@@ -233,17 +234,13 @@ impl RemoteEngine {
         let unreachable = || EngineError::Unavailable {
             reason: "the decode worker is unreachable".into(),
         };
-        // The router protocol names tenants only: the public namespace is
-        // filled by a worker's own start-up, never over a link.
-        let cache = match request.cache {
-            None => None,
-            Some(CacheScope::Tenant(scope)) => Some(scope),
-            Some(CacheScope::Public) => {
-                return Err(EngineError::Invalid {
-                    reason: "the public prefix cache is filled only at a worker's start-up".into(),
-                });
-            }
-        };
+        // The public namespace is filled by a worker's own start-up, never
+        // over a link (the decode worker refuses it too).
+        if request.cache == Some(CacheScope::Public) {
+            return Err(EngineError::Invalid {
+                reason: PUBLIC_OVER_A_LINK.into(),
+            });
+        }
         let connection = self
             .state
             .connection()
@@ -264,16 +261,8 @@ impl RemoteEngine {
         );
         let submit = Control::Submit {
             id,
-            prompt: request.prompt,
-            max_tokens: request.max_tokens,
-            sampling: request.sampling,
-            stop: request.stop.strings().to_vec(),
-            ignore_eos: request.ignore_eos,
-            cache,
-            constraint: request.constraint.map(|c| c.grammar),
-            share: request.share,
+            request: Box::new(request),
             prefill,
-            trace: request.trace,
         };
         let forget = || {
             lock(&connection.in_flight).remove(&id);
@@ -466,13 +455,7 @@ fn read_decode_worker(stream: &mpsc::Receiver<Bytes>, connection: &Connection) {
                 }
             }
             Ok(Control::Event { id, event }) => {
-                let terminal = !matches!(event, WireEvent::Token { .. } | WireEvent::Prompt { .. });
-                let event = match event {
-                    WireEvent::Prompt { logprobs } => Event::Prompt { logprobs },
-                    WireEvent::Token { text, logprobs } => Event::Token { text, logprobs },
-                    WireEvent::Finished { reason, usage } => Event::Finished { reason, usage },
-                    WireEvent::Failed { kind, message } => Event::Failed { kind, message },
-                };
+                let terminal = !matches!(event, Event::Token { .. } | Event::Prompt { .. });
                 let mut in_flight = lock(&connection.in_flight);
                 if let Some(entry) = in_flight.get(&id) {
                     let _ = entry.events.send(event);

@@ -18,13 +18,13 @@ use std::sync::{Arc, Mutex, mpsc};
 
 use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
-use kvfence_model::{LoadedModel, StopStrings};
+use kvfence_model::LoadedModel;
 use kvfence_pool::Pool;
 use tracing::{info, warn};
 
 use super::discovery::{Membership, PeerNames};
 use super::wire::{
-    Control, Hello, ModelFingerprint, PROTOCOL, PageLayout, Refusal, WireEvent, WirePool,
+    Control, Hello, ModelFingerprint, PROTOCOL, PUBLIC_OVER_A_LINK, PageLayout, Refusal, WirePool,
     WireStats, parse_control, send_control,
 };
 use super::{Backoff, dial, io, is_transient, lock};
@@ -32,9 +32,7 @@ use crate::link::bridge;
 use crate::net::{self, Link, ListenLimits};
 use kvfence_engine::EngineConfig;
 use kvfence_engine::EngineError;
-use kvfence_engine::{
-    CacheScope, Canceller, Event, GenerationRequest, LinkGrammars, RequestHandle,
-};
+use kvfence_engine::{CacheScope, Canceller, Event, LinkGrammars, RequestHandle};
 use kvfence_engine::{Engine, PrefillLinks, PrefillPeer, Relaying};
 
 /// Routers one decode worker serves at once.
@@ -327,31 +325,21 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
         match control {
             Control::Submit {
                 id,
-                prompt,
-                max_tokens,
-                sampling,
-                stop,
-                ignore_eos,
-                cache,
-                constraint,
-                share,
+                mut request,
                 prefill,
-                trace,
             } => {
-                let stop = match StopStrings::new(stop) {
-                    Ok(stop) => stop,
-                    Err(error) => {
-                        let reason = error.to_string();
-                        refuse(id, Refusal::Invalid { reason });
-                        continue;
-                    }
-                };
+                if request.cache == Some(CacheScope::Public) {
+                    let reason = PUBLIC_OVER_A_LINK.into();
+                    refuse(id, Refusal::Invalid { reason });
+                    continue;
+                }
                 if lock(&cancellers).len() >= limit {
                     refuse(id, Refusal::QueueFull { capacity: limit });
                     continue;
                 }
-                let constraint = match constraint
-                    .map(|grammar| grammars.compile(grammar.into()))
+                request.constraint = match request
+                    .constraint
+                    .map(|constraint| grammars.compile(constraint))
                     .transpose()
                 {
                     Ok(constraint) => constraint,
@@ -360,18 +348,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                         continue;
                     }
                 };
-                let request = GenerationRequest {
-                    prompt,
-                    max_tokens,
-                    sampling,
-                    stop,
-                    ignore_eos,
-                    cache: cache.map(CacheScope::Tenant),
-                    constraint,
-                    share,
-                    trace,
-                };
-                match engine.submit_to(request, prefill) {
+                match engine.submit_to(*request, prefill) {
                     Ok(handle) => {
                         lock(&cancellers).insert(id, handle.canceller());
                         let _ = out_tx.send(Control::Accepted { id });
@@ -420,12 +397,6 @@ async fn forward(
 ) {
     while let Some(event) = handle.next().await {
         let terminal = !matches!(event, Event::Token { .. } | Event::Prompt { .. });
-        let event = match event {
-            Event::Prompt { logprobs } => WireEvent::Prompt { logprobs },
-            Event::Token { text, logprobs } => WireEvent::Token { text, logprobs },
-            Event::Finished { reason, usage } => WireEvent::Finished { reason, usage },
-            Event::Failed { kind, message } => WireEvent::Failed { kind, message },
-        };
         if out.send(Control::Event { id, event }).is_err() || terminal {
             break;
         }
@@ -456,5 +427,73 @@ fn wire_stats(engine: &Engine) -> WireStats {
         engine: stats,
         prefills: engine.prefill_peers(),
         admitting: engine.is_admitting(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use kvfence_engine::{CacheScope, GenerationRequest, Share};
+    use kvfence_handoff::tls::ClusterCa;
+    use kvfence_model::{SamplingParams, StopStrings};
+    use kvfence_pool::{ElemType, PoolSize, PoolSpec};
+
+    use super::*;
+
+    /// A router's link to a decode worker that serves routers: what the
+    /// worker answers a `Submit` with.
+    fn answer_to(request: GenerationRequest) -> Control {
+        let model = Arc::new(LoadedModel::load("builtin:tiny").unwrap());
+        let spec = PoolSpec::new(
+            model.model.kv_shape(),
+            16,
+            ElemType::F32,
+            PoolSize::Pages(8),
+        );
+        let engine = Arc::new(Engine::start_decode(
+            Arc::clone(&model),
+            Pool::new(&spec).unwrap(),
+            EngineConfig::default(),
+        ));
+        let ca = ClusterCa::generate().unwrap();
+        let decode = ca.credentials(LinkRole::Decode).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        std::thread::spawn(move || serve_routers(engine, listener, &decode));
+        let router = ca.credentials(LinkRole::Router).unwrap();
+        let (link, _hello) = dial(address, LinkRole::Decode, &router).unwrap();
+        let submit = Control::Submit {
+            id: 5,
+            request: Box::new(request),
+            prefill: None,
+        };
+        assert!(send_control(&link.tx, &submit));
+        let frame = link.rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        parse_control(&frame).unwrap()
+    }
+
+    #[test]
+    fn a_router_cannot_reach_the_public_prefix_cache() {
+        let request = GenerationRequest {
+            prompt: vec![1, 2, 3],
+            max_tokens: 1,
+            sampling: SamplingParams::greedy(),
+            stop: StopStrings::default(),
+            ignore_eos: false,
+            cache: Some(CacheScope::Public),
+            constraint: None,
+            share: Share::new("acme", 1),
+            trace: None,
+        };
+        let answer = answer_to(request);
+        assert!(
+            matches!(
+                &answer,
+                Control::Refused { id: 5, refusal: Refusal::Invalid { reason } }
+                    if reason == PUBLIC_OVER_A_LINK
+            ),
+            "{answer:?}"
+        );
     }
 }

@@ -58,7 +58,7 @@ pub use kvfence_handoff::tls;
 pub use link::TlsLoopback;
 pub use net::ListenLimits;
 pub use prefill::{MAX_DECODE_LINKS, serve_decode_workers};
-pub use wire::{Hello, ModelFingerprint};
+pub use wire::{Hello, ModelFingerprint, decode_control_frame};
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -8,9 +8,7 @@
 
 use bytes::Bytes;
 use kvfence_handoff::HandoffError;
-use kvfence_model::{
-    Grammar, LoadedModel, ModelConfig, PromptLogprob, SamplingParams, TokenLogprobs,
-};
+use kvfence_model::{LoadedModel, ModelConfig};
 use kvfence_pool::{ElemType, Pool, PoolStats};
 use serde::{Deserialize, Serialize};
 
@@ -18,14 +16,15 @@ use crate::net::LinkTx;
 use kvfence_engine::CONTROL;
 use kvfence_engine::EngineStats;
 use kvfence_engine::PrefillPeer;
-use kvfence_engine::trace::TraceContext;
-use kvfence_engine::{FailureKind, FinishReason, Share, TenantScope, Usage};
+use kvfence_engine::{Event, GenerationRequest};
 
 /// The control protocol's version; a peer speaking another is refused
 /// (8: orders and `Submit` carry a trace context; 9: `Done` carries the
 /// prompt's scores, and an event carries them to the router; 10: a grant
-/// names each layer group's pages, and `Hello` the groups).
-pub(crate) const PROTOCOL: u32 = 10;
+/// names each layer group's pages, and `Hello` the groups; 11: `Submit`
+/// and orders carry the request, and `Event` the event, in the engine's
+/// own serde forms).
+pub(crate) const PROTOCOL: u32 = 11;
 
 /// How a worker's pool lays out KV pages: what both ends of a hand-off
 /// must share, since pages cross as bytes.
@@ -177,6 +176,11 @@ impl Hello {
     }
 }
 
+/// Why a request naming the public prefix cache is refused at either end
+/// of a router's link: that namespace is filled by a worker's own start-up.
+pub(crate) const PUBLIC_OVER_A_LINK: &str =
+    "the public prefix cache is filled only at a worker's start-up";
+
 /// Why a decode worker did not take a request. Carried by name so each
 /// becomes the same error, and the same HTTP status, as in one process.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -187,27 +191,6 @@ pub(crate) enum Refusal {
     Unavailable { reason: String },
     ShuttingDown,
     Internal { message: String },
-}
-
-/// One event of a request's life on the wire.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) enum WireEvent {
-    Prompt {
-        logprobs: Vec<PromptLogprob>,
-    },
-    Token {
-        text: String,
-        #[serde(default)]
-        logprobs: Option<TokenLogprobs>,
-    },
-    Finished {
-        reason: FinishReason,
-        usage: Usage,
-    },
-    Failed {
-        kind: FailureKind,
-        message: String,
-    },
 }
 
 /// One pool's counters on the wire: every field of [`PoolStats`], by name,
@@ -306,31 +289,15 @@ pub(crate) struct WireStats {
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Control {
     Hello(Hello),
+    /// A request for the decode worker, in the engine's own form. Its
+    /// cache scope is the tenant the router authenticated (the public
+    /// scope is refused), its share that tenant's.
     Submit {
         id: u64,
-        prompt: Vec<u32>,
-        max_tokens: usize,
-        sampling: SamplingParams,
-        stop: Vec<String>,
-        ignore_eos: bool,
-        /// Whose prefix cache it may use (the tenant the router
-        /// authenticated).
-        #[serde(default)]
-        cache: Option<TenantScope>,
-        /// What the completion must match.
-        #[serde(default)]
-        constraint: Option<Grammar>,
-        /// Whose share of the workers it counts against (the tenant the
-        /// router authenticated, and its weight).
-        #[serde(default)]
-        share: Share,
+        request: Box<GenerationRequest>,
         /// The prefill worker the router chose (a name from the decode
         /// worker's `prefills`).
         prefill: Option<String>,
-        /// The router's span for the request, if it is traced (a W3C
-        /// `traceparent`).
-        #[serde(default)]
-        trace: Option<TraceContext>,
     },
     Accepted {
         id: u64,
@@ -341,7 +308,7 @@ pub(crate) enum Control {
     },
     Event {
         id: u64,
-        event: WireEvent,
+        event: Event,
     },
     Cancel {
         id: u64,
@@ -378,14 +345,25 @@ pub(crate) fn parse_control(frame: &[u8]) -> Result<Control, HandoffError> {
     }
 }
 
+/// Reads one control frame as every control link does: `Ok` for a message
+/// of this build's protocol, else why the link would close. The fuzz
+/// target `control_frame` (`fuzz/`) drives it.
+#[doc(hidden)]
+pub fn decode_control_frame(frame: &[u8]) -> Result<(), HandoffError> {
+    parse_control(frame)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvfence_engine::trace::TraceContext;
+    use kvfence_engine::{CacheScope, FailureKind, Share};
+    use kvfence_model::{Grammar, SamplingParams, StopStrings};
 
     #[test]
-    fn a_submit_names_every_field() {
-        let submit = Control::Submit {
-            id: 7,
+    fn a_submit_carries_the_request_whole() {
+        let request = GenerationRequest {
             prompt: vec![1, 2],
             max_tokens: 3,
             sampling: SamplingParams {
@@ -395,44 +373,88 @@ mod tests {
                 seed: 11,
                 ..SamplingParams::greedy()
             },
-            stop: vec!["x".into()],
+            stop: StopStrings::new(vec!["x".into()]).unwrap(),
             ignore_eos: true,
-            cache: Some(TenantScope {
-                tenant: "acme".into(),
-                salt: None,
-            }),
-            constraint: None,
-            share: Share::new("acme", 2),
-            prefill: Some("10.0.0.1:7000".into()),
+            cache: Some(CacheScope::tenant("acme", Some("salt".into()))),
+            constraint: Some(Grammar::Regex("[a-z]+".into()).into()),
+            share: Share::new("acme", 2).with_priority(-1),
             trace: TraceContext::new(3, 4),
         };
-        let json = serde_json::to_value(&submit).unwrap();
-        let fields = &json["Submit"];
-        for name in [
-            "id",
-            "prompt",
-            "max_tokens",
-            "stop",
-            "ignore_eos",
-            "cache",
-            "share",
-            "prefill",
-        ] {
-            assert!(fields.get(name).is_some(), "{name} missing in {json}");
+        let submit = Control::Submit {
+            id: 7,
+            request: Box::new(request),
+            prefill: Some("10.0.0.1:7000".into()),
+        };
+        let json = serde_json::to_vec(&submit).unwrap();
+        let frame: Vec<u8> = std::iter::once(CONTROL).chain(json).collect();
+        let Control::Submit {
+            id,
+            request,
+            prefill,
+        } = parse_control(&frame).unwrap()
+        else {
+            panic!("not a submit")
+        };
+        assert_eq!((id, prefill.as_deref()), (7, Some("10.0.0.1:7000")));
+        assert_eq!((request.prompt, request.max_tokens), (vec![1, 2], 3));
+        assert_eq!(request.sampling.top_k, 4);
+        assert_eq!(request.stop.strings(), ["x"]);
+        assert!(request.ignore_eos);
+        assert_eq!(
+            request.cache,
+            Some(CacheScope::tenant("acme", Some("salt".into())))
+        );
+        assert_eq!(
+            request.constraint.map(|c| c.grammar),
+            Some(Grammar::Regex("[a-z]+".into()))
+        );
+        assert_eq!(request.share, Share::new("acme", 2).with_priority(-1));
+        assert_eq!(request.trace, TraceContext::new(3, 4));
+    }
+
+    #[test]
+    fn stop_strings_are_checked_again_as_a_submit_is_read() {
+        let json = serde_json::json!({"Submit": {"id": 1, "prefill": null, "request": {
+            "prompt": [1], "max_tokens": 1, "sampling": SamplingParams::greedy(),
+            "stop": ["a", "b", "c", "d", "e"], "ignore_eos": false}}});
+        let frame: Vec<u8> = std::iter::once(CONTROL)
+            .chain(serde_json::to_vec(&json).unwrap())
+            .collect();
+        assert!(parse_control(&frame).is_err(), "five stop strings");
+    }
+
+    #[test]
+    fn damaged_or_random_control_frames_are_errors_not_panics() {
+        let submit = serde_json::to_vec(&Control::Cancel { id: 3 }).unwrap();
+        let whole: Vec<u8> = std::iter::once(CONTROL).chain(submit).collect();
+        assert!(parse_control(&whole).is_ok());
+        for cut in 0..whole.len() {
+            assert!(parse_control(&whole[..cut]).is_err(), "cut at {cut}");
         }
-        assert_eq!(fields["sampling"]["top_k"], 4);
+        let mut s = 7u64;
+        for len in 0..300 {
+            let noise: Vec<u8> = std::iter::once(CONTROL)
+                .chain((0..len).map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    s as u8
+                }))
+                .collect();
+            let _ = parse_control(&noise);
+        }
     }
 
     #[test]
     fn a_failure_kind_travels_by_name_and_unknown_kinds_are_refused() {
-        let event = WireEvent::Failed {
+        let event = Event::Failed {
             kind: FailureKind::TooLong,
             message: String::new(),
         };
         let json = serde_json::to_string(&event).unwrap();
         assert!(json.contains("TooLong"), "{json}");
         let unknown = json.replace("TooLong", "Mystery");
-        assert!(serde_json::from_str::<WireEvent>(&unknown).is_err());
+        assert!(serde_json::from_str::<Event>(&unknown).is_err());
     }
 
     #[test]

@@ -456,8 +456,10 @@ pub fn argmax(logits: &[f32]) -> u32 {
     u32::try_from(best).expect("vocabulary sizes fit in u32")
 }
 
-/// The stop strings of one request, matched against generated text.
-#[derive(Debug, Clone, Default)]
+/// The stop strings of one request, matched against generated text. On a
+/// link they are their strings, checked again as they are read.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "Vec<String>", into = "Vec<String>")]
 pub struct StopStrings {
     stops: Vec<String>,
 }
@@ -513,6 +515,20 @@ impl StopStrings {
             stops: self.stops.iter().map(|s| Kmp::new(s.as_bytes())).collect(),
             seen: 0,
         }
+    }
+}
+
+impl TryFrom<Vec<String>> for StopStrings {
+    type Error = ModelError;
+
+    fn try_from(stops: Vec<String>) -> Result<StopStrings, ModelError> {
+        StopStrings::new(stops)
+    }
+}
+
+impl From<StopStrings> for Vec<String> {
+    fn from(stops: StopStrings) -> Vec<String> {
+        stops.stops
     }
 }
 

@@ -727,7 +727,14 @@ impl Scheduler {
                 pending.timeline.taken_by(self.role);
                 self.enqueue(*pending)
             }
-            Command::Prefill { peer, order } => self.take_order(peer, *order),
+            Command::Prefill { peer, order } if self.role == Role::Prefill => {
+                self.take_order(peer, *order)
+            }
+            Command::Prefill { peer, .. } => {
+                // Its links refuse orders before they get here; defence in
+                // depth against a worker prefilling for a peer it serves.
+                warn!(%peer, role = self.role.label(), "an order to a worker that does not prefill for peers, dropped");
+            }
             Command::Frame { peer, frame } => self.take_frame(peer, &frame),
             Command::PeerUp(up) => {
                 debug!(role = self.role.label(), peer = %up.peer, "peer link up");
