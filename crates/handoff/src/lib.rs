@@ -21,6 +21,7 @@ mod id;
 mod receiver;
 mod sender;
 pub mod tcp;
+#[cfg(feature = "tls")]
 pub mod tls;
 mod wire;
 

@@ -2,7 +2,7 @@
 //! `len` bytes of payload, with `len` bounded before anything is allocated.
 //!
 //! Links run inside TLS 1.3 with mutual, role-bound certificates
-//! ([`crate::tls`]); these helpers frame what flows inside it. They are
+//! (`tls`, with the crate's `tls` feature); these helpers frame what flows inside it. They are
 //! generic over `Read`/`Write` so that tests and benchmarks can frame any
 //! byte stream the same way.
 
