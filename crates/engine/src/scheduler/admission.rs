@@ -16,6 +16,26 @@ use super::{Active, Awaiting, Kv, Origin, PeerId, Pending, Resume, Role, Schedul
 use crate::request::{CacheScope, FailureKind};
 use crate::text::TextStream;
 
+/// What admission does with the request at the front of the queue.
+enum Admission {
+    /// It waits — for a running slot, for room to grow, or for pages —
+    /// and sheddable work behind it is shed unless it is sheddable itself.
+    Wait { sheddable: bool },
+    /// It can never be served here (or the worker it needs is gone).
+    Refuse(FailureKind, String),
+    /// It starts on these pages, computed as `Route` says.
+    Admit(Lease, Route),
+}
+
+/// Where an admitted request's KV is computed.
+enum Route {
+    /// On this worker's own pages (colocated, prefill, a preempted request
+    /// resuming on a decode worker).
+    Local,
+    /// By the prefill worker on this link, into pages granted it.
+    Grant(PeerId),
+}
+
 impl Scheduler {
     pub(super) fn drop_cancelled(&mut self) {
         let dropped_waiting = self.waiting.retain(|p| !p.is_cancelled());
@@ -282,6 +302,42 @@ impl Scheduler {
         pending
     }
 
+    /// What admission does with the request at the front of the queue,
+    /// decided without changing anything but the pool (a lease taken for
+    /// `Admit` is given back if the decision is dropped).
+    fn decide(&self, pending: &Pending) -> Admission {
+        let wait = Admission::Wait {
+            sheddable: pending.request.share.sheddable(),
+        };
+        if self.active.len() >= self.config.max_running {
+            return wait;
+        }
+        if let Some(message) = self.can_never_fit(pending) {
+            return Admission::Refuse(FailureKind::TooLong, message);
+        }
+        if !self.leaves_room_to_grow(self.pool.pages_for(self.first_lease(pending).0)) {
+            return wait;
+        }
+        // A preempted request comes back to this worker's own pages and
+        // recomputes here; only a new one is granted to prefill.
+        let route = if self.role == Role::Decode && pending.resume.is_none() {
+            match self.choose_prefill(pending) {
+                Ok(peer) => Route::Grant(peer),
+                Err((kind, message)) => return Admission::Refuse(kind, message),
+            }
+        } else {
+            Route::Local
+        };
+        match self.lease_for(pending) {
+            Ok(lease) => Admission::Admit(lease, route),
+            // Pages will come back as running requests end; keep order.
+            Err(PoolError::Exhausted { .. }) => wait,
+            Err(error) => Admission::Refuse(FailureKind::TooLong, error.to_string()),
+        }
+    }
+
+    /// Admits waiting requests, in the order fair shares and priority
+    /// bands give, until the front one must wait.
     pub(super) fn admit(&mut self, now: Instant) {
         // Incident replay (l): cached tokens read off the pool-wide counter
         // across an admission pass, other tenants' hits included.
@@ -294,168 +350,163 @@ impl Scheduler {
             let Some(pending) = self.waiting.front(eligible) else {
                 break;
             };
-            if self.active.len() >= self.config.max_running {
-                self.shed_for(pending.request.share.sheddable());
-                break;
-            }
-            if let Some(message) = self.can_never_fit(pending) {
-                let mut pending = self.take_front(eligible);
-                self.refuse(&mut pending, FailureKind::TooLong, message);
-                continue;
-            }
-            if !self.leaves_room_to_grow(self.pool.pages_for(self.first_lease(pending).0)) {
-                self.shed_for(pending.request.share.sheddable());
-                break;
-            }
-            // A preempted request comes back to this worker's own pages and
-            // recomputes here; only a new one is granted to prefill.
-            let granting = self.role == Role::Decode && pending.resume.is_none();
-            let prefill = if granting {
-                match self.choose_prefill(pending) {
-                    Ok(peer) => Some(peer),
-                    Err((kind, message)) => {
-                        let mut pending = self.take_front(eligible);
-                        self.refuse(&mut pending, kind, message);
-                        continue;
-                    }
-                }
-            } else {
-                None
-            };
-            let lease = match self.lease_for(pending) {
-                Ok(lease) => lease,
-                // Pages will come back as running requests end; keep order.
-                Err(PoolError::Exhausted { .. }) => {
-                    self.shed_for(pending.request.share.sheddable());
+            match self.decide(pending) {
+                Admission::Wait { sheddable } => {
+                    self.shed_for(sheddable);
                     break;
                 }
-                Err(error) => {
+                Admission::Refuse(kind, message) => {
                     let mut pending = self.take_front(eligible);
-                    self.refuse(&mut pending, FailureKind::TooLong, error.to_string());
-                    continue;
+                    self.refuse(&mut pending, kind, message);
                 }
-            };
-            let mut pending = self.take_front(eligible);
-            if matches!(pending.origin, Origin::Client { .. }) && pending.resume.is_none() {
-                let waited = pending
-                    .waiting_since
-                    .map_or(std::time::Duration::ZERO, |since| {
-                        now.saturating_duration_since(since)
-                    });
-                self.counters
-                    .queue_wait(&pending.request.share.tenant, waited);
+                Admission::Admit(lease, route) => {
+                    let pending = self.take_front(eligible);
+                    self.start_admitted(pending, lease, route, now, pass_hits);
+                }
             }
-            self.admissions += 1;
-            let admitted = self.admissions;
-            pending.timeline.admitted();
-            if let Some(resume) = pending.resume.take() {
-                let Resume {
-                    sampler,
-                    constraint,
-                    text,
-                    generated,
-                    cached,
-                } = *resume;
-                debug!(request = %pending.id, written = lease.cached_tokens(), "preempted request resumes");
-                self.counters.running.fetch_add(1, Ordering::AcqRel);
-                self.active.push(Active {
-                    written: lease.cached_tokens(),
-                    pending,
-                    kv: Kv::Held(lease),
-                    sampler,
-                    constraint,
-                    text,
-                    cached,
-                    generated,
-                    admitted,
+        }
+    }
+
+    /// Starts an admitted request on `lease`: a preempted one goes on where
+    /// it stopped; a new one gets its sampler and grammar and, granted to a
+    /// prefill worker, is ordered there. `pass_hits` is incident replay
+    /// (l)'s pool-wide count at the pass's start.
+    fn start_admitted(
+        &mut self,
+        mut pending: Pending,
+        lease: Lease,
+        route: Route,
+        now: Instant,
+        pass_hits: Option<u64>,
+    ) {
+        if matches!(pending.origin, Origin::Client { .. }) && pending.resume.is_none() {
+            let waited = pending
+                .waiting_since
+                .map_or(std::time::Duration::ZERO, |since| {
+                    now.saturating_duration_since(since)
                 });
-                continue;
-            }
-            let sampler = match Sampler::new(pending.request.sampling.clone()) {
-                Ok(sampler) => sampler,
-                Err(error) => {
-                    self.refuse(&mut pending, FailureKind::Internal, error.to_string());
-                    continue;
-                }
-            };
-            let constraint = match self.constraint_for(&pending.request) {
-                Ok(None) if Mutation::LeftoverConstraint.active() => {
-                    self.left_in_row.constraint.take()
-                }
-                Ok(constraint) => constraint,
-                Err(error) => {
-                    // The front door compiled this grammar before; failing
-                    // here is the grammar's limits, never its text (I10).
-                    warn!(request = %pending.id, "the request's grammar did not compile");
-                    self.refuse(&mut pending, FailureKind::Internal, error.to_string());
-                    continue;
-                }
-            };
-            // A decode worker's cached pages only spare the link; its
-            // request counts as written when the hand-off commits.
-            let written = match self.role {
-                Role::Decode => 0,
-                Role::Colocated | Role::Prefill => lease.cached_tokens(),
-            };
-            let cached = match pass_hits {
-                Some(before) => (self.pool.stats().cache_hit_tokens - before) as usize,
-                None => written,
-            };
-            let kv = if granting {
-                let prompt = pending.request.prompt.len();
-                let granted = if self.one_sided {
-                    self.receiver
-                        .grant_one_sided(pending.handoff_id(), lease, prompt)
-                        .map(|(grant, window)| (grant, Some((window.clone(), window.key()))))
-                } else {
-                    self.receiver
-                        .grant(pending.handoff_id(), lease, prompt)
-                        .map(|grant| (grant, None))
-                };
-                match granted {
-                    Ok((grant, window)) => {
-                        if let Some(top) = pending.request.sampling.prompt_logprobs {
-                            // It commits only with every prompt score (I7).
-                            self.receiver
-                                .expect_prompt_logprobs(pending.handoff_id(), top);
-                        }
-                        let peer = prefill.expect("a decode worker chose a prefill worker");
-                        // Its prompt is computed for this worker's tenant
-                        // elsewhere: charged here, or this worker's
-                        // admission — which decides whose prompts the
-                        // prefill workers get — would see only decode
-                        // rows and admit in arrival order (I11).
-                        self.waiting.charge(&pending.request.share, prompt);
-                        self.send_order(peer, grant, &pending, window);
-                        Kv::Awaited(Awaiting {
-                            prefill: peer,
-                            granted_at: now,
-                            heard_at: now,
-                            news: false,
-                        })
-                    }
-                    Err(error) => {
-                        self.refuse(&mut pending, FailureKind::Internal, error.to_string());
-                        continue;
-                    }
-                }
-            } else {
-                Kv::Held(lease)
-            };
-            let text = TextStream::new(pending.request.stop.clone());
-            self.counters.running.fetch_add(1, Ordering::AcqRel);
-            self.active.push(Active {
-                pending,
-                kv,
+            self.counters
+                .queue_wait(&pending.request.share.tenant, waited);
+        }
+        self.admissions += 1;
+        let admitted = self.admissions;
+        pending.timeline.admitted();
+        if let Some(resume) = pending.resume.take() {
+            assert!(
+                matches!(route, Route::Local),
+                "a preempted request resumes on this worker's own pages"
+            );
+            let Resume {
                 sampler,
                 constraint,
                 text,
-                written,
+                generated,
                 cached,
-                generated: Vec::new(),
+            } = *resume;
+            debug!(request = %pending.id, written = lease.cached_tokens(), "preempted request resumes");
+            self.counters.running.fetch_add(1, Ordering::AcqRel);
+            self.active.push(Active {
+                written: lease.cached_tokens(),
+                pending,
+                kv: Kv::Held(lease),
+                sampler,
+                constraint,
+                text,
+                cached,
+                generated,
                 admitted,
             });
+            return;
         }
+        let sampler = match Sampler::new(pending.request.sampling.clone()) {
+            Ok(sampler) => sampler,
+            Err(error) => {
+                self.refuse(&mut pending, FailureKind::Internal, error.to_string());
+                return;
+            }
+        };
+        let constraint = match self.constraint_for(&pending.request) {
+            Ok(None) if Mutation::LeftoverConstraint.active() => self.left_in_row.constraint.take(),
+            Ok(constraint) => constraint,
+            Err(error) => {
+                // The front door compiled this grammar before; failing
+                // here is the grammar's limits, never its text (I10).
+                warn!(request = %pending.id, "the request's grammar did not compile");
+                self.refuse(&mut pending, FailureKind::Internal, error.to_string());
+                return;
+            }
+        };
+        // A decode worker's cached pages only spare the link; its request
+        // counts as written when the hand-off commits.
+        let written = match self.role {
+            Role::Decode => 0,
+            Role::Colocated | Role::Prefill => lease.cached_tokens(),
+        };
+        let cached = match pass_hits {
+            Some(before) => (self.pool.stats().cache_hit_tokens - before) as usize,
+            None => written,
+        };
+        let kv = match route {
+            Route::Local => Kv::Held(lease),
+            Route::Grant(peer) => match self.grant_to_prefill(&pending, lease, peer, now) {
+                Ok(awaiting) => Kv::Awaited(awaiting),
+                Err(error) => {
+                    self.refuse(&mut pending, FailureKind::Internal, error.to_string());
+                    return;
+                }
+            },
+        };
+        let text = TextStream::new(pending.request.stop.clone());
+        self.counters.running.fetch_add(1, Ordering::AcqRel);
+        self.active.push(Active {
+            pending,
+            kv,
+            sampler,
+            constraint,
+            text,
+            written,
+            cached,
+            generated: Vec::new(),
+            admitted,
+        });
+    }
+
+    /// Grants `lease` to the prefill worker on link `peer` for `pending`'s
+    /// prompt and sends it the order: the request then awaits its KV.
+    fn grant_to_prefill(
+        &mut self,
+        pending: &Pending,
+        lease: Lease,
+        peer: PeerId,
+        now: Instant,
+    ) -> Result<Awaiting, kvfence_handoff::HandoffError> {
+        let prompt = pending.request.prompt.len();
+        let (grant, window) = if self.one_sided {
+            let (grant, window) =
+                self.receiver
+                    .grant_one_sided(pending.handoff_id(), lease, prompt)?;
+            (grant, Some((window.clone(), window.key())))
+        } else {
+            let grant = self.receiver.grant(pending.handoff_id(), lease, prompt)?;
+            (grant, None)
+        };
+        if let Some(top) = pending.request.sampling.prompt_logprobs {
+            // It commits only with every prompt score (I7).
+            self.receiver
+                .expect_prompt_logprobs(pending.handoff_id(), top);
+        }
+        // Its prompt is computed for this worker's tenant elsewhere:
+        // charged here, or this worker's admission — which decides whose
+        // prompts the prefill workers get — would see only decode rows and
+        // admit in arrival order (I11).
+        self.waiting.charge(&pending.request.share, prompt);
+        self.send_order(peer, grant, pending, window);
+        Ok(Awaiting {
+            prefill: peer,
+            granted_at: now,
+            heard_at: now,
+            news: false,
+        })
     }
 
     /// Gives every decoding request room for the position its next token
