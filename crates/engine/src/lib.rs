@@ -1,13 +1,27 @@
-//! kvfence's engine: a colocated worker that runs many requests over one
-//! model and one fenced KV pool with continuous batching.
+//! kvfence's engine: the workers. Each runs many requests over one model
+//! and one fenced KV pool with continuous batching, through a scheduler
+//! that is a state machine without IO (`scheduler`: inputs are commands —
+//! a request, an order, a hand-off frame, a link up, lost or draining —
+//! and a clock tick; `poll(now)` does what is due). This crate opens no
+//! socket and depends on no networking crate; `kvfence-fleet` carries its
+//! links between processes.
 //!
-//! - [`Engine`]: start it over a model and a pool, [`Engine::submit`]
-//!   requests, read [`Event`]s from the [`RequestHandle`]; dropping the
-//!   handle cancels the request and frees its pages at the next step.
-//! - Back-pressure: a bounded queue; a full queue refuses at once.
-//! - Every request reserves its whole KV need (prompt + `max_tokens`) up
-//!   front, all or nothing, so a running request never runs out of pages
-//!   and nothing is ever truncated silently.
+//! - [`Engine`]: a colocated worker, a prefill/decode pair in one process
+//!   ([`Engine::start_disaggregated`] over a [`Transport`]), or a decode
+//!   worker whose prefill workers link to it ([`Engine::start_decode`],
+//!   [`PrefillLinks`]). [`Engine::submit`] requests, read [`Event`]s from
+//!   the [`RequestHandle`]; dropping the handle cancels the request and
+//!   frees its pages at the next step.
+//! - [`PrefillWorker`]: a prefill scheduler taking orders from the decode
+//!   workers linked to it ([`PrefillWorker::link_decode`]).
+//! - [`Port`]: one link as a worker sees it — frames in, frames out — and
+//!   the codec of what crosses it; whatever carries the bytes holds one.
+//! - Back-pressure: a bounded queue; a full queue refuses at once, and a
+//!   request that could never fit the pool is refused before it waits (I6).
+//! - Pages are leased as a request needs them — its prompt, then a page at
+//!   a time as it decodes — admission keeping every running request room to
+//!   grow; when the pool runs out a running request is preempted (its pages
+//!   given back, its progress kept to resume), never failed or truncated.
 
 mod config;
 mod counters;
