@@ -168,15 +168,6 @@ impl Call {
             arguments,
         }
     }
-
-    /// The call as `message.tool_calls[i]`.
-    pub fn json(&self) -> Value {
-        json!({
-            "id": self.id,
-            "type": "function",
-            "function": { "name": self.name, "arguments": self.arguments },
-        })
-    }
 }
 
 /// `schema` written on one line with fixed separators, unless it sets its

@@ -45,6 +45,7 @@ use crate::{AppState, Observed};
 
 pub(crate) mod conversations;
 mod prepare;
+mod render;
 mod reply;
 mod respond;
 pub(crate) mod stored;
@@ -97,51 +98,60 @@ impl Endpoint {
         }
     }
 
-    fn choice(
+    /// A whole answer's choice in this endpoint's shape.
+    fn choice<'a>(
         self,
         index: usize,
-        text: &str,
+        text: &'a str,
         logprobs: Option<Value>,
         finish: Option<FinishReason>,
-    ) -> Value {
+    ) -> render::Choice<'a> {
+        let finish_reason = finish.map(render::finish_name);
         match self {
-            Endpoint::Chat | Endpoint::Responses => json!({
-                "index": index,
-                "message": { "role": "assistant", "content": text, "refusal": null },
-                "logprobs": logprobs,
-                "finish_reason": finish.map(finish_name),
-            }),
-            Endpoint::Completions => json!({
-                "index": index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish.map(finish_name),
-            }),
+            Endpoint::Chat | Endpoint::Responses => render::Choice::Message {
+                index,
+                message: render::Message::text(text),
+                logprobs,
+                finish_reason,
+            },
+            Endpoint::Completions => render::Choice::Text {
+                index,
+                text,
+                logprobs,
+                finish_reason,
+                prompt_logprobs: None,
+            },
         }
     }
 
-    fn delta(
+    /// A streamed chunk's choice in this endpoint's shape: `text` to add
+    /// (with the role, on a chat's first chunk).
+    fn delta<'a>(
         self,
         index: usize,
-        text: Option<&str>,
+        text: Option<&'a str>,
         role: bool,
         logprobs: Option<Value>,
         finish: Option<FinishReason>,
-    ) -> Value {
+    ) -> render::Delta<'a> {
+        let finish_reason = finish.map(render::finish_name);
         match self {
-            Endpoint::Chat | Endpoint::Responses => {
-                let mut delta = serde_json::Map::new();
-                if role {
-                    delta.insert("role".into(), "assistant".into());
-                }
-                if let Some(text) = text {
-                    delta.insert("content".into(), text.into());
-                }
-                json!({ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish.map(finish_name) })
-            }
-            Endpoint::Completions => {
-                json!({ "index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish.map(finish_name) })
-            }
+            Endpoint::Chat | Endpoint::Responses => render::Delta::Message {
+                index,
+                delta: render::MessageDelta {
+                    role: role.then_some("assistant"),
+                    content: text,
+                    tool_calls: None,
+                },
+                logprobs,
+                finish_reason,
+            },
+            Endpoint::Completions => render::Delta::Text {
+                index,
+                text: text.unwrap_or(""),
+                logprobs,
+                finish_reason,
+            },
         }
     }
 
@@ -292,22 +302,6 @@ fn listed_prompt_logprobs(state: &AppState, scores: &[PromptLogprob]) -> Value {
         Value::Object(position)
     });
     Value::Array(std::iter::once(Value::Null).chain(listed).collect())
-}
-
-fn finish_name(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-    }
-}
-
-fn usage_json(usage: Usage) -> Value {
-    json!({
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": { "cached_tokens": usage.cached_tokens },
-    })
 }
 
 fn unix_now() -> u64 {

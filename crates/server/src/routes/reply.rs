@@ -245,7 +245,9 @@ impl Reply {
             Ok(usage) => usage,
             Err(error) => return error.into_response(),
         };
-        let choices: Vec<Value> = (0..self.choices.len())
+        // Each choice's text and parts first: the rendered objects borrow
+        // them.
+        let mut wholes: Vec<Whole> = (0..self.choices.len())
             .map(|i| {
                 let prefix = self.choices[i].echo.clone().unwrap_or_default();
                 self.choices[i].sent_chars = prefix.chars().count();
@@ -255,35 +257,59 @@ impl Reply {
                     (Some(prompt), Some(completion)) => Some(join_legacy(prompt, completion)),
                     (_, logprobs) => logprobs,
                 };
+                let listed = self.prompt_logprobs.listed && self.endpoint == Endpoint::Completions;
                 let choice = &self.choices[i];
                 let text = format!("{prefix}{}", choice.text);
-                let finish = choice.finish.map(|(reason, _)| reason);
-                let mut rendered = match &self.tools {
-                    Some(tools) => {
-                        let (content, calls) = tools.parse(&text);
-                        tool_choice_json(choice.index, &content, &calls, logprobs, finish)
-                    }
-                    None => self.endpoint.choice(choice.index, &text, logprobs, finish),
+                let (text, calls) = match &self.tools {
+                    Some(tools) => tools.parse(&text),
+                    None => (text, Vec::new()),
                 };
-                if self.prompt_logprobs.listed && self.endpoint == Endpoint::Completions {
-                    rendered["prompt_logprobs"] = self.listed_prompt_logprobs(i);
+                Whole {
+                    index: choice.index,
+                    text,
+                    calls,
+                    logprobs,
+                    finish: choice.finish.map(|(reason, _)| reason),
+                    prompt_logprobs: listed.then(|| self.listed_prompt_logprobs(i)),
                 }
-                rendered
             })
             .collect();
-        let mut body = json!({
-            "id": self.id,
-            "object": self.endpoint.object(false),
-            "created": self.created,
-            "model": self.state.model_id,
-            "system_fingerprint": self.state.system_fingerprint,
-            "choices": choices,
-            "usage": usage_json(usage),
-        });
-        if self.prompt_logprobs.listed && self.endpoint == Endpoint::Chat {
+        let choices: Vec<render::Choice<'_>> = wholes
+            .iter_mut()
+            .map(|whole| {
+                let logprobs = whole.logprobs.take();
+                if !whole.calls.is_empty() {
+                    return render::Choice::Message {
+                        index: whole.index,
+                        message: render::Message::calls(&whole.text, &whole.calls),
+                        logprobs,
+                        finish_reason: Some(render::tool_finish(whole.finish)),
+                    };
+                }
+                let mut choice =
+                    self.endpoint
+                        .choice(whole.index, &whole.text, logprobs, whole.finish);
+                if let render::Choice::Text {
+                    prompt_logprobs, ..
+                } = &mut choice
+                {
+                    *prompt_logprobs = whole.prompt_logprobs.take();
+                }
+                choice
+            })
+            .collect();
+        let body = render::Body {
+            id: &self.id,
+            object: self.endpoint.object(false),
+            created: self.created,
+            model: &self.state.model_id,
+            system_fingerprint: &self.state.system_fingerprint,
+            choices,
+            usage: Some(usage.into()),
             // vLLM's place for chat: once, the prompt being every choice's.
-            body["prompt_logprobs"] = self.listed_prompt_logprobs(0);
-        }
+            prompt_logprobs: (self.prompt_logprobs.listed && self.endpoint == Endpoint::Chat)
+                .then(|| self.listed_prompt_logprobs(0)),
+        };
         (StatusCode::OK, Json(body)).into_response()
     }
 
@@ -294,19 +320,20 @@ impl Reply {
             .into_response()
     }
 
-    pub(super) fn chunk(&self, choices: Value, usage: Option<Usage>) -> SseEvent {
-        let mut body = json!({
-            "id": self.id,
-            "object": self.endpoint.object(true),
-            "created": self.created,
-            "model": self.state.model_id,
-            "system_fingerprint": self.state.system_fingerprint,
-            "choices": choices,
-        });
-        if let Some(usage) = usage {
-            body["usage"] = usage_json(usage);
-        }
-        SseEvent::default().data(body.to_string())
+    /// One chunk of the stream: `choices`, and `usage` on the last.
+    pub(super) fn chunk(&self, choices: Vec<render::Delta<'_>>, usage: Option<Usage>) -> SseEvent {
+        let body = render::Body {
+            id: &self.id,
+            object: self.endpoint.object(true),
+            created: self.created,
+            model: &self.state.model_id,
+            system_fingerprint: &self.state.system_fingerprint,
+            choices,
+            usage: usage.map(Into::into),
+            prompt_logprobs: None,
+        };
+        let data = serde_json::to_string(&body).expect("a chunk always serialises");
+        SseEvent::default().data(data)
     }
 
     /// The chunks that stream the echoed prompt of choice `i` — the first
@@ -326,7 +353,7 @@ impl Reply {
             let delta = self
                 .endpoint
                 .delta(choice.index, Some(&echo), false, logprobs, None);
-            events.push(self.chunk(json!([delta]), None));
+            events.push(self.chunk(vec![delta], None));
         }
         events
     }
@@ -375,7 +402,7 @@ impl Reply {
         let delta = self
             .endpoint
             .delta(choice.index, Some(&text), false, logprobs, None);
-        vec![self.chunk(json!([delta]), None)]
+        vec![self.chunk(vec![delta], None)]
     }
 
     /// The chunks that end choice `i`: any text and log-probabilities left,
@@ -400,70 +427,41 @@ impl Reply {
             let delta = self
                 .endpoint
                 .delta(index, text.as_deref(), false, logprobs, reason);
-            events.push(self.chunk(json!([delta]), None));
+            events.push(self.chunk(vec![delta], None));
             return events;
         }
         if !text.is_empty() {
             let delta = self.endpoint.delta(index, Some(&text), false, None, None);
-            events.push(self.chunk(json!([delta]), None));
+            events.push(self.chunk(vec![delta], None));
         }
-        let header: Vec<Value> = calls
+        let header = calls
             .iter()
             .enumerate()
-            .map(|(k, call)| {
-                json!({"index": k, "id": call.id, "type": "function",
-                       "function": {"name": call.name, "arguments": ""}})
-            })
-            .collect();
-        let arguments: Vec<Value> = calls
+            .map(|(k, call)| render::ToolCallDelta::header(k, call));
+        let arguments = calls
             .iter()
             .enumerate()
-            .map(|(k, call)| json!({"index": k, "function": {"arguments": call.arguments}}))
-            .collect();
-        for (tool_calls, logprobs) in [(header, None), (arguments, logprobs)] {
-            let delta = json!({"index": index, "delta": {"tool_calls": tool_calls},
-                               "logprobs": logprobs, "finish_reason": null});
-            events.push(self.chunk(json!([delta]), None));
+            .map(|(k, call)| render::ToolCallDelta::arguments(k, call));
+        for (tool_calls, logprobs) in [(header.collect(), None), (arguments.collect(), logprobs)] {
+            let delta = render::Delta::Message {
+                index,
+                delta: render::MessageDelta {
+                    tool_calls: Some(tool_calls),
+                    ..render::MessageDelta::default()
+                },
+                logprobs,
+                finish_reason: None,
+            };
+            events.push(self.chunk(vec![delta], None));
         }
-        let end = json!({"index": index, "delta": {}, "logprobs": null,
-                         "finish_reason": tool_finish(reason)});
-        events.push(self.chunk(json!([end]), None));
+        let end = render::Delta::Message {
+            index,
+            delta: render::MessageDelta::default(),
+            logprobs: None,
+            finish_reason: Some(render::tool_finish(reason)),
+        };
+        events.push(self.chunk(vec![end], None));
         events
-    }
-}
-
-/// A chat choice whose answer may hold tool calls: `content` is the text
-/// before them (null if none), and a call makes the finish `tool_calls`.
-pub(super) fn tool_choice_json(
-    index: usize,
-    content: &str,
-    calls: &[Call],
-    logprobs: Option<Value>,
-    finish: Option<FinishReason>,
-) -> Value {
-    if calls.is_empty() {
-        return Endpoint::Chat.choice(index, content, logprobs, finish);
-    }
-    json!({
-        "index": index,
-        "message": {
-            "role": "assistant",
-            "content": (!content.is_empty()).then_some(content),
-            "refusal": null,
-            "tool_calls": calls.iter().map(Call::json).collect::<Vec<_>>(),
-        },
-        "logprobs": logprobs,
-        "finish_reason": tool_finish(finish),
-    })
-}
-
-/// The finish of an answer that made calls: `tool_calls`, or `length` if
-/// `max_tokens` cut it (its last call's arguments cut with it), as OpenAI
-/// reports it.
-pub(super) fn tool_finish(finish: Option<FinishReason>) -> &'static str {
-    match finish {
-        Some(FinishReason::Length) => "length",
-        _ => "tool_calls",
     }
 }
 
@@ -491,23 +489,22 @@ pub(super) fn stream_events(
                         true => None,
                         false => reply.choices[i].echo.take(),
                     };
-                    let delta = match (reply.endpoint, echo) {
+                    let delta = match (reply.endpoint, &echo) {
                         // Responses streams its own events (`response_stream`).
                         (Endpoint::Chat | Endpoint::Responses, _) => {
                             Some(reply.endpoint.delta(index, Some(""), true, None, None))
                         }
                         (Endpoint::Completions, Some(echo)) => {
                             reply.choices[i].sent_chars = echo.chars().count();
-                            Some(reply.endpoint.delta(index, Some(&echo), false, None, None))
+                            Some(reply.endpoint.delta(index, Some(echo), false, None, None))
                         }
                         (Endpoint::Completions, None) => None,
                     };
-                    match delta {
-                        Some(delta) => {
-                            (vec![reply.chunk(json!([delta]), None)], Phase::Start(i + 1))
-                        }
-                        None => (Vec::new(), Phase::Start(i + 1)),
-                    }
+                    let events = match delta {
+                        Some(delta) => vec![reply.chunk(vec![delta], None)],
+                        None => Vec::new(),
+                    };
+                    (events, Phase::Start(i + 1))
                 }
                 Phase::Start(_) | Phase::Running => match reply.step().await {
                     Step::Prompt(i) => (reply.prompt_chunk(i), Phase::Running),
@@ -532,7 +529,7 @@ pub(super) fn stream_events(
                         )
                     }
                 },
-                Phase::Usage(usage) => (vec![reply.chunk(json!([]), Some(usage))], Phase::Done),
+                Phase::Usage(usage) => (vec![reply.chunk(Vec::new(), Some(usage))], Phase::Done),
                 Phase::Done => (vec![SseEvent::default().data("[DONE]")], Phase::End),
                 Phase::End => return None,
             };
@@ -540,4 +537,17 @@ pub(super) fn stream_events(
         },
     )
     .flat_map(|events| stream::iter(events.into_iter().map(Ok)))
+}
+
+/// One choice of a whole answer, its parts computed: what its rendered
+/// object borrows.
+struct Whole {
+    index: usize,
+    /// The text (with tools: the text before any call).
+    text: String,
+    calls: Vec<Call>,
+    logprobs: Option<Value>,
+    finish: Option<FinishReason>,
+    /// vLLM's `prompt_logprobs` of a completions choice, if asked.
+    prompt_logprobs: Option<Value>,
 }
