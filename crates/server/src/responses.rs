@@ -12,6 +12,7 @@
 //! OpenAI's do not). Fields are checked as chat's are: honoured, metadata,
 //! or refused by name ([`RESPONSES_FIELDS`]).
 
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use crate::error::ApiError;
@@ -491,25 +492,108 @@ pub fn item_id(prefix: &str) -> String {
 
 /// The assistant's text as an output item.
 pub fn message_item(id: &str, text: &str, status: &str) -> Value {
-    json!({
-        "type": "message",
-        "id": id,
-        "status": status,
-        "role": "assistant",
-        "content": [{ "type": "output_text", "text": text, "annotations": [] }],
+    to_value(OutputItem::Message {
+        id,
+        status,
+        role: "assistant",
+        content: [OutputText::new(text)],
     })
+}
+
+/// `text` as a message's content part (`output_text`).
+pub fn output_text(text: &str) -> Value {
+    to_value(OutputText::new(text))
 }
 
 /// A function call as an output item.
 pub fn call_item(id: &str, call: &Call, arguments: &str, status: &str) -> Value {
-    json!({
-        "type": "function_call",
-        "id": id,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": arguments,
-        "status": status,
+    to_value(OutputItem::FunctionCall {
+        id,
+        call_id: &call.id,
+        name: &call.name,
+        arguments,
+        status,
     })
+}
+
+/// An output item of a response, as clients read it (and as a stored
+/// response keeps it).
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum OutputItem<'a> {
+    Message {
+        id: &'a str,
+        status: &'a str,
+        role: &'static str,
+        content: [OutputText<'a>; 1],
+    },
+    FunctionCall {
+        id: &'a str,
+        call_id: &'a str,
+        name: &'a str,
+        arguments: &'a str,
+        status: &'a str,
+    },
+}
+
+/// A message's text part.
+#[derive(Serialize)]
+struct OutputText<'a> {
+    r#type: &'static str,
+    text: &'a str,
+    annotations: [Value; 0],
+}
+
+impl<'a> OutputText<'a> {
+    fn new(text: &'a str) -> OutputText<'a> {
+        OutputText {
+            r#type: "output_text",
+            text,
+            annotations: [],
+        }
+    }
+}
+
+/// A response's token counts.
+#[derive(Serialize)]
+struct ResponseUsage {
+    input_tokens: usize,
+    input_tokens_details: InputDetails,
+    output_tokens: usize,
+    output_tokens_details: OutputDetails,
+    total_tokens: usize,
+}
+
+#[derive(Serialize)]
+struct InputDetails {
+    cached_tokens: usize,
+}
+
+#[derive(Serialize)]
+struct OutputDetails {
+    reasoning_tokens: usize,
+}
+
+impl From<kvfence_engine::Usage> for ResponseUsage {
+    fn from(u: kvfence_engine::Usage) -> ResponseUsage {
+        ResponseUsage {
+            input_tokens: u.prompt_tokens,
+            input_tokens_details: InputDetails {
+                cached_tokens: u.cached_tokens,
+            },
+            output_tokens: u.completion_tokens,
+            // No reasoning model is served.
+            output_tokens_details: OutputDetails {
+                reasoning_tokens: 0,
+            },
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+        }
+    }
+}
+
+/// What these objects are built from always serialises.
+fn to_value(object: impl Serialize) -> Value {
+    serde_json::to_value(object).expect("a response's objects always serialise")
 }
 
 /// A response object: `status` is `in_progress`, `completed` or
@@ -532,13 +616,7 @@ pub fn response_object(
         "output": output,
         "error": null,
         "incomplete_details": (status == "incomplete").then(|| json!({ "reason": "max_output_tokens" })),
-        "usage": usage.map(|u| json!({
-            "input_tokens": u.prompt_tokens,
-            "input_tokens_details": { "cached_tokens": u.cached_tokens },
-            "output_tokens": u.completion_tokens,
-            "output_tokens_details": { "reasoning_tokens": 0 },
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-        })),
+        "usage": usage.map(|u| to_value(ResponseUsage::from(u))),
     });
     for (key, value) in echo.as_object().into_iter().flatten() {
         response[key] = value.clone();

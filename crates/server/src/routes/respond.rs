@@ -1,5 +1,7 @@
 //! The Responses API's answers: its object, and its stream of typed events.
 
+use serde::Serialize;
+
 use super::reply::Step;
 use super::*;
 
@@ -70,12 +72,17 @@ impl Reply {
         (StatusCode::OK, Json(body)).into_response()
     }
 
-    /// One Responses streaming event.
-    pub(super) fn event(&mut self, kind: &str, mut body: Value) -> SseEvent {
-        body["type"] = kind.into();
-        body["sequence_number"] = self.sequence.into();
+    /// One Responses streaming event: its `type` is `kind`, and it is
+    /// numbered in the stream's order.
+    pub(super) fn event(&mut self, kind: &'static str, body: EventBody<'_>) -> SseEvent {
+        let event = Sequenced {
+            r#type: kind,
+            body,
+            sequence_number: self.sequence,
+        };
         self.sequence += 1;
-        SseEvent::default().event(kind).data(body.to_string())
+        let data = serde_json::to_string(&event).expect("an event always serialises");
+        SseEvent::default().event(kind).data(data)
     }
 
     /// The events that open the message item, the first time text comes.
@@ -89,12 +96,20 @@ impl Reply {
         self.output.push(item.clone());
         let added = self.event(
             "response.output_item.added",
-            json!({"output_index": 0, "item": item}),
+            EventBody::Item {
+                output_index: 0,
+                item: &item,
+            },
         );
+        let empty = responses::output_text("");
         let part = self.event(
             "response.content_part.added",
-            json!({"item_id": id, "output_index": 0, "content_index": 0,
-                   "part": {"type": "output_text", "text": "", "annotations": []}}),
+            EventBody::Part {
+                item_id: &id,
+                output_index: 0,
+                content_index: 0,
+                part: &empty,
+            },
         );
         events.extend([added, part]);
         id
@@ -115,7 +130,12 @@ impl Reply {
         self.streamed.push_str(&text);
         let delta = self.event(
             "response.output_text.delta",
-            json!({"item_id": id, "output_index": 0, "content_index": 0, "delta": text}),
+            EventBody::TextDelta {
+                item_id: &id,
+                output_index: 0,
+                content_index: 0,
+                delta: &text,
+            },
         );
         events.push(delta);
         events
@@ -139,7 +159,12 @@ impl Reply {
             if !rest.is_empty() {
                 let delta = self.event(
                     "response.output_text.delta",
-                    json!({"item_id": id, "output_index": 0, "content_index": 0, "delta": rest}),
+                    EventBody::TextDelta {
+                        item_id: &id,
+                        output_index: 0,
+                        content_index: 0,
+                        delta: &rest,
+                    },
                 );
                 events.push(delta);
             }
@@ -151,15 +176,28 @@ impl Reply {
             let done = [
                 (
                     "response.output_text.done",
-                    json!({"item_id": id, "output_index": 0, "content_index": 0, "text": text}),
+                    EventBody::TextDone {
+                        item_id: &id,
+                        output_index: 0,
+                        content_index: 0,
+                        text: &text,
+                    },
                 ),
                 (
                     "response.content_part.done",
-                    json!({"item_id": id, "output_index": 0, "content_index": 0, "part": part}),
+                    EventBody::Part {
+                        item_id: &id,
+                        output_index: 0,
+                        content_index: 0,
+                        part: &part,
+                    },
                 ),
                 (
                     "response.output_item.done",
-                    json!({"output_index": 0, "item": item}),
+                    EventBody::Item {
+                        output_index: 0,
+                        item: &item,
+                    },
                 ),
             ];
             for (kind, body) in done {
@@ -175,19 +213,33 @@ impl Reply {
             let steps = [
                 (
                     "response.output_item.added",
-                    json!({"output_index": index, "item": open}),
+                    EventBody::Item {
+                        output_index: index,
+                        item: &open,
+                    },
                 ),
                 (
                     "response.function_call_arguments.delta",
-                    json!({"item_id": id, "output_index": index, "delta": call.arguments}),
+                    EventBody::ArgumentsDelta {
+                        item_id: &id,
+                        output_index: index,
+                        delta: &call.arguments,
+                    },
                 ),
                 (
                     "response.function_call_arguments.done",
-                    json!({"item_id": id, "output_index": index, "arguments": call.arguments}),
+                    EventBody::ArgumentsDone {
+                        item_id: &id,
+                        output_index: index,
+                        arguments: &call.arguments,
+                    },
                 ),
                 (
                     "response.output_item.done",
-                    json!({"output_index": index, "item": item}),
+                    EventBody::Item {
+                        output_index: index,
+                        item: &item,
+                    },
                 ),
             ];
             for (kind, body) in steps {
@@ -204,8 +256,14 @@ impl Reply {
                 ResponsePhase::Opening => {
                     let created = reply.response_body("in_progress", Vec::new(), None);
                     let events = vec![
-                        reply.event("response.created", json!({"response": created.clone()})),
-                        reply.event("response.in_progress", json!({"response": created})),
+                        reply.event(
+                            "response.created",
+                            EventBody::Response { response: &created },
+                        ),
+                        reply.event(
+                            "response.in_progress",
+                            EventBody::Response { response: &created },
+                        ),
                     ];
                     return Some((events, (reply, ResponsePhase::Streaming)));
                 }
@@ -226,13 +284,17 @@ impl Reply {
                         } else {
                             "response.incomplete"
                         };
-                        let event = reply.event(kind, json!({"response": body}));
+                        let event = reply.event(kind, EventBody::Response { response: &body });
                         return Some((vec![event], (reply, ResponsePhase::Ended)));
                     }
                     Step::Failed(error) => {
                         reply.log_end(200, None);
                         // An error event and no completion (I5, I7).
-                        let body = json!({"code": error.code, "message": error.message, "param": error.param});
+                        let body = EventBody::Error {
+                            code: error.code.as_deref(),
+                            message: &error.message,
+                            param: error.param.as_deref(),
+                        };
                         let event = reply.event("error", body);
                         return Some((vec![event], (reply, ResponsePhase::Ended)));
                     }
@@ -257,4 +319,138 @@ enum ResponsePhase {
     Streaming,
     /// `response.completed`, `response.incomplete` or `error` was sent.
     Ended,
+}
+
+/// A Responses stream event as sent: its `type`, its fields, its place in
+/// the stream.
+#[derive(Serialize)]
+struct Sequenced<'a> {
+    r#type: &'static str,
+    #[serde(flatten)]
+    body: EventBody<'a>,
+    sequence_number: u64,
+}
+
+/// The fields of each kind of Responses stream event.
+#[derive(Serialize)]
+#[serde(untagged)]
+pub(super) enum EventBody<'a> {
+    /// `response.created`, `.in_progress`, `.completed`, `.incomplete`.
+    Response { response: &'a Value },
+    /// `response.output_item.added` and `.done`.
+    Item {
+        output_index: usize,
+        item: &'a Value,
+    },
+    /// `response.content_part.added` and `.done`.
+    Part {
+        item_id: &'a str,
+        output_index: usize,
+        content_index: usize,
+        part: &'a Value,
+    },
+    /// `response.output_text.delta`.
+    TextDelta {
+        item_id: &'a str,
+        output_index: usize,
+        content_index: usize,
+        delta: &'a str,
+    },
+    /// `response.output_text.done`.
+    TextDone {
+        item_id: &'a str,
+        output_index: usize,
+        content_index: usize,
+        text: &'a str,
+    },
+    /// `response.function_call_arguments.delta`.
+    ArgumentsDelta {
+        item_id: &'a str,
+        output_index: usize,
+        delta: &'a str,
+    },
+    /// `response.function_call_arguments.done`.
+    ArgumentsDone {
+        item_id: &'a str,
+        output_index: usize,
+        arguments: &'a str,
+    },
+    /// `error`: the request failed after the stream began.
+    Error {
+        code: Option<&'a str>,
+        message: &'a str,
+        param: Option<&'a str>,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sent(kind: &'static str, body: EventBody<'_>) -> Value {
+        serde_json::to_value(Sequenced {
+            r#type: kind,
+            body,
+            sequence_number: 4,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn stream_events_carry_their_type_number_and_fields() {
+        let response = json!({"id": "resp_1", "object": "response"});
+        assert_eq!(
+            sent(
+                "response.created",
+                EventBody::Response {
+                    response: &response
+                }
+            ),
+            json!({"type": "response.created", "sequence_number": 4, "response": response})
+        );
+        assert_eq!(
+            sent(
+                "response.output_text.delta",
+                EventBody::TextDelta {
+                    item_id: "msg_1",
+                    output_index: 0,
+                    content_index: 0,
+                    delta: "Hel"
+                }
+            ),
+            json!({"type": "response.output_text.delta", "sequence_number": 4,
+                   "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": "Hel"})
+        );
+        assert_eq!(
+            sent(
+                "error",
+                EventBody::Error {
+                    code: None,
+                    message: "the worker is gone",
+                    param: None
+                }
+            ),
+            json!({"type": "error", "sequence_number": 4,
+                   "code": null, "message": "the worker is gone", "param": null})
+        );
+    }
+
+    #[test]
+    fn output_items_are_openais() {
+        assert_eq!(
+            responses::message_item("msg_1", "hi", "completed"),
+            json!({"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                   "content": [{"type": "output_text", "text": "hi", "annotations": []}]})
+        );
+        let call = Call {
+            id: "call_1".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        };
+        assert_eq!(
+            responses::call_item("fc_1", &call, "", "in_progress"),
+            json!({"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f",
+                   "arguments": "", "status": "in_progress"})
+        );
+    }
 }
