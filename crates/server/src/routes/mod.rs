@@ -103,7 +103,7 @@ impl Endpoint {
         self,
         index: usize,
         text: &'a str,
-        logprobs: Option<Value>,
+        logprobs: Option<render::Logprobs>,
         finish: Option<FinishReason>,
     ) -> render::Choice<'a> {
         let finish_reason = finish.map(render::finish_name);
@@ -131,7 +131,7 @@ impl Endpoint {
         index: usize,
         text: Option<&'a str>,
         role: bool,
-        logprobs: Option<Value>,
+        logprobs: Option<render::Logprobs>,
         finish: Option<FinishReason>,
     ) -> render::Delta<'a> {
         let finish_reason = finish.map(render::finish_name);
@@ -157,74 +157,88 @@ impl Endpoint {
 
     /// Log-probabilities of `tokens` in this endpoint's shape; `offset` is
     /// where the first token's text begins in the choice's text.
-    fn logprobs(self, state: &AppState, tokens: &[TokenLogprobs], offset: usize) -> Value {
+    fn logprobs(
+        self,
+        state: &AppState,
+        tokens: &[TokenLogprobs],
+        offset: usize,
+    ) -> render::Logprobs {
         match self {
             Endpoint::Chat | Endpoint::Responses => {
                 let entry = |token: u32, logprob: f32| {
                     let bytes = state.token_bytes(token);
-                    json!({
-                        "token": String::from_utf8_lossy(bytes),
-                        "logprob": logprob,
-                        "bytes": bytes,
-                    })
+                    render::Alternative {
+                        token: String::from_utf8_lossy(bytes).into_owned(),
+                        logprob: f64::from(logprob),
+                        bytes: bytes.to_vec(),
+                    }
                 };
-                let content: Vec<Value> = tokens
+                let content = tokens
                     .iter()
-                    .map(|t| {
-                        let mut item = entry(t.token, t.logprob);
-                        item["top_logprobs"] =
-                            t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
-                        item
+                    .map(|t| render::TokenLogprob {
+                        token: entry(t.token, t.logprob),
+                        top_logprobs: t.top.iter().map(|&(id, lp)| entry(id, lp)).collect(),
                     })
                     .collect();
-                json!({ "content": content, "refusal": null })
+                render::Logprobs::Chat {
+                    content,
+                    refusal: None,
+                }
             }
             Endpoint::Completions => {
                 let text = |id: u32| String::from_utf8_lossy(state.token_bytes(id)).into_owned();
-                let offsets =
-                    text_offsets(offset, tokens.iter().map(|t| state.text_bytes(t.token)));
-                json!({
-                    "tokens": tokens.iter().map(|t| text(t.token)).collect::<Vec<_>>(),
-                    "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
-                    "top_logprobs": tokens
+                render::Logprobs::Legacy {
+                    tokens: tokens.iter().map(|t| text(t.token)).collect(),
+                    token_logprobs: tokens.iter().map(|t| Some(f64::from(t.logprob))).collect(),
+                    top_logprobs: tokens
                         .iter()
-                        .map(|t| t.top.iter().map(|&(id, lp)| (text(id), json!(lp))).collect::<serde_json::Map<_, _>>())
-                        .collect::<Vec<_>>(),
-                    "text_offset": offsets,
-                })
+                        .map(|t| Some(top_by_text(state, &t.top)))
+                        .collect(),
+                    text_offset: text_offsets(
+                        offset,
+                        tokens.iter().map(|t| state.text_bytes(t.token)),
+                    ),
+                }
             }
         }
     }
 }
 
+/// The legacy format's alternatives of one position: log-probability by
+/// token text (two tokens of one text keep the later's).
+fn top_by_text(state: &AppState, top: &[(u32, f32)]) -> serde_json::Map<String, Value> {
+    top.iter()
+        .map(|&(id, lp)| {
+            let text = String::from_utf8_lossy(state.token_bytes(id)).into_owned();
+            (text, json!(lp))
+        })
+        .collect()
+}
+
 /// A prompt's scores in OpenAI's legacy completions format (`echo` with
 /// `logprobs`): every prompt token, the first with `null` (nothing comes
 /// before it), offsets counted from the start of the echoed text.
-fn legacy_prompt_logprobs(state: &AppState, first: u32, scores: &[PromptLogprob]) -> Value {
+fn legacy_prompt_logprobs(
+    state: &AppState,
+    first: u32,
+    scores: &[PromptLogprob],
+) -> render::Logprobs {
     let text = |id: u32| String::from_utf8_lossy(state.token_bytes(id)).into_owned();
     let ids = std::iter::once(first).chain(scores.iter().map(|s| s.logprobs.token));
-    let tokens: Vec<String> = ids.clone().map(text).collect();
-    let offsets = text_offsets(0, ids.map(|id| state.text_bytes(id)));
-    let logprobs: Vec<Value> = std::iter::once(Value::Null)
-        .chain(scores.iter().map(|s| json!(s.logprobs.logprob)))
-        .collect();
-    let top: Vec<Value> = std::iter::once(Value::Null)
-        .chain(scores.iter().map(|s| {
-            let top: serde_json::Map<String, Value> = s
-                .logprobs
-                .top
-                .iter()
-                .map(|&(id, lp)| (text(id), json!(lp)))
-                .collect();
-            Value::Object(top)
-        }))
-        .collect();
-    json!({
-        "tokens": tokens,
-        "token_logprobs": logprobs,
-        "top_logprobs": top,
-        "text_offset": offsets,
-    })
+    render::Logprobs::Legacy {
+        tokens: ids.clone().map(text).collect(),
+        token_logprobs: std::iter::once(None)
+            .chain(scores.iter().map(|s| Some(f64::from(s.logprobs.logprob))))
+            .collect(),
+        top_logprobs: std::iter::once(None)
+            .chain(
+                scores
+                    .iter()
+                    .map(|s| Some(top_by_text(state, &s.logprobs.top))),
+            )
+            .collect(),
+        text_offset: text_offsets(0, ids.map(|id| state.text_bytes(id))),
+    }
 }
 
 /// Where each token's text begins in the text the tokens decode to, in
@@ -262,19 +276,6 @@ fn text_offsets<'t>(start: usize, tokens: impl Iterator<Item = &'t [u8]>) -> Vec
             offset
         })
         .collect()
-}
-
-/// The legacy log-probabilities of a prompt followed by its completion's:
-/// each list of `prompt` extended by `completion`'s.
-fn join_legacy(mut prompt: Value, completion: Value) -> Value {
-    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
-        if let (Some(Value::Array(head)), Value::Array(tail)) =
-            (prompt.get_mut(key), completion[key].clone())
-        {
-            head.extend(tail);
-        }
-    }
-    prompt
 }
 
 /// A prompt's scores as vLLM's `prompt_logprobs`: `null` for the first
@@ -883,12 +884,22 @@ mod tests {
 
     #[test]
     fn a_prompts_legacy_logprobs_lead_its_completions() {
-        let prompt = json!({"tokens": ["a", "b"], "token_logprobs": [null, -1.0],
-                            "top_logprobs": [null, {"b": -1.0}], "text_offset": [0, 1]});
-        let completion = json!({"tokens": ["c"], "token_logprobs": [-0.5],
-                                "top_logprobs": [{"c": -0.5}], "text_offset": [2]});
+        let top =
+            |text: &str, lp: f64| Some(serde_json::Map::from_iter([(text.into(), json!(lp))]));
+        let prompt = render::Logprobs::Legacy {
+            tokens: vec!["a".into(), "b".into()],
+            token_logprobs: vec![None, Some(-1.0)],
+            top_logprobs: vec![None, top("b", -1.0)],
+            text_offset: vec![0, 1],
+        };
+        let completion = render::Logprobs::Legacy {
+            tokens: vec!["c".into()],
+            token_logprobs: vec![Some(-0.5)],
+            top_logprobs: vec![top("c", -0.5)],
+            text_offset: vec![2],
+        };
         assert_eq!(
-            join_legacy(prompt, completion),
+            serde_json::to_value(prompt.then(completion)).unwrap(),
             json!({"tokens": ["a", "b", "c"], "token_logprobs": [null, -1.0, -0.5],
                    "top_logprobs": [null, {"b": -1.0}, {"c": -0.5}], "text_offset": [0, 1, 2]})
         );

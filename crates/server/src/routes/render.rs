@@ -62,14 +62,14 @@ pub(super) enum Choice<'a> {
     Message {
         index: usize,
         message: Message<'a>,
-        logprobs: Option<Value>,
+        logprobs: Option<Logprobs>,
         finish_reason: Option<&'static str>,
     },
     /// Completions: the text, and vLLM's `prompt_logprobs` if asked.
     Text {
         index: usize,
         text: &'a str,
-        logprobs: Option<Value>,
+        logprobs: Option<Logprobs>,
         finish_reason: Option<&'static str>,
         #[serde(skip_serializing_if = "Option::is_none")]
         prompt_logprobs: Option<Value>,
@@ -144,14 +144,14 @@ pub(super) enum Delta<'a> {
     Message {
         index: usize,
         delta: MessageDelta<'a>,
-        logprobs: Option<Value>,
+        logprobs: Option<Logprobs>,
         finish_reason: Option<&'static str>,
     },
     /// Completions: text to append.
     Text {
         index: usize,
         text: &'a str,
-        logprobs: Option<Value>,
+        logprobs: Option<Logprobs>,
         finish_reason: Option<&'static str>,
     },
 }
@@ -213,6 +213,77 @@ impl<'a> ToolCallDelta<'a> {
             },
         }
     }
+}
+
+/// A choice's log-probabilities, in its endpoint's shape.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+#[serde(untagged)]
+pub(super) enum Logprobs {
+    /// Chat: an entry per token, each with its alternatives.
+    Chat {
+        content: Vec<TokenLogprob>,
+        refusal: Option<()>,
+    },
+    /// Completions (OpenAI's legacy format): parallel lists, one element
+    /// per token; an echoed prompt's first token has no score (`null`).
+    Legacy {
+        tokens: Vec<String>,
+        token_logprobs: Vec<Option<f64>>,
+        top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
+        text_offset: Vec<usize>,
+    },
+}
+
+impl Logprobs {
+    /// `self` (an echoed prompt's) followed by `completion`'s, when both
+    /// are in the legacy format; otherwise `completion`.
+    pub(super) fn then(self, completion: Logprobs) -> Logprobs {
+        match (self, completion) {
+            (
+                Logprobs::Legacy {
+                    mut tokens,
+                    mut token_logprobs,
+                    mut top_logprobs,
+                    mut text_offset,
+                },
+                Logprobs::Legacy {
+                    tokens: more_tokens,
+                    token_logprobs: more_logprobs,
+                    top_logprobs: more_top,
+                    text_offset: more_offsets,
+                },
+            ) => {
+                tokens.extend(more_tokens);
+                token_logprobs.extend(more_logprobs);
+                top_logprobs.extend(more_top);
+                text_offset.extend(more_offsets);
+                Logprobs::Legacy {
+                    tokens,
+                    token_logprobs,
+                    top_logprobs,
+                    text_offset,
+                }
+            }
+            (_, completion) => completion,
+        }
+    }
+}
+
+/// One token of a chat choice's log-probabilities.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub(super) struct TokenLogprob {
+    #[serde(flatten)]
+    pub(super) token: Alternative,
+    pub(super) top_logprobs: Vec<Alternative>,
+}
+
+/// A token and its log-probability: its text (lossy) and its bytes. (The
+/// engine's `f32` widened: JSON numbers are read as doubles.)
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub(super) struct Alternative {
+    pub(super) token: String,
+    pub(super) logprob: f64,
+    pub(super) bytes: Vec<u8>,
 }
 
 /// A finish reason as OpenAI names it.

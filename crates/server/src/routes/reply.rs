@@ -212,7 +212,7 @@ impl Reply {
 
     /// The log-probabilities choice `i` has not sent, rendered, if the
     /// request asked for them.
-    pub(super) fn take_logprobs(&mut self, i: usize) -> Option<Value> {
+    pub(super) fn take_logprobs(&mut self, i: usize) -> Option<render::Logprobs> {
         if !self.logprobs {
             return None;
         }
@@ -254,7 +254,7 @@ impl Reply {
                 let echoed = self.echoed_prompt_logprobs(i);
                 let logprobs = self.take_logprobs(i);
                 let logprobs = match (echoed, logprobs) {
-                    (Some(prompt), Some(completion)) => Some(join_legacy(prompt, completion)),
+                    (Some(prompt), Some(completion)) => Some(prompt.then(completion)),
                     (_, logprobs) => logprobs,
                 };
                 let listed = self.prompt_logprobs.listed && self.endpoint == Endpoint::Completions;
@@ -365,7 +365,7 @@ impl Reply {
 
     /// Choice `i`'s prompt scores in OpenAI's legacy completions format,
     /// its first token's `null`, if they lead its log-probabilities.
-    pub(super) fn echoed_prompt_logprobs(&self, i: usize) -> Option<Value> {
+    pub(super) fn echoed_prompt_logprobs(&self, i: usize) -> Option<render::Logprobs> {
         let scorer = self.scorer(i);
         match (self.prompt_logprobs.echoed, &scorer.prompt_scores) {
             (true, Some(scores)) => Some(legacy_prompt_logprobs(
@@ -546,7 +546,7 @@ struct Whole {
     /// The text (with tools: the text before any call).
     text: String,
     calls: Vec<Call>,
-    logprobs: Option<Value>,
+    logprobs: Option<render::Logprobs>,
     finish: Option<FinishReason>,
     /// vLLM's `prompt_logprobs` of a completions choice, if asked.
     prompt_logprobs: Option<Value>,
