@@ -298,18 +298,10 @@ impl Reply {
                 choice
             })
             .collect();
-        let body = render::Body {
-            id: &self.id,
-            object: self.endpoint.object(false),
-            created: self.created,
-            model: &self.state.model_id,
-            system_fingerprint: &self.state.system_fingerprint,
-            choices,
-            usage: Some(usage.into()),
-            // vLLM's place for chat: once, the prompt being every choice's.
-            prompt_logprobs: (self.prompt_logprobs.listed && self.endpoint == Endpoint::Chat)
-                .then(|| self.listed_prompt_logprobs(0)),
-        };
+        let mut body = self.body(false, choices, Some(usage));
+        // vLLM's place for chat: once, the prompt being every choice's.
+        body.prompt_logprobs = (self.prompt_logprobs.listed && self.endpoint == Endpoint::Chat)
+            .then(|| self.listed_prompt_logprobs(0));
         (StatusCode::OK, Json(body)).into_response()
     }
 
@@ -320,18 +312,24 @@ impl Reply {
             .into_response()
     }
 
-    /// One chunk of the stream: `choices`, and `usage` on the last.
-    pub(super) fn chunk(&self, choices: Vec<render::Delta<'_>>, usage: Option<Usage>) -> SseEvent {
-        let body = render::Body {
+    /// This request's answer (`chunk`: one chunk of its stream) around
+    /// `choices`.
+    fn body<C>(&self, chunk: bool, choices: Vec<C>, usage: Option<Usage>) -> render::Body<'_, C> {
+        render::Body {
             id: &self.id,
-            object: self.endpoint.object(true),
+            object: self.endpoint.object(chunk),
             created: self.created,
             model: &self.state.model_id,
             system_fingerprint: &self.state.system_fingerprint,
             choices,
             usage: usage.map(Into::into),
             prompt_logprobs: None,
-        };
+        }
+    }
+
+    /// One chunk of the stream: `choices`, and `usage` on the last.
+    pub(super) fn chunk(&self, choices: Vec<render::Delta<'_>>, usage: Option<Usage>) -> SseEvent {
+        let body = self.body(true, choices, usage);
         let data = serde_json::to_string(&body).expect("a chunk always serialises");
         SseEvent::default().data(data)
     }
