@@ -14,9 +14,11 @@
 //!   hanging, however the carrier stopped.
 //!
 //! The frame kinds: a hand-off message ([`kvfence_handoff::Message`]), a
-//! decode worker's order to a prefill worker (its grant, prompt, sampling,
-//! cache scope, share and trace), a drain notice, and [`CONTROL`] — the
-//! fleet's control plane, which shares the link and is never a worker's.
+//! decode worker's order to a prefill worker (its grant, then the request
+//! in [`GenerationRequest`]'s serde form — the schema the fleet's control
+//! messages use too), a drain notice, and [`CONTROL`] — the fleet's control
+//! plane, which shares the link and is never a worker's. A port knows the
+//! role it faces: an order from a prefill worker closes the link.
 
 use std::borrow::Cow;
 use std::sync::{Arc, mpsc};
