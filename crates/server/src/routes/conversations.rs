@@ -201,7 +201,11 @@ pub async fn delete(
             {
                 return Err(missing());
             }
-            Ok(json!({ "id": id, "object": "conversation.deleted", "deleted": true }))
+            Ok(render::to_value(render::Deleted {
+                id: &id,
+                object: "conversation.deleted",
+                deleted: true,
+            }))
         },
     )
     .await
@@ -252,13 +256,7 @@ pub async fn add_items(
                 .edit_conversation(tenant, &id, |c| c.items.extend(added))
                 .map_err(too_large_or_failed)?
                 .ok_or_else(missing)?;
-            Ok(json!({
-                "object": "list",
-                "first_id": items.first().map(|i| i["id"].clone()),
-                "last_id": items.last().map(|i| i["id"].clone()),
-                "has_more": false,
-                "data": items,
-            }))
+            Ok(render::to_value(render::ItemPage::of(items, false)))
         })
         .await
     }

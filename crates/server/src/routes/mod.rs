@@ -351,7 +351,7 @@ struct PromptLogprobsWanted {
 
 /// `GET /health`.
 pub async fn health() -> impl IntoResponse {
-    Json(json!({ "status": "ok" }))
+    Json(render::Probe { status: "ok" })
 }
 
 /// `GET /ready`: 200 while this process can take work — it admits, and
@@ -360,11 +360,13 @@ pub async fn health() -> impl IntoResponse {
 /// process is alive at all.
 pub(crate) async fn ready<S: Observed>(State(state): State<Arc<S>>) -> Response {
     if state.status().is_ready() {
-        Json(json!({ "status": "ready" })).into_response()
+        Json(render::Probe { status: "ready" }).into_response()
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "status": "not ready" })),
+            Json(render::Probe {
+                status: "not ready",
+            }),
         )
             .into_response()
     }
@@ -422,15 +424,15 @@ fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<Arc<Tenant>, Ap
 }
 
 /// The served model as `/v1/models` lists it: its honest context (I6).
-fn model_object(state: &AppState) -> Value {
-    json!({
-        "id": state.model_id,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "kvfence",
-        "max_model_len": state.capacity.max_context,
-        "context_length": state.capacity.max_context,
-    })
+fn model_object(state: &AppState) -> render::Model<'_> {
+    render::Model {
+        id: &state.model_id,
+        object: "model",
+        created: state.created,
+        owned_by: "kvfence",
+        max_model_len: state.capacity.max_context,
+        context_length: state.capacity.max_context,
+    }
 }
 
 /// `GET /v1/models`: the served model and its honest context (I6).
@@ -439,7 +441,7 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
         state.metrics.rejection(error.reason());
         return error.into_response();
     }
-    Json(json!({ "object": "list", "data": [model_object(&state)] })).into_response()
+    Json(render::List::of(vec![model_object(&state)])).into_response()
 }
 
 /// `GET /v1/models/{id}`: the served model, or 404 for any other id.

@@ -1,7 +1,8 @@
-//! The objects chat and completions answer with, as types: a
-//! `chat.completion` or `text_completion` whole, and each chunk of a
-//! stream. What a client can read in a reply is exactly what these structs
-//! hold; log-probabilities are rendered elsewhere, in each endpoint's shape.
+//! The objects the API answers with, as types: a `chat.completion` or
+//! `text_completion` whole, each chunk of a stream, log-probabilities in
+//! each endpoint's shape, the model list, lists of stored items, deletions
+//! and probes. What a client can read in a reply is exactly what these
+//! structs hold. (The Responses API's events are in `respond.rs`.)
 
 use kvfence_engine::{FinishReason, Usage};
 use serde::Serialize;
@@ -284,6 +285,77 @@ pub(super) struct Alternative {
     pub(super) token: String,
     pub(super) logprob: f64,
     pub(super) bytes: Vec<u8>,
+}
+
+/// `/health` and `/ready`'s body.
+#[derive(Serialize)]
+pub(super) struct Probe {
+    pub(super) status: &'static str,
+}
+
+/// A list, OpenAI's way (`/v1/models`).
+#[derive(Serialize)]
+pub(super) struct List<T> {
+    object: &'static str,
+    data: Vec<T>,
+}
+
+impl<T> List<T> {
+    pub(super) fn of(data: Vec<T>) -> List<T> {
+        List {
+            object: "list",
+            data,
+        }
+    }
+}
+
+/// The served model: its honest context (I6), under both names clients
+/// read it by.
+#[derive(Serialize)]
+pub(super) struct Model<'a> {
+    pub(super) id: &'a str,
+    pub(super) object: &'static str,
+    pub(super) created: u64,
+    pub(super) owned_by: &'static str,
+    pub(super) max_model_len: usize,
+    pub(super) context_length: usize,
+}
+
+/// A page of stored items (a conversation's, a response's input), with
+/// the ids a client pages on.
+#[derive(Serialize)]
+pub(super) struct ItemPage {
+    object: &'static str,
+    first_id: Option<Value>,
+    last_id: Option<Value>,
+    has_more: bool,
+    data: Vec<Value>,
+}
+
+impl ItemPage {
+    pub(super) fn of(data: Vec<Value>, has_more: bool) -> ItemPage {
+        ItemPage {
+            object: "list",
+            first_id: data.first().map(|item| item["id"].clone()),
+            last_id: data.last().map(|item| item["id"].clone()),
+            has_more,
+            data,
+        }
+    }
+}
+
+/// What a deletion answers: the id, `object` (`conversation.deleted`,
+/// `response.deleted`) and that it is gone.
+#[derive(Serialize)]
+pub(super) struct Deleted<'a> {
+    pub(super) id: &'a str,
+    pub(super) object: &'static str,
+    pub(super) deleted: bool,
+}
+
+/// `object` as JSON: what these types hold always serialises.
+pub(super) fn to_value(object: impl Serialize) -> Value {
+    serde_json::to_value(object).expect("the API's objects always serialise")
 }
 
 /// A finish reason as OpenAI names it.

@@ -309,7 +309,11 @@ pub async fn delete(
             if !store.delete(tenant, &id, unix_now()).map_err(store_error)? {
                 return Err(missing);
             }
-            Ok(json!({ "id": id, "object": "response.deleted", "deleted": true }))
+            Ok(render::to_value(render::Deleted {
+                id: &id,
+                object: "response.deleted",
+                deleted: true,
+            }))
         },
     )
     .await
@@ -408,13 +412,7 @@ fn page(mut items: Vec<Value>, newest_first: bool, after: Option<&str>, limit: u
     };
     let rest = &items[start.min(items.len())..];
     let data: Vec<Value> = rest.iter().take(limit).cloned().collect();
-    json!({
-        "object": "list",
-        "first_id": data.first().map(|item| item["id"].clone()),
-        "last_id": data.last().map(|item| item["id"].clone()),
-        "has_more": rest.len() > limit,
-        "data": data,
-    })
+    render::to_value(render::ItemPage::of(data, rest.len() > limit))
 }
 
 #[cfg(test)]
