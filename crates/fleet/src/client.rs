@@ -26,7 +26,8 @@ use super::wire::{
     Control, Hello, ModelFingerprint, PUBLIC_OVER_A_LINK, Refusal, WireStats, parse_control,
     send_control,
 };
-use super::{Backoff, dial, io, is_transient, lock};
+use super::{Backoff, dial, io, lock};
+use crate::error::FleetError;
 use crate::net::Link;
 use kvfence_engine::EngineError;
 use kvfence_engine::PrefillPeer;
@@ -145,7 +146,7 @@ impl RemoteEngine {
         address: SocketAddr,
         credentials: &Credentials,
         model: ModelFingerprint,
-    ) -> Result<RemoteEngine, EngineError> {
+    ) -> Result<RemoteEngine, FleetError> {
         let state = Arc::new(State::default());
         let keeper = Keeper {
             address,
@@ -155,7 +156,7 @@ impl RemoteEngine {
         };
         match keeper.dial() {
             Ok(link) => keeper.install(link),
-            Err(error) if is_transient(&error) => {
+            Err(error) if error.is_transient() => {
                 warn!(%address, %error, "decode worker unreachable; dialling again in the background");
             }
             Err(error) => return Err(error),
@@ -359,11 +360,11 @@ struct Keeper {
 }
 
 impl Keeper {
-    fn dial(&self) -> Result<(Link, Hello), EngineError> {
+    fn dial(&self) -> Result<(Link, Hello), FleetError> {
         let (link, hello) = dial(self.address, LinkRole::Decode, &self.credentials)?;
         hello
             .check(self.model, None)
-            .map_err(|why| EngineError::Invalid {
+            .map_err(|why| FleetError::Refused {
                 reason: format!(
                     "the decode worker at {} does not match: {why}",
                     self.address
@@ -429,7 +430,7 @@ impl Keeper {
                     backoff.reset();
                 }
                 Err(error) => {
-                    if is_transient(&error) {
+                    if error.is_transient() {
                         tracing::debug!(%address, %error, "decode worker still unreachable");
                     } else {
                         warn!(%address, %error, "decode worker refused");

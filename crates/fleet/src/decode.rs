@@ -27,7 +27,8 @@ use super::wire::{
     Control, Hello, ModelFingerprint, PROTOCOL, PUBLIC_OVER_A_LINK, PageLayout, Refusal, WirePool,
     WireStats, parse_control, send_control,
 };
-use super::{Backoff, dial, io, is_transient, lock};
+use super::{Backoff, dial, io, lock};
+use crate::error::FleetError;
 use crate::link::bridge;
 use crate::net::{self, Link, ListenLimits};
 use kvfence_engine::EngineConfig;
@@ -49,7 +50,7 @@ pub fn start_decode_worker(
     config: EngineConfig,
     prefills: PeerNames,
     credentials: &Credentials,
-) -> Result<Engine, EngineError> {
+) -> Result<Engine, FleetError> {
     let layout = PageLayout::of(&pool);
     let engine = Engine::start_decode(model, pool, config);
     let keepers = Keepers {
@@ -114,7 +115,7 @@ impl Keepers {
     /// Makes sure a keeper runs for `address`. The first time, it dials
     /// now when `dial_now` (a refusal that can never change is returned);
     /// otherwise the keeper dials on its own thread.
-    fn keep(&self, address: SocketAddr, dial_now: bool) -> Result<(), EngineError> {
+    fn keep(&self, address: SocketAddr, dial_now: bool) -> Result<(), FleetError> {
         if let Some(flag) = lock(&self.wanted).get_mut(&address) {
             *flag = true;
             return Ok(());
@@ -129,7 +130,7 @@ impl Keepers {
         let first = if dial_now {
             match keeper.dial() {
                 Ok(link) => Some(link),
-                Err(error) if is_transient(&error) => {
+                Err(error) if error.is_transient() => {
                     warn!(%address, %error, "prefill worker unreachable; dialling again in the background");
                     None
                 }
@@ -171,12 +172,12 @@ struct PrefillKeeper {
 
 impl PrefillKeeper {
     /// One dial: the link and its `Hello`, checked.
-    fn dial(&self) -> Result<(Link, Hello), EngineError> {
+    fn dial(&self) -> Result<(Link, Hello), FleetError> {
         let shared = &self.shared;
         let (link, hello) = dial(self.address, LinkRole::Prefill, &shared.credentials)?;
         hello
             .check(shared.model, Some(&shared.layout))
-            .map_err(|why| EngineError::Invalid {
+            .map_err(|why| FleetError::Refused {
                 reason: format!(
                     "the prefill worker at {} does not match: {why}",
                     self.address
@@ -215,7 +216,7 @@ impl PrefillKeeper {
             let (link, hello) = match dialled {
                 Ok(link) => link,
                 Err(error) => {
-                    if is_transient(&error) {
+                    if error.is_transient() {
                         tracing::debug!(%address, %error, "prefill worker still unreachable");
                     } else {
                         warn!(%address, %error, "prefill worker refused");
@@ -231,6 +232,7 @@ impl PrefillKeeper {
             let reader = match shared
                 .links
                 .link(prefill)
+                .map_err(FleetError::from)
                 .and_then(|port| bridge(link, port, "kvfence-decode-link").map_err(io))
             {
                 Ok(reader) => reader,
@@ -255,7 +257,7 @@ pub fn serve_routers(
     engine: Arc<Engine>,
     listener: TcpListener,
     credentials: &Credentials,
-) -> Result<(), EngineError> {
+) -> Result<(), FleetError> {
     let links = net::accept(
         listener,
         credentials,
@@ -263,7 +265,7 @@ pub fn serve_routers(
         ListenLimits::new(MAX_ROUTER_LINKS),
     )?;
     loop {
-        let link = links.recv().map_err(|_| EngineError::ShuttingDown)?;
+        let link = links.recv().map_err(|_| FleetError::ShuttingDown)?;
         let engine = Arc::clone(&engine);
         std::thread::spawn(move || {
             let peer = link.address;
@@ -295,7 +297,7 @@ pub(crate) fn hello(engine: &Engine) -> Hello {
     }
 }
 
-fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
+fn serve_router(engine: &Engine, link: Link) -> Result<(), FleetError> {
     let Link { tx, rx, .. } = link;
     let mut grammars = LinkGrammars::new(Arc::clone(engine.model()));
     if !send_control(&tx, &Control::Hello(hello(engine))) {
@@ -320,7 +322,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
         };
         let control = match parse_control(&frame) {
             Ok(control) => control,
-            Err(error) => break Err(error.into()),
+            Err(error) => break Err(FleetError::Malformed(error)),
         };
         match control {
             Control::Submit {
@@ -373,7 +375,7 @@ fn serve_router(engine: &Engine, link: Link) -> Result<(), EngineError> {
                 });
             }
             _ => {
-                break Err(EngineError::Handoff(HandoffError::Malformed {
+                break Err(FleetError::Malformed(HandoffError::Malformed {
                     kind: "control",
                     reason: "unexpected message from a router",
                 }));

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
-use kvfence_engine::EngineError;
+use crate::error::FleetError;
 
 /// How often every name is resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
@@ -58,16 +58,16 @@ impl std::fmt::Debug for PeerNames {
 impl PeerNames {
     /// Checks every entry's form (a host and a non-zero port); resolves
     /// nothing yet. `role` names the peers in errors ("decode worker").
-    pub fn parse(entries: &[String], role: &str) -> Result<PeerNames, EngineError> {
+    pub fn parse(entries: &[String], role: &str) -> Result<PeerNames, FleetError> {
         if entries.is_empty() {
-            return Err(EngineError::Invalid {
+            return Err(FleetError::InvalidName {
                 reason: format!("at least one {role} address is needed"),
             });
         }
         let mut names = Vec::with_capacity(entries.len());
         for entry in entries {
             let entry = entry.trim();
-            check_name(entry).map_err(|why| EngineError::Invalid {
+            check_name(entry).map_err(|why| FleetError::InvalidName {
                 reason: format!("{role} address {entry:?}: {why}"),
             })?;
             if !names.iter().any(|n| n == entry) {
@@ -173,7 +173,7 @@ mod tests {
 
     use super::*;
 
-    fn names(entries: &[&str]) -> Result<PeerNames, EngineError> {
+    fn names(entries: &[&str]) -> Result<PeerNames, FleetError> {
         let entries: Vec<String> = entries.iter().map(|e| e.to_string()).collect();
         PeerNames::parse(&entries, "decode worker")
     }

@@ -36,6 +36,7 @@ use super::client::RemoteEngine;
 use super::discovery::{Membership, PeerNames};
 use super::lock;
 use super::wire::ModelFingerprint;
+use crate::error::FleetError;
 use kvfence_engine::EngineError;
 use kvfence_engine::GenerationRequest;
 use kvfence_engine::Role;
@@ -69,7 +70,7 @@ struct Candidate {
 }
 
 /// Opens a client of the decode worker at an address.
-type Connect = dyn Fn(SocketAddr) -> Result<RemoteEngine, EngineError> + Send + Sync;
+type Connect = dyn Fn(SocketAddr) -> Result<RemoteEngine, FleetError> + Send + Sync;
 
 impl Fleet {
     /// The fleet of decode workers `names` resolve to, each of which must
@@ -83,7 +84,7 @@ impl Fleet {
         names: PeerNames,
         credentials: &Credentials,
         model: ModelFingerprint,
-    ) -> Result<Arc<Fleet>, EngineError> {
+    ) -> Result<Arc<Fleet>, FleetError> {
         let every = names.resolve_every();
         let mut membership = Membership::new(names);
         let credentials = credentials.clone();

@@ -33,9 +33,9 @@
 //! worker — and is dialled again, so a restarted process rejoins without
 //! restarting the others.
 //!
-//! Errors are the engine's [`EngineError`]: what this crate serves is the
-//! engine's [`Backend`](kvfence_engine::Backend), whose callers cannot tell
-//! a worker in this process from one across a link.
+//! Its errors are [`FleetError`]s; what it serves as the engine's
+//! [`Backend`](kvfence_engine::Backend) fails with the engine's errors, as a
+//! worker in this process would.
 //!
 //! [`Port`]: kvfence_engine::Port
 //! [`PrefillWorker`]: kvfence_engine::PrefillWorker
@@ -44,6 +44,7 @@ mod affinity;
 mod client;
 mod decode;
 mod discovery;
+mod error;
 mod fleet;
 mod link;
 mod net;
@@ -53,6 +54,7 @@ mod wire;
 pub use client::RemoteEngine;
 pub use decode::{serve_routers, start_decode_worker};
 pub use discovery::{PeerNames, RESOLVE_EVERY, Resolver};
+pub use error::FleetError;
 pub use fleet::Fleet;
 pub use kvfence_handoff::tls;
 pub use link::TlsLoopback;
@@ -63,8 +65,6 @@ pub use wire::{Hello, ModelFingerprint, decode_control_frame};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvfence_engine::EngineError;
-use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{Credentials, Role as LinkRole};
 
 use crate::net::Link;
@@ -77,15 +77,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const RECONNECT_FIRST: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(2);
 
-fn io(e: std::io::Error) -> EngineError {
-    EngineError::Handoff(HandoffError::Io(e.to_string()))
-}
-
-/// Whether dialling again may help: the peer was unreachable or the link
-/// broke, rather than refused for a configuration that will not change (a
-/// certificate from another CA or of the wrong role).
-pub(crate) fn is_transient(error: &EngineError) -> bool {
-    matches!(error, EngineError::Handoff(HandoffError::Io(_)))
+fn io(e: std::io::Error) -> FleetError {
+    FleetError::io(e)
 }
 
 /// Connects to a worker of role `role`, authenticates both ways, and reads
@@ -94,18 +87,16 @@ fn dial(
     address: SocketAddr,
     role: LinkRole,
     credentials: &Credentials,
-) -> Result<(Link, Hello), EngineError> {
+) -> Result<(Link, Hello), FleetError> {
     let link = net::dial(address, role, credentials)?;
-    let no_hello = || {
-        EngineError::Handoff(HandoffError::Io(format!(
-            "the {role} worker at {address} sent no Hello"
-        )))
+    let no_hello = || FleetError::Unreachable {
+        reason: format!("the {role} worker at {address} sent no Hello"),
     };
     let frame = link
         .rx
         .recv_timeout(HELLO_TIMEOUT)
         .map_err(|_| no_hello())?;
-    let Control::Hello(hello) = parse_control(&frame)? else {
+    let Control::Hello(hello) = parse_control(&frame).map_err(FleetError::Malformed)? else {
         return Err(no_hello());
     };
     Ok((link, hello))

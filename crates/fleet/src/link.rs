@@ -13,6 +13,7 @@ use kvfence_handoff::HandoffError;
 use kvfence_handoff::tls::{ClusterCa, Role as LinkRole};
 use tracing::warn;
 
+use crate::error::FleetError;
 use crate::net::{self, Link, ListenLimits};
 use kvfence_engine::EngineError;
 use kvfence_engine::{Connector, Port, Transport};
@@ -65,10 +66,19 @@ impl TlsLoopback {
 
 impl Connector for TlsLoopback {
     fn connect(&self, prefill: Port, decode: Port) -> Result<(), EngineError> {
-        let io = |e: std::io::Error| EngineError::Handoff(HandoffError::Io(e.to_string()));
-        let ca = ClusterCa::generate()?;
-        let prefill_credentials = ca.credentials(LinkRole::Prefill)?;
-        let decode_credentials = ca.credentials(LinkRole::Decode)?;
+        Ok(self.link(prefill, decode)?)
+    }
+}
+
+impl TlsLoopback {
+    fn link(&self, prefill: Port, decode: Port) -> Result<(), FleetError> {
+        let io = FleetError::io;
+        let tls = |e: HandoffError| FleetError::Tls {
+            reason: e.to_string(),
+        };
+        let ca = ClusterCa::generate().map_err(tls)?;
+        let prefill_credentials = ca.credentials(LinkRole::Prefill).map_err(tls)?;
+        let decode_credentials = ca.credentials(LinkRole::Decode).map_err(tls)?;
         let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
         let address = listener.local_addr().map_err(io)?;
         let accepted = net::accept(
@@ -80,10 +90,8 @@ impl Connector for TlsLoopback {
         let decode_link = net::dial(address, LinkRole::Prefill, &decode_credentials)?;
         let prefill_link = accepted
             .recv_timeout(ListenLimits::new(1).handshake_timeout)
-            .map_err(|_| {
-                EngineError::Handoff(HandoffError::Tls(
-                    "the in-process TLS link did not come up".into(),
-                ))
+            .map_err(|_| FleetError::Tls {
+                reason: "the in-process TLS link did not come up".into(),
             })?;
         bridge(prefill_link, prefill, "kvfence-prefill-link").map_err(io)?;
         bridge(decode_link, decode, "kvfence-decode-link").map_err(io)?;

@@ -23,14 +23,13 @@ use std::sync::{Arc, OnceLock, mpsc};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use kvfence_handoff::HandoffError;
 use kvfence_handoff::tcp::MAX_LINK_FRAME;
 use kvfence_handoff::tls::{Credentials, Role, peer_role};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, warn};
 
-use kvfence_engine::EngineError;
+use crate::error::FleetError;
 
 /// The IO runtime every link of this process runs on: one thread, since it
 /// only moves bytes (encryption included) and the cores belong to the
@@ -58,20 +57,22 @@ fn wait_for<T: Send + 'static>(
     rx.recv().ok()
 }
 
-fn io(e: std::io::Error) -> EngineError {
-    EngineError::Handoff(HandoffError::Io(e.to_string()))
+fn io(e: std::io::Error) -> FleetError {
+    FleetError::io(e)
 }
 
 /// A failed TLS handshake: `Tls` when TLS itself refused (a certificate
 /// from another CA or of the wrong role, a protocol error: the
 /// configuration is wrong, retrying will not help), `Io` when the
 /// connection broke under it (a peer restarting: worth retrying).
-fn tls(e: std::io::Error) -> EngineError {
+fn tls(e: std::io::Error) -> FleetError {
     let refused_by_tls = e
         .get_ref()
         .is_some_and(|inner| inner.is::<tokio_rustls::rustls::Error>());
     if refused_by_tls {
-        EngineError::Handoff(HandoffError::Tls(e.to_string()))
+        FleetError::Tls {
+            reason: e.to_string(),
+        }
     } else {
         io(e)
     }
@@ -235,7 +236,7 @@ pub(crate) fn dial(
     address: SocketAddr,
     server: Role,
     credentials: &Credentials,
-) -> Result<Link, EngineError> {
+) -> Result<Link, FleetError> {
     let connector = tokio_rustls::TlsConnector::from(credentials.client_config());
     let handshake = async move {
         let tcp = tokio::net::TcpStream::connect(address).await.map_err(io)?;
@@ -245,19 +246,19 @@ pub(crate) fn dial(
             .connect(server.server_name(), tcp)
             .await
             .map_err(tls)?;
-        Ok::<_, EngineError>(start(stream, server, address, || {}))
+        Ok::<_, FleetError>(start(stream, server, address, || {}))
     };
     let timeout = ListenLimits::new(1).handshake_timeout;
     wait_for(async move {
         tokio::time::timeout(timeout, handshake)
             .await
             .unwrap_or_else(|_| {
-                Err(EngineError::Handoff(HandoffError::Io(format!(
-                    "no TLS handshake with {address} within {timeout:?}"
-                ))))
+                Err(FleetError::Unreachable {
+                    reason: format!("no TLS handshake with {address} within {timeout:?}"),
+                })
             })
     })
-    .unwrap_or_else(|| Err(EngineError::ShuttingDown))
+    .unwrap_or_else(|| Err(FleetError::ShuttingDown))
 }
 
 /// Accepts links on `listener` from peers proving one of the `allowed`
@@ -269,7 +270,7 @@ pub(crate) fn accept(
     credentials: &Credentials,
     allowed: &'static [Role],
     limits: ListenLimits,
-) -> Result<mpsc::Receiver<Link>, EngineError> {
+) -> Result<mpsc::Receiver<Link>, FleetError> {
     listener.set_nonblocking(true).map_err(io)?;
     let acceptor = tokio_rustls::TlsAcceptor::from(credentials.server_config());
     let (links_tx, links_rx) = mpsc::channel();

@@ -12,9 +12,9 @@ use tracing::{info, warn};
 
 use super::io;
 use super::wire::{Control, Hello, ModelFingerprint, PROTOCOL, PageLayout, send_control};
+use crate::error::FleetError;
 use crate::link::bridge;
 use crate::net::{self, ListenLimits};
-use kvfence_engine::EngineError;
 use kvfence_engine::PrefillWorker;
 use kvfence_engine::Role;
 
@@ -28,7 +28,7 @@ pub fn serve_decode_workers(
     worker: &Arc<PrefillWorker>,
     listener: TcpListener,
     credentials: &Credentials,
-) -> Result<(), EngineError> {
+) -> Result<(), FleetError> {
     let accepted = net::accept(
         listener,
         credentials,
@@ -54,6 +54,7 @@ pub fn serve_decode_workers(
                 }
                 let started = worker
                     .link_decode(address.to_string())
+                    .map_err(FleetError::from)
                     .and_then(|port| bridge(link, port, "kvfence-prefill-link").map_err(io));
                 match started {
                     Ok(reader) => {
