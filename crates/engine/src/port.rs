@@ -330,15 +330,9 @@ mod tests {
     /// An order's link frame, whole.
     fn order_frame() -> Bytes {
         let request = GenerationRequest {
-            prompt: vec![1, 2, 3],
-            max_tokens: 9,
-            sampling: SamplingParams::greedy(),
             stop: StopStrings::new(vec!["x".into()]).unwrap(),
             ignore_eos: true,
-            cache: None,
-            constraint: None,
-            share: Share::default(),
-            trace: None,
+            ..GenerationRequest::greedy(vec![1, 2, 3], 9)
         };
         let order = Command::Prefill {
             peer: PeerId(0),

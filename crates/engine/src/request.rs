@@ -275,6 +275,23 @@ pub struct TenantScope {
 }
 
 impl GenerationRequest {
+    /// `prompt` continued greedily for at most `max_tokens` tokens: no stop
+    /// strings, ending at end-of-sequence, no prefix cache, no grammar, of
+    /// no tenant, untraced. Set what differs with struct update syntax.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
+        GenerationRequest {
+            prompt,
+            max_tokens,
+            sampling: kvfence_model::SamplingParams::greedy(),
+            stop: StopStrings::default(),
+            ignore_eos: false,
+            cache: None,
+            constraint: None,
+            share: Share::default(),
+            trace: None,
+        }
+    }
+
     /// Tokens of KV the request needs at most: its whole reservation
     /// (saturating: a `max_tokens` near `usize::MAX` from a peer is a need
     /// no pool meets, not an overflow).

@@ -438,7 +438,6 @@ mod tests {
 
     use kvfence_engine::{CacheScope, GenerationRequest, Share};
     use kvfence_handoff::tls::ClusterCa;
-    use kvfence_model::{SamplingParams, StopStrings};
     use kvfence_pool::{ElemType, PoolSize, PoolSpec};
 
     use super::*;
@@ -478,15 +477,9 @@ mod tests {
     #[test]
     fn a_router_cannot_reach_the_public_prefix_cache() {
         let request = GenerationRequest {
-            prompt: vec![1, 2, 3],
-            max_tokens: 1,
-            sampling: SamplingParams::greedy(),
-            stop: StopStrings::default(),
-            ignore_eos: false,
             cache: Some(CacheScope::Public),
-            constraint: None,
             share: Share::new("acme", 1),
-            trace: None,
+            ..GenerationRequest::greedy(vec![1, 2, 3], 1)
         };
         let answer = answer_to(request);
         assert!(

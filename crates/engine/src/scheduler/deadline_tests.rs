@@ -15,13 +15,12 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvfence_model::{SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 use super::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler};
 use crate::config::EngineConfig;
 use crate::counters::Counters;
-use crate::request::{Event, FailureKind, GenerationRequest, RequestHandle, Share};
+use crate::request::{Event, FailureKind, GenerationRequest, RequestHandle};
 
 const SILENCE: Duration = Duration::from_millis(50);
 /// A 400-token grant's whole life: 50 ms + 400 × 2 ms = 850 ms.
@@ -108,15 +107,11 @@ impl Pair {
 
     fn submit(&mut self, prompt_tokens: usize) -> RequestHandle {
         let request = GenerationRequest {
-            prompt: (0..prompt_tokens as u32).map(|i| (i * 13) % 250).collect(),
-            max_tokens: 2,
-            sampling: SamplingParams::greedy(),
-            stop: StopStrings::default(),
             ignore_eos: true,
-            cache: None,
-            constraint: None,
-            share: Share::default(),
-            trace: None,
+            ..GenerationRequest::greedy(
+                (0..prompt_tokens as u32).map(|i| (i * 13) % 250).collect(),
+                2,
+            )
         };
         let id = RequestId(self.next_id);
         self.next_id += 1;

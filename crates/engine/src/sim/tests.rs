@@ -132,15 +132,8 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
             .grant(kvfence_handoff::HandoffId(id), lease, 4)
             .unwrap();
         let request = GenerationRequest {
-            prompt: vec![1, 2, 3, 4],
-            max_tokens: 1,
-            sampling: SamplingParams::greedy(),
-            stop: StopStrings::default(),
             ignore_eos: true,
-            cache: None,
-            constraint: None,
-            share: Share::default(),
-            trace: None,
+            ..GenerationRequest::greedy(vec![1, 2, 3, 4], 1)
         };
         Box::new(PrefillOrder {
             grant: grant.to_frame(),
