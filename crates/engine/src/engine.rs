@@ -17,7 +17,7 @@ use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::port::{Facing, Port, Transport};
 use crate::request::{CacheScope, Event, GenerationRequest, LinkGrammars, RequestHandle, Share};
-use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Scheduler};
+use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Scheduler, Shell};
 
 /// A worker: the scheduler(s) behind one client-facing queue.
 pub struct Engine {
@@ -162,10 +162,10 @@ struct Peer {
     pool: Pool,
 }
 
-fn spawn(name: &str, scheduler: Scheduler) -> JoinHandle<()> {
+fn spawn(name: &str, shell: Shell) -> JoinHandle<()> {
     std::thread::Builder::new()
         .name(name.into())
-        .spawn(move || scheduler.run())
+        .spawn(move || shell.run())
         .expect("the OS can start a scheduler thread")
 }
 
@@ -180,9 +180,8 @@ impl Engine {
             pool.clone(),
             config,
             Arc::clone(&counters),
-            inbox,
         );
-        let thread = spawn("kvfence-colocated", scheduler);
+        let thread = spawn("kvfence-colocated", Shell::new(scheduler, inbox));
         Engine {
             commands,
             counters,
@@ -266,12 +265,12 @@ impl Engine {
             prefill_pool.clone(),
             config,
             Arc::new(Counters::default()),
-            prefill_inbox,
         );
         engine.prefill = Some(Peer {
             commands: prefill_tx,
             pool: prefill_pool,
         });
+        let prefill = Shell::new(prefill, prefill_inbox);
         engine.threads.push(spawn("kvfence-prefill", prefill));
         Ok(engine)
     }
@@ -298,9 +297,9 @@ impl Engine {
             pool.clone(),
             config,
             Arc::clone(&counters),
-            inbox,
         )
         .with_one_sided_grants(one_sided);
+        let decode = Shell::new(decode, inbox);
         Engine {
             commands,
             counters,

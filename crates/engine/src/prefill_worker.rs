@@ -18,7 +18,7 @@ use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::port::{Facing, Port};
 use crate::request::LinkGrammars;
-use crate::scheduler::{Command, PeerId, Scheduler};
+use crate::scheduler::{Command, PeerId, Scheduler, Shell};
 
 /// A running prefill scheduler, taking orders only from the decode workers
 /// linked to it.
@@ -58,11 +58,11 @@ impl PrefillWorker {
             pool.clone(),
             config,
             Arc::clone(&counters),
-            inbox,
         );
+        let shell = Shell::new(scheduler, inbox);
         let scheduler = std::thread::Builder::new()
             .name("kvfence-prefill".into())
-            .spawn(move || scheduler.run())
+            .spawn(move || shell.run())
             .map_err(|e| EngineError::Internal {
                 reason: format!("starting the prefill scheduler: {e}"),
             })?;

@@ -56,7 +56,7 @@ impl Scheduler {
                     && let Some(abort) = self.receiver.abort(active.pending.handoff_id())
                 {
                     // The reservation is freed now; tell prefill to stop.
-                    self.to_peer(peer, &abort);
+                    self.send_to_peer(peer, &abort);
                 }
                 dropped_active += 1;
             }

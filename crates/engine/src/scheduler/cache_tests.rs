@@ -7,13 +7,12 @@
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
-use std::sync::mpsc;
 use std::time::Instant;
 
 use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
 
-use super::{Command, Pending, Role, Scheduler};
+use super::{Pending, Role, Scheduler};
 use crate::config::EngineConfig;
 use crate::counters::Counters;
 use crate::request::{CacheScope, Event, GenerationRequest, RequestHandle, Share, Usage};
@@ -35,7 +34,6 @@ struct Worker {
     scheduler: Scheduler,
     pool: Pool,
     next_id: u64,
-    _inbox: mpsc::Sender<Command>,
 }
 
 fn worker(cache: Cache, tokens: usize, step_tokens: usize) -> Worker {
@@ -78,20 +76,17 @@ fn worker_of(
         Cache::Colliding => spec.with_prefix_cache(pages).with_colliding_hashes(),
     };
     let pool = Pool::new(&spec).unwrap();
-    let (inbox_tx, inbox) = mpsc::channel();
     let scheduler = Scheduler::new(
         Role::Colocated,
         model,
         pool.clone(),
         config,
         Arc::new(Counters::default()),
-        inbox,
     );
     Worker {
         scheduler,
         pool,
         next_id: 1,
-        _inbox: inbox_tx,
     }
 }
 
@@ -136,14 +131,14 @@ impl Worker {
                 let id = RequestId(self.next_id);
                 self.next_id += 1;
                 let (pending, handle) = Pending::for_client(id, request.clone(), None);
-                self.scheduler.handle(Command::Submit(Box::new(pending)));
+                self.scheduler.submit(pending);
                 handle
             })
             .collect();
         let mut answers: Vec<Option<(String, Usage)>> = vec![None; requests.len()];
         let mut texts = vec![String::new(); requests.len()];
         for _ in 0..10_000 {
-            self.scheduler.poll(Instant::now());
+            self.scheduler.poll_delivering(Instant::now());
             peak = peak.max(self.scheduler.active.len());
             for (i, handle) in handles.iter_mut().enumerate() {
                 while let Ok(event) = handle.try_next() {

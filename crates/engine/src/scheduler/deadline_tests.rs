@@ -40,10 +40,9 @@ struct Pair {
     now: Duration,
     step_time: Duration,
     next_id: u64,
-    _inboxes: [mpsc::Sender<Command>; 2],
 }
 
-fn scheduler(role: Role, max_running: usize) -> (Scheduler, Arc<Counters>, mpsc::Sender<Command>) {
+fn scheduler(role: Role, max_running: usize) -> (Scheduler, Arc<Counters>) {
     let model = model();
     let spec = PoolSpec::new(
         model.model.kv_shape(),
@@ -60,32 +59,30 @@ fn scheduler(role: Role, max_running: usize) -> (Scheduler, Arc<Counters>, mpsc:
         ..EngineConfig::default()
     };
     let counters = Arc::new(Counters::default());
-    let (inbox_tx, inbox) = mpsc::channel();
     let scheduler = Scheduler::new(
         role,
         model,
         Pool::new(&spec).unwrap(),
         config,
         Arc::clone(&counters),
-        inbox,
     );
-    (scheduler, counters, inbox_tx)
+    (scheduler, counters)
 }
 
 impl Pair {
     /// `prefill_running`: orders the prefill worker computes at once.
     fn new(prefill_running: usize, step_time: Duration) -> Pair {
-        let (mut decode, decode_counters, decode_inbox) = scheduler(Role::Decode, 8);
-        let (mut prefill, _, prefill_inbox) = scheduler(Role::Prefill, prefill_running);
+        let (mut decode, decode_counters) = scheduler(Role::Decode, 8);
+        let (mut prefill, _) = scheduler(Role::Prefill, prefill_running);
         let (to_prefill_tx, to_prefill) = mpsc::channel();
         let (to_decode_tx, to_decode) = mpsc::channel();
-        decode.handle(Command::PeerUp(Box::new(PeerUp {
+        decode.feed(Command::PeerUp(Box::new(PeerUp {
             peer: PeerId(1),
             tx: PeerTx::new(to_prefill_tx, PeerId(2)),
             name: "prefill".into(),
             tokens: 8_192,
         })));
-        prefill.handle(Command::PeerUp(Box::new(PeerUp {
+        prefill.feed(Command::PeerUp(Box::new(PeerUp {
             peer: PeerId(2),
             tx: PeerTx::new(to_decode_tx, PeerId(1)),
             name: "decode".into(),
@@ -101,7 +98,6 @@ impl Pair {
             now: Duration::ZERO,
             step_time,
             next_id: 1,
-            _inboxes: [decode_inbox, prefill_inbox],
         }
     }
 
@@ -117,7 +113,7 @@ impl Pair {
         self.next_id += 1;
         let (pending, handle) = Pending::for_client(id, request, None);
         self.decode_counters.queued.fetch_add(1, Ordering::AcqRel);
-        self.decode.handle(Command::Submit(Box::new(pending)));
+        self.decode.feed(Command::Submit(Box::new(pending)));
         handle
     }
 
@@ -126,19 +122,19 @@ impl Pair {
     fn round(&mut self, prefill_alive: bool) {
         for command in self.to_prefill.try_iter() {
             if prefill_alive {
-                self.prefill.handle(command);
+                self.prefill.feed(command);
             }
         }
         for command in self.to_decode.try_iter() {
-            self.decode.handle(command);
+            self.decode.feed(command);
         }
         let now = self.base + self.now;
-        if prefill_alive && self.prefill.poll(now) {
+        if prefill_alive && self.prefill.poll_delivering(now) {
             self.now += self.step_time;
         } else {
             self.now += Duration::from_millis(1);
         }
-        self.decode.poll(self.base + self.now);
+        self.decode.poll_delivering(self.base + self.now);
     }
 
     /// Runs until every handle ended; each request's ending and when.

@@ -14,7 +14,7 @@ use tracing::{debug, trace, warn};
 
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
-use super::{End, FailureKind, Kv, Peer, PeerId, Pending, PrefillOrder, Role, Scheduler};
+use super::{End, FailureKind, Kv, Peer, PeerId, Pending, PrefillOrder, Role, Scheduler, ToPeer};
 use crate::request::{Event, GenerationRequest};
 
 impl Scheduler {
@@ -99,7 +99,7 @@ impl Scheduler {
             }
             Outcome::Failed { id, error, reply } => {
                 if let Some(reply) = reply {
-                    self.to_peer(peer, &reply);
+                    self.send_to_peer(peer, &reply);
                 }
                 let Some(index) = self.position(RequestId(id.0)) else {
                     return;
@@ -153,7 +153,7 @@ impl Scheduler {
             }
         }
         pending.prompt_scores.take();
-        pending.send(Event::Prompt { logprobs });
+        pending.tell(&mut self.outbox, Event::Prompt { logprobs });
         Ok(())
     }
 
@@ -188,7 +188,7 @@ impl Scheduler {
             let silent = now >= awaiting.heard_at + self.config.handoff_timeout;
             warn!(handoff = %id, silent, "hand-off past its deadline; aborting the grant");
             if let Some(abort) = self.receiver.abort(id) {
-                self.to_peer(prefill, &abort);
+                self.send_to_peer(prefill, &abort);
             }
             if Mutation::ReleaseOnTimeout.active() {
                 // Incident replay (e): free the pages without the writer's ack.
@@ -245,7 +245,7 @@ impl Scheduler {
     }
 
     pub(super) fn send_order(
-        &self,
+        &mut self,
         peer: PeerId,
         grant: Message,
         pending: &Pending,
@@ -262,7 +262,7 @@ impl Scheduler {
                 request,
                 window,
             };
-            let _ = p.tx.order(order);
+            self.outbox.peer(&p.tx, ToPeer::Order(Box::new(order)));
         }
     }
 

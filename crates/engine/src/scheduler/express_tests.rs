@@ -15,14 +15,14 @@ use kvfence_handoff::Message;
 use kvfence_model::{SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
-use super::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler};
+use super::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler, Shell};
 use crate::config::EngineConfig;
 use crate::counters::Counters;
 use crate::request::{Event, GenerationRequest, RequestHandle, Share};
 use crate::testing::tiny_model;
 
 struct Worker {
-    scheduler: Scheduler,
+    scheduler: Shell,
     counters: Arc<Counters>,
     /// The scheduler's inbox, as the shell's clients and peers reach it.
     inbox: mpsc::Sender<Command>,
@@ -44,12 +44,14 @@ fn worker() -> Worker {
         step_tokens: 64,
         ..EngineConfig::default()
     };
-    let scheduler = Scheduler::new(
-        Role::Colocated,
-        model,
-        Pool::new(&spec).unwrap(),
-        config,
-        Arc::clone(&counters),
+    let scheduler = Shell::new(
+        Scheduler::new(
+            Role::Colocated,
+            model,
+            Pool::new(&spec).unwrap(),
+            config,
+            Arc::clone(&counters),
+        ),
         receiver,
     );
     Worker {
@@ -99,7 +101,7 @@ impl Worker {
     }
 
     fn paused(&self) -> bool {
-        self.scheduler.in_flight.is_some()
+        self.scheduler.core.in_flight.is_some()
     }
 }
 
@@ -214,7 +216,7 @@ fn a_request_cancelled_during_its_paused_step_is_released_after_the_step() {
     w.turn();
     assert_eq!(w.counters.cancelled.load(Ordering::Relaxed), 1);
     assert_eq!(
-        w.scheduler.pool.stats().leased_pages,
+        w.scheduler.core.pool.stats().leased_pages,
         0,
         "every page came back"
     );
@@ -288,12 +290,14 @@ fn an_abort_that_arrives_during_a_step_is_acknowledged_after_the_step_ships() {
     };
     let (prefill_inbox, prefill_receiver) = mpsc::channel();
     let (decode_inbox, decode_receiver) = mpsc::channel();
-    let mut prefill = Scheduler::new(
-        Role::Prefill,
-        Arc::clone(&model),
-        pool(),
-        config,
-        Arc::new(Counters::default()),
+    let mut prefill = Shell::new(
+        Scheduler::new(
+            Role::Prefill,
+            Arc::clone(&model),
+            pool(),
+            config,
+            Arc::new(Counters::default()),
+        ),
         prefill_receiver,
     );
     let decode_counters = Arc::new(Counters::default());
@@ -303,42 +307,46 @@ fn an_abort_that_arrives_during_a_step_is_acknowledged_after_the_step_ships() {
         pool(),
         config,
         Arc::clone(&decode_counters),
-        decode_receiver,
     );
-    decode.handle(Command::PeerUp(Box::new(PeerUp {
+    decode.feed(Command::PeerUp(Box::new(PeerUp {
         peer: PeerId(1),
-        tx: PeerTx::new(prefill_inbox, PeerId(2)),
+        tx: PeerTx::new(prefill_inbox.clone(), PeerId(2)),
         name: "prefill".into(),
         tokens: 2048,
     })));
-    prefill.handle(Command::PeerUp(Box::new(PeerUp {
-        peer: PeerId(2),
-        tx: PeerTx::new(decode_inbox.clone(), PeerId(1)),
-        name: "decode".into(),
-        tokens: 0,
-    })));
+    prefill_inbox
+        .send(Command::PeerUp(Box::new(PeerUp {
+            peer: PeerId(2),
+            tx: PeerTx::new(decode_inbox.clone(), PeerId(1)),
+            name: "decode".into(),
+            tokens: 0,
+        })))
+        .unwrap();
     let (pending, handle) = Pending::for_client(RequestId(1), request("a", 1, 300, 2), None);
     decode_counters.queued.fetch_add(1, Ordering::AcqRel);
-    decode.handle(Command::Submit(Box::new(pending)));
-    decode.poll(Instant::now());
+    decode.feed(Command::Submit(Box::new(pending)));
+    decode.poll_delivering(Instant::now());
     prefill.take_commands();
     prefill.poll(Instant::now());
-    assert!(prefill.in_flight.is_none(), "the first step ran whole");
+    assert!(prefill.core.in_flight.is_none(), "the first step ran whole");
 
     // The client goes away; decode aborts the grant while prefill computes
     // its next chunk, whose pages it ships when the step ends.
     drop(handle);
-    decode.poll(Instant::now());
+    decode.poll_delivering(Instant::now());
     prefill.poll(Instant::now());
-    assert!(prefill.in_flight.is_some(), "the abort paused the step");
+    assert!(
+        prefill.core.in_flight.is_some(),
+        "the abort paused the step"
+    );
     prefill.take_commands();
     assert!(
-        !kinds_sent(&decode.inbox).contains(&"abort-ack"),
+        !kinds_sent(&decode_receiver).contains(&"abort-ack"),
         "no acknowledgement while the step may still ship"
     );
     prefill.poll(Instant::now());
-    assert!(prefill.in_flight.is_none());
-    let sent = kinds_sent(&decode.inbox);
+    assert!(prefill.core.in_flight.is_none());
+    let sent = kinds_sent(&decode_receiver);
     assert_eq!(
         sent.last(),
         Some(&"abort-ack"),

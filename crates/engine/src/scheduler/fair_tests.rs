@@ -6,13 +6,12 @@
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kvfence_model::{SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
-use super::{Command, Pending, Role, Scheduler};
+use super::{Pending, Role, Scheduler};
 use crate::config::EngineConfig;
 use crate::counters::Counters;
 use crate::request::{Event, FailureKind, GenerationRequest, RequestHandle, Share};
@@ -23,7 +22,6 @@ struct Worker {
     scheduler: Scheduler,
     next_id: u64,
     steps: usize,
-    _inbox: mpsc::Sender<Command>,
 }
 
 /// A colocated worker over a pool of `tokens`, taking `step_tokens` a step
@@ -48,20 +46,17 @@ fn worker_with(tokens: usize, config: EngineConfig) -> Worker {
         PoolSize::Tokens(tokens),
     )
     .with_scrub(Scrub::Poison);
-    let (inbox_tx, inbox) = mpsc::channel();
     let scheduler = Scheduler::new(
         Role::Colocated,
         model,
         Pool::new(&spec).unwrap(),
         config,
         Arc::new(Counters::default()),
-        inbox,
     );
     Worker {
         scheduler,
         next_id: 1,
         steps: 0,
-        _inbox: inbox_tx,
     }
 }
 
@@ -94,7 +89,7 @@ impl Worker {
         self.next_id += 1;
         let tenant = request.share.tenant.clone();
         let (pending, handle) = Pending::for_client(id, request, None);
-        self.scheduler.handle(Command::Submit(Box::new(pending)));
+        self.scheduler.submit(pending);
         Tracked {
             tenant,
             handle,
@@ -104,7 +99,7 @@ impl Worker {
 
     /// One poll (a step when there is work); marks what ended.
     fn step(&mut self, tracked: &mut [Tracked]) {
-        if self.scheduler.poll(Instant::now()) {
+        if self.scheduler.poll_delivering(Instant::now()) {
             self.steps += 1;
         }
         for t in tracked.iter_mut().filter(|t| t.ended_at.is_none()) {
@@ -301,7 +296,7 @@ fn i11_a_tenants_grammar_masks_are_charged_to_its_share() {
         })
         .handle;
     let usage = loop {
-        w.scheduler.poll(Instant::now());
+        w.scheduler.poll_delivering(Instant::now());
         match handle.try_next() {
             Ok(Event::Finished { usage, .. }) => break usage,
             Ok(Event::Failed { message, .. }) => panic!("{message}"),
@@ -378,7 +373,7 @@ fn one_pass_holds_the_logits_of_so_many_scored_rows_in_all() {
     // Every scored prompt still gets all its scores, in its turn.
     for mut handle in handles {
         let scores = loop {
-            w.scheduler.poll(Instant::now());
+            w.scheduler.poll_delivering(Instant::now());
             match handle.try_next() {
                 Ok(Event::Prompt { logprobs }) => break logprobs,
                 Ok(other) => panic!("{other:?} before the scores"),
@@ -408,7 +403,8 @@ fn a_request_waiting_past_the_queue_deadline_is_refused_as_unavailable() {
     let start = Instant::now();
     let mut b_end = None;
     for i in 0..60u32 {
-        w.scheduler.poll(start + Duration::from_millis(10) * i);
+        w.scheduler
+            .poll_delivering(start + Duration::from_millis(10) * i);
         while let Ok(event) = waiting.handle.try_next() {
             b_end.get_or_insert((event, i));
         }
@@ -444,7 +440,7 @@ fn a_requests_choices_share_one_compiled_grammar_and_each_starts_fresh() {
     let mut texts = vec![String::new(); handles.len()];
     let mut ended = vec![false; handles.len()];
     for _ in 0..1_000 {
-        w.scheduler.poll(Instant::now());
+        w.scheduler.poll_delivering(Instant::now());
         for (i, handle) in handles.iter_mut().enumerate() {
             while let Ok(event) = handle.try_next() {
                 match event {
@@ -497,7 +493,7 @@ fn a_requests_choices_share_one_compiled_grammar_and_each_starts_fresh() {
         .handle;
     let mut text = String::new();
     for _ in 0..1_000 {
-        w.scheduler.poll(Instant::now());
+        w.scheduler.poll_delivering(Instant::now());
         match handle.try_next() {
             Ok(Event::Token { text: delta, .. }) => text.push_str(&delta),
             Ok(Event::Finished { .. }) => break,

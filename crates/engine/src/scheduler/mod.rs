@@ -5,13 +5,17 @@
 //! role's part in [`prefill`], the decode role's in [`decode`].
 //!
 //! The core is a state machine without IO: [`Scheduler::handle`] takes one
-//! command, [`Scheduler::poll`] does what is due at the time it is given,
-//! and what it sends leaves through peers' and clients' channels. It reads
-//! the clock only to measure what compute cost (a grammar mask's time,
-//! charged to its tenant in tokens), never to decide what is due.
-//! [`Scheduler::run`] is the thin shell that blocks on the inbox and reads
-//! the wall clock; the fleet simulator (the `sim` module) runs many schedulers
-//! on one virtual clock instead.
+//! command and returns its [`Effect`]s (events to clients, frames, orders
+//! and notices to peers), [`Scheduler::poll`] does what is due at the time
+//! it is given and hands its effects to an [`Outside`] — before each
+//! forward pass and at its end — which it also asks, between a pass's
+//! layers, whether a command waits. The core holds addresses but sends
+//! through none. It reads the clock only to measure what compute cost (a
+//! grammar mask's time, charged to its tenant in tokens), never to decide
+//! what is due. [`Shell`] is the thin shell of a running worker: it blocks
+//! on the inbox, reads the wall clock and delivers; the fleet simulator
+//! (the `sim` module) runs many cores on one virtual clock instead and
+//! routes their effects over its virtual links.
 //!
 //! Each step it (1) takes commands — new requests, prefill orders, hand-off
 //! frames — and drops cancelled requests, (2) admits waiting requests whose
@@ -51,6 +55,7 @@ mod cache_tests;
 #[cfg(test)]
 mod deadline_tests;
 mod decode;
+mod effects;
 #[cfg(test)]
 mod express_tests;
 mod fair;
@@ -58,12 +63,18 @@ mod fair;
 mod fair_tests;
 mod grammar;
 mod prefill;
+mod shell;
 mod step;
+
+#[cfg(test)]
+pub(crate) use effects::Deliver;
+use effects::Outbox;
+pub(crate) use effects::{ClientTx, Effect, Outside, PeerTx, ToPeer};
+pub(crate) use shell::Shell;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -92,41 +103,6 @@ pub(crate) struct PeerId(pub(crate) u64);
 impl std::fmt::Display for PeerId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "link-{}", self.0)
-    }
-}
-
-/// The sending end of a link to a peer worker: its inbox (in-process) or a
-/// bridge onto a TCP link. `stamp` is the name the peer knows this end by,
-/// put on every command so the peer's scheduler can tell its links apart.
-#[derive(Debug, Clone)]
-pub(crate) struct PeerTx {
-    tx: mpsc::Sender<Command>,
-    stamp: PeerId,
-}
-
-impl PeerTx {
-    pub(crate) fn new(tx: mpsc::Sender<Command>, stamp: PeerId) -> PeerTx {
-        PeerTx { tx, stamp }
-    }
-
-    /// Sends one hand-off message; false once the link is gone.
-    fn message(&self, message: &Message) -> bool {
-        self.frame(message.to_frame().into())
-    }
-
-    fn frame(&self, frame: Bytes) -> bool {
-        let peer = self.stamp;
-        self.tx.send(Command::Frame { peer, frame }).is_ok()
-    }
-
-    /// Says this worker drains.
-    fn draining(&self) -> bool {
-        self.tx.send(Command::PeerDraining(self.stamp)).is_ok()
-    }
-
-    fn order(&self, order: PrefillOrder) -> bool {
-        let (peer, order) = (self.stamp, Box::new(order));
-        self.tx.send(Command::Prefill { peer, order }).is_ok()
     }
 }
 
@@ -181,10 +157,7 @@ pub(crate) struct PrefillOrder {
 /// Who is waiting for a request's results.
 pub(crate) enum Origin {
     /// A client, through its `RequestHandle`.
-    Client {
-        events: tokio_mpsc::UnboundedSender<Event>,
-        cancelled: Arc<AtomicBool>,
-    },
+    Client(ClientTx),
     /// A decode worker, through a grant (prefill role).
     Handoff {
         /// The link the order came on: where its KV and answers go.
@@ -278,7 +251,7 @@ impl Pending {
         let pending = Pending {
             id,
             request,
-            origin: Origin::Client { events, cancelled },
+            origin: Origin::Client(ClientTx::new(events, cancelled)),
             prefill,
             moved: false,
             resume: None,
@@ -297,9 +270,7 @@ impl Pending {
 
     fn is_cancelled(&self) -> bool {
         match &self.origin {
-            Origin::Client { events, cancelled } => {
-                cancelled.load(Ordering::Acquire) || events.is_closed()
-            }
+            Origin::Client(client) => client.is_cancelled(),
             Origin::Handoff { aborted, .. } => *aborted,
         }
     }
@@ -307,11 +278,9 @@ impl Pending {
     /// Tells the client `event` — unless it cancelled: from then on it
     /// hears nothing, even what a hand-off message handled before the next
     /// poll releases the request would say.
-    fn send(&self, event: Event) {
-        if let Origin::Client { events, cancelled } = &self.origin
-            && !cancelled.load(Ordering::Acquire)
-        {
-            let _ = events.send(event);
+    fn tell(&self, outbox: &mut Outbox, event: Event) {
+        if let Origin::Client(client) = &self.origin {
+            outbox.client(client, event);
         }
     }
 
@@ -492,7 +461,6 @@ pub(crate) struct Scheduler {
     pool: Pool,
     config: EngineConfig,
     counters: Arc<Counters>,
-    inbox: mpsc::Receiver<Command>,
     /// The workers on the other side: a decode worker's prefill workers, a
     /// prefill worker's decode workers. Ordered, so choices are
     /// deterministic.
@@ -519,8 +487,8 @@ pub(crate) struct Scheduler {
     scoring_rows: usize,
     /// The step whose pass paused for a command, if one did.
     in_flight: Option<InFlight>,
-    /// The command that paused it, taken off the inbox to see it came.
-    arrived: Option<Command>,
+    /// What it sent and its caller has not yet taken.
+    outbox: Outbox,
     /// Commands that could end or abort a request of the step in flight,
     /// taken when it ends.
     held_back: Vec<Command>,
@@ -547,7 +515,6 @@ impl Scheduler {
         pool: Pool,
         config: EngineConfig,
         counters: Arc<Counters>,
-        inbox: mpsc::Receiver<Command>,
     ) -> Self {
         let groups = pool.layer_groups();
         assert!(
@@ -566,7 +533,6 @@ impl Scheduler {
             pool,
             config,
             counters,
-            inbox,
             peers: BTreeMap::new(),
             receiver: Receiver::new(),
             waiting: FairQueue::new(),
@@ -577,7 +543,7 @@ impl Scheduler {
             admissions: 0,
             grammars: GrammarCache::default(),
             in_flight: None,
-            arrived: None,
+            outbox: Outbox::default(),
             held_back: Vec::new(),
             left_in_row: LeftInRow::default(),
         }
@@ -593,39 +559,22 @@ impl Scheduler {
         self
     }
 
-    /// The shell around the core: blocks on the inbox while there is
-    /// nothing to compute (until a command arrives or the next hand-off
-    /// deadline), feeds every command to [`Scheduler::handle`], and polls
-    /// with the wall clock, until told to stop. The core below takes its
-    /// inputs and its time from here — or from the simulator, which runs
-    /// many schedulers on one virtual clock.
-    pub(crate) fn run(mut self) {
-        loop {
-            if !self.has_work() {
-                let received = match self.next_deadline() {
-                    None => self.inbox.recv().map_err(|_| true),
-                    Some(deadline) => {
-                        let wait = deadline.saturating_duration_since(Instant::now());
-                        self.inbox
-                            .recv_timeout(wait)
-                            .map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
-                    }
-                };
-                match received {
-                    Ok(command) => self.handle(command),
-                    Err(disconnected) => self.stopping |= disconnected,
-                }
-            }
-            self.take_commands();
-            if self.stopping {
-                break;
-            }
-            self.poll(Instant::now());
-        }
+    /// Whether it was told to stop (or its inbox closed).
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.stopping
+    }
+
+    /// Stops: the shell's inbox is gone.
+    pub(crate) fn stop(&mut self) {
+        self.stopping = true;
+    }
+
+    /// A stopping worker's last words: every request it holds fails with
+    /// `ShuttingDown`, giving back its pages, and so does every submission
+    /// in `raced` (commands that arrived after it was told to stop).
+    pub(crate) fn shut_down(&mut self, raced: Vec<Command>) -> Vec<Effect> {
         self.fail_everything();
-        // Requests that raced the shutdown.
-        let arrived = self.arrived.take().into_iter();
-        for command in arrived.chain(self.inbox.try_iter()) {
+        for command in raced {
             if let Command::Submit(mut pending) = command {
                 self.counters.queued.fetch_sub(1, Ordering::AcqRel);
                 self.refuse(
@@ -635,24 +584,19 @@ impl Scheduler {
                 );
             }
         }
-    }
-
-    /// Feeds [`Scheduler::handle`] every command waiting in the inbox, the
-    /// one that paused the step in flight first.
-    pub(crate) fn take_commands(&mut self) {
-        if let Some(command) = self.arrived.take() {
-            self.handle(command);
-        }
-        while let Ok(command) = self.inbox.try_recv() {
-            self.handle(command);
-        }
+        self.outbox.take()
     }
 
     /// Does what is due at `now`: aborts hand-offs past their deadline,
     /// drops cancelled requests, admits what fits, and runs one step if any
     /// request has pages to compute (admitting again after it, since the
     /// step may have freed pages). Returns whether a step ran.
-    pub(crate) fn poll(&mut self, now: Instant) -> bool {
+    ///
+    /// What it sends goes to `outside`: before each forward pass (which may
+    /// be long) and at the end. Between a pass's layers it asks `outside`
+    /// whether a command waits, and if one does the pass pauses there
+    /// until the next poll (see [`Scheduler::step`]).
+    pub(crate) fn poll(&mut self, now: Instant, outside: &mut (dyn Outside + Send)) -> bool {
         self.expire_handoffs(now);
         self.report_progress(now);
         self.drop_cancelled();
@@ -660,10 +604,11 @@ impl Scheduler {
         self.admit(now);
         let stepped = self.has_work();
         if stepped {
-            self.step();
+            self.step(outside);
             self.admit(now);
         }
         self.check_counts();
+        outside.send(self.outbox.take());
         stepped
     }
 
@@ -708,10 +653,16 @@ impl Scheduler {
         handoffs.chain(self.next_progress_report()).min()
     }
 
-    /// Feeds one command. No IO and no clock: what it sends goes into the
-    /// peers' and clients' channels, which the shell or the simulator
-    /// drain.
-    pub(crate) fn handle(&mut self, command: Command) {
+    /// Feeds one command and returns what that sends. No IO and no clock
+    /// (the times a command starts are set by the next poll).
+    #[must_use = "effects are the core's only way out"]
+    pub(crate) fn handle(&mut self, command: Command) -> Vec<Effect> {
+        self.take(command);
+        self.check_counts();
+        self.outbox.take()
+    }
+
+    fn take(&mut self, command: Command) {
         if self.in_flight.is_some()
             && self.role == Role::Prefill
             && matches!(command, Command::Frame { .. })
@@ -759,7 +710,7 @@ impl Scheduler {
             }
             Command::Drain => {
                 for p in self.peers.values() {
-                    let _ = p.tx.draining();
+                    self.outbox.peer(&p.tx, ToPeer::Draining);
                 }
             }
             Command::Shutdown => self.stopping = true,
@@ -778,9 +729,9 @@ impl Scheduler {
     }
 
     /// Sends one hand-off message on the link `peer`, if it is still up.
-    fn to_peer(&self, peer: PeerId, message: &Message) {
+    fn send_to_peer(&mut self, peer: PeerId, message: &Message) {
         if let Some(p) = self.peers.get(&peer) {
-            let _ = p.tx.message(message);
+            self.outbox.message(&p.tx, message);
         }
     }
 
@@ -801,7 +752,7 @@ impl Scheduler {
                     fail::fail_point!("prefill-no-abort-ack", |_| {});
                     // This worker writes only from its own thread, so no
                     // write of this hand-off is still in flight now.
-                    self.to_peer(peer, &Message::AbortAck { id, epoch });
+                    self.send_to_peer(peer, &Message::AbortAck { id, epoch });
                 }
             }
             Role::Decode => self.receive_kv(peer, message),
@@ -826,6 +777,23 @@ fn crash_or_stall(arg: Option<String>) {
 
 #[cfg(test)]
 impl Scheduler {
+    /// A client's request, counted queued as the engine counts it before
+    /// it sends it, then handled.
+    pub(crate) fn submit(&mut self, pending: Pending) {
+        self.counters.queued.fetch_add(1, Ordering::AcqRel);
+        self.feed(Command::Submit(Box::new(pending)));
+    }
+
+    /// Handles `command`, delivering what it sends.
+    pub(crate) fn feed(&mut self, command: Command) {
+        self.handle(command).into_iter().for_each(Effect::deliver);
+    }
+
+    /// Polls at `now`, delivering at once and never pausing a pass.
+    pub(crate) fn poll_delivering(&mut self, now: Instant) -> bool {
+        self.poll(now, &mut Deliver)
+    }
+
     /// What is queued and running, for a failing simulation's report.
     pub(crate) fn describe(&self) -> String {
         let waiting: Vec<String> = self

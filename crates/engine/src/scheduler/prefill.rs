@@ -15,7 +15,8 @@ use tracing::{debug, warn};
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
 use super::{
-    End, FailureKind, Origin, PeerId, PeerTx, Pending, PrefillOrder, PromptScores, Role, Scheduler,
+    End, FailureKind, Origin, Outbox, PeerId, PeerTx, Pending, PrefillOrder, PromptScores, Role,
+    Scheduler, ToPeer,
 };
 use crate::trace::{Outcome, Timeline};
 
@@ -60,7 +61,7 @@ impl Scheduler {
             );
             if reason == RejectReason::TooLong && Mutation::PlaceholderDone.active() {
                 // Incident replay (a): claim a one-token placeholder was sent.
-                self.to_peer(
+                self.send_to_peer(
                     peer,
                     &Message::Done {
                         id: grant.id,
@@ -75,7 +76,7 @@ impl Scheduler {
                 );
                 return;
             }
-            self.to_peer(
+            self.send_to_peer(
                 peer,
                 &Message::Reject {
                     id: grant.id,
@@ -194,15 +195,16 @@ impl Scheduler {
         };
         let streaming = streaming.take().expect("a hand-off ships once");
         let grant = streaming.grant().clone();
-        let Some(peer) = self.peers.get(peer).map(|p| p.tx.clone()) else {
+        let Some(peer) = self.peers.get(peer).map(|p| &p.tx) else {
             // The decode worker left; nobody is waiting for this KV.
             return End::Shipped;
         };
+        let outbox = &mut self.outbox;
         let sent = match window {
             Some((window, key)) => streaming.finish(lease, &mut WindowWrites::new(window, *key)),
             None => streaming.finish(
                 lease,
-                &mut ChunkFrames::new(&grant, |chunk| send_chunk(&peer, chunk)),
+                &mut ChunkFrames::new(&grant, |chunk| send_chunk(outbox, peer, chunk)),
             ),
         };
         match sent {
@@ -210,12 +212,10 @@ impl Scheduler {
                 let first_logprobs = logprobs
                     .map(|l| std::iter::once((l.token, l.logprob)).chain(l.top).collect())
                     .unwrap_or_default();
-                let _ = peer.message(&proof.done_with_logprobs(
-                    first_token,
-                    cached,
-                    first_logprobs,
-                    prompt_logprobs,
-                ));
+                outbox.message(
+                    peer,
+                    &proof.done_with_logprobs(first_token, cached, first_logprobs, prompt_logprobs),
+                );
                 End::Shipped
             }
             Err(error) => End::Failed(FailureKind::Internal, error.to_string()),
@@ -241,9 +241,10 @@ impl Scheduler {
         else {
             return Ok(());
         };
-        let Some(peer) = self.peers.get(peer).map(|p| p.tx.clone()) else {
+        let Some(peer) = self.peers.get(peer).map(|p| &p.tx) else {
             return Ok(());
         };
+        let outbox = &mut self.outbox;
         match window {
             Some((window, key)) => {
                 streaming.send_ready(lease, active.written, &mut WindowWrites::new(window, *key))
@@ -253,7 +254,7 @@ impl Scheduler {
                 streaming.send_ready(
                     lease,
                     active.written,
-                    &mut ChunkFrames::new(&grant, |chunk| send_chunk(&peer, chunk)),
+                    &mut ChunkFrames::new(&grant, |chunk| send_chunk(outbox, peer, chunk)),
                 )
             }
         }
@@ -288,7 +289,7 @@ impl Scheduler {
             }
         }
         for (peer, report) in reports {
-            self.to_peer(peer, &report);
+            self.send_to_peer(peer, &report);
         }
     }
 
@@ -331,9 +332,6 @@ impl Scheduler {
 }
 
 /// Sends one KV chunk's frame to the decode worker.
-fn send_chunk(peer: &PeerTx, chunk: Vec<u8>) {
-    // Fault injection between chunks: a delay, a lost chunk (`stall`), or a
-    // crash partway through a transfer.
-    fail::fail_point!("handoff-mid-chunk", crash_or_stall);
-    let _ = peer.frame(chunk.into());
+fn send_chunk(outbox: &mut Outbox, peer: &PeerTx, chunk: Vec<u8>) {
+    outbox.peer(peer, ToPeer::Chunk(chunk.into()));
 }

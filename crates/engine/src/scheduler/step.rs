@@ -15,7 +15,9 @@ use tracing::{trace, warn};
 #[cfg(feature = "failpoints")]
 use super::crash_or_stall;
 use super::fair::split_budget;
-use super::{Active, End, InFlight, Origin, Pending, PromptScores, Role, Scheduler, Work};
+use super::{
+    Active, End, InFlight, Origin, Outbox, Outside, Pending, PromptScores, Role, Scheduler, Work,
+};
 use crate::request::{Event, FailureKind, FinishReason, GenerationRequest, Usage};
 use crate::trace::Outcome;
 
@@ -185,7 +187,7 @@ impl Scheduler {
     /// ones run ahead of a step add up to at most about a step's budget
     /// (each counted at least [`EXPRESS_PASS_MIN_TOKENS`]), so a step is
     /// delayed by about one step at most, however many requests arrive.
-    pub(super) fn step(&mut self) {
+    pub(super) fn step(&mut self, outside: &mut (dyn Outside + Send)) {
         let Some(flight) = &self.in_flight else {
             self.make_room();
             let mut work = self.plan();
@@ -193,7 +195,7 @@ impl Scheduler {
                 return;
             }
             let express = self.finishing_apart(&mut work);
-            return self.start(work, express);
+            return self.start(work, express, outside);
         };
         // Shorter than what is left of the paused step, and within what
         // may still run ahead of it.
@@ -216,13 +218,13 @@ impl Scheduler {
                 },
                 budget,
             );
-            self.run_express(express);
+            self.run_express(express, outside);
         }
-        self.resume_step();
+        self.resume_step(outside);
     }
 
     /// Begins the pass of `work` and runs it, after `express` if any.
-    fn start(&mut self, work: Vec<Work>, express: Vec<Work>) {
+    fn start(&mut self, work: Vec<Work>, express: Vec<Work>, outside: &mut (dyn Outside + Send)) {
         trace!(
             role = self.role.label(),
             sequences = work.len(),
@@ -248,8 +250,8 @@ impl Scheduler {
             express_tokens: 0,
             computing: Duration::ZERO,
         });
-        self.run_express(express);
-        self.resume_step();
+        self.run_express(express, outside);
+        self.resume_step(outside);
     }
 
     /// Takes out of `work` the last chunks of fresh prompts whose tenants
@@ -289,7 +291,7 @@ impl Scheduler {
     /// Runs `express` whole, ahead of the step in flight (which names its
     /// requests by id, so the ones this ends do not confuse it), and counts
     /// it against that step's allowance.
-    fn run_express(&mut self, express: Vec<Work>) {
+    fn run_express(&mut self, express: Vec<Work>, outside: &mut (dyn Outside + Send)) {
         if express.is_empty() {
             return;
         }
@@ -304,6 +306,7 @@ impl Scheduler {
         if let Some(flight) = &mut self.in_flight {
             flight.express_tokens += tokens.max(EXPRESS_PASS_MIN_TOKENS);
         }
+        outside.send(self.outbox.take());
         let started = Instant::now();
         let result = {
             let mut batch = lend(&mut self.active, &express);
@@ -314,7 +317,7 @@ impl Scheduler {
 
     /// Runs the step in flight until its pass ends or a command arrives;
     /// at its end, acts on its rows and takes the commands it held back.
-    fn resume_step(&mut self) {
+    fn resume_step(&mut self, outside: &mut (dyn Outside + Send)) {
         let mut flight = self
             .in_flight
             .take()
@@ -326,24 +329,15 @@ impl Scheduler {
                     "a request of a paused step is neither ended nor preempted before it ends",
                 );
         }
+        outside.send(self.outbox.take());
         let result = {
-            let Scheduler {
-                active,
-                inbox,
-                arrived,
-                model,
-                ..
-            } = self;
             let started = Instant::now();
-            let mut batch = lend(active, &flight.work);
-            // Moves the `&mut` in: a shared `&Receiver` would not be `Send`.
-            let mut pause = move || {
-                if arrived.is_none() {
-                    *arrived = inbox.try_recv().ok();
-                }
-                arrived.is_some()
-            };
-            let result = model.model.resume(&mut flight.pass, &mut batch, &mut pause);
+            let mut batch = lend(&mut self.active, &flight.work);
+            let mut pause = || outside.command_waiting();
+            let result = self
+                .model
+                .model
+                .resume(&mut flight.pass, &mut batch, &mut pause);
             flight.computing += started.elapsed();
             result
         };
@@ -352,7 +346,7 @@ impl Scheduler {
             Some(result) => {
                 self.conclude(&flight.work, result, flight.computing);
                 for command in std::mem::take(&mut self.held_back) {
-                    self.handle(command);
+                    self.take(command);
                 }
             }
         }
@@ -504,7 +498,7 @@ impl Scheduler {
             // prefill worker's go in its `Done`.)
             assert_eq!(scores.len() + 1, prompt.len(), "every prompt token scored");
             let logprobs = pending.prompt_scores.take();
-            pending.send(Event::Prompt { logprobs });
+            pending.tell(&mut self.outbox, Event::Prompt { logprobs });
         }
         Ok(logits
             .rchunks_exact(vocab)
@@ -546,7 +540,7 @@ impl Scheduler {
                 }
                 active.seal_conversation();
                 self.counters.finished.fetch_add(1, Ordering::Relaxed);
-                active.pending.send(event);
+                active.pending.tell(&mut self.outbox, event);
             }
             End::Failed(kind, message) => self.refuse(&mut active.pending, kind, message),
             End::Shipped => {
@@ -563,18 +557,18 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn refuse(&self, pending: &mut Pending, kind: FailureKind, message: String) {
+    pub(super) fn refuse(&mut self, pending: &mut Pending, kind: FailureKind, message: String) {
         self.counters.failed.fetch_add(1, Ordering::Relaxed);
         pending.timeline.ends(Outcome::Failed(kind), None);
         match &pending.origin {
-            Origin::Client { .. } => pending.send(Event::Failed { kind, message }),
+            Origin::Client(client) => self.outbox.client(client, Event::Failed { kind, message }),
             Origin::Handoff { peer, id, .. } => {
                 let reason = if kind == FailureKind::TooLong {
                     RejectReason::TooLong
                 } else {
                     RejectReason::Failed
                 };
-                self.to_peer(*peer, &Message::Reject { id: *id, reason });
+                self.send_to_peer(*peer, &Message::Reject { id: *id, reason });
             }
         }
     }
@@ -656,33 +650,43 @@ impl Scheduler {
             cached_tokens: active.cached,
         };
         let finish = |reason| Some(End::Finished(Event::Finished { reason, usage }));
-        let flush = |active: &mut Active| match active.text.flush(tokenizer) {
+        let outbox = &mut self.outbox;
+        let flush = |active: &mut Active, outbox: &mut Outbox| match active.text.flush(tokenizer) {
             Ok(rest) => {
                 if !rest.is_empty() {
-                    active.pending.send(Event::Token {
-                        text: rest,
-                        logprobs: None,
-                    });
+                    active.pending.tell(
+                        outbox,
+                        Event::Token {
+                            text: rest,
+                            logprobs: None,
+                        },
+                    );
                 }
                 None
             }
             Err(error) => Some(End::Failed(FailureKind::Internal, error.to_string())),
         };
         if !request.ignore_eos && eos.contains(&token) {
-            active.pending.send(Event::Token {
-                text: String::new(),
-                logprobs: None,
-            });
-            return flush(active).or_else(|| finish(FinishReason::Stop));
+            active.pending.tell(
+                outbox,
+                Event::Token {
+                    text: String::new(),
+                    logprobs: None,
+                },
+            );
+            return flush(active, outbox).or_else(|| finish(FinishReason::Stop));
         }
         let pushed = match active.text.push(tokenizer, token) {
             Ok(pushed) => pushed,
             Err(error) => return Some(End::Failed(FailureKind::Internal, error.to_string())),
         };
-        active.pending.send(Event::Token {
-            text: pushed.delta,
-            logprobs,
-        });
+        active.pending.tell(
+            outbox,
+            Event::Token {
+                text: pushed.delta,
+                logprobs,
+            },
+        );
         if pushed.stopped {
             return finish(FinishReason::Stop);
         }
@@ -692,17 +696,17 @@ impl Scheduler {
             .is_some_and(Constraint::is_finished)
         {
             // The grammar is complete: nothing but the end may follow.
-            return flush(active).or_else(|| finish(FinishReason::Stop));
+            return flush(active, outbox).or_else(|| finish(FinishReason::Stop));
         }
         if active.generated.len() == active.pending.request.max_tokens {
-            return flush(active).or_else(|| finish(FinishReason::Length));
+            return flush(active, outbox).or_else(|| finish(FinishReason::Length));
         }
         None
     }
 
     /// Ends every request queued or running with `ShuttingDown`, giving
     /// back every page.
-    pub(crate) fn fail_everything(&mut self) {
+    pub(super) fn fail_everything(&mut self) {
         // A paused step holds no lease; its requests end below.
         self.in_flight = None;
         self.held_back.clear();

@@ -4,9 +4,10 @@
 //! driven from a seed.
 //!
 //! The schedulers are state machines fed through [`Scheduler::handle`] and
-//! [`Scheduler::poll`]; what they send goes into channels this simulation
-//! drains and delivers after a latency, in order per link direction (as TCP
-//! does). The world has crashes and restarts of either kind of worker (a
+//! [`Scheduler::poll`]; this simulation reads the effects they return,
+//! hands clients their events and carries peers' messages over its links
+//! after a latency, in order per link direction (as TCP does), into each
+//! worker's inbox — where a step in flight may see them between two layers. The world has crashes and restarts of either kind of worker (a
 //! restarted one has a fresh pool and fresh links), partitions (a link
 //! breaks and is dialled again later, under new link ids), slow links
 //! (long enough for hand-off timeouts), client aborts and the incident's
@@ -44,7 +45,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvfence_model::{LoadedModel, PromptLogprob, SamplingParams, StopStrings};
@@ -59,8 +60,9 @@ use crate::config::EngineConfig;
 use crate::config::Role;
 use crate::counters::Counters;
 use crate::request::{CacheScope, Event, FailureKind, GenerationRequest, RequestHandle, Share};
-use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Scheduler};
+use crate::scheduler::{Command, Effect, PeerId, PeerTx, PeerUp, Pending, Scheduler};
 use crate::trace::TraceContext;
+use node::Node;
 
 const PAGE: usize = 16;
 const HANDOFF_TIMEOUT: Duration = Duration::from_millis(300);
@@ -183,54 +185,6 @@ fn pool_of(
     Pool::new(&spec).unwrap()
 }
 
-/// One worker process: its scheduler while it runs.
-struct Node {
-    role: Role,
-    kv: Kv,
-    tokens: usize,
-    config: EngineConfig,
-    live: Option<Live>,
-    /// When a crashed worker comes back.
-    restart_at: Option<Duration>,
-}
-
-struct Live {
-    scheduler: Scheduler,
-    pool: Pool,
-    counters: Arc<Counters>,
-    /// Decode role: the next request id (each incarnation numbers from 1,
-    /// as a real decode worker does).
-    next_id: u64,
-    /// The scheduler's inbox: the network delivers into it, and a step may
-    /// find a command there mid-pass, as a real worker's does.
-    inbox: mpsc::Sender<Command>,
-}
-
-impl Node {
-    fn start(&mut self) {
-        let model = self.kv.model();
-        let pool = self.kv.pool(self.tokens, &self.config);
-        let counters = Arc::new(Counters::default());
-        let (inbox_tx, inbox) = mpsc::channel();
-        let scheduler = Scheduler::new(
-            self.role,
-            model,
-            pool.clone(),
-            self.config,
-            Arc::clone(&counters),
-            inbox,
-        );
-        self.live = Some(Live {
-            scheduler,
-            pool,
-            counters,
-            next_id: 1,
-            inbox: inbox_tx,
-        });
-        self.restart_at = None;
-    }
-}
-
 /// A message on its way along one direction of a link.
 struct InFlight {
     at: Duration,
@@ -243,9 +197,6 @@ struct Link {
     prefill: usize,
     /// The ids each end knows this link by, while it is up.
     up: Option<(PeerId, PeerId)>,
-    /// What the decode end sent, and what the prefill end sent.
-    from_decode: Option<mpsc::Receiver<Command>>,
-    from_prefill: Option<mpsc::Receiver<Command>>,
     to_prefill: VecDeque<InFlight>,
     to_decode: VecDeque<InFlight>,
     latency: Duration,
@@ -321,6 +272,8 @@ struct World {
     clients: Vec<Client>,
     faults: Vec<(Duration, Fault)>,
     next_link_id: u64,
+    /// What the workers sent since the network last carried it.
+    sent: Vec<Effect>,
     faulty: bool,
     /// What happened, for a failing seed's report.
     log: Vec<String>,
@@ -420,8 +373,6 @@ impl World {
                     decode,
                     prefill,
                     up: None,
-                    from_decode: None,
-                    from_prefill: None,
                     to_prefill: VecDeque::new(),
                     to_decode: VecDeque::new(),
                     latency: Duration::from_micros(rng.random_range(50..2000)),
@@ -476,6 +427,7 @@ impl World {
             clients,
             faults,
             next_link_id: 0,
+            sent: Vec::new(),
             faulty,
             log: Vec::new(),
         };
@@ -511,27 +463,24 @@ impl World {
         let decode_end = PeerId(self.next_link_id);
         let prefill_end = PeerId(self.next_link_id + 1);
         self.next_link_id += 2;
-        let (to_prefill_tx, from_decode) = mpsc::channel();
-        let (to_decode_tx, from_prefill) = mpsc::channel();
         let tokens = self.prefills[p].tokens;
         let decode = &mut self.decodes[d].live.as_mut().unwrap().scheduler;
-        decode.handle(Command::PeerUp(Box::new(PeerUp {
-            peer: decode_end,
-            tx: PeerTx::new(to_prefill_tx, prefill_end),
-            name: format!("prefill-{p}"),
-            tokens,
-        })));
+        self.sent
+            .extend(decode.handle(Command::PeerUp(Box::new(PeerUp {
+                peer: decode_end,
+                tx: PeerTx::routed(prefill_end),
+                name: format!("prefill-{p}"),
+                tokens,
+            }))));
         let prefill = &mut self.prefills[p].live.as_mut().unwrap().scheduler;
-        prefill.handle(Command::PeerUp(Box::new(PeerUp {
-            peer: prefill_end,
-            tx: PeerTx::new(to_decode_tx, decode_end),
-            name: format!("decode-{d}"),
-            tokens: 0,
-        })));
-        let link = &mut self.links[index];
-        link.up = Some((decode_end, prefill_end));
-        link.from_decode = Some(from_decode);
-        link.from_prefill = Some(from_prefill);
+        self.sent
+            .extend(prefill.handle(Command::PeerUp(Box::new(PeerUp {
+                peer: prefill_end,
+                tx: PeerTx::routed(decode_end),
+                name: format!("decode-{d}"),
+                tokens: 0,
+            }))));
+        self.links[index].up = Some((decode_end, prefill_end));
         self.note(format!("link d{d}-p{p} up"));
     }
 
@@ -543,15 +492,13 @@ impl World {
             return;
         };
         let (d, p) = (link.decode, link.prefill);
-        link.from_decode = None;
-        link.from_prefill = None;
         link.to_prefill.clear();
         link.to_decode.clear();
         if let Some(live) = self.decodes[d].live.as_mut() {
-            live.scheduler.handle(Command::PeerLost(decode_end));
+            (self.sent).extend(live.scheduler.handle(Command::PeerLost(decode_end)));
         }
         if let Some(live) = self.prefills[p].live.as_mut() {
-            live.scheduler.handle(Command::PeerLost(prefill_end));
+            (self.sent).extend(live.scheduler.handle(Command::PeerLost(prefill_end)));
         }
         self.note(format!("link d{d}-p{p} down"));
     }
@@ -651,7 +598,7 @@ impl World {
         live.counters
             .queued
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        live.scheduler.handle(Command::Submit(Box::new(pending)));
+        (self.sent).extend(live.scheduler.handle(Command::Submit(Box::new(pending))));
         let client = &mut self.clients[index];
         client.on = Some((d, self.decode_lives[d]));
         client.handle = Some(handle);
@@ -664,31 +611,12 @@ impl World {
         ));
     }
 
-    /// Moves what the workers sent onto the wire, and what is due off it.
+    /// Carries what the workers sent, then delivers what is due off the
+    /// wire into their inboxes.
     fn network(&mut self) {
-        let slow = Duration::from_millis(self.rng.random_range(50..400));
-        for index in 0..self.links.len() {
-            let t = self.t;
-            let link = &mut self.links[index];
-            let latency = if link.slow_until.is_some_and(|until| t < until) {
-                slow
-            } else {
-                link.latency
-            };
-            for (from, queue) in [
-                (&link.from_decode, &mut link.to_prefill),
-                (&link.from_prefill, &mut link.to_decode),
-            ] {
-                if let Some(from) = from {
-                    while let Ok(command) = from.try_recv() {
-                        // In order per direction, as on a TCP stream.
-                        let at = queue
-                            .back()
-                            .map_or(t + latency, |last| last.at.max(t + latency));
-                        queue.push_back(InFlight { at, command });
-                    }
-                }
-            }
+        self.carry();
+        let t = self.t;
+        for link in &mut self.links {
             let (d, p) = (link.decode, link.prefill);
             let mut due_prefill = Vec::new();
             while link.to_prefill.front().is_some_and(|m| m.at <= t) {
@@ -699,15 +627,52 @@ impl World {
                 due_decode.push(link.to_decode.pop_front().unwrap().command);
             }
             if let Some(live) = self.prefills[p].live.as_mut() {
-                for command in due_prefill {
-                    let _ = live.inbox.send(command);
-                }
+                live.inbox.extend(due_prefill);
             }
             if let Some(live) = self.decodes[d].live.as_mut() {
-                for command in due_decode {
-                    let _ = live.inbox.send(command);
-                }
+                live.inbox.extend(due_decode);
             }
+        }
+    }
+
+    /// Hands clients their events and moves what the workers sent to
+    /// peers onto the wire (a message on a link that is down is lost).
+    fn carry(&mut self) {
+        let slow = Duration::from_millis(self.rng.random_range(50..400));
+        let t = self.t;
+        for effect in std::mem::take(&mut self.sent) {
+            let (to, message) = match effect {
+                Effect::Client { .. } => {
+                    effect.deliver();
+                    continue;
+                }
+                Effect::Peer { to, message } => (to, message),
+            };
+            // The address names the link as its far end knows it.
+            let stamp = to.stamp();
+            let Some(link) = self.links.iter_mut().find(|l| {
+                l.up.is_some_and(|(decode_end, prefill_end)| {
+                    stamp == decode_end || stamp == prefill_end
+                })
+            }) else {
+                continue;
+            };
+            let latency = if link.slow_until.is_some_and(|until| t < until) {
+                slow
+            } else {
+                link.latency
+            };
+            let queue = if link.up.is_some_and(|(_, prefill_end)| stamp == prefill_end) {
+                &mut link.to_prefill
+            } else {
+                &mut link.to_decode
+            };
+            // In order per direction, as on a TCP stream.
+            let at = queue
+                .back()
+                .map_or(t + latency, |last| last.at.max(t + latency));
+            let command = message.into_command(stamp);
+            queue.push_back(InFlight { at, command });
         }
     }
 
@@ -899,18 +864,19 @@ impl World {
                 // pauses between layers for them (and may run an express
                 // step when they are taken).
                 if !live.scheduler.has_work() || self.rng.random_bool(0.5) {
-                    live.scheduler.take_commands();
+                    live.take_commands(&mut self.sent);
                 }
-                live.scheduler.poll(now);
+                live.poll(now, &mut self.sent);
             }
         }
         self.network();
         // What arrived by now is taken before time moves on.
         for node in self.prefills.iter_mut().chain(&mut self.decodes) {
             if let Some(live) = node.live.as_mut() {
-                live.scheduler.take_commands();
+                live.take_commands(&mut self.sent);
             }
         }
+        self.carry();
         self.clients()?;
         self.pools_add_up()
     }
@@ -994,4 +960,6 @@ impl World {
     }
 }
 
+mod node;
+#[cfg(test)]
 mod tests;

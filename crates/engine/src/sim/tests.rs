@@ -91,7 +91,7 @@ fn a_fleet_keeping_only_sliding_windows_holds_every_invariant_too() {
 fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
     use kvfence_handoff::{Message, Receiver, RejectReason};
 
-    use crate::scheduler::PrefillOrder;
+    use crate::scheduler::{PrefillOrder, ToPeer};
 
     let model = model();
     let config = EngineConfig {
@@ -104,27 +104,25 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
         max_queue_wait: DEADLINE * 2,
         shared: false,
     };
-    let (_inbox_tx, inbox) = mpsc::channel();
     let mut prefill = Scheduler::new(
         Role::Prefill,
         Arc::clone(&model),
         pool(&model, 1024, Scrub::Poison, false),
         config,
         Arc::new(Counters::default()),
-        inbox,
     );
     let decode_pool = pool(&model, 1024, Scrub::Poison, false);
     let mut receiver = Receiver::new();
-    let mut links = Vec::new();
+    // The decode end of link n is named 10 × n: the stamp on what the
+    // prefill worker sends says which link it goes on.
     for link in [PeerId(1), PeerId(2)] {
-        let (tx, from_prefill) = mpsc::channel();
-        prefill.handle(Command::PeerUp(Box::new(PeerUp {
+        let sent = prefill.handle(Command::PeerUp(Box::new(PeerUp {
             peer: link,
-            tx: PeerTx::new(tx, PeerId(0)),
+            tx: PeerTx::routed(PeerId(10 * link.0)),
             name: format!("decode-{}", link.0),
             tokens: 0,
         })));
-        links.push(from_prefill);
+        assert!(sent.is_empty());
     }
     let order = |receiver: &mut Receiver, id: u64| {
         let lease = decode_pool.lease(RequestId(id), 8).unwrap();
@@ -143,30 +141,37 @@ fn a_prefill_worker_bounds_the_orders_one_link_may_hold() {
     };
     // Three orders fill link 1's share (queue 2 + running 1); the fourth
     // is refused, and link 2's first is taken.
+    let mut sent = Vec::new();
     for id in 1..=4 {
         let order = order(&mut receiver, id);
-        prefill.handle(Command::Prefill {
+        sent.extend(prefill.handle(Command::Prefill {
             peer: PeerId(1),
             order,
-        });
+        }));
     }
     let order_2 = order(&mut receiver, 5);
-    prefill.handle(Command::Prefill {
+    sent.extend(prefill.handle(Command::Prefill {
         peer: PeerId(2),
         order: order_2,
-    });
-    let rejected: Vec<(u64, RejectReason)> = links[0]
-        .try_iter()
-        .filter_map(|command| match command {
-            Command::Frame { frame, .. } => match Message::decode(&frame) {
-                Ok(Some((Message::Reject { id, reason }, _))) => Some((id.0, reason)),
-                _ => None,
+    }));
+    let rejected: Vec<(PeerId, u64, RejectReason)> = sent
+        .into_iter()
+        .map(|effect| match effect {
+            Effect::Peer {
+                to,
+                message: ToPeer::Frame(frame),
+            } => match Message::decode(&frame) {
+                Ok(Some((Message::Reject { id, reason }, _))) => (to.stamp(), id.0, reason),
+                other => panic!("only a rejection is sent at once, not {other:?}"),
             },
-            _ => None,
+            _ => panic!("only a rejection is sent at once"),
         })
         .collect();
-    assert_eq!(rejected, vec![(4, RejectReason::Busy)]);
-    assert!(links[1].try_recv().is_err(), "link 2's order was taken");
+    assert_eq!(
+        rejected,
+        vec![(PeerId(10), 4, RejectReason::Busy)],
+        "link 1's fourth order is refused, link 2's first is taken"
+    );
 }
 
 /// A fleet without faults where two tenants of weights 1 and 2 each send
