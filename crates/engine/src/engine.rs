@@ -16,7 +16,7 @@ use crate::config::Role;
 use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::port::{Facing, Port, Transport};
-use crate::request::{CacheScope, Event, GenerationRequest, LinkGrammars, RequestHandle, Share};
+use crate::request::{CacheScope, Event, GenerationRequest, LinkGrammars, RequestHandle};
 use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Scheduler, Shell};
 
 /// A worker: the scheduler(s) behind one client-facing queue.
@@ -402,15 +402,9 @@ impl Engine {
             });
         }
         let mut handle = self.submit(GenerationRequest {
-            prompt: prompt.clone(),
-            max_tokens: 1,
-            sampling: kvfence_model::SamplingParams::greedy(),
-            stop: kvfence_model::StopStrings::default(),
             ignore_eos: true,
             cache: Some(CacheScope::Public),
-            constraint: None,
-            share: Share::default(),
-            trace: None,
+            ..GenerationRequest::greedy(prompt.clone(), 1)
         })?;
         loop {
             match handle.blocking_next() {
@@ -728,15 +722,8 @@ mod tests {
         // A request running and being relayed is one request in flight.
         let mut handle = engine
             .submit(crate::request::GenerationRequest {
-                prompt: vec![1, 2, 3],
-                max_tokens: 64,
-                sampling: kvfence_model::SamplingParams::greedy(),
-                stop: kvfence_model::StopStrings::default(),
                 ignore_eos: true,
-                cache: None,
-                constraint: None,
-                share: crate::request::Share::default(),
-                trace: None,
+                ..GenerationRequest::greedy(vec![1, 2, 3], 64)
             })
             .expect("the pool holds it");
         let relayed = engine.relaying();
@@ -793,7 +780,6 @@ mod tests {
     fn sliding_windows_cross_the_hand_off_and_answer_as_full_kv_does() {
         use crate::request::{CacheScope, Event, GenerationRequest, Share};
         use crate::{EngineStats, Transport};
-        use kvfence_model::{SamplingParams, StopStrings};
 
         let model = crate::testing::windowed_model();
         let config = EngineConfig::default();
@@ -825,15 +811,10 @@ mod tests {
                 .map(|prompt| {
                     let mut handle = engine
                         .submit(GenerationRequest {
-                            prompt: prompt.clone(),
-                            max_tokens: 30,
-                            sampling: SamplingParams::greedy(),
-                            stop: StopStrings::default(),
                             ignore_eos: true,
                             cache: Some(CacheScope::tenant("a", None)),
-                            constraint: None,
                             share: Share::new("a", 1),
-                            trace: None,
+                            ..GenerationRequest::greedy(prompt.clone(), 30)
                         })
                         .unwrap();
                     let mut text = String::new();

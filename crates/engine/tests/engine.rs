@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvfence_engine::{
-    Engine, EngineConfig, EngineError, Event, FailureKind, FinishReason, GenerationRequest, Share,
+    Engine, EngineConfig, EngineError, Event, FailureKind, FinishReason, GenerationRequest,
 };
-use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_model::{LoadedModel, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, ReusePolicy, Scrub};
 
 fn engine(pool_tokens: usize, config: EngineConfig) -> Engine {
@@ -28,17 +28,13 @@ fn engine(pool_tokens: usize, config: EngineConfig) -> Engine {
 
 fn request(prompt_seed: u32, len: usize, max_tokens: usize) -> GenerationRequest {
     GenerationRequest {
-        prompt: (0..len as u32)
-            .map(|i| (i * 13 + prompt_seed * 7) % 256)
-            .collect(),
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop: StopStrings::default(),
         ignore_eos: true,
-        cache: None,
-        constraint: None,
-        share: Share::default(),
-        trace: None,
+        ..GenerationRequest::greedy(
+            (0..len as u32)
+                .map(|i| (i * 13 + prompt_seed * 7) % 256)
+                .collect(),
+            max_tokens,
+        )
     }
 }
 

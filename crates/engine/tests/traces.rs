@@ -16,7 +16,7 @@ use kvfence_engine::trace::TraceContext;
 use kvfence_engine::{
     Engine, EngineConfig, Event, FailureKind, GenerationRequest, RequestHandle, Share, Transport,
 };
-use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_model::LoadedModel;
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 use opentelemetry::Value;
 use opentelemetry::trace::Status;
@@ -120,18 +120,16 @@ const SECRET: &str = "zebra-canary";
 
 fn request(model: &LoadedModel, trace: Option<TraceContext>) -> GenerationRequest {
     GenerationRequest {
-        prompt: model
-            .tokenizer
-            .encode(&format!("{SECRET} {SECRET} {SECRET}"))
-            .unwrap(),
-        max_tokens: 6,
-        sampling: SamplingParams::greedy(),
-        stop: StopStrings::default(),
         ignore_eos: true,
-        cache: None,
-        constraint: None,
         share: Share::new("tenant-secret-name", 1),
         trace,
+        ..GenerationRequest::greedy(
+            model
+                .tokenizer
+                .encode(&format!("{SECRET} {SECRET} {SECRET}"))
+                .unwrap(),
+            6,
+        )
     }
 }
 

@@ -125,22 +125,14 @@ impl Affinity {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use kvfence_model::{SamplingParams, StopStrings};
-
     use super::*;
     use kvfence_engine::Share;
 
     fn request(tenant: &str, salt: Option<&str>, prompt: Vec<u32>) -> GenerationRequest {
         GenerationRequest {
-            prompt,
-            max_tokens: 1,
-            sampling: SamplingParams::greedy(),
-            stop: StopStrings::default(),
-            ignore_eos: false,
             cache: Some(CacheScope::tenant(tenant, salt.map(Into::into))),
-            constraint: None,
             share: Share::new(tenant, 1),
-            trace: None,
+            ..GenerationRequest::greedy(prompt, 1)
         }
     }
 

@@ -12,15 +12,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvfence_engine::{
-    Backend, Engine, EngineConfig, Event, GenerationRequest, PrefillWorker, RequestHandle, Share,
-    Status,
+    Backend, Engine, EngineConfig, Event, GenerationRequest, PrefillWorker, RequestHandle, Status,
 };
 use kvfence_fleet::tls::{ClusterCa, Role as LinkRole};
 use kvfence_fleet::{
     Fleet, ModelFingerprint, PeerNames, Resolver, serve_decode_workers, serve_routers,
     start_decode_worker,
 };
-use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_model::LoadedModel;
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec};
 
 const EVERY: Duration = Duration::from_millis(50);
@@ -125,15 +124,8 @@ fn until(what: &str, mut done: impl FnMut() -> bool) {
 
 fn request(max_tokens: usize) -> GenerationRequest {
     GenerationRequest {
-        prompt: (0..40).collect(),
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop: StopStrings::default(),
         ignore_eos: true,
-        cache: None,
-        constraint: None,
-        share: Share::default(),
-        trace: None,
+        ..GenerationRequest::greedy((0..40).collect(), max_tokens)
     }
 }
 

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvfence_model::{LoadedModel, SamplingParams, StopStrings};
+use kvfence_model::LoadedModel;
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, ReusePolicy, Scrub};
 
 use super::{Pending, Role, Scheduler};
@@ -92,15 +92,10 @@ fn worker_of(
 
 fn request(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
     GenerationRequest {
-        prompt,
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop: StopStrings::default(),
         ignore_eos: true,
         cache: Some(CacheScope::tenant(tenant, None)),
-        constraint: None,
         share: Share::new(tenant, 1),
-        trace: None,
+        ..GenerationRequest::greedy(prompt, max_tokens)
     }
 }
 

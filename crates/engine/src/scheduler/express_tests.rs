@@ -12,7 +12,6 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use kvfence_handoff::Message;
-use kvfence_model::{SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 use super::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler, Shell};
@@ -64,15 +63,12 @@ fn worker() -> Worker {
 
 fn request(tenant: &str, seed: u32, len: usize, max_tokens: usize) -> GenerationRequest {
     GenerationRequest {
-        prompt: (0..len as u32).map(|i| (i * 7 + seed * 31) % 250).collect(),
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop: StopStrings::default(),
         ignore_eos: true,
-        cache: None,
-        constraint: None,
         share: Share::new(tenant, 1),
-        trace: None,
+        ..GenerationRequest::greedy(
+            (0..len as u32).map(|i| (i * 7 + seed * 31) % 250).collect(),
+            max_tokens,
+        )
     }
 }
 

@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvfence_model::{SamplingParams, StopStrings};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 use super::{Pending, Role, Scheduler};
@@ -64,15 +63,12 @@ fn worker_with(tokens: usize, config: EngineConfig) -> Worker {
 /// per `seed`) and one token to generate, so it ends with its prefill.
 fn request(tenant: &str, weight: u32, seed: u32, len: usize) -> GenerationRequest {
     GenerationRequest {
-        prompt: (0..len as u32).map(|i| (i * 7 + seed * 31) % 250).collect(),
-        max_tokens: 1,
-        sampling: SamplingParams::greedy(),
-        stop: StopStrings::default(),
         ignore_eos: true,
-        cache: None,
-        constraint: None,
         share: Share::new(tenant, weight),
-        trace: None,
+        ..GenerationRequest::greedy(
+            (0..len as u32).map(|i| (i * 7 + seed * 31) % 250).collect(),
+            1,
+        )
     }
 }
 
