@@ -646,7 +646,10 @@ pub(crate) fn dots_of<W: Source>(
 ) {
     match best_isa() {
         Isa::Portable => portable_dots(rows, count, x, k, stride, out),
-        isa => dots(isa, rows, count, x, k, stride, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2(cpu) => avx2::dots(cpu, rows, count, x, k, stride, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512(cpu) => avx512::dots(cpu, rows, count, x, k, stride, out),
     }
 }
 
@@ -768,7 +771,7 @@ pub(crate) mod tests {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             prop_assert_eq!(bits(&vector_decoded), bits(&decoded));
             let mut out = vec![f32::NAN; m * stride];
-            dots(Isa::Avx512(cpu), rows, count, &x, k, stride, &mut out);
+            avx512::dots(cpu, rows, count, &x, k, stride, &mut out);
             results.push(("avx512", out));
         }
         #[cfg(target_arch = "x86_64")]
@@ -778,7 +781,7 @@ pub(crate) mod tests {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             prop_assert_eq!(bits(&vector_decoded), bits(&decoded));
             let mut out = vec![f32::NAN; m * stride];
-            dots(Isa::Avx2(cpu), rows, count, &x, k, stride, &mut out);
+            avx2::dots(cpu, rows, count, &x, k, stride, &mut out);
             results.push(("avx2", out));
         }
         for (name, out) in &results {
