@@ -7,7 +7,8 @@
 //! router's view of that worker — its free pages, whether it admits, which
 //! prefill workers it is linked to. A worker that stops answering drops out
 //! of that view within [`STALE`], so the router stops choosing it even if
-//! its socket stays open; when the link breaks, requests in flight on it
+//! its socket stays open (unless no other worker can take a request: then
+//! the request waits a little for it, see `Fleet`); when the link breaks, requests in flight on it
 //! fail (503) and the keeper dials again, so a restarted worker rejoins.
 
 use std::collections::HashMap;
@@ -205,6 +206,12 @@ impl RemoteEngine {
         lock(&self.state.view)
             .clone()
             .filter(|view| view.at.elapsed() < STALE)
+    }
+
+    /// Whether the link is up but the worker has not answered within
+    /// [`STALE`]: busy or paused, not gone (a gone worker's link breaks).
+    pub(crate) fn is_silent(&self) -> bool {
+        self.is_alive() && self.fresh_view().is_none()
     }
 
     /// The worker's `Hello`, once it has ever answered.

@@ -57,6 +57,12 @@ pub struct Fleet {
     stopped: AtomicBool,
 }
 
+/// How long a request waits for a decode worker whose link is up but whose
+/// view went stale, when no other worker can take it: a worker starved of
+/// CPU for a few seconds is busy, not gone (a gone one's link breaks, and
+/// then nothing waits), and a client is better served late than refused.
+const SILENT_GRACE: std::time::Duration = std::time::Duration::from_secs(6);
+
 /// Requests in flight a pair holding a request's prefix may carry above
 /// the least loaded pair and still be chosen first.
 const AFFINITY_SLACK: usize = 4;
@@ -212,6 +218,21 @@ impl Fleet {
         self.members().iter().any(|w| w.hello().is_some())
     }
 
+    /// [`Fleet::candidates`], waiting up to [`SILENT_GRACE`] while there
+    /// are none but some linked worker has gone silent (its view stale):
+    /// the next answer it gives makes it a candidate again.
+    async fn candidates_waiting(&self, request: &GenerationRequest) -> Vec<Candidate> {
+        let started = std::time::Instant::now();
+        loop {
+            let candidates = self.candidates(request);
+            let silent = self.members().iter().any(|w| w.is_silent());
+            if !candidates.is_empty() || !silent || started.elapsed() >= SILENT_GRACE {
+                return candidates;
+            }
+            tokio::time::sleep(super::client::POLL).await;
+        }
+    }
+
     /// The pairs that could take `request`, best first.
     fn candidates(&self, request: &GenerationRequest) -> Vec<Candidate> {
         let members = self.members();
@@ -291,7 +312,7 @@ impl kvfence_engine::Backend for Fleet {
                     request.kv_tokens()
                 ),
             };
-            for candidate in self.candidates(&request) {
+            for candidate in self.candidates_waiting(&request).await {
                 let pair = Pair {
                     decode: candidate.worker.address(),
                     prefill: candidate.prefill.clone(),

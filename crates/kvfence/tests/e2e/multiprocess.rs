@@ -123,6 +123,33 @@ async fn peers_given_by_dns_name_are_resolved_and_linked() {
     assert_eq!(texts(&router, 4).await, texts(&reference, 4).await);
 }
 
+/// A decode worker that stops answering for longer than the router's view
+/// of it lasts — a process starved of CPU, or paused, as SIGSTOP pauses it
+/// here — but whose link stays up is waited for, not reported unavailable:
+/// a request that arrives meanwhile is answered once the worker runs again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_decode_worker_that_stalls_past_the_routers_view_is_waited_for() {
+    let cluster = cluster(&[], &[]);
+    assert_eq!(texts(&cluster.router, 1).await.len(), 1);
+    let signal = |name: &str| {
+        let status = std::process::Command::new("kill")
+            .args([name, &cluster.decode.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {name}");
+    };
+    signal("-STOP");
+    // Past the router's view (2 s without an answer).
+    tokio::time::sleep(std::time::Duration::from_millis(3_000)).await;
+    let url = cluster.router.url("/v1/completions");
+    let request = tokio::spawn(async move { post(&url, None, body(7, 20, 4)).await });
+    tokio::time::sleep(std::time::Duration::from_millis(1_000)).await;
+    signal("-CONT");
+    let (status, answer) = request.await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["usage"]["completion_tokens"], 4);
+}
+
 /// A prefill worker that stores its KV as f32 and a decode worker that
 /// stores f16 must never pair: pages cross as bytes, so one would read the
 /// other's numbers as garbage. The decode worker refuses at its first dial
