@@ -57,6 +57,8 @@ pub use discovery::{PeerNames, RESOLVE_EVERY, Resolver};
 pub use error::FleetError;
 pub use fleet::Fleet;
 pub use kvfence_handoff::tls;
+#[doc(hidden)]
+pub use link::LinkEnd;
 pub use link::TlsLoopback;
 pub use net::ListenLimits;
 pub use prefill::{MAX_DECODE_LINKS, serve_decode_workers};

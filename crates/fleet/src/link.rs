@@ -73,28 +73,61 @@ impl Connector for TlsLoopback {
 impl TlsLoopback {
     fn link(&self, prefill: Port, decode: Port) -> Result<(), FleetError> {
         let io = FleetError::io;
-        let tls = |e: HandoffError| FleetError::Tls {
-            reason: e.to_string(),
-        };
-        let ca = ClusterCa::generate().map_err(tls)?;
-        let prefill_credentials = ca.credentials(LinkRole::Prefill).map_err(tls)?;
-        let decode_credentials = ca.credentials(LinkRole::Decode).map_err(tls)?;
-        let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
-        let address = listener.local_addr().map_err(io)?;
-        let accepted = net::accept(
-            listener,
-            &prefill_credentials,
-            &[LinkRole::Decode],
-            ListenLimits::new(1),
-        )?;
-        let decode_link = net::dial(address, LinkRole::Prefill, &decode_credentials)?;
-        let prefill_link = accepted
-            .recv_timeout(ListenLimits::new(1).handshake_timeout)
-            .map_err(|_| FleetError::Tls {
-                reason: "the in-process TLS link did not come up".into(),
-            })?;
+        let (prefill_link, decode_link) = loopback_links()?;
         bridge(prefill_link, prefill, "kvfence-prefill-link").map_err(io)?;
         bridge(decode_link, decode, "kvfence-decode-link").map_err(io)?;
         Ok(())
+    }
+}
+
+/// A prefill end and a decode end joined by a TLS link over loopback, with
+/// credentials made for this process alone.
+pub(crate) fn loopback_links() -> Result<(Link, Link), FleetError> {
+    let io = FleetError::io;
+    let tls = |e: HandoffError| FleetError::Tls {
+        reason: e.to_string(),
+    };
+    let ca = ClusterCa::generate().map_err(tls)?;
+    let prefill_credentials = ca.credentials(LinkRole::Prefill).map_err(tls)?;
+    let decode_credentials = ca.credentials(LinkRole::Decode).map_err(tls)?;
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    let address = listener.local_addr().map_err(io)?;
+    let accepted = net::accept(
+        listener,
+        &prefill_credentials,
+        &[LinkRole::Decode],
+        ListenLimits::new(1),
+    )?;
+    let decode_link = net::dial(address, LinkRole::Prefill, &decode_credentials)?;
+    let prefill_link = accepted
+        .recv_timeout(ListenLimits::new(1).handshake_timeout)
+        .map_err(|_| FleetError::Tls {
+            reason: "the in-process TLS link did not come up".into(),
+        })?;
+    Ok((prefill_link, decode_link))
+}
+
+/// One end of a TLS link over loopback as [`TlsLoopback`] joins a pair,
+/// frames in and out: what the link benchmark (`benches/link.rs`) drives.
+/// Not an API.
+#[doc(hidden)]
+pub struct LinkEnd(Link);
+
+impl LinkEnd {
+    /// A prefill end and a decode end, joined.
+    pub fn loopback_pair() -> Result<(LinkEnd, LinkEnd), FleetError> {
+        let (prefill, decode) = loopback_links()?;
+        Ok((LinkEnd(prefill), LinkEnd(decode)))
+    }
+
+    /// Queues one frame whose payload is `parts` joined; `false` once the
+    /// link is gone.
+    pub fn send(&self, parts: Vec<bytes::Bytes>) -> bool {
+        self.0.tx.send(parts)
+    }
+
+    /// The next frame the peer sent; `None` once the link is gone.
+    pub fn recv(&self) -> Option<bytes::Bytes> {
+        self.0.rx.recv().ok()
     }
 }

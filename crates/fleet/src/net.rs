@@ -17,6 +17,7 @@
 //! the process ([`runtime`]); the schedulers stay plain threads and see a
 //! link as a sender of frames ([`LinkTx`]) and a blocking receiver of frames.
 
+use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, mpsc};
@@ -146,10 +147,23 @@ async fn read_frames<R: AsyncRead + Unpin>(mut input: R, frames: mpsc::Sender<By
             );
             return;
         }
-        let mut payload = BytesMut::zeroed(len);
-        if let Err(error) = input.read_exact(&mut payload).await {
-            warn!(%error, "link closed inside a frame");
-            return;
+        // Read into spare capacity: zeroing each chunk first was one more
+        // pass over it. Each frame has its own block, so a small frame kept
+        // by the worker never holds a large one's memory.
+        let mut payload = BytesMut::with_capacity(len);
+        let mut rest = (&mut input).take(len as u64);
+        while payload.len() < len {
+            match rest.read_buf(&mut payload).await {
+                Ok(0) => {
+                    warn!("link closed inside a frame");
+                    return;
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    warn!(%error, "link closed inside a frame");
+                    return;
+                }
+            }
         }
         if frames.send(payload.freeze()).is_err() {
             return;
@@ -170,14 +184,13 @@ async fn write_frames<W: AsyncWrite + Unpin>(
                 return;
             }
             let header = (len as u32).to_le_bytes();
-            let mut result = output.write_all(&header).await;
-            for part in &parts {
-                if result.is_err() {
-                    break;
-                }
-                result = output.write_all(part).await;
-            }
-            if let Err(error) = result {
+            // One vectored write per frame: TLS seals the header and the
+            // parts into the same records rather than a record each.
+            let mut slices: Vec<IoSlice<'_>> = std::iter::once(&header[..])
+                .chain(parts.iter().map(|part| &part[..]))
+                .map(IoSlice::new)
+                .collect();
+            if let Err(error) = write_all_vectored(&mut output, &mut slices).await {
                 debug!(%error, "link write failed");
                 return;
             }
@@ -195,12 +208,33 @@ async fn write_frames<W: AsyncWrite + Unpin>(
     let _ = output.shutdown().await;
 }
 
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    output: &mut W,
+    mut unsent: &mut [IoSlice<'_>],
+) -> std::io::Result<()> {
+    while !unsent.is_empty() {
+        match output.write_vectored(unsent).await {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut unsent, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// rustls reads its socket 4 KiB at a time: one system call per 4 KiB of KV
 /// cost a third of the link's time (measured in the hand-off benchmark).
 /// Reading through a larger buffer makes it one call per 256 KiB.
 fn buffered(tcp: tokio::net::TcpStream) -> tokio::io::BufReader<tokio::net::TcpStream> {
     tokio::io::BufReader::with_capacity(256 << 10, tcp)
 }
+
+/// How many bytes of sealed records a link holds before it writes them to
+/// the socket: rustls's default, 64 KiB, made a chunk frame of 737 KB
+/// twelve system calls (and twelve wake-ups of the reader); a link holds
+/// at most this much more memory.
+const SEALED_BUFFER: usize = 1 << 20;
 
 /// Starts the reader and writer of an authenticated stream. `on_close`
 /// runs when the reader ends (the peer closed, or a bad record).
@@ -242,10 +276,11 @@ pub(crate) fn dial(
         let tcp = tokio::net::TcpStream::connect(address).await.map_err(io)?;
         tcp.set_nodelay(true).map_err(io)?;
         let tcp = buffered(tcp);
-        let stream = connector
+        let mut stream = connector
             .connect(server.server_name(), tcp)
             .await
             .map_err(tls)?;
+        stream.get_mut().1.set_buffer_limit(Some(SEALED_BUFFER));
         Ok::<_, FleetError>(start(stream, server, address, || {}))
     };
     let timeout = ListenLimits::new(1).handshake_timeout;
@@ -302,7 +337,7 @@ pub(crate) fn accept(
                 })
                 .await;
                 registry.finished(serial);
-                let stream = match result {
+                let mut stream = match result {
                     Ok(Ok(stream)) => stream,
                     Ok(Err(error)) => {
                         refusals.note(std::time::Instant::now(), |suppressed| {
@@ -317,6 +352,7 @@ pub(crate) fn accept(
                         return;
                     }
                 };
+                stream.get_mut().1.set_buffer_limit(Some(SEALED_BUFFER));
                 let role = match peer_role(stream.get_ref().1.peer_certificates(), allowed) {
                     Ok(role) => role,
                     Err(error) => {
@@ -488,6 +524,46 @@ mod tests {
         assert_eq!(client.rx.recv().unwrap().len(), 100_000);
         drop(client);
         assert!(server.rx.recv().is_err(), "the link's end is seen");
+    }
+
+    /// Frames of every size a hand-off sends — empty, one byte in several
+    /// parts, larger than the sealed-record buffer, queued back to back —
+    /// arrive whole, in order, byte for byte.
+    #[test]
+    fn frames_of_every_size_arrive_whole_and_in_order() {
+        let (address, links, _, decode) = listening(limits(2000, 4, 4));
+        let client = dial(address, Role::Prefill, &decode).unwrap();
+        let server = links.recv_timeout(Duration::from_secs(5)).unwrap();
+        let pattern = |len: usize, seed: u8| -> Bytes {
+            (0..len)
+                .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+                .collect::<Vec<u8>>()
+                .into()
+        };
+        let sizes = [0, 1, 17, SEALED_BUFFER - 3, 3 * SEALED_BUFFER + 5, 4096, 0];
+        let sent: Vec<Vec<Bytes>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                // The first byte alone, then the rest split unevenly.
+                let whole = pattern(len, i as u8);
+                let (one, half) = (len.min(1), (len / 2).max(len.min(1)));
+                let (first, middle, last) = (
+                    whole.slice(..one),
+                    whole.slice(one..half),
+                    whole.slice(half..),
+                );
+                vec![first, Bytes::new(), middle, last]
+            })
+            .collect();
+        for parts in &sent {
+            assert!(client.tx.send(parts.clone()));
+        }
+        for (parts, &len) in sent.iter().zip(&sizes) {
+            let frame = server.rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            assert_eq!(frame.len(), len);
+            assert_eq!(frame, parts.concat(), "a {len}-byte frame arrives as sent");
+        }
     }
 
     #[test]

@@ -308,7 +308,11 @@ impl Credentials {
         let key = PrivateKeyDer::from_pem_slice(key_pem)
             .map_err(|e| tls_error("reading the private key", e))?;
         let roots = Arc::new(roots);
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        // aws-lc-rs (rustls's default provider) rather than ring: its
+        // AES-GCM uses 512-bit vectors where the CPU has them, and sealing
+        // and opening KV was a third of the link thread's time with ring's
+        // (docs/performance.md, "Over TCP").
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let verifier =
             WebPkiClientVerifier::builder_with_provider(Arc::clone(&roots), Arc::clone(&provider))
                 .build()

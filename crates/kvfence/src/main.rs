@@ -15,6 +15,16 @@ use clap::{Parser, Subcommand, ValueEnum};
 use kvfence_model::fetch::KNOWN_MODELS;
 use kvfence_model::{Builtin, DiskDtype, KnownModel, ModelCache};
 
+/// mimalloc rather than glibc's allocator: a hand-off moves KV as chunk
+/// frames of hundreds of KB, made on one thread and let go on another, and
+/// glibc serves every block that large with a fresh `mmap` (its threshold
+/// adapts up to the size of a freed block, and a frame of exactly that
+/// size is served by `mmap` again) — every page faulted in, zeroed by the
+/// kernel and unmapped once sent. That was a quarter of the TLS link's CPU
+/// (`benches/link.rs` in `kvfence-fleet`, docs/performance.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// kvfence: multi-tenant LLM serving with fenced KV memory.
 ///
 /// Every KV page has one owner and a generation; every write is fenced and

@@ -264,7 +264,7 @@ fn tls_to(ca_pem: &[u8]) -> Result<tokio_postgres_rustls::MakeRustlsConnect, Ser
     if roots.is_empty() {
         return Err(failed("no CA certificate found".into()));
     }
-    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| failed(e.to_string()))?

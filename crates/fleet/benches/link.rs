@@ -1,0 +1,157 @@
+//! The fleet's TLS link carrying a hand-off, against a plain loopback
+//! socket moving the same bytes.
+//!
+//! Shape: `builtin:small`'s KV (30 layers, 3 KV heads, head dim 64, f32),
+//! 16-token pages; one 512-token prompt is 23.6 MB. Compared in one run:
+//! - raw: the prompt's page bytes, exported beforehand, written to a plain
+//!   loopback socket and read on the other side (the least any transfer
+//!   between processes must do);
+//! - link: the carrier `serve --handoff tcp` runs — two ends joined by
+//!   TLS 1.3 with mutual certificates over loopback, on the process's link
+//!   runtime. The decode end grants; the prefill end builds chunk frames
+//!   from its pages and queues each as it is made, as its scheduler does;
+//!   the decode end decodes each frame in place, checks it and copies it
+//!   into its pool, and commits (coverage and digest) before granting the
+//!   next. Both ends' encryption runs on the one link thread, as in that
+//!   mode; separate processes each have their own.
+
+use std::hint::black_box;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+use bytes::Bytes;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kvfence_fleet::LinkEnd;
+use kvfence_handoff::{ChunkFrames, Grant, HandoffId, Message, Outcome, Receiver, Streaming};
+use kvfence_pool::{ElemType, KvShape, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
+
+/// The allocator the `kvfence` binary runs with (its `main.rs` says why).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const SHAPE: KvShape = KvShape {
+    layers: 30,
+    kv_heads: 3,
+    head_dim: 64,
+};
+const TOKENS: usize = 512;
+const BYTES: usize = TOKENS * SHAPE.layers * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4;
+
+fn pool() -> Pool {
+    Pool::new(
+        &PoolSpec::new(SHAPE, 16, ElemType::F32, PoolSize::Tokens(2 * TOKENS))
+            .with_scrub(Scrub::Off),
+    )
+    .expect("bench pool")
+}
+
+fn source(pool: &Pool) -> Lease {
+    let mut lease = pool.lease(RequestId(1), TOKENS).expect("room");
+    let values: Vec<f32> = (0..TOKENS * SHAPE.kv_heads * SHAPE.head_dim)
+        .map(|i| i as f32)
+        .collect();
+    for layer in 0..SHAPE.layers {
+        lease
+            .write_positions(layer, 0, &values, &values)
+            .expect("in range");
+    }
+    lease
+}
+
+/// The decode end: grants, receives and checks every frame, commits, and
+/// grants again, until the link closes.
+fn decode_end(link: LinkEnd) {
+    let decode = pool();
+    let mut receiver = Receiver::new();
+    for id in 1.. {
+        let lease = decode.lease(RequestId(2), TOKENS).expect("room");
+        let grant = receiver.grant(HandoffId(id), lease, TOKENS).expect("grant");
+        if !link.send(vec![grant.to_frame().into()]) {
+            return;
+        }
+        loop {
+            let Some(frame) = link.recv() else {
+                return;
+            };
+            let (message, _) = Message::decode_shared(&frame)
+                .expect("valid frame")
+                .expect("whole frame");
+            if let Outcome::Committed(committed) = receiver.handle(message) {
+                black_box(committed.into_lease());
+                break;
+            }
+        }
+    }
+}
+
+fn link(c: &mut Criterion) {
+    let prefill = pool();
+    let src = source(&prefill);
+    let mut group = c.benchmark_group("link 512 tokens");
+    group
+        .throughput(Throughput::Bytes(BYTES as u64))
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(6));
+
+    // Raw: the reading side reads exactly the prompt's bytes and answers one.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("address");
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let mut left = BYTES;
+            while left > 0 {
+                let n = s.read(&mut buf[..left.min(1 << 20)]).expect("read");
+                if n == 0 {
+                    return;
+                }
+                left -= n;
+            }
+            s.write_all(&[1]).expect("ack");
+        }
+    });
+    let mut raw = TcpStream::connect(address).expect("connect");
+    raw.set_nodelay(true).expect("nodelay");
+    let view = src.read_view_raw(TOKENS).expect("covered");
+    let pages: Vec<Vec<u8>> = (0..view.num_pages())
+        .map(|i| view.export_slots(i, 0..view.slots_in_page(i)))
+        .collect();
+    drop(view);
+    group.bench_function("baseline: raw loopback socket, same bytes", |b| {
+        b.iter(|| {
+            for page in &pages {
+                raw.write_all(page).expect("write");
+            }
+            let mut ack = [0u8];
+            raw.read_exact(&mut ack).expect("ack");
+        })
+    });
+
+    let (prefill_end, decode) = LinkEnd::loopback_pair().expect("a TLS link over loopback");
+    std::thread::spawn(move || decode_end(decode));
+    group.bench_function("link: TLS 1.3, frames as made, every check", |b| {
+        b.iter(|| {
+            let frame = prefill_end.recv().expect("a grant");
+            let (grant, _) = Message::decode(&frame).expect("valid").expect("whole");
+            let grant = Grant::from_message(&grant).expect("a grant");
+            let proof = Streaming::new(grant.clone())
+                .finish(
+                    &src,
+                    &mut ChunkFrames::new(&grant, |frame| {
+                        assert!(prefill_end.send(vec![Bytes::from(frame)]), "link up");
+                    }),
+                )
+                .expect("complete source");
+            assert!(
+                prefill_end.send(vec![proof.done(0, 0).to_frame().into()]),
+                "link up"
+            );
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, link);
+criterion_main!(benches);
