@@ -15,13 +15,14 @@ use clap::{Parser, Subcommand, ValueEnum};
 use kvfence_model::fetch::KNOWN_MODELS;
 use kvfence_model::{Builtin, DiskDtype, KnownModel, ModelCache};
 
-/// mimalloc rather than glibc's allocator: a hand-off moves KV as chunk
-/// frames of hundreds of KB, made on one thread and let go on another, and
-/// glibc serves every block that large with a fresh `mmap` (its threshold
-/// adapts up to the size of a freed block, and a frame of exactly that
-/// size is served by `mmap` again) — every page faulted in, zeroed by the
-/// kernel and unmapped once sent. That was a quarter of the TLS link's CPU
-/// (`benches/link.rs` in `kvfence-fleet`, docs/performance.md).
+/// mimalloc rather than glibc's allocator: glibc serves every block of
+/// more than its (adaptive) mmap threshold with a fresh `mmap` — each page
+/// faulted in, zeroed by the kernel, and unmapped when freed — and the
+/// blocks kvfence makes over and over are that large: a hand-off's chunk
+/// frames (hundreds of KB, made on one thread, freed on another; a quarter
+/// of the TLS link's CPU went to this) and a prefill's activations, layer
+/// after layer (Gemma 3's first token at 2,048 tokens 18–27 % sooner on
+/// mimalloc). docs/performance.md has both measurements.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

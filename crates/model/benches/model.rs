@@ -11,6 +11,11 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvfence_model::{Builtin, LoadedModel, Logits, Model, ModelCache, Sequence};
 use kvfence_pool::{Checks, ElemType, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
+/// The allocator the `kvfence` binary runs with (its `main.rs` says why):
+/// a prefill's activations are allocated layer after layer.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const CONTEXT: usize = 128;
 
 fn pool_for(model: &Model) -> Pool {
