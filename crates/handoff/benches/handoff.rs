@@ -11,6 +11,9 @@
 //! - one-sided: `send_kv_one_sided` through a window, then the commit check
 //!   (which re-reads and hashes every page);
 //! - the codec alone on one page-sized chunk.
+//!
+//! The link between processes, TLS and sockets included, is measured in
+//! `kvfence-fleet`'s `link` bench.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -48,16 +51,6 @@ fn source(pool: &Pool) -> Lease {
             .expect("in range");
     }
     lease
-}
-
-/// Every frame of one two-sided transfer of `source` into `grant`, `Done` last.
-fn frames(grant: &Grant, source: &Lease) -> Vec<Vec<u8>> {
-    let mut frames = Vec::new();
-    let proof = Streaming::new(grant.clone())
-        .finish(source, &mut ChunkFrames::new(grant, |f| frames.push(f)))
-        .expect("complete source");
-    frames.push(proof.done(0, 0).to_frame());
-    frames
 }
 
 /// Hands `frame` to `receiver` as the engine does: decoded in place.
@@ -158,129 +151,5 @@ fn bench(c: &mut Criterion) {
     codec.finish();
 }
 
-/// TCP: the link as the engine runs it — TLS 1.3 with mutual certificates
-/// (AES-GCM), link frames, codec, receiver checks — against a plain loopback
-/// socket moving the same bytes, one connection each.
-fn tcp(c: &mut Criterion) {
-    use std::io::{Read, Write};
-    use std::net::{TcpListener, TcpStream};
-
-    use kvfence_handoff::tcp::{read_link_frame, write_link_frame};
-    use kvfence_handoff::tls::{ClusterCa, Role};
-
-    let ca = ClusterCa::generate().expect("a CA");
-    let decode_tls = ca.credentials(Role::Decode).expect("credentials");
-    let prefill_tls = ca.credentials(Role::Prefill).expect("credentials");
-    let prefill = pool();
-    let src = source(&prefill);
-    let bytes = (TOKENS * SHAPE.layers * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4) as u64;
-    let mut group = c.benchmark_group("tcp 512 tokens");
-    group
-        .throughput(Throughput::Bytes(bytes))
-        .sample_size(20)
-        .measurement_time(Duration::from_secs(6));
-
-    // Raw: the decode side reads exactly `bytes` and answers one byte.
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let address = listener.local_addr().expect("address");
-    std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().expect("accept");
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let mut left = bytes as usize;
-            while left > 0 {
-                let n = s.read(&mut buf[..left.min(1 << 20)]).expect("read");
-                if n == 0 {
-                    return;
-                }
-                left -= n;
-            }
-            s.write_all(&[1]).expect("ack");
-        }
-    });
-    let mut raw = TcpStream::connect(address).expect("connect");
-    raw.set_nodelay(true).expect("nodelay");
-    let view = src.read_view_raw(TOKENS).expect("covered");
-    let pages: Vec<Vec<u8>> = (0..view.num_pages())
-        .map(|i| view.export_slots(i, 0..view.slots_in_page(i)))
-        .collect();
-    drop(view);
-    group.bench_function("baseline: raw loopback socket, same bytes", |b| {
-        b.iter(|| {
-            for page in &pages {
-                raw.write_all(page).expect("write");
-            }
-            let mut ack = [0u8];
-            raw.read_exact(&mut ack).expect("ack");
-        })
-    });
-
-    // Link: the decode side grants, then receives and checks every frame.
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let address = listener.local_addr().expect("address");
-    std::thread::spawn(move || {
-        let (s, _) = listener.accept().expect("accept");
-        s.set_nodelay(true).expect("nodelay");
-        let tls = rustls::ServerConnection::new(decode_tls.server_config()).expect("tls");
-        // rustls reads the socket 4 KiB at a time; as the engine's links
-        // do, read it through a larger buffer.
-        let s = Buffered(std::io::BufReader::with_capacity(256 << 10, s));
-        let mut s = rustls::StreamOwned::new(tls, s);
-        let decode = pool();
-        let mut receiver = Receiver::new();
-        for id in 1.. {
-            let lease = decode.lease(RequestId(2), TOKENS).expect("room");
-            let grant = receiver.grant(HandoffId(id), lease, TOKENS).expect("grant");
-            if write_link_frame(&mut s, &grant.to_frame()).is_err() || s.flush().is_err() {
-                return;
-            }
-            loop {
-                let Ok(Some(frame)) = read_link_frame(&mut s) else {
-                    return;
-                };
-                if receive(&mut receiver, frame.into()) {
-                    break;
-                }
-            }
-        }
-    });
-    let tcp = TcpStream::connect(address).expect("connect");
-    tcp.set_nodelay(true).expect("nodelay");
-    let tls =
-        rustls::ClientConnection::new(prefill_tls.client_config(), Role::Decode.server_name())
-            .expect("tls");
-    let mut link = rustls::StreamOwned::new(tls, tcp);
-    group.bench_function("link: TLS 1.3 frames + every check", |b| {
-        b.iter(|| {
-            let frame = read_link_frame(&mut link).expect("grant").expect("grant");
-            let (grant, _) = Message::decode(&frame).expect("valid").expect("whole");
-            let grant = Grant::from_message(&grant).expect("a grant");
-            for frame in frames(&grant, &src) {
-                write_link_frame(&mut link, &frame).expect("write");
-            }
-            link.flush().expect("flush");
-        })
-    });
-    group.finish();
-}
-
-/// A socket read through a buffer and written directly.
-struct Buffered(std::io::BufReader<std::net::TcpStream>);
-
-impl std::io::Read for Buffered {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        std::io::Read::read(&mut self.0, buf)
-    }
-}
-
-impl std::io::Write for Buffered {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        std::io::Write::write(self.0.get_mut(), buf)
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        std::io::Write::flush(self.0.get_mut())
-    }
-}
-
-criterion_group!(benches, bench, tcp);
+criterion_group!(benches, bench);
 criterion_main!(benches);
