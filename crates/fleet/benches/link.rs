@@ -20,10 +20,12 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
-use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvfence_fleet::LinkEnd;
-use kvfence_handoff::{ChunkFrames, Grant, HandoffId, Message, Outcome, Receiver, Streaming};
+use kvfence_handoff::{
+    ChunkFrames, FRAME_SHELF_BYTES, FrameShelf, Grant, HandoffId, Message, Outcome, Receiver,
+    Streaming,
+};
 use kvfence_pool::{ElemType, KvShape, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
 /// The allocator the `kvfence` binary runs with (its `main.rs` says why).
@@ -129,6 +131,7 @@ fn link(c: &mut Criterion) {
         })
     });
 
+    let shelf = FrameShelf::new(FRAME_SHELF_BYTES);
     let (prefill_end, decode) = LinkEnd::loopback_pair().expect("a TLS link over loopback");
     std::thread::spawn(move || decode_end(decode));
     group.bench_function("link: TLS 1.3, frames as made, every check", |b| {
@@ -139,8 +142,8 @@ fn link(c: &mut Criterion) {
             let proof = Streaming::new(grant.clone())
                 .finish(
                     &src,
-                    &mut ChunkFrames::new(&grant, |frame| {
-                        assert!(prefill_end.send(vec![Bytes::from(frame)]), "link up");
+                    &mut ChunkFrames::new(&grant, &shelf, |frame| {
+                        assert!(prefill_end.send(vec![frame]), "link up");
                     }),
                 )
                 .expect("complete source");

@@ -23,9 +23,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, mpsc};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use kvfence_handoff::tcp::MAX_LINK_FRAME;
 use kvfence_handoff::tls::{Credentials, Role, peer_role};
+use kvfence_handoff::{FRAME_SHELF_BYTES, FrameShelf};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::{debug, warn};
@@ -125,7 +126,15 @@ impl ListenLimits {
     }
 }
 
+/// Frames from this size up are read into buffers kept from earlier
+/// frames of the link: KV chunks, hundreds of KB each, which a fresh block
+/// would have the kernel fault in and zero again. Smaller frames (control
+/// messages, which a worker may keep) get blocks of their own, so a kept
+/// message never holds a chunk's buffer.
+const SHELVED_FRAME: usize = 64 << 10;
+
 async fn read_frames<R: AsyncRead + Unpin>(mut input: R, frames: mpsc::Sender<Bytes>) {
+    let shelf = FrameShelf::new(FRAME_SHELF_BYTES);
     loop {
         let mut len = [0u8; 4];
         match input.read_exact(&mut len).await {
@@ -148,9 +157,12 @@ async fn read_frames<R: AsyncRead + Unpin>(mut input: R, frames: mpsc::Sender<By
             return;
         }
         // Read into spare capacity: zeroing each chunk first was one more
-        // pass over it. Each frame has its own block, so a small frame kept
-        // by the worker never holds a large one's memory.
-        let mut payload = BytesMut::with_capacity(len);
+        // pass over it.
+        let mut payload = if len >= SHELVED_FRAME {
+            shelf.take(len)
+        } else {
+            Vec::with_capacity(len)
+        };
         let mut rest = (&mut input).take(len as u64);
         while payload.len() < len {
             match rest.read_buf(&mut payload).await {
@@ -165,7 +177,12 @@ async fn read_frames<R: AsyncRead + Unpin>(mut input: R, frames: mpsc::Sender<By
                 }
             }
         }
-        if frames.send(payload.freeze()).is_err() {
+        let frame = if len >= SHELVED_FRAME {
+            shelf.freeze(payload)
+        } else {
+            Bytes::from(payload)
+        };
+        if frames.send(frame).is_err() {
             return;
         }
     }
@@ -564,6 +581,32 @@ mod tests {
             assert_eq!(frame.len(), len);
             assert_eq!(frame, parts.concat(), "a {len}-byte frame arrives as sent");
         }
+    }
+
+    #[test]
+    fn a_chunk_read_into_a_kept_buffer_shows_only_its_own_bytes() {
+        let (address, links, _, decode) = listening(limits(2000, 4, 4));
+        let client = dial(address, Role::Prefill, &decode).unwrap();
+        let server = links.recv_timeout(Duration::from_secs(5)).unwrap();
+        let mut first_buffer = None;
+        // Large, then smaller ones, each let go before the next is sent:
+        // every one after the first lands in the buffer the first used.
+        for (i, len) in [3 * SHELVED_FRAME, SHELVED_FRAME + 1, 2 * SHELVED_FRAME]
+            .into_iter()
+            .enumerate()
+        {
+            let sent = Bytes::from(vec![i as u8 + 1; len]);
+            assert!(client.tx.send(vec![sent.clone()]));
+            let frame = server.rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            assert_eq!(frame, sent, "frame {i} is exactly what was sent");
+            let buffer = *first_buffer.get_or_insert(frame.as_ptr());
+            assert_eq!(frame.as_ptr(), buffer, "frame {i} reuses the kept buffer");
+        }
+        // A small frame gets a block of its own.
+        assert!(client.tx.send(vec![Bytes::from_static(b"grant")]));
+        let small = server.rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(&small[..], b"grant");
+        assert_ne!(Some(small.as_ptr()), first_buffer);
     }
 
     #[test]

@@ -21,7 +21,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvfence_handoff::{
-    ChunkFrames, Grant, HandoffId, Message, Outcome, Receiver, Streaming, send_kv_one_sided,
+    ChunkFrames, FRAME_SHELF_BYTES, FrameShelf, Grant, HandoffId, Message, Outcome, Receiver,
+    Streaming, send_kv_one_sided,
 };
 use kvfence_pool::{ElemType, KvShape, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
@@ -70,6 +71,7 @@ fn receive(receiver: &mut Receiver, frame: Bytes) -> bool {
 fn bench(c: &mut Criterion) {
     let (prefill, decode) = (pool(), pool());
     let src = source(&prefill);
+    let shelf = FrameShelf::new(FRAME_SHELF_BYTES);
     let bytes = (TOKENS * SHAPE.layers * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4) as u64;
     let mut group = c.benchmark_group("hand-off 512 tokens");
     group
@@ -104,8 +106,8 @@ fn bench(c: &mut Criterion) {
             let proof = Streaming::new(grant.clone())
                 .finish(
                     &src,
-                    &mut ChunkFrames::new(&grant, |frame| {
-                        receive(&mut receiver, frame.into());
+                    &mut ChunkFrames::new(&grant, &shelf, |frame| {
+                        receive(&mut receiver, frame);
                     }),
                 )
                 .expect("complete source");

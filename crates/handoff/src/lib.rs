@@ -20,6 +20,7 @@ mod error;
 mod id;
 mod receiver;
 mod sender;
+mod shelf;
 pub mod tcp;
 #[cfg(feature = "tls")]
 pub mod tls;
@@ -29,7 +30,8 @@ pub use error::HandoffError;
 pub use id::{Epoch, HandoffId, RejectReason};
 pub use receiver::{Committed, Outcome, Receiver, ReceiverStats};
 pub use sender::{
-    AllSent, ChunkFrames, Chunks, Grant, Put, Streaming, TwoSided, WindowWrites, send_kv,
-    send_kv_one_sided,
+    AllSent, AsFrame, AsMessage, ChunkFrames, Chunks, Grant, Put, Streaming, TwoSided,
+    WindowWrites, send_kv, send_kv_one_sided,
 };
+pub use shelf::{FRAME_SHELF_BYTES, FrameShelf};
 pub use wire::{GrantedGroup, MAX_FRAME, Message, PromptScore};

@@ -9,13 +9,14 @@
 //! before a byte moves.
 
 use std::hash::Hasher as _;
-use std::marker::PhantomData;
 
+use bytes::Bytes;
 use kvfence_pool::{Lease, PageRef, Window, WindowKey};
 use twox_hash::XxHash3_64;
 
 use crate::error::HandoffError;
 use crate::id::{Epoch, HandoffId};
+use crate::shelf::FrameShelf;
 use crate::wire::{GrantedGroup, Message, PromptScore, chunk_frame};
 
 /// A grant as the sender holds it.
@@ -184,25 +185,48 @@ pub struct TwoSided<F, Form> {
     id: HandoffId,
     epoch: Epoch,
     send: F,
-    form: PhantomData<Form>,
+    form: Form,
 }
 
 /// Chunks as [`Message`]s (tests and simulations look inside them).
-pub type Chunks<F> = TwoSided<F, Message>;
+pub type Chunks<F> = TwoSided<F, AsMessage>;
 
 /// Chunks as encoded frames, for a transport that moves frames: each is
-/// written straight from the source page (one copy, where a message and
-/// then its frame would take two). What the engine sends.
-pub type ChunkFrames<F> = TwoSided<F, Vec<u8>>;
+/// written straight from the source page into a buffer from a
+/// [`FrameShelf`] (one copy, where a message and then its frame would take
+/// two; and no fresh memory once the shelf holds a few). What the engine
+/// sends.
+pub type ChunkFrames<'s, F> = TwoSided<F, AsFrame<'s>>;
 
-impl<F: FnMut(Form), Form> TwoSided<F, Form> {
+/// [`TwoSided`]'s form for [`Chunks`].
+#[derive(Debug, Clone, Copy)]
+pub struct AsMessage;
+
+/// [`TwoSided`]'s form for [`ChunkFrames`]: where frame buffers come from.
+#[derive(Debug, Clone, Copy)]
+pub struct AsFrame<'s>(&'s FrameShelf);
+
+impl<F: FnMut(Message)> Chunks<F> {
     /// Chunks for `grant`, delivered by `send`.
     pub fn new(grant: &Grant, send: F) -> Self {
         TwoSided {
             id: grant.id,
             epoch: grant.epoch,
             send,
-            form: PhantomData,
+            form: AsMessage,
+        }
+    }
+}
+
+impl<'s, F: FnMut(Bytes)> ChunkFrames<'s, F> {
+    /// Chunk frames for `grant` in buffers from `shelf`, delivered by
+    /// `send`.
+    pub fn new(grant: &Grant, shelf: &'s FrameShelf, send: F) -> Self {
+        TwoSided {
+            id: grant.id,
+            epoch: grant.epoch,
+            send,
+            form: AsFrame(shelf),
         }
     }
 }
@@ -234,7 +258,7 @@ impl<F: FnMut(Message)> Put for Chunks<F> {
     }
 }
 
-impl<F: FnMut(Vec<u8>)> Put for ChunkFrames<F> {
+impl<F: FnMut(Bytes)> Put for ChunkFrames<'_, F> {
     fn put<'b>(
         &mut self,
         _: usize,
@@ -243,10 +267,10 @@ impl<F: FnMut(Vec<u8>)> Put for ChunkFrames<F> {
         runs: impl Iterator<Item = &'b [u8]> + Clone,
         checksum: u64,
     ) -> Result<(), HandoffError> {
+        let AsFrame(shelf) = self.form;
         let slots = slots.start as u16..slots.end as u16;
-        (self.send)(chunk_frame(
-            self.id, self.epoch, page, slots, checksum, runs,
-        ));
+        let frame = chunk_frame(self.id, self.epoch, page, slots, checksum, runs, shelf);
+        (self.send)(frame);
         Ok(())
     }
 }

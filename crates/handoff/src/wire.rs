@@ -16,6 +16,7 @@ use kvfence_pool::{Generation, PageId, PageRef};
 
 use crate::error::HandoffError;
 use crate::id::{Epoch, HandoffId, RejectReason};
+use crate::shelf::FrameShelf;
 
 /// Most log-probabilities a `Done` carries: the first token's and twenty
 /// alternatives' (OpenAI's largest `top_logprobs`).
@@ -522,8 +523,9 @@ impl ChunkHeader {
 }
 
 /// The frame of `Message::Chunk` whose payload is the concatenation of
-/// `runs`, written straight from them: one copy of the payload, where
-/// building the message and then its frame takes two.
+/// `runs`, written straight from them into a buffer from `shelf`: one copy
+/// of the payload, where building the message and then its frame takes
+/// two.
 pub(crate) fn chunk_frame<'b>(
     id: HandoffId,
     epoch: Epoch,
@@ -531,9 +533,10 @@ pub(crate) fn chunk_frame<'b>(
     slots: std::ops::Range<u16>,
     checksum: u64,
     runs: impl Iterator<Item = &'b [u8]> + Clone,
-) -> Vec<u8> {
+    shelf: &FrameShelf,
+) -> Bytes {
     let len: usize = runs.clone().map(<[u8]>::len).sum();
-    let mut out = Vec::with_capacity(4 + CHUNK_HEADER_BYTES + len);
+    let mut out = shelf.take(4 + CHUNK_HEADER_BYTES + len);
     let header = ChunkHeader {
         id,
         epoch,
@@ -547,7 +550,7 @@ pub(crate) fn chunk_frame<'b>(
             out.extend_from_slice(run);
         }
     });
-    out
+    shelf.freeze(out)
 }
 
 /// Appends the frame whose body `body` writes: its length, then the body.

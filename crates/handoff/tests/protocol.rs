@@ -134,11 +134,15 @@ fn a_clean_transfer_commits_with_exactly_the_sent_kv() {
 fn chunk_frames_written_from_the_page_are_the_frames_of_the_chunk_messages() {
     let mut s = setup();
     let (messages, proof) = chunks(&s);
+    // A shelf that already holds a buffer full of other bytes: what a
+    // frame shows is only what was written into it.
+    let shelf = kvfence_handoff::FrameShelf::new(16 << 20);
+    drop(shelf.freeze(vec![0xAB; 1 << 16]));
     let mut frames = Vec::new();
     let framed_proof = kvfence_handoff::Streaming::new(s.grant.clone())
         .finish(
             &s.source,
-            &mut kvfence_handoff::ChunkFrames::new(&s.grant, |f| frames.push(f)),
+            &mut kvfence_handoff::ChunkFrames::new(&s.grant, &shelf, |f| frames.push(f)),
         )
         .unwrap();
     let expected: Vec<Vec<u8>> = messages.iter().map(Message::to_frame).collect();
@@ -147,7 +151,6 @@ fn chunk_frames_written_from_the_page_are_the_frames_of_the_chunk_messages() {
     assert_eq!(done, proof.done(7, 0), "the same digest");
     // And they commit, decoded in place.
     for frame in frames {
-        let frame = bytes::Bytes::from(frame);
         let (message, _) = Message::decode_shared(&frame).unwrap().unwrap();
         assert!(matches!(s.receiver.handle(message), Outcome::Accepted));
     }

@@ -78,7 +78,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use bytes::Bytes;
-use kvfence_handoff::{HandoffId, Message, Receiver, Streaming};
+use kvfence_handoff::{FRAME_SHELF_BYTES, FrameShelf, HandoffId, Message, Receiver, Streaming};
 use kvfence_model::{Constraint, LoadedModel, Logits, Pass, PromptLogprob, Sampler};
 use kvfence_pool::{Keep, Lease, Pool, RequestId, Window, WindowKey};
 use tokio::sync::mpsc as tokio_mpsc;
@@ -489,6 +489,9 @@ pub(crate) struct Scheduler {
     in_flight: Option<InFlight>,
     /// What it sent and its caller has not yet taken.
     outbox: Outbox,
+    /// Prefill role: the buffers of chunk frames, back from the transport
+    /// once it has sent them, for the next ones.
+    frames: FrameShelf,
     /// Commands that could end or abort a request of the step in flight,
     /// taken when it ends.
     held_back: Vec<Command>,
@@ -544,6 +547,7 @@ impl Scheduler {
             grammars: GrammarCache::default(),
             in_flight: None,
             outbox: Outbox::default(),
+            frames: FrameShelf::new(FRAME_SHELF_BYTES),
             held_back: Vec::new(),
             left_in_row: LeftInRow::default(),
         }

@@ -5,6 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use bytes::Bytes;
 use kvfence_handoff::{
     ChunkFrames, Grant, HandoffId, Message, PromptScore, RejectReason, Streaming, WindowWrites,
 };
@@ -199,12 +200,12 @@ impl Scheduler {
             // The decode worker left; nobody is waiting for this KV.
             return End::Shipped;
         };
-        let outbox = &mut self.outbox;
+        let (outbox, frames) = (&mut self.outbox, &self.frames);
         let sent = match window {
             Some((window, key)) => streaming.finish(lease, &mut WindowWrites::new(window, *key)),
             None => streaming.finish(
                 lease,
-                &mut ChunkFrames::new(&grant, |chunk| send_chunk(outbox, peer, chunk)),
+                &mut ChunkFrames::new(&grant, frames, |chunk| send_chunk(outbox, peer, chunk)),
             ),
         };
         match sent {
@@ -244,7 +245,7 @@ impl Scheduler {
         let Some(peer) = self.peers.get(peer).map(|p| &p.tx) else {
             return Ok(());
         };
-        let outbox = &mut self.outbox;
+        let (outbox, frames) = (&mut self.outbox, &self.frames);
         match window {
             Some((window, key)) => {
                 streaming.send_ready(lease, active.written, &mut WindowWrites::new(window, *key))
@@ -254,7 +255,7 @@ impl Scheduler {
                 streaming.send_ready(
                     lease,
                     active.written,
-                    &mut ChunkFrames::new(&grant, |chunk| send_chunk(outbox, peer, chunk)),
+                    &mut ChunkFrames::new(&grant, frames, |chunk| send_chunk(outbox, peer, chunk)),
                 )
             }
         }
@@ -332,6 +333,6 @@ impl Scheduler {
 }
 
 /// Sends one KV chunk's frame to the decode worker.
-fn send_chunk(outbox: &mut Outbox, peer: &PeerTx, chunk: Vec<u8>) {
-    outbox.peer(peer, ToPeer::Chunk(chunk.into()));
+fn send_chunk(outbox: &mut Outbox, peer: &PeerTx, chunk: Bytes) {
+    outbox.peer(peer, ToPeer::Chunk(chunk));
 }
