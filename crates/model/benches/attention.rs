@@ -5,7 +5,10 @@
 //! prefill tile set over a 2,048-position prefix, for f32 and f16 KV; and
 //! the f16 decode rows again with pages of one layer each (layer groups of
 //! one), where a head's keys are a run in a page of that layer alone rather
-//! than a run in a page of every layer.
+//! than a run in a page of every layer. Then a decode step's attention over
+//! all 30 layers at 4,096 positions in both layouts: 94 MB of f16 KV, read
+//! from memory as a served step reads it, where one layer alone stays in
+//! cache.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -27,23 +30,7 @@ enum Layout {
 }
 
 fn filled<E: KvValue>(config: &ModelConfig, layout: Layout) -> (Pool, Lease) {
-    let shape = Model::kv_shape_of(config);
-    let mut spec =
-        PoolSpec::new(shape, 16, E::ELEM, PoolSize::Tokens(LONGEST)).with_scrub(Scrub::Off);
-    if let Layout::LayerAlone = layout {
-        let groups = (0..shape.layers).map(|l| (vec![l], Keep::All)).collect();
-        spec = spec.with_layer_groups(LayerGroups::new(groups).expect("a group a layer"));
-    }
-    let pool = Pool::new(&spec).expect("bench pool");
-    let mut lease = pool.lease(RequestId(1), LONGEST).expect("room");
-    let values: Vec<f32> = (0..LONGEST * config.kv_dim())
-        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
-    let values = E::narrow(&values);
-    lease
-        .write_positions::<E>(0, 0, &values, &values)
-        .expect("fill layer 0");
-    (pool, lease)
+    filled_layers::<E>(config, layout, LONGEST, 1)
 }
 
 fn run<E: KvValue>(c: &mut Criterion, name: &str, layout: Layout) {
@@ -102,10 +89,84 @@ fn run<E: KvValue>(c: &mut Criterion, name: &str, layout: Layout) {
     group.finish();
 }
 
+/// One decode step's attention over every layer at `context` positions:
+/// what a served step reads, 30 layers' KV from memory rather than one
+/// layer's from cache.
+fn step(c: &mut Criterion, name: &str, layout: Layout) {
+    let config = Builtin::Small.config();
+    let context = 4096;
+    let (_pool, lease) = filled_layers::<half::f16>(&config, layout, context, config.num_layers);
+    let q_dim = config.q_dim();
+    let queries: Vec<f32> = (0..q_dim)
+        .map(|i| ((i * 104_729) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let mut out = vec![0.0f32; q_dim];
+    let mut group = c.benchmark_group(format!("attention step {name}"));
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .throughput(Throughput::Bytes(
+            (config.num_layers * context * config.kv_dim() * 2 * 2) as u64,
+        ));
+    group.bench_function(
+        format!("decode row, every layer, {context} positions"),
+        |b| {
+            b.iter(|| {
+                for layer in 0..config.num_layers {
+                    let view = lease
+                        .read_layer::<half::f16>(layer, context)
+                        .expect("covered");
+                    let part = SequenceQueries {
+                        view: &view,
+                        past: context - 1,
+                        queries: &queries,
+                        stride: q_dim,
+                        rows: 1,
+                    };
+                    attend(&config, layer, &[Some(part)], &[1], &mut out);
+                }
+                black_box(&out);
+            })
+        },
+    );
+    group.finish();
+}
+
+/// A pool of `tokens` positions whose first `layers` layers are written.
+fn filled_layers<E: KvValue>(
+    config: &ModelConfig,
+    layout: Layout,
+    tokens: usize,
+    layers: usize,
+) -> (Pool, Lease) {
+    let shape = Model::kv_shape_of(config);
+    let mut spec =
+        PoolSpec::new(shape, 16, E::ELEM, PoolSize::Tokens(tokens)).with_scrub(Scrub::Off);
+    if let Layout::LayerAlone = layout {
+        let groups = (0..shape.layers).map(|l| (vec![l], Keep::All)).collect();
+        spec = spec.with_layer_groups(LayerGroups::new(groups).expect("a group a layer"));
+    }
+    let pool = Pool::new(&spec).expect("bench pool");
+    let mut lease = pool.lease(RequestId(1), tokens).expect("room");
+    let values: Vec<f32> = (0..tokens * config.kv_dim())
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let values = E::narrow(&values);
+    for layer in 0..layers {
+        lease
+            .write_positions::<E>(layer, 0, &values, &values)
+            .expect("fill a layer");
+    }
+    (pool, lease)
+}
+
 fn bench(c: &mut Criterion) {
     run::<f32>(c, "f32 KV", Layout::EveryLayer);
     run::<half::f16>(c, "f16 KV", Layout::EveryLayer);
     run::<half::f16>(c, "f16 KV, a page a layer", Layout::LayerAlone);
+    step(c, "f16 KV", Layout::EveryLayer);
+    step(c, "f16 KV, a page a layer", Layout::LayerAlone);
 }
 
 criterion_group!(benches, bench);
