@@ -26,40 +26,15 @@ use kvfence_handoff::{
     ChunkFrames, FRAME_SHELF_BYTES, FrameShelf, Grant, HandoffId, Message, Outcome, Receiver,
     Streaming,
 };
-use kvfence_pool::{ElemType, KvShape, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
+use kvfence_pool::RequestId;
+
+#[path = "../../handoff/benches/support/prompt.rs"]
+mod prompt;
+use prompt::{BYTES, TOKENS, pool, source};
 
 /// The allocator the `kvfence` binary runs with (its `main.rs` says why).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-const SHAPE: KvShape = KvShape {
-    layers: 30,
-    kv_heads: 3,
-    head_dim: 64,
-};
-const TOKENS: usize = 512;
-const BYTES: usize = TOKENS * SHAPE.layers * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4;
-
-fn pool() -> Pool {
-    Pool::new(
-        &PoolSpec::new(SHAPE, 16, ElemType::F32, PoolSize::Tokens(2 * TOKENS))
-            .with_scrub(Scrub::Off),
-    )
-    .expect("bench pool")
-}
-
-fn source(pool: &Pool) -> Lease {
-    let mut lease = pool.lease(RequestId(1), TOKENS).expect("room");
-    let values: Vec<f32> = (0..TOKENS * SHAPE.kv_heads * SHAPE.head_dim)
-        .map(|i| i as f32)
-        .collect();
-    for layer in 0..SHAPE.layers {
-        lease
-            .write_positions(layer, 0, &values, &values)
-            .expect("in range");
-    }
-    lease
-}
 
 /// The decode end: grants, receives and checks every frame, commits, and
 /// grants again, until the link closes.

@@ -24,35 +24,11 @@ use kvfence_handoff::{
     ChunkFrames, FRAME_SHELF_BYTES, FrameShelf, Grant, HandoffId, Message, Outcome, Receiver,
     Streaming, send_kv_one_sided,
 };
-use kvfence_pool::{ElemType, KvShape, Lease, Pool, PoolSize, PoolSpec, RequestId, Scrub};
+use kvfence_pool::RequestId;
 
-const SHAPE: KvShape = KvShape {
-    layers: 30,
-    kv_heads: 3,
-    head_dim: 64,
-};
-const TOKENS: usize = 512;
-
-fn pool() -> Pool {
-    Pool::new(
-        &PoolSpec::new(SHAPE, 16, ElemType::F32, PoolSize::Tokens(2 * TOKENS))
-            .with_scrub(Scrub::Off),
-    )
-    .expect("bench pool")
-}
-
-fn source(pool: &Pool) -> Lease {
-    let mut lease = pool.lease(RequestId(1), TOKENS).expect("room");
-    let values: Vec<f32> = (0..TOKENS * SHAPE.kv_heads * SHAPE.head_dim)
-        .map(|i| i as f32)
-        .collect();
-    for layer in 0..SHAPE.layers {
-        lease
-            .write_positions(layer, 0, &values, &values)
-            .expect("in range");
-    }
-    lease
-}
+#[path = "support/prompt.rs"]
+mod prompt;
+use prompt::{BYTES, TOKENS, pool, source};
 
 /// Hands `frame` to `receiver` as the engine does: decoded in place.
 fn receive(receiver: &mut Receiver, frame: Bytes) -> bool {
@@ -72,7 +48,7 @@ fn bench(c: &mut Criterion) {
     let (prefill, decode) = (pool(), pool());
     let src = source(&prefill);
     let shelf = FrameShelf::new(FRAME_SHELF_BYTES);
-    let bytes = (TOKENS * SHAPE.layers * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4) as u64;
+    let bytes = BYTES as u64;
     let mut group = c.benchmark_group("hand-off 512 tokens");
     group
         .throughput(Throughput::Bytes(bytes))
