@@ -23,8 +23,8 @@ use kvfence_engine::{Event, GenerationRequest};
 /// prompt's scores, and an event carries them to the router; 10: a grant
 /// names each layer group's pages, and `Hello` the groups; 11: `Submit`
 /// and orders carry the request, and `Event` the event, in the engine's
-/// own serde forms).
-pub(crate) const PROTOCOL: u32 = 11;
+/// own serde forms; 12: pages, and so KV chunks, hold keys as columns).
+pub(crate) const PROTOCOL: u32 = 12;
 
 /// How a worker's pool lays out KV pages: what both ends of a hand-off
 /// must share, since pages cross as bytes.

@@ -84,8 +84,16 @@ fn a_one_sided_transfer_commits_and_then_releases_normally() {
     };
     let lease = committed.into_lease();
     assert_eq!(
-        lease.read_view::<f32>(TOKENS).unwrap().keys(2, 1, 1),
-        s.source.read_view::<f32>(TOKENS).unwrap().keys(2, 1, 1)
+        lease
+            .read_view::<f32>(TOKENS)
+            .unwrap()
+            .keys(2, 1, 1)
+            .to_rows(),
+        s.source
+            .read_view::<f32>(TOKENS)
+            .unwrap()
+            .keys(2, 1, 1)
+            .to_rows()
     );
     // The window closed at commit: the writer's key no longer opens it.
     let bytes = s

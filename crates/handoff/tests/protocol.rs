@@ -88,7 +88,10 @@ fn assert_same_kv(got: &Lease, want: &Lease) {
     for page in 0..got.num_pages() {
         for layer in 0..SHAPE.layers {
             for head in 0..SHAPE.kv_heads {
-                assert_eq!(got.keys(page, layer, head), want.keys(page, layer, head));
+                assert_eq!(
+                    got.keys(page, layer, head).to_rows(),
+                    want.keys(page, layer, head).to_rows()
+                );
                 assert_eq!(
                     got.values(page, layer, head),
                     want.values(page, layer, head)
@@ -431,8 +434,16 @@ fn pages_ship_as_they_fill_and_the_transfer_still_commits_exactly() {
     };
     let lease = committed.into_lease();
     assert_eq!(
-        lease.read_view::<f32>(TOKENS).unwrap().keys(2, 2, 1),
-        source.read_view::<f32>(TOKENS).unwrap().keys(2, 2, 1)
+        lease
+            .read_view::<f32>(TOKENS)
+            .unwrap()
+            .keys(2, 2, 1)
+            .to_rows(),
+        source
+            .read_view::<f32>(TOKENS)
+            .unwrap()
+            .keys(2, 2, 1)
+            .to_rows()
     );
 }
 

@@ -454,7 +454,7 @@ impl Sim {
                 });
             for layer in 0..SHAPE.layers {
                 for pos in 0..req.grant.tokens {
-                    let keys = view.keys(pos / PAGE, layer, 0);
+                    let keys = view.keys(pos / PAGE, layer, 0).to_rows();
                     let values = view.values(pos / PAGE, layer, 0);
                     let slot = pos % PAGE;
                     for i in 0..PER_TOKEN {

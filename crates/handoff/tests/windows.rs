@@ -94,7 +94,7 @@ fn reads_the_prompt(lease: &Lease, past: usize) {
         for p in view.first_page() * PAGE..past {
             let (page, slot) = (p / PAGE, p % PAGE);
             assert_eq!(
-                view.keys(page, layer, 0)[slot * 2..slot * 2 + 2],
+                view.keys(page, layer, 0).to_rows()[slot * 2..slot * 2 + 2],
                 value(layer, p),
                 "layer {layer} position {p}"
             );

@@ -33,8 +33,9 @@
 //!
 //! A *task* is one KV head of one tile of up to [`TILE_ROWS`] consecutive
 //! rows of one sequence, over a range of chunks. For each chunk it stages
-//! the chunk's keys transposed (`[head_dim][CHUNK]`, so scores vectorise
-//! across keys) and its values (`[CHUNK][head_dim]`) as f32 in scratch
+//! the chunk's keys as columns (`[head_dim][CHUNK]`, so scores vectorise
+//! across keys; pages store keys as columns, [`Keys`], so this only
+//! widens) and its values (`[CHUNK][head_dim]`) as f32 in scratch
 //! owned by the worker thread, then runs the score, softmax and value
 //! kernels for all `rows × group` query heads at once: every staged key is
 //! read from L1/L2 by every query head of the group instead of from memory
@@ -43,12 +44,11 @@
 //! into a result.
 //!
 //! On a CPU with AVX-512F the kernels are hand-written
-//! (`attention/avx512.rs`): keys are transposed in 16 × 16 blocks, values
-//! are read (and widened) straight from their page runs instead of being
-//! staged, and every page run of the chunk is prefetched before any is
-//! touched, so its misses overlap instead of each run waiting for the
-//! hardware prefetcher. The operations and their order are the portable
-//! kernel's, so the bits are too.
+//! (`attention/avx512.rs`): values are read (and widened) straight from
+//! their page runs instead of being staged, and every page run of the
+//! chunk is prefetched before any is touched, so its misses overlap
+//! instead of each run waiting for the hardware prefetcher. The operations
+//! and their order are the portable kernel's, so the bits are too.
 //!
 //! Prefill tiles fold their chunks as they go. A sequence with a single
 //! tile (decode steps) and several chunks is split instead: one task per
@@ -60,7 +60,7 @@ use std::borrow::Cow;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use kvfence_pool::{KvElement, ReadView};
+use kvfence_pool::{Keys, KvElement, ReadView};
 use rayon::prelude::*;
 
 use crate::config::ModelConfig;
@@ -229,12 +229,10 @@ fn rescale_add(dst: &mut [f32], keep: f32, add: &[f32], add_weight: f32) {
 
 /// Per-thread staging and score buffers, reused across tasks.
 struct Scratch {
-    /// Keys transposed, `[head_dim][CHUNK]`.
+    /// Keys as columns, `[head_dim][CHUNK]`.
     keys: Vec<f32>,
     /// Values, `[CHUNK][head_dim]`.
     values: Vec<f32>,
-    /// One page run widened to f32 before transposing.
-    run: Vec<f32>,
     /// Scores then weights, `[query head][CHUNK]`.
     scores: Vec<f32>,
     /// The tile's scaled queries, `[query head][head_dim]`.
@@ -253,7 +251,6 @@ thread_local! {
         std::cell::RefCell::new(Scratch {
             keys: Vec::new(),
             values: Vec::new(),
-            run: Vec::new(),
             scores: Vec::new(),
             queries: Vec::new(),
             chunk_out: Vec::new(),
@@ -460,27 +457,43 @@ fn run_task<E: KvValue>(
         let tile_end = part.past + task.row + task.rows;
         let len = CHUNK.min(tile_end - start);
         let simd = simd_kernel(hd);
+        let key_runs = || {
+            page_runs(part.view.page_size(), start, len).map(|(page, slot, run, _)| {
+                (part.view.keys(page, layer, task.kv_head), slot..slot + run)
+            })
+        };
+        // Values are prefetched, keys not: the score kernel walks each
+        // page's key block in order, which the hardware prefetcher
+        // follows, and asking for it too was slower (`attention step`).
         #[cfg(target_arch = "x86_64")]
         if let Some(cpu) = simd {
-            for_page_runs(part.view.page_size(), start, len, |page, slot, run, _| {
+            for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
                 let rows = slot * hd..(slot + run) * hd;
-                avx512::prefetch(
-                    cpu,
-                    &part.view.keys(page, layer, task.kv_head)[rows.clone()],
-                );
                 avx512::prefetch(cpu, &part.view.values(page, layer, task.kv_head)[rows]);
-            });
+            }
         }
-        stage(
-            part.view,
-            layer,
-            task.kv_head,
-            start,
-            len,
-            hd,
-            scratch,
-            simd.is_none(),
-        );
+        // The AVX-512 kernel reads whole 16-slot blocks of keys where they
+        // lie; a chunk with a partial block (the last page, odd page
+        // sizes) is staged instead.
+        #[cfg(target_arch = "x86_64")]
+        let in_pages = simd.and_then(|_| avx512::KeyBlocks::from_pages(key_runs()));
+        #[cfg(not(target_arch = "x86_64"))]
+        let in_pages: Option<std::convert::Infallible> = {
+            let _ = key_runs;
+            None
+        };
+        if in_pages.is_none() {
+            stage(
+                part.view,
+                layer,
+                task.kv_head,
+                start,
+                len,
+                hd,
+                scratch,
+                simd.is_none(),
+            );
+        }
         let Scratch {
             keys,
             values,
@@ -491,23 +504,24 @@ fn run_task<E: KvValue>(
             chunk_den,
             ..
         } = scratch;
+        let cols = len.next_multiple_of(KEY_STEP);
         let shape = ChunkShape {
             heads,
             group,
             head_dim: hd,
-            cols: len.next_multiple_of(KEY_STEP),
+            cols,
             start,
             first_row_end: part.past + task.row + 1,
             window,
             len,
         };
-        // One kernel call per chunk; a macro because the two kernels take
-        // values of different types.
+        // One kernel call per chunk; a macro because the kernels take
+        // keys and values of different types.
         macro_rules! data {
-            ($values:expr) => {
+            ($keys:expr, $values:expr) => {
                 ChunkData {
                     queries: &queries[..heads * hd],
-                    keys,
+                    keys: $keys,
                     values: $values,
                     scores,
                     out: chunk_out,
@@ -521,14 +535,21 @@ fn run_task<E: KvValue>(
             Some(cpu) => {
                 let mut runs = [&[] as &[E]; CHUNK];
                 let mut count = 0;
-                for_page_runs(part.view.page_size(), start, len, |page, slot, run, _| {
+                for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
                     runs[count] =
                         &part.view.values(page, layer, task.kv_head)[slot * hd..(slot + run) * hd];
                     count += 1;
-                });
-                avx512::chunk(cpu, data!(&runs[..count]), shape);
+                }
+                let runs = &runs[..count];
+                match in_pages {
+                    Some(in_pages) => avx512::chunk(cpu, data!(in_pages, runs), shape),
+                    None => {
+                        let staged = avx512::KeyBlocks::staged(keys, hd, cols);
+                        avx512::chunk(cpu, data!(staged, runs), shape);
+                    }
+                }
             }
-            _ => chunk_kernel(data!(&values[..]), shape),
+            _ => chunk_kernel(data!(keys, &values[..]), shape),
         }
         for r in 0..task.rows {
             if !sees_chunk(part.past + task.row + r, window, start) {
@@ -581,27 +602,32 @@ fn simd_kernel(_hd: usize) -> Option<std::convert::Infallible> {
     None
 }
 
-/// Calls `each(page, slot, run, j)` for the runs of consecutive slots
-/// within one page that positions `start..start + len` fall into, in
-/// order; `j` is the run's first position counted from `start`.
-fn for_page_runs(
+/// The runs of consecutive slots within one page that positions
+/// `start..start + len` fall into, in order, as `(page, slot, run, j)`;
+/// `j` is the run's first position counted from `start`.
+fn page_runs(
     page_size: usize,
     start: usize,
     len: usize,
-    mut each: impl FnMut(usize, usize, usize, usize),
-) {
+) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    let end = start + len;
     let mut pos = start;
-    while pos < start + len {
-        let (page, slot) = (pos / page_size, pos % page_size);
-        let run = (page_size - slot).min(start + len - pos);
-        each(page, slot, run, pos - start);
-        pos += run;
-    }
+    std::iter::from_fn(move || {
+        (pos < end).then(|| {
+            let (page, slot) = (pos / page_size, pos % page_size);
+            let run = (page_size - slot).min(end - pos);
+            let item = (page, slot, run, pos - start);
+            pos += run;
+            item
+        })
+    })
 }
 
 /// Copies positions `start..start + len` of one KV head into the scratch:
-/// keys transposed and zero-padded to a whole [`KEY_STEP`], and values as
-/// rows when `with_values` (the AVX-512 kernel reads them from the pages).
+/// keys as `[head_dim][CHUNK]` columns zero-padded to a whole
+/// [`KEY_STEP`], and values as rows when `with_values` (the AVX-512 kernel
+/// reads them from the pages). Pages store keys as columns already, so
+/// staging only widens.
 #[allow(clippy::too_many_arguments)]
 fn stage<E: KvValue>(
     view: &ReadView<'_, E>,
@@ -614,52 +640,39 @@ fn stage<E: KvValue>(
     with_values: bool,
 ) {
     debug_assert!(len > 0 && len <= CHUNK);
-    for_page_runs(view.page_size(), start, len, |page, slot, run, j| {
-        let keys = &view.keys(page, layer, kv_head)[slot * hd..(slot + run) * hd];
+    for (page, slot, run, j) in page_runs(view.page_size(), start, len) {
         if with_values {
             let values = &view.values(page, layer, kv_head)[slot * hd..(slot + run) * hd];
             widen_fast(values, &mut scratch.values[j * hd..(j + run) * hd]);
         }
-        let fast = transpose_fast(keys, run, hd, &mut scratch.keys, j);
+        let keys = view.keys(page, layer, kv_head);
+        let fast = stage_columns_fast(keys, slot..slot + run, &mut scratch.keys, j);
         if fast < run {
-            scratch.run.resize((run - fast) * hd, 0.0);
-            E::widen(&keys[fast * hd..], &mut scratch.run);
-            transpose_into(&scratch.run, run - fast, hd, &mut scratch.keys, j + fast);
+            for (d, column) in keys.columns().enumerate() {
+                let dst = &mut scratch.keys[d * CHUNK + j + fast..d * CHUNK + j + run];
+                E::widen(&column[slot + fast..slot + run], dst);
+            }
         }
-    });
+    }
     for d in 0..hd {
         scratch.keys[d * CHUNK + len..d * CHUNK + len.next_multiple_of(KEY_STEP)].fill(0.0);
     }
 }
 
-/// Stages the keys of `run` it can by SIMD (whole 16 × 16 blocks by
-/// AVX-512, then 8 × 8 by AVX2) and returns how many; the portable loop
-/// stages the rest.
-fn transpose_fast<E: KvValue>(
-    run: &[E],
-    n: usize,
-    hd: usize,
-    keys: &mut [f32],
+/// Stages what it can of `slots` of every key column by SIMD (whole blocks
+/// of 8 slots) into column `first..` of the scratch rows, and returns how
+/// many slots; the portable loop stages the rest.
+fn stage_columns_fast<E: KvValue>(
+    keys: Keys<'_, E>,
+    slots: std::ops::Range<usize>,
+    scratch: &mut [f32],
     first: usize,
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = avx2::Avx2::detect().filter(|_| wide_enough(IsaCap::Avx2)) {
-        let done = match avx512::Cpu::detect().filter(|_| wide_enough(IsaCap::Avx512)) {
-            Some(wide) => avx512::transpose(wide, run, n, hd, keys, CHUNK, first),
-            None => 0,
-        };
-        return done
-            + avx2::transpose(
-                cpu,
-                &run[done * hd..],
-                n - done,
-                hd,
-                keys,
-                CHUNK,
-                first + done,
-            );
+        return avx2::stage_columns(cpu, keys, slots, scratch, CHUNK, first);
     }
-    let _ = (run, n, hd, keys, first);
+    let _ = (keys, slots, scratch, first);
     0
 }
 
@@ -672,16 +685,6 @@ fn widen_fast<E: KvValue>(src: &[E], dst: &mut [f32]) {
         return;
     }
     E::widen(src, dst);
-}
-
-/// `keys[d][first + j] = run[j][d]`.
-fn transpose_into(run: &[f32], n: usize, hd: usize, keys: &mut [f32], first: usize) {
-    for d in 0..hd {
-        let column = &mut keys[d * CHUNK + first..d * CHUNK + first + n];
-        for (j, k) in column.iter_mut().enumerate() {
-            *k = run[j * hd + d];
-        }
-    }
 }
 
 /// Sizes of one chunk's kernel call.
@@ -706,11 +709,11 @@ struct ChunkShape {
 
 /// The buffers of one chunk's kernel call. Values are staged rows for the
 /// portable kernel, page runs for the AVX-512 one.
-struct ChunkData<'a, V: ?Sized = [f32]> {
+struct ChunkData<'a, V: ?Sized = [f32], K = &'a [f32]> {
     /// Scaled queries, `[head][head_dim]`.
     queries: &'a [f32],
-    /// Staged keys, `[head_dim][CHUNK]`.
-    keys: &'a [f32],
+    /// Staged keys, `[head_dim][CHUNK]`, or (AVX-512) where they lie.
+    keys: K,
     /// Values: staged `[CHUNK][head_dim]`, or runs of `[slot][head_dim]`
     /// covering the chunk's positions in order.
     values: &'a V,

@@ -60,7 +60,7 @@ fn write_and_read(c: &mut Criterion) {
             let mut sum = 0.0f32;
             for page in 0..view.num_pages() {
                 for head in 0..SHAPE.kv_heads {
-                    sum += view.keys(page, 7, head).iter().sum::<f32>();
+                    sum += view.keys(page, 7, head).columns().flatten().sum::<f32>();
                     sum += view.values(page, 7, head).iter().sum::<f32>();
                 }
             }

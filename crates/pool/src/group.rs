@@ -302,13 +302,19 @@ impl GroupLease {
         let mut guard = self.fenced_page(page)?;
         let head_dim = geometry.shape.head_dim;
         let data: &mut [E] = bytemuck::cast_slice_mut(&mut guard.data);
-        for (t, slot) in slots.clone().enumerate() {
-            for head in 0..geometry.shape.kv_heads {
-                let src = (t * geometry.shape.kv_heads + head) * head_dim;
-                for (kv, values) in [k, v].into_iter().enumerate() {
-                    let dst = geometry.block_offset(layer, kv, head) + slot * head_dim;
-                    data[dst..dst + head_dim].copy_from_slice(&values[src..src + head_dim]);
+        let kv_heads = geometry.shape.kv_heads;
+        for head in 0..kv_heads {
+            // Keys go in as columns, one dimension of the slots at a time.
+            for dim in 0..head_dim {
+                let column = geometry.key_offset(layer, head, slots.start, dim);
+                for (t, key) in data[column..column + slots.len()].iter_mut().enumerate() {
+                    *key = k[(t * kv_heads + head) * head_dim + dim];
                 }
+            }
+            for (t, slot) in slots.clone().enumerate() {
+                let src = (t * kv_heads + head) * head_dim;
+                let dst = geometry.block_offset(layer, 1, head) + slot * head_dim;
+                data[dst..dst + head_dim].copy_from_slice(&v[src..src + head_dim]);
             }
         }
         if self.shared.checks {

@@ -490,9 +490,9 @@ impl Shared {
         }
     }
 
-    /// Copies every layer's K and V for `slots` from hand-off bytes
-    /// (`[layer][K|V][kv_head][slot][head_dim]`) into `page` and marks them
-    /// covered. The chunk comes as `runs` whose concatenation is those
+    /// Copies every layer's K and V for `slots` from hand-off bytes (the
+    /// page's layout over those slots, [`crate::Geometry::chunk_runs`])
+    /// into `page` and marks them covered. The chunk comes as `runs` whose concatenation is those
     /// bytes, cut anywhere (one slice, or [`ReadView::slot_runs`] of
     /// another page); nothing is written unless their total length is the
     /// chunk's. The caller has checked who may write.

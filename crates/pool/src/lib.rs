@@ -41,5 +41,5 @@ pub use spec::{
     CacheSpec, Checks, DEFAULT_PUBLIC_MIN_TOKENS, Geometry, KvShape, MAX_PAGE_SIZE, PoolSize,
     PoolSpec, ReusePolicy, Scrub,
 };
-pub use view::ReadView;
+pub use view::{Keys, ReadView};
 pub use window::{Window, WindowKey};

@@ -326,27 +326,50 @@ impl Geometry {
 
     /// Offset of the first element of `(layer, kv, head)` in a page, where
     /// `kv` is 0 for K and 1 for V. A page is laid out
-    /// `[layer][K|V][kv_head][slot][dim]`, so one head's keys for every slot
-    /// of a page are contiguous: attention streams through them.
+    /// `[layer][K|V][kv_head]`, and within that one head's block:
+    ///
+    /// - keys as columns, `[dim][slot]`: dimension `d` of every slot of the
+    ///   page is contiguous, so attention scores 16 keys with one vector
+    ///   load per dimension and never transposes;
+    /// - values as rows, `[slot][dim]`: the weighted sum over positions
+    ///   reads one row per position.
     pub fn block_offset(&self, layer: usize, kv: usize, head: usize) -> usize {
         ((layer * 2 + kv) * self.shape.kv_heads + head) * self.head_block()
     }
 
-    /// Where the bytes of a hand-off chunk of `slots` lie in a page: one
-    /// byte range per `(layer, K|V, kv_head)` block, in the chunk's order
-    /// (`[layer][K|V][kv_head][slot][head_dim]` over just those slots).
+    /// Offset of key dimension `dim` of `slot` in the key block of
+    /// `(layer, head)` (see [`Geometry::block_offset`]).
+    pub fn key_offset(&self, layer: usize, head: usize, slot: usize, dim: usize) -> usize {
+        self.block_offset(layer, 0, head) + dim * self.page_size + slot
+    }
+
+    /// Where the bytes of a hand-off chunk of `slots` lie in a page: the
+    /// page's own order restricted to those slots, in byte ranges. Per
+    /// `(layer, K|V, kv_head)` block: keys as one run of the slots per
+    /// dimension (one run for the whole block when `slots` is the whole
+    /// page), values as one run of rows.
     pub fn chunk_runs(&self, slots: Range<usize>) -> impl Iterator<Item = Range<usize>> + Clone {
         let g = *self;
         let elem = g.elem.size_bytes();
-        let (first, run) = (
-            slots.start * g.shape.head_dim * elem,
-            slots.len() * g.shape.head_dim * elem,
-        );
+        let hd = g.shape.head_dim;
+        let (first, count) = (slots.start, slots.len());
+        // (pieces, distance between them, first byte, bytes each)
+        let key_pieces = if count == g.page_size {
+            (1, 0, 0, g.head_block() * elem)
+        } else {
+            (hd, g.page_size * elem, first * elem, count * elem)
+        };
+        let value_pieces = (1, 0, first * hd * elem, count * hd * elem);
         (0..g.shape.layers).flat_map(move |layer| {
             (0..2).flat_map(move |kv| {
-                (0..g.shape.kv_heads).map(move |head| {
-                    let at = g.block_offset(layer, kv, head) * elem + first;
-                    at..at + run
+                (0..g.shape.kv_heads).flat_map(move |head| {
+                    let (pieces, stride, offset, len) =
+                        if kv == 0 { key_pieces } else { value_pieces };
+                    let block = g.block_offset(layer, kv, head) * elem + offset;
+                    (0..pieces).map(move |p| {
+                        let at = block + p * stride;
+                        at..at + len
+                    })
                 })
             })
         })

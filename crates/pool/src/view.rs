@@ -111,9 +111,10 @@ impl<E> ReadView<'_, E> {
         &self.guards[page - self.first_page]
     }
 
-    /// Every layer's K and V of `slots` of page `page` as raw bytes, laid
-    /// out `[layer][K|V][kv_head][slot][head_dim]` over just those slots:
-    /// what a hand-off chunk carries. Needs a view of every layer.
+    /// Every layer's K and V of `slots` of page `page` as raw bytes, in the
+    /// page's layout over just those slots
+    /// ([`crate::Geometry::chunk_runs`]): what a hand-off chunk carries.
+    /// Needs a view of every layer.
     pub fn export_slots(&self, page: usize, slots: Range<usize>) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.geometry.chunk_bytes(slots.len()));
         for run in self.slot_runs(page, slots) {
@@ -146,19 +147,28 @@ impl<E> ReadView<'_, E> {
 }
 
 impl<E: KvElement> ReadView<'_, E> {
-    /// Keys of one head for the valid slots of one page:
-    /// `[slot][head_dim]`, contiguous.
-    pub fn keys(&self, page: usize, layer: usize, head: usize) -> &[E] {
-        self.block(page, layer, 0, head)
+    /// Keys of one head for the valid slots of one page, as columns (see
+    /// [`Keys`]).
+    pub fn keys(&self, page: usize, layer: usize, head: usize) -> Keys<'_, E> {
+        let (block, slots) = self.block(page, layer, 0, head);
+        Keys {
+            block,
+            page_size: self.geometry.page_size,
+            head_dim: self.geometry.shape.head_dim,
+            slots,
+        }
     }
 
     /// Values of one head for the valid slots of one page:
     /// `[slot][head_dim]`, contiguous.
     pub fn values(&self, page: usize, layer: usize, head: usize) -> &[E] {
-        self.block(page, layer, 1, head)
+        let (block, slots) = self.block(page, layer, 1, head);
+        &block[..slots * self.geometry.shape.head_dim]
     }
 
-    fn block(&self, page: usize, layer: usize, kv: usize, head: usize) -> &[E] {
+    /// The whole K or V block of one head of one page, and how many of its
+    /// slots are valid: callers hand out only those.
+    fn block(&self, page: usize, layer: usize, kv: usize, head: usize) -> (&[E], usize) {
         assert!(
             self.layers.contains(&layer),
             "layer {layer} is outside the view's layers {:?}",
@@ -173,7 +183,74 @@ impl<E: KvElement> ReadView<'_, E> {
         let start =
             self.geometry
                 .block_offset(layer - self.layers.start + self.page_layer, kv, head);
-        &data[start..start + slots * self.geometry.shape.head_dim]
+        (&data[start..start + self.geometry.head_block()], slots)
+    }
+}
+
+/// One head's keys for the valid slots of one page, stored as columns:
+/// dimension `d` of every slot is one contiguous run ([`Keys::column`]),
+/// so a score over many keys loads one vector per dimension. Only the
+/// valid slots are reachable (I2): a partial page's later slots hold
+/// whatever the page held before.
+#[derive(Clone, Copy)]
+pub struct Keys<'a, E> {
+    /// The head's whole key block, `[dim][page_size]`.
+    block: &'a [E],
+    page_size: usize,
+    head_dim: usize,
+    slots: usize,
+}
+
+impl<'a, E: Copy> Keys<'a, E> {
+    /// Valid slots: the length of every column.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Dimensions: the number of columns.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Elements from the start of one column to the next: column `d`
+    /// begins `d · stride` elements after column 0, all in one block. What
+    /// SIMD code that walks the columns by address relies on.
+    pub fn stride(&self) -> usize {
+        self.page_size
+    }
+
+    /// Dimension `dim` of every valid slot, in slot order.
+    pub fn column(&self, dim: usize) -> &'a [E] {
+        assert!(
+            dim < self.head_dim,
+            "dimension {dim} is outside the head's {}",
+            self.head_dim
+        );
+        &self.block[dim * self.page_size..][..self.slots]
+    }
+
+    /// The columns in dimension order.
+    pub fn columns(&self) -> impl Iterator<Item = &'a [E]> + '_ {
+        (0..self.head_dim).map(|d| self.column(d))
+    }
+
+    /// The keys as rows, `[slot][head_dim]`: a copy, for callers that want
+    /// one key's elements together.
+    pub fn to_rows(&self) -> Vec<E> {
+        let mut rows = Vec::with_capacity(self.slots * self.head_dim);
+        for slot in 0..self.slots {
+            rows.extend(self.columns().map(|column| column[slot]));
+        }
+        rows
+    }
+}
+
+impl<E> std::fmt::Debug for Keys<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keys")
+            .field("slots", &self.slots)
+            .field("head_dim", &self.head_dim)
+            .finish()
     }
 }
 

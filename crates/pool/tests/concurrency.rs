@@ -65,7 +65,10 @@ fn concurrent_leases_keep_ownership_and_counters_consistent() {
                         for page in 0..view.num_pages() {
                             for layer in 0..SHAPE.layers {
                                 assert!(
-                                    view.keys(page, layer, 0).iter().all(|&x| x == mark),
+                                    view.keys(page, layer, 0)
+                                        .to_rows()
+                                        .iter()
+                                        .all(|&x| x == mark),
                                     "I2: foreign key data"
                                 );
                                 assert!(

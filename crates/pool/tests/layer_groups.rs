@@ -67,7 +67,7 @@ fn reads_own(lease: &Lease, seed: u64, past: usize, end: usize) -> bool {
         let view = lease.read_layer_from::<f32>(layer, start, end).unwrap();
         (view.first_page() * PAGE..end).all(|p| {
             let (page, slot) = (p / PAGE, p % PAGE);
-            view.keys(page, layer, 0)[slot * 2..slot * 2 + 2] == value(seed, layer, p)
+            view.keys(page, layer, 0).to_rows()[slot * 2..slot * 2 + 2] == value(seed, layer, p)
                 && view.values(page, layer, 0)[slot * 2..slot * 2 + 2] == value(seed, layer, p)
         })
     })

@@ -396,7 +396,7 @@ impl Harness {
                         let (k, v) = &model.written[&(l, pos)];
                         for head in 0..SHAPE.kv_heads {
                             let d = SHAPE.head_dim;
-                            let got_k = &view.keys(page, l, head)[s * d..(s + 1) * d];
+                            let got_k = &view.keys(page, l, head).to_rows()[s * d..(s + 1) * d];
                             let got_v = &view.values(page, l, head)[s * d..(s + 1) * d];
                             assert_eq!(
                                 got_k,

@@ -84,7 +84,10 @@ fn holds<'a>(lease: &Lease, prompt: &[u32], writer: impl Fn(usize) -> &'a str) -
     let view = lease.read_view::<f32>(prompt.len()).unwrap();
     (0..view.num_pages()).all(|page| {
         (0..SHAPE.layers).all(|layer| {
-            let (keys, values) = (view.keys(page, layer, 0), view.values(page, layer, 0));
+            let (keys, values) = (
+                view.keys(page, layer, 0).to_rows(),
+                view.values(page, layer, 0),
+            );
             (0..view.slots_in_page(page)).all(|slot| {
                 let position = page * PAGE + slot;
                 let tenant = writer(position);

@@ -167,7 +167,7 @@ fn i2_next_tenant_cannot_read_what_the_previous_one_wrote() {
         second.write_positions(layer, 0, &k, &k).unwrap();
     }
     let view = second.read_view::<f32>(1).unwrap();
-    assert_eq!(view.keys(0, 0, 0), &k[..4]);
+    assert_eq!(view.keys(0, 0, 0).to_rows(), &k[..4]);
     drop(view);
     assert!(second.read_view::<f32>(2).is_err());
 }
@@ -382,7 +382,7 @@ fn writes_across_page_boundaries_land_in_token_order() {
         for head in 0..2 {
             let (page, slot) = (pos / PAGE, pos % PAGE);
             let want = &k[pos * PER_TOKEN + head * 4..][..4];
-            assert_eq!(&view.keys(page, 1, head)[slot * 4..][..4], want);
+            assert_eq!(&view.keys(page, 1, head).to_rows()[slot * 4..][..4], want);
             let want_v = &v[pos * PER_TOKEN + head * 4..][..4];
             assert_eq!(&view.values(page, 1, head)[slot * 4..][..4], want_v);
         }
@@ -406,7 +406,10 @@ fn raw_export_and_fenced_raw_import_move_kv_between_pools_exactly() {
     for page in 0..2 {
         for layer in 0..SHAPE.layers {
             for head in 0..SHAPE.kv_heads {
-                assert_eq!(copied.keys(page, layer, head), view.keys(page, layer, head));
+                assert_eq!(
+                    copied.keys(page, layer, head).to_rows(),
+                    view.keys(page, layer, head).to_rows()
+                );
                 assert_eq!(
                     copied.values(page, layer, head),
                     view.values(page, layer, head)

@@ -45,7 +45,7 @@ fn reads_own(lease: &Lease, from: usize, to: usize, seed: f32) -> bool {
     let view = lease.read_layer_from::<f32>(0, from, to).unwrap();
     (view.first_page() * PAGE..to).all(|p| {
         let (page, slot) = (p / PAGE, p % PAGE);
-        view.keys(page, 0, 0)[slot * PER_TOKEN..(slot + 1) * PER_TOKEN]
+        view.keys(page, 0, 0).to_rows()[slot * PER_TOKEN..(slot + 1) * PER_TOKEN]
             == [seed + p as f32, seed - p as f32]
     })
 }

@@ -193,8 +193,14 @@ proptest::proptest! {
         for layer in 0..SHAPE.layers {
             for kv in 0..2 {
                 for head in 0..SHAPE.kv_heads {
-                    let stored = if kv == 0 { view.keys(1, layer, head) } else { view.values(1, layer, head) };
-                    let stored = &stored[slots.start * SHAPE.head_dim..][..run];
+                    // Keys travel as the slots of one dimension after
+                    // another, values as the slots' rows.
+                    let stored: Vec<f32> = if kv == 0 {
+                        let keys = view.keys(1, layer, head);
+                        keys.columns().flat_map(|column| &column[slots.clone()]).copied().collect()
+                    } else {
+                        view.values(1, layer, head)[slots.start * SHAPE.head_dim..][..run].to_vec()
+                    };
                     let sent: Vec<f32> = runs
                         .next()
                         .unwrap()

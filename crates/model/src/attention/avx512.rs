@@ -20,8 +20,11 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
+use std::ops::Range;
 
 use half::{bf16, f16};
+use kvfence_pool::Keys;
 
 use super::{CHUNK, ChunkData, ChunkShape, KEY_STEP, QUERY_STEP, SUM_LANES};
 
@@ -88,10 +91,102 @@ pub(crate) fn handles(head_dim: usize) -> bool {
     head_dim > 0 && head_dim.is_multiple_of(LANES)
 }
 
+/// Where the score kernel finds a chunk's keys: for each block of 16 key
+/// positions, the address of dimension 0 of those 16 keys, dimension `d`
+/// lying `d · stride` elements further. Made only by [`KeyBlocks::staged`]
+/// and [`KeyBlocks::from_pages`], which check that every element the
+/// kernel reads lies in a slice they were given — for pages, in the valid
+/// slots of a [`Keys`] (I2): a block is read from a page only when all 16
+/// of its slots were written.
+pub(crate) struct KeyBlocks<'a, K> {
+    blocks: [*const K; CHUNK / LANES],
+    count: usize,
+    stride: usize,
+    head_dim: usize,
+    keys: PhantomData<&'a [K]>,
+}
+
+impl<'a> KeyBlocks<'a, f32> {
+    /// The staged keys, `[head_dim][CHUNK]` with the first `cols` columns
+    /// written (a whole number of blocks).
+    pub(crate) fn staged(keys: &'a [f32], head_dim: usize, cols: usize) -> Self {
+        assert!(
+            head_dim > 0
+                && cols.is_multiple_of(LANES)
+                && cols <= CHUNK
+                && keys.len() >= (head_dim - 1) * CHUNK + cols,
+            "staged keys must hold {cols} columns of {head_dim} dimensions"
+        );
+        let mut blocks = [std::ptr::null(); CHUNK / LANES];
+        for (b, block) in blocks.iter_mut().take(cols / LANES).enumerate() {
+            *block = keys[b * LANES..].as_ptr();
+        }
+        KeyBlocks {
+            blocks,
+            count: cols / LANES,
+            stride: CHUNK,
+            head_dim,
+            keys: PhantomData,
+        }
+    }
+}
+
+impl<'a, E: Copy> KeyBlocks<'a, E> {
+    /// A chunk's keys where they lie in its pages — `runs` are `(keys,
+    /// slots)` of each page in position order — when every run is whole
+    /// blocks of 16 valid slots; `None` otherwise (a partial last page,
+    /// pages of other sizes), and the caller stages them.
+    pub(crate) fn from_pages(
+        runs: impl IntoIterator<Item = (Keys<'a, E>, Range<usize>)>,
+    ) -> Option<Self> {
+        let mut blocks = [std::ptr::null(); CHUNK / LANES];
+        let (mut count, mut shape) = (0, None);
+        for (keys, slots) in runs {
+            let hd = keys.head_dim();
+            if hd == 0
+                || !slots.len().is_multiple_of(LANES)
+                || slots.end > keys.slots()
+                || *shape.get_or_insert((keys.stride(), hd)) != (keys.stride(), hd)
+            {
+                return None;
+            }
+            let (first, last) = (keys.column(0), keys.column(hd - 1));
+            // Columns are `stride` apart in one block: the last one lying
+            // where that puts it bounds every column between.
+            assert_eq!(
+                last.as_ptr(),
+                first.as_ptr().wrapping_add((hd - 1) * keys.stride()),
+                "a page's key columns are stride apart"
+            );
+            for slot in slots.step_by(LANES) {
+                if count == blocks.len() {
+                    return None;
+                }
+                // Slots `slot..slot + 16` are valid in every column.
+                blocks[count] = first[slot..slot + LANES].as_ptr();
+                count += 1;
+            }
+        }
+        let (stride, head_dim) = shape?;
+        Some(KeyBlocks {
+            blocks,
+            count,
+            stride,
+            head_dim,
+            keys: PhantomData,
+        })
+    }
+}
+
 /// [`super::chunk_kernel`], bit for bit, for a `head_dim` that
-/// [`handles`] accepts, reading values straight from their page runs
+/// [`handles`] accepts, reading keys through [`KeyBlocks`] (staged, or
+/// where they lie in the pages) and values straight from their page runs
 /// (each `[slot][head_dim]`, in position order) instead of a staged copy.
-pub(crate) fn chunk<E: Widen16>(_cpu: Cpu, data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
+pub(crate) fn chunk<E: Widen16, K: Widen16>(
+    _cpu: Cpu,
+    data: ChunkData<'_, [&[E]], KeyBlocks<'_, K>>,
+    shape: ChunkShape,
+) {
     let ChunkShape {
         heads,
         head_dim: hd,
@@ -106,7 +201,8 @@ pub(crate) fn chunk<E: Widen16>(_cpu: Cpu, data: ChunkData<'_, [&[E]]>, shape: C
     );
     assert!(
         data.queries.len() >= heads * hd
-            && data.keys.len() >= (hd - 1) * CHUNK + cols
+            && data.keys.head_dim == hd
+            && data.keys.count * LANES == cols
             && data.values.iter().all(|run| run.len().is_multiple_of(hd))
             && data.values.iter().map(|run| run.len()).sum::<usize>() >= len * hd
             && data.scores.len() >= heads * CHUNK
@@ -121,7 +217,10 @@ pub(crate) fn chunk<E: Widen16>(_cpu: Cpu, data: ChunkData<'_, [&[E]]>, shape: C
 }
 
 #[target_feature(enable = "avx512f")]
-unsafe fn chunk_avx512<E: Widen16>(data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
+unsafe fn chunk_avx512<E: Widen16, K: Widen16>(
+    data: ChunkData<'_, [&[E]], KeyBlocks<'_, K>>,
+    shape: ChunkShape,
+) {
     let ChunkData {
         queries,
         keys,
@@ -135,11 +234,11 @@ unsafe fn chunk_avx512<E: Widen16>(data: ChunkData<'_, [&[E]]>, shape: ChunkShap
         heads,
         group,
         head_dim: hd,
-        cols,
         start,
         first_row_end,
         window,
         len,
+        ..
     } = shape;
     // Scores: QUERY_STEP heads × KEY_BLOCKS key blocks at a time.
     let mut h = 0;
@@ -148,15 +247,16 @@ unsafe fn chunk_avx512<E: Widen16>(data: ChunkData<'_, [&[E]]>, shape: ChunkShap
         let q = queries[h * hd..].as_ptr();
         let s = scores[h * CHUNK..].as_mut_ptr();
         // SAFETY: heads h..h + step have hd queries and CHUNK scores each;
-        // key columns j..j + 16 · blocks lie below `cols`.
+        // `keys` holds `cols / 16` blocks of hd dimensions (its makers
+        // checked every one).
         unsafe {
             match step {
-                6 => score_heads::<6>(q, keys.as_ptr(), hd, cols, s),
-                5 => score_heads::<5>(q, keys.as_ptr(), hd, cols, s),
-                4 => score_heads::<4>(q, keys.as_ptr(), hd, cols, s),
-                3 => score_heads::<3>(q, keys.as_ptr(), hd, cols, s),
-                2 => score_heads::<2>(q, keys.as_ptr(), hd, cols, s),
-                _ => score_heads::<1>(q, keys.as_ptr(), hd, cols, s),
+                6 => score_heads::<K, 6>(q, &keys, s),
+                5 => score_heads::<K, 5>(q, &keys, s),
+                4 => score_heads::<K, 4>(q, &keys, s),
+                3 => score_heads::<K, 3>(q, &keys, s),
+                2 => score_heads::<K, 2>(q, &keys, s),
+                _ => score_heads::<K, 1>(q, &keys, s),
             }
         }
         h += step;
@@ -207,54 +307,54 @@ unsafe fn chunk_avx512<E: Widen16>(data: ChunkData<'_, [&[E]]>, shape: ChunkShap
     }
 }
 
-/// Scores of `Q` heads against every staged key column, in runs of
+/// Scores of `Q` heads against every key block, in runs of
 /// [`KEY_BLOCKS`] blocks and then single blocks.
 ///
 /// # Safety
-/// AVX-512F; `queries` holds `Q × hd` floats, `keys` `hd` rows of
-/// [`CHUNK`] with `cols` valid, `scores` `Q` rows of [`CHUNK`].
+/// AVX-512F; `queries` holds `Q × head_dim` floats, `scores` `Q` rows of
+/// [`CHUNK`].
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn score_heads<const Q: usize>(
+unsafe fn score_heads<K: Widen16, const Q: usize>(
     queries: *const f32,
-    keys: *const f32,
-    hd: usize,
-    cols: usize,
+    keys: &KeyBlocks<'_, K>,
     scores: *mut f32,
 ) {
-    let mut j = 0;
-    while j + KEY_BLOCKS * LANES <= cols {
-        // SAFETY: forwarded; j + 64 <= cols.
-        unsafe { score_block::<Q, KEY_BLOCKS>(queries, keys, hd, j, scores) };
-        j += KEY_BLOCKS * LANES;
+    let mut b = 0;
+    while b + KEY_BLOCKS <= keys.count {
+        // SAFETY: forwarded; blocks b..b + 4 exist.
+        unsafe { score_block::<K, Q, KEY_BLOCKS>(queries, keys, b, scores) };
+        b += KEY_BLOCKS;
     }
-    while j < cols {
-        // SAFETY: forwarded; j + 16 <= cols (cols is whole key steps).
-        unsafe { score_block::<Q, 1>(queries, keys, hd, j, scores) };
-        j += LANES;
+    while b < keys.count {
+        // SAFETY: forwarded; block b exists.
+        unsafe { score_block::<K, Q, 1>(queries, keys, b, scores) };
+        b += 1;
     }
 }
 
-/// `scores[i][j + l] = Σ_d q_i[d] · k[d][j + l]` as one fused chain over
-/// `d` ascending from zero, for `Q` heads and `B` blocks of 16 keys.
+/// `scores[i][16 · (first + b) + l] = Σ_d q_i[d] · k[d][l]` of block
+/// `first + b`, as one fused chain over `d` ascending from zero, for `Q`
+/// heads and `B` blocks of 16 keys.
 ///
 /// # Safety
-/// As [`score_heads`], with `j + 16 · B <= cols`.
+/// As [`score_heads`], with blocks `first..first + B` in `keys`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn score_block<const Q: usize, const B: usize>(
+unsafe fn score_block<K: Widen16, const Q: usize, const B: usize>(
     queries: *const f32,
-    keys: *const f32,
-    hd: usize,
-    j: usize,
+    keys: &KeyBlocks<'_, K>,
+    first: usize,
     scores: *mut f32,
 ) {
+    let (hd, stride) = (keys.head_dim, keys.stride);
     let mut acc = [[_mm512_setzero_ps(); B]; Q];
     for d in 0..hd {
         let mut k = [_mm512_setzero_ps(); B];
         for (b, k) in k.iter_mut().enumerate() {
-            // SAFETY: row d < hd, columns j + 16b.. + 16 <= cols.
-            *k = unsafe { _mm512_loadu_ps(keys.add(d * CHUNK + j + b * LANES)) };
+            // SAFETY: dimension d < hd of block first + b: 16 elements
+            // its maker checked.
+            *k = unsafe { K::load16(keys.blocks[first + b].add(d * stride)) };
         }
         for (i, acc) in acc.iter_mut().enumerate() {
             // SAFETY: head i < Q, dimension d < hd.
@@ -266,8 +366,9 @@ unsafe fn score_block<const Q: usize, const B: usize>(
     }
     for (i, acc) in acc.iter().enumerate() {
         for (b, &a) in acc.iter().enumerate() {
-            // SAFETY: head i < Q, columns j + 16b.. + 16 <= cols <= CHUNK.
-            unsafe { _mm512_storeu_ps(scores.add(i * CHUNK + j + b * LANES), a) };
+            let column = (first + b) * LANES;
+            // SAFETY: head i < Q, columns column.. + 16 <= cols <= CHUNK.
+            unsafe { _mm512_storeu_ps(scores.add(i * CHUNK + column), a) };
         }
     }
 }
@@ -443,90 +544,9 @@ unsafe fn value_block<E: Widen16, const Q: usize, const B: usize>(
     }
 }
 
-/// `keys[d * stride + first + j] = run[j * hd + d]` for every `d`, for the
-/// whole 16-key blocks of the first `n` keys of `run`; returns how many
-/// keys it staged (a multiple of 16), leaving the rest to the caller.
-/// Like [`super::avx2::transpose`], with 16 × 16 blocks: a third fewer
-/// shuffles per key, half the loads and stores.
-pub(crate) fn transpose<E: Widen16>(
-    _cpu: Cpu,
-    run: &[E],
-    n: usize,
-    hd: usize,
-    keys: &mut [f32],
-    stride: usize,
-    first: usize,
-) -> usize {
-    if !handles(hd) {
-        return 0;
-    }
-    let whole = n - n % LANES;
-    assert!(run.len() >= n * hd, "the run holds n keys of hd elements");
-    assert!(
-        keys.len() >= (hd - 1) * stride + first + whole,
-        "every staged column fits in the key scratch"
-    );
-    // SAFETY: `_cpu` proves AVX-512F; the asserts above bound every read
-    // (`j + 16 <= whole <= n` keys of `hd`) and every write.
-    unsafe { transpose_blocks(run.as_ptr(), whole, hd, keys.as_mut_ptr(), stride, first) };
-    whole
-}
-
-#[target_feature(enable = "avx512f")]
-unsafe fn transpose_blocks<E: Widen16>(
-    run: *const E,
-    whole: usize,
-    hd: usize,
-    keys: *mut f32,
-    stride: usize,
-    first: usize,
-) {
-    for j in (0..whole).step_by(LANES) {
-        for d in (0..hd).step_by(LANES) {
-            let mut r = [_mm512_setzero_ps(); LANES];
-            for (i, r) in r.iter_mut().enumerate() {
-                // SAFETY: key j + i < whole, dimensions d..d + 16 <= hd.
-                *r = unsafe { E::load16(run.add((j + i) * hd + d)) };
-            }
-            // Within each 128-bit lane, four rows' four dimensions: after
-            // these two steps `u[4q + k]` holds dimension 4·lane + k of
-            // rows 4q..4q + 4.
-            let mut u = [_mm512_setzero_ps(); LANES];
-            for q in 0..4 {
-                let [a, b, c, e] = [r[4 * q], r[4 * q + 1], r[4 * q + 2], r[4 * q + 3]];
-                let (t0, t1) = (_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-                let (t2, t3) = (_mm512_unpacklo_ps(c, e), _mm512_unpackhi_ps(c, e));
-                u[4 * q] = _mm512_shuffle_ps::<0x44>(t0, t2);
-                u[4 * q + 1] = _mm512_shuffle_ps::<0xEE>(t0, t2);
-                u[4 * q + 2] = _mm512_shuffle_ps::<0x44>(t1, t3);
-                u[4 * q + 3] = _mm512_shuffle_ps::<0xEE>(t1, t3);
-            }
-            // Then gather lane L of the four row groups: dimension 4L + k.
-            for k in 0..4 {
-                let v0 = _mm512_shuffle_f32x4::<0x88>(u[k], u[4 + k]);
-                let v1 = _mm512_shuffle_f32x4::<0xDD>(u[k], u[4 + k]);
-                let v2 = _mm512_shuffle_f32x4::<0x88>(u[8 + k], u[12 + k]);
-                let v3 = _mm512_shuffle_f32x4::<0xDD>(u[8 + k], u[12 + k]);
-                let columns = [
-                    (k, _mm512_shuffle_f32x4::<0x88>(v0, v2)),
-                    (8 + k, _mm512_shuffle_f32x4::<0xDD>(v0, v2)),
-                    (4 + k, _mm512_shuffle_f32x4::<0x88>(v1, v3)),
-                    (12 + k, _mm512_shuffle_f32x4::<0xDD>(v1, v3)),
-                ];
-                for (dim, column) in columns {
-                    // SAFETY: dimension d + dim < hd, columns first + j..
-                    // + 16 <= first + whole (checked by `transpose`).
-                    unsafe { _mm512_storeu_ps(keys.add((d + dim) * stride + first + j), column) };
-                }
-            }
-        }
-    }
-}
-
 /// Asks for every cache line of `data` to be brought towards L1, so that
-/// a chunk's page runs (2 KB each for SmolLM2, one run per page) are all in
-/// flight at once rather than each waiting for the hardware prefetcher to
-/// notice it.
+/// a chunk's value runs (2 KB a page for SmolLM2) are all in flight at once rather than each waiting for the
+/// hardware prefetcher to notice it.
 pub(crate) fn prefetch<E>(_cpu: Cpu, data: &[E]) {
     let bytes = std::mem::size_of_val(data);
     let base = data.as_ptr().cast::<i8>();

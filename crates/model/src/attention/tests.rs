@@ -2,30 +2,82 @@
 
 use super::*;
 
-fn staged_both_ways<E: KvValue>(make: impl Fn(f32) -> E) {
-    // 37 keys: two 16-key blocks, an 8-key block and a remainder.
-    let (n, hd) = (37, 64);
-    let run: Vec<E> = (0..n * hd)
-        .map(|i| make(((i * 7919) % 1000) as f32 / 250.0 - 2.0))
+/// Stages `len` positions from `start` out of a pool whose pages hold
+/// `page_size` slots and checks every staged key and value against the
+/// token-major rows written, and the padding against zero. Scratch starts
+/// poisoned, so a cell staging skipped shows.
+fn staged_from_pages<E: KvValue>(
+    make: impl Fn(f32) -> E,
+    page_size: usize,
+    start: usize,
+    len: usize,
+) {
+    use kvfence_pool::{KvShape, Pool, PoolSize, PoolSpec, RequestId};
+    let (hd, heads) = (64, 2);
+    let shape = KvShape {
+        layers: 1,
+        kv_heads: heads,
+        head_dim: hd,
+    };
+    let pool = Pool::new(&PoolSpec::new(
+        shape,
+        page_size,
+        E::ELEM,
+        PoolSize::Tokens(start + len),
+    ))
+    .unwrap();
+    let mut lease = pool.lease(RequestId(1), start + len).unwrap();
+    let tokens = start + len;
+    let element = |t: usize, i: usize, kv: usize| {
+        make((((t * heads * hd + i) * 7919 + kv * 31) % 1000) as f32 / 250.0 - 2.0)
+    };
+    let k: Vec<E> = (0..tokens * heads * hd)
+        .map(|i| element(i / (heads * hd), i % (heads * hd), 0))
         .collect();
-    let mut fast = vec![f32::NAN; hd * CHUNK];
-    let done = transpose_fast(&run, n, hd, &mut fast, 3);
-    let mut wide = vec![0.0; (n - done) * hd];
-    E::widen(&run[done * hd..], &mut wide);
-    transpose_into(&wide, n - done, hd, &mut fast, 3 + done);
-    let mut all = vec![0.0; n * hd];
-    E::widen(&run, &mut all);
-    let mut slow = vec![f32::NAN; hd * CHUNK];
-    transpose_into(&all, n, hd, &mut slow, 3);
-    for d in 0..hd {
-        for j in 3..3 + n {
-            let (a, b) = (fast[d * CHUNK + j], slow[d * CHUNK + j]);
-            assert_eq!(a.to_bits(), b.to_bits(), "key {j}, dimension {d}");
+    let v: Vec<E> = (0..tokens * heads * hd)
+        .map(|i| element(i / (heads * hd), i % (heads * hd), 1))
+        .collect();
+    lease.write_positions(0, 0, &k, &v).unwrap();
+    let view = lease.read_layer::<E>(0, tokens).unwrap();
+    let mut scratch = Scratch {
+        keys: vec![f32::NAN; hd * CHUNK],
+        values: vec![f32::NAN; CHUNK * hd],
+        scores: Vec::new(),
+        queries: Vec::new(),
+        chunk_out: Vec::new(),
+        chunk_max: Vec::new(),
+        chunk_den: Vec::new(),
+    };
+    let wide = |x: E| {
+        let mut out = [0.0f32];
+        E::widen(&[x], &mut out);
+        out[0].to_bits()
+    };
+    stage(&view, 0, 1, start, len, hd, &mut scratch, true);
+    for j in 0..len {
+        let token = (start + j) * heads * hd + hd;
+        for d in 0..hd {
+            assert_eq!(
+                scratch.keys[d * CHUNK + j].to_bits(),
+                wide(k[token + d]),
+                "key {j}, dimension {d}"
+            );
+            assert_eq!(
+                scratch.values[j * hd + d].to_bits(),
+                wide(v[token + d]),
+                "value {j}, dimension {d}"
+            );
         }
     }
-    let mut widened = vec![0.0; n * hd];
-    widen_fast(&run, &mut widened);
-    assert_eq!(widened, all, "SIMD widening must equal the portable one");
+    for d in 0..hd {
+        for j in len..len.next_multiple_of(KEY_STEP) {
+            assert_eq!(
+                scratch.keys[d * CHUNK + j].to_bits(),
+                0,
+                "padding {j}, dimension {d}"
+            );
+        }
+    }
 }
 
 /// Runs one chunk kernel over copies of the inputs; returns each
@@ -75,6 +127,25 @@ fn run_chunk<V: ?Sized>(
             Some((max[h].to_bits(), den[h].to_bits(), bits(head_out)))
         })
         .collect()
+}
+
+/// The AVX-512 kernel over keys staged as the portable one reads them.
+#[cfg(target_arch = "x86_64")]
+fn avx512_staged<E: Stage>(cpu: avx512::Cpu, data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
+    let keys = avx512::KeyBlocks::staged(data.keys, shape.head_dim, shape.cols);
+    avx512::chunk(
+        cpu,
+        ChunkData {
+            queries: data.queries,
+            keys,
+            values: data.values,
+            scores: data.scores,
+            out: data.out,
+            max: data.max,
+            den: data.den,
+        },
+        shape,
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -131,7 +202,7 @@ proptest::proptest! {
         // Page runs as `stage` cuts them: the chunk starts mid-page.
         let cut = |all_len: usize| {
             let mut ends = Vec::new();
-            for_page_runs(page_size, start + 3, len, |_, _, run, j| ends.push((j, j + run)));
+            ends.extend(page_runs(page_size, start + 3, len).map(|(_, _, run, j)| (j, j + run)));
             assert_eq!(ends.last().map(|e| e.1), Some(all_len / hd));
             ends
         };
@@ -142,14 +213,14 @@ proptest::proptest! {
                 cut(narrow.len()).iter().map(|&(a, b)| &narrow[a * hd..b * hd]).collect();
             (
                 run_chunk(chunk_kernel, shape, &queries, &keys, &wide[..]),
-                run_chunk(|d, s| avx512::chunk(cpu, d, s), shape, &queries, &keys, &runs[..]),
+                run_chunk(|d, s| avx512_staged(cpu, d, s), shape, &queries, &keys, &runs[..]),
             )
         } else {
             let runs: Vec<&[f32]> =
                 cut(values.len()).iter().map(|&(a, b)| &values[a * hd..b * hd]).collect();
             (
                 run_chunk(chunk_kernel, shape, &queries, &keys, &values[..]),
-                run_chunk(|d, s| avx512::chunk(cpu, d, s), shape, &queries, &keys, &runs[..]),
+                run_chunk(|d, s| avx512_staged(cpu, d, s), shape, &queries, &keys, &runs[..]),
             )
         };
         proptest::prop_assert_eq!(simd, portable);
@@ -157,8 +228,124 @@ proptest::proptest! {
 }
 
 #[test]
-fn simd_staging_stores_what_the_portable_loop_stores() {
-    staged_both_ways(|x| x);
-    staged_both_ways(f16::from_f32);
-    staged_both_ways(bf16::from_f32);
+fn staging_widens_exactly_the_positions_asked_for_from_key_columns() {
+    // Whole 8-slot blocks by SIMD, the rest by the portable loop: pages
+    // of 16 (whole blocks, and a partial last page), of 5 (no whole block)
+    // and of 24 (a block and a remainder in each), from a chunk's start.
+    for (page_size, start, len) in [(16, 0, 128), (16, 128, 37), (5, 128, 53), (24, 0, 101)] {
+        staged_from_pages(|x| x, page_size, start, len);
+        staged_from_pages(f16::from_f32, page_size, start, len);
+        staged_from_pages(bf16::from_f32, page_size, start, len);
+    }
+}
+
+/// Keys the AVX-512 kernel reads where they lie in the pages give the
+/// bits of the same keys staged, and only chunks of whole 16-slot blocks
+/// are read in place: a partial last page, or pages of another size, are
+/// staged (a block read in place past a page's written slots would read
+/// whatever the page held before).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn keys_read_in_place_score_as_staged_keys_do() {
+    use kvfence_pool::{KvShape, Pool, PoolSize, PoolSpec, RequestId};
+    let Some(cpu) = avx512::Cpu::detect() else {
+        return;
+    };
+    let (hd, heads, group) = (64, 2, 3);
+    let shape = KvShape {
+        layers: 1,
+        kv_heads: heads,
+        head_dim: hd,
+    };
+    let at = |i: usize| f16::from_f32(((i * 7919 % 1000) as f32 / 250.0 - 2.0) * 0.37);
+    for (page_size, tokens, in_place) in [
+        (16, 256, true),
+        (32, 128, true),
+        (16, 128 + 37, false),
+        (24, 128, false),
+    ] {
+        let pool = Pool::new(&PoolSpec::new(
+            shape,
+            page_size,
+            f16::ELEM,
+            PoolSize::Tokens(tokens),
+        ))
+        .unwrap();
+        let mut lease = pool.lease(RequestId(1), tokens).unwrap();
+        let k: Vec<f16> = (0..tokens * heads * hd).map(at).collect();
+        let v: Vec<f16> = (0..tokens * heads * hd).map(|i| at(i + 13)).collect();
+        lease.write_positions(0, 0, &k, &v).unwrap();
+        let view = lease.read_layer::<f16>(0, tokens).unwrap();
+        // The last chunk, as a decode row at the end of the context sees it.
+        let start = (tokens - 1) / CHUNK * CHUNK;
+        let len = tokens - start;
+        let key_runs = || {
+            page_runs(page_size, start, len)
+                .map(|(page, slot, run, _)| (view.keys(page, 0, 1), slot..slot + run))
+        };
+        let blocks = avx512::KeyBlocks::from_pages(key_runs());
+        assert_eq!(
+            blocks.is_some(),
+            in_place,
+            "page size {page_size}, {tokens} tokens"
+        );
+        let Some(blocks) = blocks else { continue };
+        let mut scratch = Scratch {
+            keys: vec![f32::NAN; hd * CHUNK],
+            values: vec![f32::NAN; CHUNK * hd],
+            scores: Vec::new(),
+            queries: Vec::new(),
+            chunk_out: Vec::new(),
+            chunk_max: Vec::new(),
+            chunk_den: Vec::new(),
+        };
+        stage(&view, 0, 1, start, len, hd, &mut scratch, false);
+        let queries: Vec<f32> = (0..group * hd).map(|i| at(i * 3).to_f32()).collect();
+        let shape = ChunkShape {
+            heads: group,
+            group,
+            head_dim: hd,
+            cols: len,
+            start,
+            first_row_end: tokens,
+            window: usize::MAX,
+            len,
+        };
+        let runs: Vec<&[f16]> = page_runs(page_size, start, len)
+            .map(|(page, slot, run, _)| &view.values(page, 0, 1)[slot * hd..(slot + run) * hd])
+            .collect();
+        let in_pages = run_chunk(
+            |d, s| {
+                avx512::chunk(
+                    cpu,
+                    ChunkData {
+                        queries: d.queries,
+                        keys: blocks,
+                        values: d.values,
+                        scores: d.scores,
+                        out: d.out,
+                        max: d.max,
+                        den: d.den,
+                    },
+                    s,
+                )
+            },
+            shape,
+            &queries,
+            &scratch.keys,
+            &runs[..],
+        );
+        let staged = run_chunk(
+            |d, s| avx512_staged(cpu, d, s),
+            shape,
+            &queries,
+            &scratch.keys,
+            &runs[..],
+        );
+        assert!(
+            in_pages.iter().all(Option::is_some),
+            "every head sees the chunk"
+        );
+        assert_eq!(in_pages, staged, "page size {page_size}");
+    }
 }
