@@ -168,6 +168,15 @@ fn i2_next_tenant_cannot_read_what_the_previous_one_wrote() {
     }
     let view = second.read_view::<f32>(1).unwrap();
     assert_eq!(view.keys(0, 0, 0).to_rows(), &k[..4]);
+    // Keys are stored as columns, each spanning the page: every column
+    // handed out holds the one written slot and none of the first
+    // tenant's.
+    let keys = view.keys(0, 0, 0);
+    assert!(keys.columns().all(|column| column.len() == 1));
+    assert_eq!(
+        keys.columns().map(|column| column[0]).collect::<Vec<_>>(),
+        &k[..4]
+    );
     drop(view);
     assert!(second.read_view::<f32>(2).is_err());
 }
