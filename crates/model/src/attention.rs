@@ -72,6 +72,8 @@ use crate::kernels::exp;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod blocks;
 
 /// What the SIMD paths need of an element type: loading 8 (AVX2) or 16
 /// (AVX-512) of them as f32. Public only as a sealed supertrait of
@@ -476,7 +478,7 @@ fn run_task<E: KvValue>(
         // lie; a chunk with a partial block (the last page, odd page
         // sizes) is staged instead.
         #[cfg(target_arch = "x86_64")]
-        let in_pages = simd.and_then(|_| avx512::KeyBlocks::from_pages(key_runs()));
+        let in_pages = simd.and_then(|_| blocks::KeyBlocks::from_pages(key_runs()));
         #[cfg(not(target_arch = "x86_64"))]
         let in_pages: Option<std::convert::Infallible> = {
             let _ = key_runs;
@@ -544,7 +546,7 @@ fn run_task<E: KvValue>(
                 match in_pages {
                     Some(in_pages) => avx512::chunk(cpu, data!(in_pages, runs), shape),
                     None => {
-                        let staged = avx512::KeyBlocks::staged(keys, hd, cols);
+                        let staged = blocks::KeyBlocks::staged(keys, hd, cols);
                         avx512::chunk(cpu, data!(staged, runs), shape);
                     }
                 }

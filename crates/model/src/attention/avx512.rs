@@ -20,11 +20,10 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
-use std::marker::PhantomData;
-use std::ops::Range;
 
 use half::{bf16, f16};
-use kvfence_pool::Keys;
+
+use super::blocks::KeyBlocks;
 
 use super::{CHUNK, ChunkData, ChunkShape, KEY_STEP, QUERY_STEP, SUM_LANES};
 
@@ -91,93 +90,6 @@ pub(crate) fn handles(head_dim: usize) -> bool {
     head_dim > 0 && head_dim.is_multiple_of(LANES)
 }
 
-/// Where the score kernel finds a chunk's keys: for each block of 16 key
-/// positions, the address of dimension 0 of those 16 keys, dimension `d`
-/// lying `d · stride` elements further. Made only by [`KeyBlocks::staged`]
-/// and [`KeyBlocks::from_pages`], which check that every element the
-/// kernel reads lies in a slice they were given — for pages, in the valid
-/// slots of a [`Keys`] (I2): a block is read from a page only when all 16
-/// of its slots were written.
-pub(crate) struct KeyBlocks<'a, K> {
-    blocks: [*const K; CHUNK / LANES],
-    count: usize,
-    stride: usize,
-    head_dim: usize,
-    keys: PhantomData<&'a [K]>,
-}
-
-impl<'a> KeyBlocks<'a, f32> {
-    /// The staged keys, `[head_dim][CHUNK]` with the first `cols` columns
-    /// written (a whole number of blocks).
-    pub(crate) fn staged(keys: &'a [f32], head_dim: usize, cols: usize) -> Self {
-        assert!(
-            head_dim > 0
-                && cols.is_multiple_of(LANES)
-                && cols <= CHUNK
-                && keys.len() >= (head_dim - 1) * CHUNK + cols,
-            "staged keys must hold {cols} columns of {head_dim} dimensions"
-        );
-        let mut blocks = [std::ptr::null(); CHUNK / LANES];
-        for (b, block) in blocks.iter_mut().take(cols / LANES).enumerate() {
-            *block = keys[b * LANES..].as_ptr();
-        }
-        KeyBlocks {
-            blocks,
-            count: cols / LANES,
-            stride: CHUNK,
-            head_dim,
-            keys: PhantomData,
-        }
-    }
-}
-
-impl<'a, E: Copy> KeyBlocks<'a, E> {
-    /// A chunk's keys where they lie in its pages — `runs` are `(keys,
-    /// slots)` of each page in position order — when every run is whole
-    /// blocks of 16 valid slots; `None` otherwise (a partial last page,
-    /// pages of other sizes), and the caller stages them.
-    pub(crate) fn from_pages(
-        runs: impl IntoIterator<Item = (Keys<'a, E>, Range<usize>)>,
-    ) -> Option<Self> {
-        let mut blocks = [std::ptr::null(); CHUNK / LANES];
-        let (mut count, mut shape) = (0, None);
-        for (keys, slots) in runs {
-            let hd = keys.head_dim();
-            if hd == 0
-                || !slots.len().is_multiple_of(LANES)
-                || slots.end > keys.slots()
-                || *shape.get_or_insert((keys.stride(), hd)) != (keys.stride(), hd)
-            {
-                return None;
-            }
-            let (first, last) = (keys.column(0), keys.column(hd - 1));
-            // Columns are `stride` apart in one block: the last one lying
-            // where that puts it bounds every column between.
-            assert_eq!(
-                last.as_ptr(),
-                first.as_ptr().wrapping_add((hd - 1) * keys.stride()),
-                "a page's key columns are stride apart"
-            );
-            for slot in slots.step_by(LANES) {
-                if count == blocks.len() {
-                    return None;
-                }
-                // Slots `slot..slot + 16` are valid in every column.
-                blocks[count] = first[slot..slot + LANES].as_ptr();
-                count += 1;
-            }
-        }
-        let (stride, head_dim) = shape?;
-        Some(KeyBlocks {
-            blocks,
-            count,
-            stride,
-            head_dim,
-            keys: PhantomData,
-        })
-    }
-}
-
 /// [`super::chunk_kernel`], bit for bit, for a `head_dim` that
 /// [`handles`] accepts, reading keys through [`KeyBlocks`] (staged, or
 /// where they lie in the pages) and values straight from their page runs
@@ -201,8 +113,8 @@ pub(crate) fn chunk<E: Widen16, K: Widen16>(
     );
     assert!(
         data.queries.len() >= heads * hd
-            && data.keys.head_dim == hd
-            && data.keys.count * LANES == cols
+            && data.keys.head_dim() == hd
+            && data.keys.count() * LANES == cols
             && data.values.iter().all(|run| run.len().is_multiple_of(hd))
             && data.values.iter().map(|run| run.len()).sum::<usize>() >= len * hd
             && data.scores.len() >= heads * CHUNK
@@ -321,12 +233,12 @@ unsafe fn score_heads<K: Widen16, const Q: usize>(
     scores: *mut f32,
 ) {
     let mut b = 0;
-    while b + KEY_BLOCKS <= keys.count {
+    while b + KEY_BLOCKS <= keys.count() {
         // SAFETY: forwarded; blocks b..b + 4 exist.
         unsafe { score_block::<K, Q, KEY_BLOCKS>(queries, keys, b, scores) };
         b += KEY_BLOCKS;
     }
-    while b < keys.count {
+    while b < keys.count() {
         // SAFETY: forwarded; block b exists.
         unsafe { score_block::<K, Q, 1>(queries, keys, b, scores) };
         b += 1;
@@ -347,14 +259,13 @@ unsafe fn score_block<K: Widen16, const Q: usize, const B: usize>(
     first: usize,
     scores: *mut f32,
 ) {
-    let (hd, stride) = (keys.head_dim, keys.stride);
+    let hd = keys.head_dim();
     let mut acc = [[_mm512_setzero_ps(); B]; Q];
     for d in 0..hd {
         let mut k = [_mm512_setzero_ps(); B];
         for (b, k) in k.iter_mut().enumerate() {
-            // SAFETY: dimension d < hd of block first + b: 16 elements
-            // its maker checked.
-            *k = unsafe { K::load16(keys.blocks[first + b].add(d * stride)) };
+            // SAFETY: block first + b < count (the caller's), d < hd.
+            *k = unsafe { K::load16(keys.column(first + b, d)) };
         }
         for (i, acc) in acc.iter_mut().enumerate() {
             // SAFETY: head i < Q, dimension d < hd.

@@ -132,7 +132,7 @@ fn run_chunk<V: ?Sized>(
 /// The AVX-512 kernel over keys staged as the portable one reads them.
 #[cfg(target_arch = "x86_64")]
 fn avx512_staged<E: Stage>(cpu: avx512::Cpu, data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
-    let keys = avx512::KeyBlocks::staged(data.keys, shape.head_dim, shape.cols);
+    let keys = blocks::KeyBlocks::staged(data.keys, shape.head_dim, shape.cols);
     avx512::chunk(
         cpu,
         ChunkData {
@@ -283,7 +283,7 @@ fn keys_read_in_place_score_as_staged_keys_do() {
             page_runs(page_size, start, len)
                 .map(|(page, slot, run, _)| (view.keys(page, 0, 1), slot..slot + run))
         };
-        let blocks = avx512::KeyBlocks::from_pages(key_runs());
+        let blocks = blocks::KeyBlocks::from_pages(key_runs());
         assert_eq!(
             blocks.is_some(),
             in_place,
