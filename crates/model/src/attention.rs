@@ -468,7 +468,7 @@ fn run_task<E: KvValue>(
         // page's key block in order, which the hardware prefetcher
         // follows, and asking for it too was slower (`attention step`).
         #[cfg(target_arch = "x86_64")]
-        if let Some(cpu) = simd {
+        if let Some(Simd::Avx512(cpu)) = simd {
             for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
                 let rows = slot * hd..(slot + run) * hd;
                 avx512::prefetch(cpu, &part.view.values(page, layer, task.kv_head)[rows]);
@@ -534,7 +534,7 @@ fn run_task<E: KvValue>(
         }
         match simd {
             #[cfg(target_arch = "x86_64")]
-            Some(cpu) => {
+            Some(simd) => {
                 let mut runs = [&[] as &[E]; CHUNK];
                 let mut count = 0;
                 for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
@@ -543,11 +543,22 @@ fn run_task<E: KvValue>(
                     count += 1;
                 }
                 let runs = &runs[..count];
-                match in_pages {
-                    Some(in_pages) => avx512::chunk(cpu, data!(in_pages, runs), shape),
-                    None => {
+                // Four calls for two kernels and two key sources, each its
+                // own monomorphisation.
+                match (simd, in_pages) {
+                    (Simd::Avx512(cpu), Some(in_pages)) => {
+                        avx512::chunk(cpu, data!(in_pages, runs), shape)
+                    }
+                    (Simd::Avx2(cpu), Some(in_pages)) => {
+                        avx2::chunk(cpu, data!(in_pages, runs), shape)
+                    }
+                    (Simd::Avx512(cpu), None) => {
                         let staged = blocks::KeyBlocks::staged(keys, hd, cols);
                         avx512::chunk(cpu, data!(staged, runs), shape);
+                    }
+                    (Simd::Avx2(cpu), None) => {
+                        let staged = blocks::KeyBlocks::staged(keys, hd, cols);
+                        avx2::chunk(cpu, data!(staged, runs), shape);
                     }
                 }
             }
@@ -584,12 +595,28 @@ fn sees_chunk(position: usize, window: usize, start: usize) -> bool {
     start < seen.end && seen.start < start + CHUNK
 }
 
-/// The hand-written AVX-512 chunk kernel, where the CPU has it and it
-/// handles heads of `hd`; `None` means the portable [`chunk_kernel`]. Both
-/// give the same bits.
+/// A hand-written chunk kernel: AVX-512's where the CPU has it, else
+/// AVX2's.
 #[cfg(target_arch = "x86_64")]
-fn simd_kernel(hd: usize) -> Option<avx512::Cpu> {
-    avx512::Cpu::detect().filter(|_| avx512::handles(hd) && wide_enough(IsaCap::Avx512))
+#[derive(Debug, Clone, Copy)]
+enum Simd {
+    Avx512(avx512::Cpu),
+    Avx2(avx2::Avx2),
+}
+
+/// The widest hand-written chunk kernel the CPU (and
+/// [`crate::isa::widest_isa`]) allows for heads of `hd`; `None` means the
+/// portable [`chunk_kernel`]. All give the same bits.
+#[cfg(target_arch = "x86_64")]
+fn simd_kernel(hd: usize) -> Option<Simd> {
+    let wide = avx512::Cpu::detect()
+        .filter(|_| avx512::handles(hd) && wide_enough(IsaCap::Avx512))
+        .map(Simd::Avx512);
+    wide.or_else(|| {
+        avx2::Avx2::detect()
+            .filter(|_| avx2::handles(hd) && wide_enough(IsaCap::Avx2))
+            .map(Simd::Avx2)
+    })
 }
 
 /// Whether [`crate::isa::widest_isa`] allows hand-written kernels of
@@ -777,30 +804,7 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
         }
         h += step;
     }
-    // Softmax within the chunk, per head over the positions its row sees;
-    // positions before its window weigh exactly zero.
-    for h in 0..heads {
-        let (lo, n) = seen_in_chunk(first_row_end + h / group, window, start, len);
-        if lo == n {
-            continue;
-        }
-        let row = &mut scores[h * CHUNK..(h + 1) * CHUNK];
-        let max = row[lo..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        for s in &mut row[lo..n] {
-            *s = exp(*s - max);
-        }
-        row[..lo].fill(0.0);
-        let padded = n.next_multiple_of(SUM_LANES);
-        row[n..padded].fill(0.0);
-        let mut lanes = [0.0f32; SUM_LANES];
-        for block in row[..padded].chunks_exact(SUM_LANES) {
-            for (l, &e) in lanes.iter_mut().zip(block) {
-                *l += e;
-            }
-        }
-        maxes[h] = max;
-        dens[h] = lanes.iter().sum::<f32>();
-    }
+    softmax_rows(scores, maxes, dens, shape);
     // Weighted values. Heads that see the same positions share each loaded
     // value row: every head of the tile when the whole chunk lies before
     // its first row (and within its last row's window), else the heads of
@@ -832,6 +836,46 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
             }
             h += step;
         }
+    }
+}
+
+/// Softmax within the chunk, per head over the positions its row sees;
+/// positions before its window weigh exactly zero. Replaces each head's
+/// scores by its weights and sets its maximum and denominator; heads that
+/// see none of the chunk are left as they were. Inlined into each kernel
+/// that does not vectorise it itself.
+#[inline(always)]
+fn softmax_rows(scores: &mut [f32], maxes: &mut [f32], dens: &mut [f32], shape: ChunkShape) {
+    let ChunkShape {
+        heads,
+        group,
+        start,
+        first_row_end,
+        window,
+        len,
+        ..
+    } = shape;
+    for h in 0..heads {
+        let (lo, n) = seen_in_chunk(first_row_end + h / group, window, start, len);
+        if lo == n {
+            continue;
+        }
+        let row = &mut scores[h * CHUNK..(h + 1) * CHUNK];
+        let max = row[lo..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        for s in &mut row[lo..n] {
+            *s = exp(*s - max);
+        }
+        row[..lo].fill(0.0);
+        let padded = n.next_multiple_of(SUM_LANES);
+        row[n..padded].fill(0.0);
+        let mut lanes = [0.0f32; SUM_LANES];
+        for block in row[..padded].chunks_exact(SUM_LANES) {
+            for (l, &e) in lanes.iter_mut().zip(block) {
+                *l += e;
+            }
+        }
+        maxes[h] = max;
+        dens[h] = lanes.iter().sum::<f32>();
     }
 }
 

@@ -129,35 +129,44 @@ fn run_chunk<V: ?Sized>(
         .collect()
 }
 
+/// The same buffers with keys read through `keys`.
+#[cfg(target_arch = "x86_64")]
+fn with_keys<'a, V: ?Sized, K>(data: ChunkData<'a, V>, keys: K) -> ChunkData<'a, V, K> {
+    ChunkData {
+        queries: data.queries,
+        keys,
+        values: data.values,
+        scores: data.scores,
+        out: data.out,
+        max: data.max,
+        den: data.den,
+    }
+}
+
 /// The AVX-512 kernel over keys staged as the portable one reads them.
 #[cfg(target_arch = "x86_64")]
 fn avx512_staged<E: Stage>(cpu: avx512::Cpu, data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
     let keys = blocks::KeyBlocks::staged(data.keys, shape.head_dim, shape.cols);
-    avx512::chunk(
-        cpu,
-        ChunkData {
-            queries: data.queries,
-            keys,
-            values: data.values,
-            scores: data.scores,
-            out: data.out,
-            max: data.max,
-            den: data.den,
-        },
-        shape,
-    );
+    avx512::chunk(cpu, with_keys(data, keys), shape);
+}
+
+/// The AVX2 kernel over keys staged as the portable one reads them.
+#[cfg(target_arch = "x86_64")]
+fn avx2_staged<E: Stage>(cpu: avx2::Avx2, data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
+    let keys = blocks::KeyBlocks::staged(data.keys, shape.head_dim, shape.cols);
+    avx2::chunk(cpu, with_keys(data, keys), shape);
 }
 
 #[cfg(target_arch = "x86_64")]
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
 
-    /// The AVX-512 chunk kernel computes the portable one's bits, for
-    /// decode rows and causal prefill tiles, chunks cut short, values
-    /// in page runs of any length, f32 and f16 values, and contents
-    /// with NaN and infinities (poisoned or overflowing KV).
+    /// The AVX-512 and AVX2 chunk kernels compute the portable one's
+    /// bits, for decode rows and causal prefill tiles, chunks cut short,
+    /// values in page runs of any length, f32 and f16 values, and
+    /// contents with NaN and infinities (poisoned or overflowing KV).
     #[test]
-    fn avx512_chunk_kernel_equals_the_portable_one(
+    fn simd_chunk_kernels_equal_the_portable_one(
         rows in 1usize..=TILE_ROWS,
         group in 1usize..=4,
         dims in 1usize..=5,
@@ -169,7 +178,6 @@ proptest::proptest! {
         half_values in proptest::prelude::any::<bool>(),
         window in 1usize..400,
     ) {
-        let Some(cpu) = avx512::Cpu::detect() else { return Ok(()) };
         let hd = 16 * dims;
         let heads = rows * group;
         // The chunk starts at a multiple of CHUNK; the tile's first row
@@ -206,24 +214,40 @@ proptest::proptest! {
             assert_eq!(ends.last().map(|e| e.1), Some(all_len / hd));
             ends
         };
-        let (portable, simd) = if half_values {
+        // Each hand-written kernel this CPU has, against the portable one.
+        let (portable, avx512_bits, avx2_bits) = if half_values {
             let narrow: Vec<f16> = values.iter().map(|&x| f16::from_f32(x)).collect();
             let wide: Vec<f32> = narrow.iter().map(|x| x.to_f32()).collect();
             let runs: Vec<&[f16]> =
                 cut(narrow.len()).iter().map(|&(a, b)| &narrow[a * hd..b * hd]).collect();
             (
                 run_chunk(chunk_kernel, shape, &queries, &keys, &wide[..]),
-                run_chunk(|d, s| avx512_staged(cpu, d, s), shape, &queries, &keys, &runs[..]),
+                avx512::Cpu::detect().map(|cpu| {
+                    run_chunk(|d, s| avx512_staged(cpu, d, s), shape, &queries, &keys, &runs[..])
+                }),
+                avx2::Avx2::detect().map(|cpu| {
+                    run_chunk(|d, s| avx2_staged(cpu, d, s), shape, &queries, &keys, &runs[..])
+                }),
             )
         } else {
             let runs: Vec<&[f32]> =
                 cut(values.len()).iter().map(|&(a, b)| &values[a * hd..b * hd]).collect();
             (
                 run_chunk(chunk_kernel, shape, &queries, &keys, &values[..]),
-                run_chunk(|d, s| avx512_staged(cpu, d, s), shape, &queries, &keys, &runs[..]),
+                avx512::Cpu::detect().map(|cpu| {
+                    run_chunk(|d, s| avx512_staged(cpu, d, s), shape, &queries, &keys, &runs[..])
+                }),
+                avx2::Avx2::detect().map(|cpu| {
+                    run_chunk(|d, s| avx2_staged(cpu, d, s), shape, &queries, &keys, &runs[..])
+                }),
             )
         };
-        proptest::prop_assert_eq!(simd, portable);
+        if let Some(bits) = avx512_bits {
+            proptest::prop_assert_eq!(&bits, &portable, "AVX-512");
+        }
+        if let Some(bits) = avx2_bits {
+            proptest::prop_assert_eq!(&bits, &portable, "AVX2");
+        }
     }
 }
 
@@ -314,27 +338,6 @@ fn keys_read_in_place_score_as_staged_keys_do() {
         let runs: Vec<&[f16]> = page_runs(page_size, start, len)
             .map(|(page, slot, run, _)| &view.values(page, 0, 1)[slot * hd..(slot + run) * hd])
             .collect();
-        let in_pages = run_chunk(
-            |d, s| {
-                avx512::chunk(
-                    cpu,
-                    ChunkData {
-                        queries: d.queries,
-                        keys: blocks,
-                        values: d.values,
-                        scores: d.scores,
-                        out: d.out,
-                        max: d.max,
-                        den: d.den,
-                    },
-                    s,
-                )
-            },
-            shape,
-            &queries,
-            &scratch.keys,
-            &runs[..],
-        );
         let staged = run_chunk(
             |d, s| avx512_staged(cpu, d, s),
             shape,
@@ -343,9 +346,27 @@ fn keys_read_in_place_score_as_staged_keys_do() {
             &runs[..],
         );
         assert!(
-            in_pages.iter().all(Option::is_some),
+            staged.iter().all(Option::is_some),
             "every head sees the chunk"
         );
-        assert_eq!(in_pages, staged, "page size {page_size}");
+        let in_pages = run_chunk(
+            |d, s| avx512::chunk(cpu, with_keys(d, blocks), s),
+            shape,
+            &queries,
+            &scratch.keys,
+            &runs[..],
+        );
+        assert_eq!(in_pages, staged, "AVX-512, page size {page_size}");
+        if let Some(narrow) = avx2::Avx2::detect() {
+            let blocks = blocks::KeyBlocks::from_pages(key_runs()).unwrap();
+            let in_pages = run_chunk(
+                |d, s| avx2::chunk(narrow, with_keys(d, blocks), s),
+                shape,
+                &queries,
+                &scratch.keys,
+                &runs[..],
+            );
+            assert_eq!(in_pages, staged, "AVX2, page size {page_size}");
+        }
     }
 }

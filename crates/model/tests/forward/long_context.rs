@@ -138,3 +138,55 @@ fn half_precision_kv_stays_close_to_f32_kv() {
         assert!(diff > 0.0, "{elem:?} KV must actually be stored narrower");
     }
 }
+
+/// Set in the child runs of the next test: print the digest and stop.
+const DIGEST_CHILD: &str = "KVFENCE_TEST_DIGEST_CHILD";
+
+/// Every logit bit of a long prompt in f16 KV and its decode steps, as one
+/// number.
+fn long_context_digest() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let model = tiny();
+    let prompt = long_prompt();
+    let pool = pool_of(&model, &prompt, ElemType::F16);
+    let (rows, tokens) = generate(&model, &pool, 1, &prompt, STEPS, 100);
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    tokens.hash(&mut hasher);
+    for row in &rows {
+        row.iter()
+            .map(|x| x.to_bits())
+            .for_each(|b| b.hash(&mut hasher));
+    }
+    hasher.finish()
+}
+
+/// The instruction set is chosen once per process, so the capped runs are
+/// this test binary run again with `KVFENCE_MAX_ISA` set: the AVX-512, AVX2
+/// and portable attention kernels (keys read in place from whole pages,
+/// and staged from the partial last one) give a long context the same
+/// bits, on whichever of them this CPU has.
+#[test]
+fn a_long_context_gives_the_same_bits_under_every_instruction_set_cap() {
+    let name = "long_context::a_long_context_gives_the_same_bits_under_every_instruction_set_cap";
+    if std::env::var_os(DIGEST_CHILD).is_some() {
+        println!("digest={:016x}", long_context_digest());
+        return;
+    }
+    let own = format!("digest={:016x}", long_context_digest());
+    for cap in ["avx2", "portable"] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+            .env(DIGEST_CHILD, "1")
+            .env("KVFENCE_MAX_ISA", cap)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "KVFENCE_MAX_ISA={cap}: {stdout}");
+        // The harness prints the test's name on the same line.
+        let digest = stdout
+            .split_whitespace()
+            .find(|word| word.starts_with("digest="))
+            .unwrap_or_else(|| panic!("KVFENCE_MAX_ISA={cap} printed no digest: {stdout}"));
+        assert_eq!(digest, own, "KVFENCE_MAX_ISA={cap}");
+    }
+}
