@@ -780,13 +780,9 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
     } = data;
     let ChunkShape {
         heads,
-        group,
         head_dim: hd,
         cols,
-        start,
-        first_row_end,
-        window,
-        len,
+        ..
     } = shape;
     // Scores: up to QUERY_STEP heads × KEY_STEP keys in registers.
     let mut h = 0;
@@ -809,18 +805,7 @@ fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
     // value row: every head of the tile when the whole chunk lies before
     // its first row (and within its last row's window), else the heads of
     // one row.
-    let rows = heads / group;
-    let runs: Vec<(usize, usize, usize)> = if whole_chunk(shape) {
-        vec![(0, heads, len)]
-    } else {
-        (0..rows)
-            .filter_map(|r| {
-                let (lo, n) = seen_in_chunk(first_row_end + r, window, start, len);
-                (lo < n).then_some((r * group, (r + 1) * group, n))
-            })
-            .collect()
-    };
-    for (first, end, n) in runs {
+    for (first, end, n) in value_groups(shape) {
         let mut h = first;
         while h < end {
             let step = QUERY_STEP.min(end - h);
@@ -887,6 +872,31 @@ fn seen_in_chunk(upto: usize, window: usize, start: usize, len: usize) -> (usize
     let n = upto.saturating_sub(start).min(len);
     let lo = upto.saturating_sub(window).saturating_sub(start).min(n);
     (lo, n)
+}
+
+/// The heads that share one weighted sum of values, as `(first head, end
+/// head, positions)`: every head of the tile over all `len` positions when
+/// the whole chunk lies before its first row (and within its last row's
+/// window), else the heads of each row that sees part of the chunk, over
+/// the positions up to its own. Every kernel groups them so.
+#[inline(always)]
+fn value_groups(shape: ChunkShape) -> impl Iterator<Item = (usize, usize, usize)> {
+    let ChunkShape {
+        heads,
+        group,
+        start,
+        first_row_end,
+        window,
+        len,
+        ..
+    } = shape;
+    let whole = whole_chunk(shape);
+    let rows = if whole { 0 } else { heads / group };
+    let all = whole.then_some((0, heads, len));
+    all.into_iter().chain((0..rows).filter_map(move |r| {
+        let (lo, n) = seen_in_chunk(first_row_end + r, window, start, len);
+        (lo < n).then_some((r * group, (r + 1) * group, n))
+    }))
 }
 
 /// Whether every row of the tile attends to every position of the chunk

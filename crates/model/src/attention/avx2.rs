@@ -21,7 +21,7 @@ use half::{bf16, f16};
 use kvfence_pool::Keys;
 
 use super::blocks::{BLOCK, KeyBlocks};
-use super::{CHUNK, ChunkData, ChunkShape, KEY_STEP, QUERY_STEP};
+use super::{CHUNK, ChunkData, ChunkShape, QUERY_STEP};
 
 /// Lanes of one vector.
 const LANES: usize = 8;
@@ -170,30 +170,12 @@ pub(crate) fn chunk<E: Widen8, K: Widen8>(
     data: ChunkData<'_, [&[E]], KeyBlocks<'_, K>>,
     shape: ChunkShape,
 ) {
-    let ChunkShape {
-        heads,
-        head_dim: hd,
-        cols,
-        len,
-        ..
-    } = shape;
-    assert!(handles(hd), "head_dim {hd} is not whole vectors");
     assert!(
-        cols.is_multiple_of(KEY_STEP) && len <= cols && cols <= CHUNK,
-        "key columns must be whole key steps of one chunk"
+        handles(shape.head_dim),
+        "head_dim {} is not whole vectors",
+        shape.head_dim
     );
-    assert!(
-        data.queries.len() >= heads * hd
-            && data.keys.head_dim() == hd
-            && data.keys.count() * BLOCK == cols
-            && data.values.iter().all(|run| run.len().is_multiple_of(hd))
-            && data.values.iter().map(|run| run.len()).sum::<usize>() >= len * hd
-            && data.scores.len() >= heads * CHUNK
-            && data.out.len() >= heads * hd
-            && data.max.len() >= heads
-            && data.den.len() >= heads,
-        "every buffer must hold the chunk's shape"
-    );
+    data.check(shape);
     // SAFETY: `_cpu` proves AVX2, FMA and F16C; the asserts above bound
     // every read and write the kernel makes (see each loop's bounds).
     unsafe { chunk_avx2(data, shape) }
@@ -215,12 +197,7 @@ unsafe fn chunk_avx2<E: Widen8, K: Widen8>(
     } = data;
     let ChunkShape {
         heads,
-        group,
         head_dim: hd,
-        start,
-        first_row_end,
-        window,
-        len,
         ..
     } = shape;
     // Scores: QUERY_STEP heads × one block (two vectors) at a time.
@@ -247,18 +224,7 @@ unsafe fn chunk_avx2<E: Widen8, K: Widen8>(
     }
     super::softmax_rows(scores, maxes, dens, shape);
     // Weighted values, grouped as the portable kernel groups them.
-    let rows = heads / group;
-    let whole = super::whole_chunk(shape);
-    for r in 0..if whole { 1 } else { rows } {
-        let (first, end, n) = if whole {
-            (0, heads, len)
-        } else {
-            let (lo, n) = super::seen_in_chunk(first_row_end + r, window, start, len);
-            if lo == n {
-                continue;
-            }
-            (r * group, (r + 1) * group, n)
-        };
+    for (first, end, n) in super::value_groups(shape) {
         let mut h = first;
         while h < end {
             let step = QUERY_STEP.min(end - h);

@@ -1,5 +1,6 @@
 //! [`KeyBlocks`]: where the SIMD score kernels find a chunk's keys, and
-//! the checks that let them read keys where they lie in the pages.
+//! the checks that let them read keys where they lie in the pages and
+//! trust every buffer of a call ([`ChunkData::check`]).
 //!
 //! A block is 16 key positions ([`BLOCK`], one AVX-512 vector or two AVX2
 //! ones); a kernel loads dimension `d` of a block's 16 keys from one
@@ -13,7 +14,7 @@ use std::ops::Range;
 
 use kvfence_pool::Keys;
 
-use super::{CHUNK, KEY_STEP};
+use super::{CHUNK, ChunkData, ChunkShape, KEY_STEP};
 
 /// Key positions per block.
 pub(crate) const BLOCK: usize = 16;
@@ -128,5 +129,35 @@ impl<K> KeyBlocks<'_, K> {
         debug_assert!(b < self.count && d < self.head_dim);
         // SAFETY: in bounds by the caller's promise and the maker's checks.
         unsafe { self.blocks[b].add(d * self.stride) }
+    }
+}
+
+impl<E, K> ChunkData<'_, [&[E]], KeyBlocks<'_, K>> {
+    /// Panics unless every buffer of a SIMD kernel's call holds `shape`:
+    /// what the kernels' unchecked reads and writes rely on.
+    pub(crate) fn check(&self, shape: ChunkShape) {
+        let ChunkShape {
+            heads,
+            head_dim: hd,
+            cols,
+            len,
+            ..
+        } = shape;
+        assert!(
+            cols.is_multiple_of(KEY_STEP) && len <= cols && cols <= CHUNK,
+            "key columns must be whole key steps of one chunk"
+        );
+        assert!(
+            self.queries.len() >= heads * hd
+                && self.keys.head_dim() == hd
+                && self.keys.count() * BLOCK == cols
+                && self.values.iter().all(|run| run.len().is_multiple_of(hd))
+                && self.values.iter().map(|run| run.len()).sum::<usize>() >= len * hd
+                && self.scores.len() >= heads * CHUNK
+                && self.out.len() >= heads * hd
+                && self.max.len() >= heads
+                && self.den.len() >= heads,
+            "every buffer must hold the chunk's shape"
+        );
     }
 }

@@ -2,6 +2,20 @@
 
 use super::*;
 
+/// Staging scratch whose key and value cells are NaN, so a cell staging
+/// skipped shows.
+fn poisoned_scratch(hd: usize) -> Scratch {
+    Scratch {
+        keys: vec![f32::NAN; hd * CHUNK],
+        values: vec![f32::NAN; CHUNK * hd],
+        scores: Vec::new(),
+        queries: Vec::new(),
+        chunk_out: Vec::new(),
+        chunk_max: Vec::new(),
+        chunk_den: Vec::new(),
+    }
+}
+
 /// Stages `len` positions from `start` out of a pool whose pages hold
 /// `page_size` slots and checks every staged key and value against the
 /// token-major rows written, and the padding against zero. Scratch starts
@@ -39,15 +53,7 @@ fn staged_from_pages<E: KvValue>(
         .collect();
     lease.write_positions(0, 0, &k, &v).unwrap();
     let view = lease.read_layer::<E>(0, tokens).unwrap();
-    let mut scratch = Scratch {
-        keys: vec![f32::NAN; hd * CHUNK],
-        values: vec![f32::NAN; CHUNK * hd],
-        scores: Vec::new(),
-        queries: Vec::new(),
-        chunk_out: Vec::new(),
-        chunk_max: Vec::new(),
-        chunk_den: Vec::new(),
-    };
+    let mut scratch = poisoned_scratch(hd);
     let wide = |x: E| {
         let mut out = [0.0f32];
         E::widen(&[x], &mut out);
@@ -314,15 +320,7 @@ fn keys_read_in_place_score_as_staged_keys_do() {
             "page size {page_size}, {tokens} tokens"
         );
         let Some(blocks) = blocks else { continue };
-        let mut scratch = Scratch {
-            keys: vec![f32::NAN; hd * CHUNK],
-            values: vec![f32::NAN; CHUNK * hd],
-            scores: Vec::new(),
-            queries: Vec::new(),
-            chunk_out: Vec::new(),
-            chunk_max: Vec::new(),
-            chunk_den: Vec::new(),
-        };
+        let mut scratch = poisoned_scratch(hd);
         stage(&view, 0, 1, start, len, hd, &mut scratch, false);
         let queries: Vec<f32> = (0..group * hd).map(|i| at(i * 3).to_f32()).collect();
         let shape = ChunkShape {
