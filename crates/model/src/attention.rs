@@ -43,12 +43,15 @@
 //! scratch never carries another chunk's — or another request's — data
 //! into a result.
 //!
-//! On a CPU with AVX-512F the kernels are hand-written
-//! (`attention/avx512.rs`): values are read (and widened) straight from
-//! their page runs instead of being staged, and every page run of the
-//! chunk is prefetched before any is touched, so its misses overlap
-//! instead of each run waiting for the hardware prefetcher. The operations
-//! and their order are the portable kernel's, so the bits are too.
+//! On a CPU with AVX-512F or AVX2 the kernels are hand-written
+//! (`attention/avx512.rs`, `attention/avx2.rs`): values are read (and
+//! widened) straight from their page runs instead of being staged, and so
+//! are keys when the chunk's pages hold whole 16-slot blocks
+//! (`attention/blocks.rs`; a partial last page is staged). With AVX-512
+//! every value run of the chunk is prefetched before any is touched, so
+//! its misses overlap instead of each run waiting for the hardware
+//! prefetcher. The operations and their order are the portable kernel's,
+//! so the bits are too.
 //!
 //! Prefill tiles fold their chunks as they go. A sequence with a single
 //! tile (decode steps) and several chunks is split instead: one task per
@@ -474,7 +477,7 @@ fn run_task<E: KvValue>(
                 avx512::prefetch(cpu, &part.view.values(page, layer, task.kv_head)[rows]);
             }
         }
-        // The AVX-512 kernel reads whole 16-slot blocks of keys where they
+        // The SIMD kernels read whole 16-slot blocks of keys where they
         // lie; a chunk with a partial block (the last page, odd page
         // sizes) is staged instead.
         #[cfg(target_arch = "x86_64")]
@@ -654,8 +657,8 @@ fn page_runs(
 
 /// Copies positions `start..start + len` of one KV head into the scratch:
 /// keys as `[head_dim][CHUNK]` columns zero-padded to a whole
-/// [`KEY_STEP`], and values as rows when `with_values` (the AVX-512 kernel
-/// reads them from the pages). Pages store keys as columns already, so
+/// [`KEY_STEP`], and values as rows when `with_values` (the SIMD kernels
+/// read them from the pages). Pages store keys as columns already, so
 /// staging only widens.
 #[allow(clippy::too_many_arguments)]
 fn stage<E: KvValue>(
@@ -737,11 +740,12 @@ struct ChunkShape {
 }
 
 /// The buffers of one chunk's kernel call. Values are staged rows for the
-/// portable kernel, page runs for the AVX-512 one.
+/// portable kernel, page runs for the SIMD ones.
 struct ChunkData<'a, V: ?Sized = [f32], K = &'a [f32]> {
     /// Scaled queries, `[head][head_dim]`.
     queries: &'a [f32],
-    /// Staged keys, `[head_dim][CHUNK]`, or (AVX-512) where they lie.
+    /// Staged keys, `[head_dim][CHUNK]`, or for the SIMD kernels
+    /// [`blocks::KeyBlocks`] (staged, or where they lie in the pages).
     keys: K,
     /// Values: staged `[CHUNK][head_dim]`, or runs of `[slot][head_dim]`
     /// covering the chunk's positions in order.

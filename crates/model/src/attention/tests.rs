@@ -269,7 +269,7 @@ fn staging_widens_exactly_the_positions_asked_for_from_key_columns() {
     }
 }
 
-/// Keys the AVX-512 kernel reads where they lie in the pages give the
+/// Keys the SIMD kernels read where they lie in the pages give the
 /// bits of the same keys staged, and only chunks of whole 16-slot blocks
 /// are read in place: a partial last page, or pages of another size, are
 /// staged (a block read in place past a page's written slots would read
