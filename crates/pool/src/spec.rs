@@ -346,33 +346,21 @@ impl Geometry {
     /// Where the bytes of a hand-off chunk of `slots` lie in a page: the
     /// page's own order restricted to those slots, in byte ranges. Per
     /// `(layer, K|V, kv_head)` block: keys as one run of the slots per
-    /// dimension (one run for the whole block when `slots` is the whole
-    /// page), values as one run of rows.
-    pub fn chunk_runs(&self, slots: Range<usize>) -> impl Iterator<Item = Range<usize>> + Clone {
-        let g = *self;
-        let elem = g.elem.size_bytes();
-        let hd = g.shape.head_dim;
-        let (first, count) = (slots.start, slots.len());
-        // (pieces, distance between them, first byte, bytes each)
-        let key_pieces = if count == g.page_size {
-            (1, 0, 0, g.head_block() * elem)
-        } else {
-            (hd, g.page_size * elem, first * elem, count * elem)
-        };
-        let value_pieces = (1, 0, first * hd * elem, count * hd * elem);
-        (0..g.shape.layers).flat_map(move |layer| {
-            (0..2).flat_map(move |kv| {
-                (0..g.shape.kv_heads).flat_map(move |head| {
-                    let (pieces, stride, offset, len) =
-                        if kv == 0 { key_pieces } else { value_pieces };
-                    let block = g.block_offset(layer, kv, head) * elem + offset;
-                    (0..pieces).map(move |p| {
-                        let at = block + p * stride;
-                        at..at + len
-                    })
-                })
-            })
-        })
+    /// dimension, values as one run of rows. A whole page is one run: its
+    /// blocks lie back to back, so the chunk is the page's bytes as they
+    /// are, copied and hashed in one pass each.
+    pub fn chunk_runs(&self, slots: Range<usize>) -> ChunkRuns {
+        assert!(
+            slots.start <= slots.end && slots.end <= self.page_size,
+            "slots {slots:?} are outside a page of {}",
+            self.page_size
+        );
+        ChunkRuns {
+            geometry: *self,
+            slots,
+            block: 0,
+            piece: 0,
+        }
     }
 
     /// Bytes of a hand-off chunk of `slots` slots: every layer's K and V.
@@ -388,6 +376,72 @@ impl Geometry {
     /// Elements one token contributes to one layer's K (or V): all heads.
     pub fn token_elements(&self) -> usize {
         self.shape.kv_heads * self.shape.head_dim
+    }
+}
+
+/// The byte ranges of a hand-off chunk in its page, in the page's order
+/// ([`Geometry::chunk_runs`]).
+#[derive(Debug, Clone)]
+pub struct ChunkRuns {
+    geometry: Geometry,
+    slots: Range<usize>,
+    /// The next `(layer, K|V, kv_head)` block, counted in page order.
+    block: usize,
+    /// The next run within that block (key blocks of a partial page have
+    /// one per dimension).
+    piece: usize,
+}
+
+impl ChunkRuns {
+    fn blocks(&self) -> usize {
+        let shape = self.geometry.shape;
+        shape.layers * 2 * shape.kv_heads
+    }
+
+    fn whole_page(&self) -> bool {
+        self.slots.len() == self.geometry.page_size
+    }
+
+    /// Runs in one block: one for values, one per dimension for keys.
+    fn pieces(&self, block: usize) -> usize {
+        let is_key = (block / self.geometry.shape.kv_heads).is_multiple_of(2);
+        if is_key {
+            self.geometry.shape.head_dim
+        } else {
+            1
+        }
+    }
+}
+
+impl Iterator for ChunkRuns {
+    type Item = Range<usize>;
+
+    fn next(&mut self) -> Option<Range<usize>> {
+        let g = self.geometry;
+        let elem = g.elem.size_bytes();
+        if self.slots.is_empty() || self.block >= self.blocks() {
+            return None;
+        }
+        if self.whole_page() {
+            self.block = self.blocks();
+            return Some(0..self.blocks() * g.head_block() * elem);
+        }
+        let (block, piece) = (self.block, self.piece);
+        let start = block * g.head_block();
+        let is_key = self.pieces(block) > 1;
+        let run = if is_key {
+            // Dimension `piece` of the chunk's slots.
+            let at = start + piece * g.page_size + self.slots.start;
+            at..at + self.slots.len()
+        } else {
+            let hd = g.shape.head_dim;
+            start + self.slots.start * hd..start + self.slots.end * hd
+        };
+        self.piece += 1;
+        if self.piece == self.pieces(block) {
+            (self.block, self.piece) = (block + 1, 0);
+        }
+        Some(run.start * elem..run.end * elem)
     }
 }
 
@@ -416,5 +470,55 @@ mod tests {
             (Scrub::Poison, ReusePolicy::OldestFreedFirst)
         };
         assert_eq!((spec.scrub, spec.reuse), expected);
+    }
+
+    /// A chunk's runs, joined, are the page's elements of those slots in
+    /// the page's own order, each once: checked element by element against
+    /// `key_offset` and the value rows, for whole and partial pages. A
+    /// whole page is one run.
+    #[test]
+    fn chunk_runs_cover_exactly_the_slots_in_page_order() {
+        for (page_size, elem) in [(16, ElemType::F32), (5, ElemType::F16), (24, ElemType::F16)] {
+            let shape = KvShape {
+                layers: 3,
+                kv_heads: 2,
+                head_dim: 4,
+            };
+            let spec = PoolSpec::new(shape, page_size, elem, PoolSize::Pages(1));
+            let g = spec.geometry().unwrap();
+            let size = elem.size_bytes();
+            for start in 0..page_size {
+                for end in start + 1..=page_size {
+                    let mut expected = Vec::new();
+                    for layer in 0..shape.layers {
+                        for head in 0..shape.kv_heads {
+                            for dim in 0..shape.head_dim {
+                                expected.extend(
+                                    (start..end).map(|s| g.key_offset(layer, head, s, dim)),
+                                );
+                            }
+                        }
+                        for head in 0..shape.kv_heads {
+                            let block = g.block_offset(layer, 1, head);
+                            expected.extend(block + start * 4..block + end * 4);
+                        }
+                    }
+                    let runs: Vec<Range<usize>> = g.chunk_runs(start..end).collect();
+                    let got: Vec<usize> = runs
+                        .iter()
+                        .flat_map(|run| {
+                            assert_eq!(run.start % size, 0, "runs start on an element");
+                            assert_eq!(run.len() % size, 0, "runs hold whole elements");
+                            (run.start / size)..(run.end / size)
+                        })
+                        .collect();
+                    assert_eq!(got, expected, "slots {start}..{end} of {page_size}");
+                    assert_eq!(got.len() * size, g.chunk_bytes(end - start));
+                    if end - start == page_size {
+                        assert_eq!(runs, vec![0..g.page_bytes], "a whole page is one run");
+                    }
+                }
+            }
+        }
     }
 }
