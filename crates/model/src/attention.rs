@@ -54,10 +54,13 @@
 //! so the bits are too.
 //!
 //! Prefill tiles fold their chunks as they go. A sequence with a single
-//! tile (decode steps) and several chunks is split instead: one task per
-//! chunk, in parallel, and the per-chunk states are folded afterwards in
-//! the same order — the same operations as folding in place, so the same
-//! bits, and a single long-context decode uses every core.
+//! tile (decode steps) and several chunks is split instead: a few runs of
+//! consecutive chunks per worker thread, in parallel, each recording its
+//! chunks' own states, which are folded afterwards one chunk at a time in
+//! ascending order — the same operations as folding in place, so the same
+//! bits, and a single long-context decode uses every core. (A run may not
+//! fold its own chunks first: `a ⊕ (b ⊕ c)` rounds differently from
+//! `(a ⊕ b) ⊕ c`.)
 
 use std::borrow::Cow;
 
@@ -111,6 +114,11 @@ const SUM_LANES: usize = 8;
 /// Multiply-adds below which a pass's attention stays on the calling
 /// thread.
 const PARALLEL_MIN_MACS: usize = 1 << 16;
+/// Tasks per worker thread a single-tile sequence's chunks are split into:
+/// enough that the threads finish together, few enough that each task runs
+/// several chunks back to back (a task's fixed cost is paid once per run
+/// rather than per chunk).
+const DECODE_TASKS_PER_THREAD: usize = 4;
 
 /// A K/V element type attention can read and the forward pass can write.
 pub trait KvValue: KvElement + Stage {
@@ -209,6 +217,58 @@ impl State {
     }
 }
 
+/// Each chunk's own softmax state, as a split tile's task computed them:
+/// chunk-major, `heads` per chunk.
+#[derive(Debug, Clone)]
+struct ChunkStates {
+    heads: usize,
+    head_dim: usize,
+    max: Vec<f32>,
+    den: Vec<f32>,
+    num: Vec<f32>,
+}
+
+impl ChunkStates {
+    fn new(chunks: usize, heads: usize, head_dim: usize) -> ChunkStates {
+        ChunkStates {
+            heads,
+            head_dim,
+            max: vec![0.0; chunks * heads],
+            den: vec![0.0; chunks * heads],
+            num: vec![0.0; chunks * heads * head_dim],
+        }
+    }
+
+    /// Records chunk `i`'s kernel output for every head.
+    fn record(&mut self, i: usize, max: &[f32], den: &[f32], num: &[f32]) {
+        let (heads, hd) = (self.heads, self.head_dim);
+        self.max[i * heads..(i + 1) * heads].copy_from_slice(&max[..heads]);
+        self.den[i * heads..(i + 1) * heads].copy_from_slice(&den[..heads]);
+        self.num[i * heads * hd..(i + 1) * heads * hd].copy_from_slice(&num[..heads * hd]);
+    }
+
+    /// Chunk `i`'s head `h`: its maximum, denominator and numerators.
+    fn head(&self, i: usize, h: usize) -> (f32, f32, &[f32]) {
+        let at = i * self.heads + h;
+        let hd = self.head_dim;
+        (
+            self.max[at],
+            self.den[at],
+            &self.num[at * hd..(at + 1) * hd],
+        )
+    }
+}
+
+/// What a task hands back.
+#[derive(Debug)]
+enum TaskOutput {
+    /// Its chunks folded in order: the tile's whole state.
+    Folded(State),
+    /// Each chunk's own state, for the fold after every task of the split
+    /// tile is done.
+    Chunks(ChunkStates),
+}
+
 /// `(e^a, e^b)`, compiled per instruction set so `exp`'s rounding and
 /// multiply-adds are instructions, not library calls.
 #[multiversion::multiversion(targets(
@@ -293,8 +353,12 @@ struct Task {
     row: usize,
     rows: usize,
     kv_head: usize,
-    /// Chunks `chunks.0..chunks.1`, folded in order.
+    /// Chunks `chunks.0..chunks.1`, in order.
     chunks: (usize, usize),
+    /// Whether this task is one run of a split tile: it records each
+    /// chunk's own state for the fold after every task is done, rather than
+    /// folding its chunks itself (which would fold in another order).
+    split: bool,
 }
 
 /// Attention of every row of every sequence for one `layer`, written to
@@ -344,12 +408,14 @@ pub fn attend<E: KvValue>(
             macs += rows * (end - first * CHUNK).min(window) * q_dim * 2;
             for kv_head in 0..config.num_kv_heads {
                 if single_tile && chunks > first + 1 {
-                    tasks.extend((first..chunks).map(|c| Task {
+                    let per_task = chunks_per_task(chunks - first, config.num_kv_heads);
+                    tasks.extend((first..chunks).step_by(per_task).map(|c| Task {
                         seq,
                         row,
                         rows,
                         kv_head,
-                        chunks: (c, c + 1),
+                        chunks: (c, (c + per_task).min(chunks)),
+                        split: true,
                     }));
                 } else {
                     tasks.push(Task {
@@ -358,6 +424,7 @@ pub fn attend<E: KvValue>(
                         rows,
                         kv_head,
                         chunks: (first, chunks),
+                        split: false,
                     });
                 }
             }
@@ -373,7 +440,7 @@ pub fn attend<E: KvValue>(
         });
         (*task, state)
     };
-    let results: Vec<(Task, State)> = if macs >= PARALLEL_MIN_MACS {
+    let results: Vec<(Task, TaskOutput)> = if macs >= PARALLEL_MIN_MACS {
         tasks.par_iter().map(run).collect()
     } else {
         tasks.iter().map(run).collect()
@@ -392,36 +459,49 @@ pub fn attend<E: KvValue>(
             out[rows.start * q_dim..rows.end * q_dim].fill(0.0);
         }
     }
-    // Tasks of one (tile, KV head) are adjacent and in chunk order: fold
-    // each run into its first state, then normalise.
+    // Tasks of one (tile, KV head) are adjacent and in chunk order: a
+    // folded task is the tile's whole state; a split tile's runs are folded
+    // here chunk by chunk, in order, exactly as one task would have.
     let mut results = results.into_iter().peekable();
-    while let Some((task, mut state)) = results.next() {
+    while let Some((task, output)) = results.next() {
         let part = batch[task.seq]
             .as_ref()
             .expect("tasks exist only for live sequences");
-        while let Some((later, chunk_state)) = results
-            .next_if(|(t, _)| (t.seq, t.row, t.kv_head) == (task.seq, task.row, task.kv_head))
-        {
-            let start = later.chunks.0 * CHUNK;
-            for r in 0..task.rows {
-                if !sees_chunk(part.past + task.row + r, window, start) {
-                    continue;
+        let state = match output {
+            TaskOutput::Folded(state) => state,
+            TaskOutput::Chunks(first) => {
+                let mut state = State::new(task.rows * group, hd);
+                let mut fold = |task: &Task, chunks: &ChunkStates| {
+                    for (i, c) in (task.chunks.0..task.chunks.1).enumerate() {
+                        for r in 0..task.rows {
+                            if !sees_chunk(part.past + task.row + r, window, c * CHUNK) {
+                                continue;
+                            }
+                            for h in r * group..(r + 1) * group {
+                                let (max, den, num) = chunks.head(i, h);
+                                state.fold(h, max, den, num);
+                            }
+                        }
+                    }
+                };
+                fold(&task, &first);
+                while let Some((later, output)) = results.next_if(|(t, _)| {
+                    (t.seq, t.row, t.kv_head) == (task.seq, task.row, task.kv_head)
+                }) {
+                    let TaskOutput::Chunks(chunks) = output else {
+                        unreachable!("a split tile's tasks all record their chunks")
+                    };
+                    fold(&later, &chunks);
                 }
-                for h in r * group..(r + 1) * group {
-                    state.fold(
-                        h,
-                        chunk_state.max[h],
-                        chunk_state.den[h],
-                        &chunk_state.num[h * hd..(h + 1) * hd],
-                    );
-                }
+                state
             }
-        }
+        };
         for r in 0..task.rows {
             let line = (first_row[task.seq] + task.row + r) * q_dim;
             let heads = &mut out[line + task.kv_head * group * hd..][..group * hd];
             for g in 0..group {
                 let h = r * group + g;
+                assert!(state.seen[h], "every row attends to its own position");
                 let inv = 1.0 / state.den[h];
                 for (o, &n) in heads[g * hd..(g + 1) * hd]
                     .iter_mut()
@@ -442,7 +522,7 @@ fn run_task<E: KvValue>(
     part: &SequenceQueries<'_, '_, E>,
     task: &Task,
     scratch: &mut Scratch,
-) -> State {
+) -> TaskOutput {
     let hd = config.head_dim;
     let group = config.num_heads / config.num_kv_heads;
     let heads = task.rows * group;
@@ -456,7 +536,11 @@ fn run_task<E: KvValue>(
             *d = q * scale;
         }
     }
-    let mut state = State::new(heads, hd);
+    let mut output = if task.split {
+        TaskOutput::Chunks(ChunkStates::new(task.chunks.1 - task.chunks.0, heads, hd))
+    } else {
+        TaskOutput::Folded(State::new(heads, hd))
+    };
     for c in task.chunks.0..task.chunks.1 {
         let start = c * CHUNK;
         let tile_end = part.past + task.row + task.rows;
@@ -470,6 +554,8 @@ fn run_task<E: KvValue>(
         // Values are prefetched, keys not: the score kernel walks each
         // page's key block in order, which the hardware prefetcher
         // follows, and asking for it too was slower (`attention step`).
+        // Prefetching the run's next chunk into L2 while this one is
+        // computed measured no better either.
         #[cfg(target_arch = "x86_64")]
         if let Some(Simd::Avx512(cpu)) = simd {
             for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
@@ -567,6 +653,13 @@ fn run_task<E: KvValue>(
             }
             _ => chunk_kernel(data!(keys, &values[..]), shape),
         }
+        let state = match &mut output {
+            TaskOutput::Chunks(chunks) => {
+                chunks.record(c - task.chunks.0, chunk_max, chunk_den, chunk_out);
+                continue;
+            }
+            TaskOutput::Folded(state) => state,
+        };
         for r in 0..task.rows {
             if !sees_chunk(part.past + task.row + r, window, start) {
                 continue;
@@ -582,7 +675,14 @@ fn run_task<E: KvValue>(
             }
         }
     }
-    state
+    output
+}
+
+/// Chunks per task when a single-tile sequence's `chunks` chunks of each of
+/// `kv_heads` heads are split across the worker threads.
+fn chunks_per_task(chunks: usize, kv_heads: usize) -> usize {
+    let tasks = rayon::current_num_threads() * DECODE_TASKS_PER_THREAD;
+    (chunks * kv_heads).div_ceil(tasks).clamp(1, chunks)
 }
 
 /// The positions a row at `position` attends to with a window of `window`

@@ -368,3 +368,67 @@ fn keys_read_in_place_score_as_staged_keys_do() {
         }
     }
 }
+
+/// A single tile of rows (a short prefill piece, or the rows a decode step
+/// verifies at once) gives each row the bits it gets alone: over a long
+/// context that the tile's tasks split into runs of chunks, with the tile
+/// crossing a chunk boundary (its first rows see none of the last chunk),
+/// with and without a sliding window whose start crosses one too.
+#[test]
+fn every_row_of_a_single_tile_gets_the_bits_it_gets_alone() {
+    use crate::builtin::Builtin;
+    use kvfence_pool::{KvShape, Pool, PoolSize, PoolSpec, RequestId};
+    let (rows, past) = (TILE_ROWS, 8 * CHUNK - 6);
+    let tokens = past + rows;
+    for window in [None, Some(300)] {
+        let mut config = Builtin::Small.config();
+        config.sliding_window = window.map(|window| crate::SlidingWindow {
+            window,
+            period: 0,
+            local_rope_theta: 10_000.0,
+        });
+        assert_eq!(config.attention_window(0), window);
+        let (hd, kv_heads, q_dim) = (config.head_dim, config.num_kv_heads, config.q_dim());
+        let shape = KvShape {
+            layers: 1,
+            kv_heads,
+            head_dim: hd,
+        };
+        let pool = Pool::new(&PoolSpec::new(
+            shape,
+            16,
+            f16::ELEM,
+            PoolSize::Tokens(tokens),
+        ))
+        .unwrap();
+        let mut lease = pool.lease(RequestId(1), tokens).unwrap();
+        let at = |i: usize| f16::from_f32(((i * 7919 % 1000) as f32 / 250.0 - 2.0) * 0.37);
+        let k: Vec<f16> = (0..tokens * kv_heads * hd).map(at).collect();
+        let v: Vec<f16> = (0..tokens * kv_heads * hd).map(|i| at(i + 13)).collect();
+        lease.write_positions(0, 0, &k, &v).unwrap();
+        let view = lease.read_layer::<f16>(0, tokens).unwrap();
+        let queries: Vec<f32> = (0..rows * q_dim).map(|i| at(i * 3).to_f32()).collect();
+        let pass = |past: usize, queries: &[f32], rows: usize| {
+            let mut out = vec![f32::NAN; rows * q_dim];
+            let part = SequenceQueries {
+                view: &view,
+                past,
+                queries,
+                stride: q_dim,
+                rows,
+            };
+            attend(&config, 0, &[Some(part)], &[rows], &mut out);
+            out
+        };
+        let tile = pass(past, &queries, rows);
+        for r in 0..rows {
+            let alone = pass(past + r, &queries[r * q_dim..(r + 1) * q_dim], 1);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&tile[r * q_dim..(r + 1) * q_dim]),
+                bits(&alone),
+                "row {r}, window {window:?}"
+            );
+        }
+    }
+}
