@@ -13,15 +13,19 @@
 //!   the decode end decodes each frame in place, checks it and copies it
 //!   into its pool, and commits (coverage and digest) before granting the
 //!   next. Both ends' encryption runs on the one link thread, as in that
-//!   mode; separate processes each have their own.
+//!   mode;
+//! - link across two processes: the same, with the decode end in a child
+//!   process (this bench binary again, told so by its environment), as the
+//!   fleet runs: each end's TLS on its own process's link thread.
 
 use std::hint::black_box;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group};
 use kvfence_fleet::LinkEnd;
+use kvfence_handoff::tls::{ClusterCa, Credentials, Role};
 use kvfence_handoff::{
     ChunkFrames, FRAME_SHELF_BYTES, FrameShelf, Grant, HandoffId, Message, Outcome, Receiver,
     Streaming,
@@ -107,29 +111,83 @@ fn link(c: &mut Criterion) {
     });
 
     let shelf = FrameShelf::new(FRAME_SHELF_BYTES);
+    // One prompt sent over `prefill_end`: wait for the grant, stream the
+    // chunk frames as they are made, then `Done`.
+    let hand_off = |prefill_end: &LinkEnd| {
+        let frame = prefill_end.recv().expect("a grant");
+        let (grant, _) = Message::decode(&frame).expect("valid").expect("whole");
+        let grant = Grant::from_message(&grant).expect("a grant");
+        let proof = Streaming::new(grant.clone())
+            .finish(
+                &src,
+                &mut ChunkFrames::new(&grant, &shelf, |frame| {
+                    assert!(prefill_end.send(vec![frame]), "link up");
+                }),
+            )
+            .expect("complete source");
+        assert!(
+            prefill_end.send(vec![proof.done(0, 0).to_frame().into()]),
+            "link up"
+        );
+    };
     let (prefill_end, decode) = LinkEnd::loopback_pair().expect("a TLS link over loopback");
     std::thread::spawn(move || decode_end(decode));
     group.bench_function("link: TLS 1.3, frames as made, every check", |b| {
-        b.iter(|| {
-            let frame = prefill_end.recv().expect("a grant");
-            let (grant, _) = Message::decode(&frame).expect("valid").expect("whole");
-            let grant = Grant::from_message(&grant).expect("a grant");
-            let proof = Streaming::new(grant.clone())
-                .finish(
-                    &src,
-                    &mut ChunkFrames::new(&grant, &shelf, |frame| {
-                        assert!(prefill_end.send(vec![frame]), "link up");
-                    }),
-                )
-                .expect("complete source");
-            assert!(
-                prefill_end.send(vec![proof.done(0, 0).to_frame().into()]),
-                "link up"
-            );
-        })
+        b.iter(|| hand_off(&prefill_end))
     });
+    drop(prefill_end);
+
+    let (prefill_end, mut child) = link_to_a_child_process();
+    group.bench_function(
+        "link across two processes: the same, each end its own link thread",
+        |b| b.iter(|| hand_off(&prefill_end)),
+    );
+    drop(prefill_end);
+    // The child's link closes with ours; it exits then.
+    let _ = child.wait();
     group.finish();
 }
 
+/// Where the child process finds its credentials and the prefill end.
+const CHILD_CERTS: &str = "KVFENCE_LINK_BENCH_CERTS";
+const CHILD_DIALS: &str = "KVFENCE_LINK_BENCH_DIALS";
+
+/// Starts this bench binary again as a decode end in its own process and
+/// returns the prefill end of the link it dials, with the child.
+fn link_to_a_child_process() -> (LinkEnd, std::process::Child) {
+    let certs = tempfile::tempdir().expect("a temporary directory");
+    let ca = ClusterCa::generate().expect("a cluster CA");
+    ca.write_dir(certs.path()).expect("credentials written");
+    let prefill = ca.credentials(Role::Prefill).expect("prefill credentials");
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("address");
+    let child = std::process::Command::new(std::env::current_exe().expect("this binary"))
+        .env(CHILD_CERTS, certs.path())
+        .env(CHILD_DIALS, address.to_string())
+        .spawn()
+        .expect("the decode end's process starts");
+    let prefill_end = LinkEnd::accept_decode(listener, &prefill).expect("the child dials");
+    (prefill_end, child)
+}
+
+/// The child process: the decode end, until the link closes.
+fn child_decode_end(certs: &std::ffi::OsStr, dials: &str) {
+    let credentials =
+        Credentials::load(std::path::Path::new(certs), Role::Decode).expect("credentials");
+    let address = dials.parse().expect("an address");
+    decode_end(LinkEnd::dial_prefill(address, &credentials).expect("the link comes up"));
+}
+
 criterion_group!(benches, link);
-criterion_main!(benches);
+
+fn main() {
+    if let (Some(certs), Some(dials)) = (
+        std::env::var_os(CHILD_CERTS),
+        std::env::var(CHILD_DIALS).ok(),
+    ) {
+        child_decode_end(&certs, &dials);
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

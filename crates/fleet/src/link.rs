@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use kvfence_handoff::HandoffError;
-use kvfence_handoff::tls::{ClusterCa, Role as LinkRole};
+use kvfence_handoff::tls::{ClusterCa, Credentials, Role as LinkRole};
 use tracing::warn;
 
 use crate::error::FleetError;
@@ -107,9 +107,9 @@ pub(crate) fn loopback_links() -> Result<(Link, Link), FleetError> {
     Ok((prefill_link, decode_link))
 }
 
-/// One end of a TLS link over loopback as [`TlsLoopback`] joins a pair,
-/// frames in and out: what the link benchmark (`benches/link.rs`) drives.
-/// Not an API.
+/// One end of a TLS link over loopback as [`TlsLoopback`] joins a pair (or
+/// as two worker processes join, one end each), frames in and out: what the
+/// link benchmark (`benches/link.rs`) drives. Not an API.
 #[doc(hidden)]
 pub struct LinkEnd(Link);
 
@@ -118,6 +118,32 @@ impl LinkEnd {
     pub fn loopback_pair() -> Result<(LinkEnd, LinkEnd), FleetError> {
         let (prefill, decode) = loopback_links()?;
         Ok((LinkEnd(prefill), LinkEnd(decode)))
+    }
+
+    /// The prefill end of a link to a decode end in another process:
+    /// listens on `listener` and takes the first decode worker that proves
+    /// itself with a certificate from `credentials`' CA.
+    pub fn accept_decode(
+        listener: TcpListener,
+        credentials: &Credentials,
+    ) -> Result<LinkEnd, FleetError> {
+        let limits = ListenLimits::new(1);
+        let accepted = net::accept(listener, credentials, &[LinkRole::Decode], limits)?;
+        // The peer is another process that may take a while to start.
+        let link = accepted
+            .recv_timeout(limits.handshake_timeout * 6)
+            .map_err(|_| FleetError::Unreachable {
+                reason: "no decode end dialled the link".into(),
+            })?;
+        Ok(LinkEnd(link))
+    }
+
+    /// The decode end of a link to the prefill end listening at `address`.
+    pub fn dial_prefill(
+        address: std::net::SocketAddr,
+        credentials: &Credentials,
+    ) -> Result<LinkEnd, FleetError> {
+        Ok(LinkEnd(net::dial(address, LinkRole::Prefill, credentials)?))
     }
 
     /// Queues one frame whose payload is `parts` joined; `false` once the
@@ -129,5 +155,45 @@ impl LinkEnd {
     /// The next frame the peer sent; `None` once the link is gone.
     pub fn recv(&self) -> Option<bytes::Bytes> {
         self.0.rx.recv().ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The two ends the link bench joins across processes find each other
+    /// and carry frames both ways; a decode end from another cluster does
+    /// not get in.
+    #[test]
+    fn link_ends_of_separate_processes_join_and_refuse_strangers() {
+        let ca = ClusterCa::generate().unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let decode = ca.credentials(LinkRole::Decode).unwrap();
+        let dialler = std::thread::spawn(move || LinkEnd::dial_prefill(address, &decode).unwrap());
+        let prefill =
+            LinkEnd::accept_decode(listener, &ca.credentials(LinkRole::Prefill).unwrap()).unwrap();
+        let decode = dialler.join().unwrap();
+        assert!(prefill.send(vec![bytes::Bytes::from_static(b"grant")]));
+        assert_eq!(&decode.recv().unwrap()[..], b"grant");
+        assert!(decode.send(vec![bytes::Bytes::from_static(b"chunk")]));
+        assert_eq!(&prefill.recv().unwrap()[..], b"chunk");
+
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let stranger = ClusterCa::generate()
+            .unwrap()
+            .credentials(LinkRole::Decode)
+            .unwrap();
+        let dialler = std::thread::spawn(move || LinkEnd::dial_prefill(address, &stranger));
+        let accepted = std::thread::spawn(move || {
+            LinkEnd::accept_decode(listener, &ca.credentials(LinkRole::Prefill).unwrap())
+        });
+        assert!(
+            dialler.join().unwrap().is_err(),
+            "the stranger's dial fails"
+        );
+        drop(accepted);
     }
 }
