@@ -308,6 +308,9 @@ struct Scratch {
     chunk_max: Vec<f32>,
     /// One chunk's softmax denominator per query head.
     chunk_den: Vec<f32>,
+    /// A task's KV runs in read order (the allocation of
+    /// [`avx512::Ahead`]'s list, kept between tasks).
+    runs: Vec<(usize, usize)>,
 }
 
 thread_local! {
@@ -321,6 +324,7 @@ thread_local! {
             chunk_out: Vec::new(),
             chunk_max: Vec::new(),
             chunk_den: Vec::new(),
+            runs: Vec::new(),
         })
     };
 }
@@ -541,27 +545,42 @@ fn run_task<E: KvValue>(
     } else {
         TaskOutput::Folded(State::new(heads, hd))
     };
+    // Under AVX-512 the task's KV is asked for a few blocks ahead of the
+    // kernel's reads: every chunk's key blocks, then its value rows, in
+    // the order the kernel reads them.
+    #[cfg(target_arch = "x86_64")]
+    let mut chunk_offsets = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    let mut ahead = match simd_kernel(hd) {
+        Some(Simd::Avx512(cpu)) => {
+            let mut ahead = avx512::Ahead::new(cpu, std::mem::take(&mut scratch.runs));
+            for c in task.chunks.0..task.chunks.1 {
+                chunk_offsets.push(ahead.len());
+                let (start, len) = chunk_span(part, task, c);
+                for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
+                    ahead.push_keys(part.view.keys(page, layer, task.kv_head), slot..slot + run);
+                }
+                for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
+                    ahead.push(
+                        &part.view.values(page, layer, task.kv_head)[slot * hd..(slot + run) * hd],
+                    );
+                }
+            }
+            Some(ahead)
+        }
+        _ => None,
+    };
     for c in task.chunks.0..task.chunks.1 {
-        let start = c * CHUNK;
-        let tile_end = part.past + task.row + task.rows;
-        let len = CHUNK.min(tile_end - start);
+        let (start, len) = chunk_span(part, task, c);
         let simd = simd_kernel(hd);
         let key_runs = || {
             page_runs(part.view.page_size(), start, len).map(|(page, slot, run, _)| {
                 (part.view.keys(page, layer, task.kv_head), slot..slot + run)
             })
         };
-        // Values are prefetched, keys not: the score kernel walks each
-        // page's key block in order, which the hardware prefetcher
-        // follows, and asking for it too was slower (`attention step`).
-        // Prefetching the run's next chunk into L2 while this one is
-        // computed measured no better either.
         #[cfg(target_arch = "x86_64")]
-        if let Some(Simd::Avx512(cpu)) = simd {
-            for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
-                let rows = slot * hd..(slot + run) * hd;
-                avx512::prefetch(cpu, &part.view.values(page, layer, task.kv_head)[rows]);
-            }
+        if let Some(ahead) = ahead.as_mut() {
+            ahead.reached(chunk_offsets[c - task.chunks.0]);
         }
         // The SIMD kernels read whole 16-slot blocks of keys where they
         // lie; a chunk with a partial block (the last page, odd page
@@ -635,15 +654,19 @@ fn run_task<E: KvValue>(
                 // Four calls for two kernels and two key sources, each its
                 // own monomorphisation.
                 match (simd, in_pages) {
-                    (Simd::Avx512(cpu), Some(in_pages)) => {
-                        avx512::chunk(cpu, data!(in_pages, runs), shape)
-                    }
+                    (Simd::Avx512(cpu), Some(in_pages)) => avx512::chunk(
+                        cpu,
+                        data!(in_pages, runs),
+                        shape,
+                        ahead.as_mut().expect("an AVX-512 task has its plan"),
+                    ),
                     (Simd::Avx2(cpu), Some(in_pages)) => {
                         avx2::chunk(cpu, data!(in_pages, runs), shape)
                     }
                     (Simd::Avx512(cpu), None) => {
                         let staged = blocks::KeyBlocks::staged(keys, hd, cols);
-                        avx512::chunk(cpu, data!(staged, runs), shape);
+                        let ahead = ahead.as_mut().expect("an AVX-512 task has its plan");
+                        avx512::chunk(cpu, data!(staged, runs), shape, ahead);
                     }
                     (Simd::Avx2(cpu), None) => {
                         let staged = blocks::KeyBlocks::staged(keys, hd, cols);
@@ -675,7 +698,23 @@ fn run_task<E: KvValue>(
             }
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(ahead) = ahead {
+        scratch.runs = ahead.into_runs();
+    }
     output
+}
+
+/// The first position and length of chunk `c` of `task`'s tile: a whole
+/// [`CHUNK`], or the part of the last one up to the tile's last row.
+fn chunk_span<E: KvValue>(
+    part: &SequenceQueries<'_, '_, E>,
+    task: &Task,
+    c: usize,
+) -> (usize, usize) {
+    let start = c * CHUNK;
+    let tile_end = part.past + task.row + task.rows;
+    (start, CHUNK.min(tile_end - start))
 }
 
 /// Chunks per task when a single-tile sequence's `chunks` chunks of each of

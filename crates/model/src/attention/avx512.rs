@@ -20,6 +20,7 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use half::{bf16, f16};
 
@@ -94,10 +95,12 @@ pub(crate) fn handles(head_dim: usize) -> bool {
 /// [`handles`] accepts, reading keys through [`KeyBlocks`] (staged, or
 /// where they lie in the pages) and values straight from their page runs
 /// (each `[slot][head_dim]`, in position order) instead of a staged copy.
+/// It tells `ahead` what it is about to read, block by block.
 pub(crate) fn chunk<E: Widen16, K: Widen16>(
     _cpu: Cpu,
     data: ChunkData<'_, [&[E]], KeyBlocks<'_, K>>,
     shape: ChunkShape,
+    ahead: &mut Ahead,
 ) {
     assert!(
         handles(shape.head_dim),
@@ -107,13 +110,14 @@ pub(crate) fn chunk<E: Widen16, K: Widen16>(
     data.check(shape);
     // SAFETY: `_cpu` proves AVX-512F; the asserts above bound every read
     // and write the kernel makes (see each loop's bounds).
-    unsafe { chunk_avx512(data, shape) }
+    unsafe { chunk_avx512(data, shape, ahead) }
 }
 
 #[target_feature(enable = "avx512f")]
 unsafe fn chunk_avx512<E: Widen16, K: Widen16>(
     data: ChunkData<'_, [&[E]], KeyBlocks<'_, K>>,
     shape: ChunkShape,
+    ahead: &mut Ahead,
 ) {
     let ChunkData {
         queries,
@@ -140,17 +144,19 @@ unsafe fn chunk_avx512<E: Widen16, K: Widen16>(
         let step = QUERY_STEP.min(heads - h);
         let q = queries[h * hd..].as_ptr();
         let s = scores[h * CHUNK..].as_mut_ptr();
+        // Only the first heads read the keys from memory.
+        let ahead = (h == 0).then_some(&mut *ahead);
         // SAFETY: heads h..h + step have hd queries and CHUNK scores each;
         // `keys` holds `cols / 16` blocks of hd dimensions (its makers
         // checked every one).
         unsafe {
             match step {
-                6 => score_heads::<K, 6>(q, &keys, s),
-                5 => score_heads::<K, 5>(q, &keys, s),
-                4 => score_heads::<K, 4>(q, &keys, s),
-                3 => score_heads::<K, 3>(q, &keys, s),
-                2 => score_heads::<K, 2>(q, &keys, s),
-                _ => score_heads::<K, 1>(q, &keys, s),
+                6 => score_heads::<K, 6>(q, &keys, s, ahead),
+                5 => score_heads::<K, 5>(q, &keys, s, ahead),
+                4 => score_heads::<K, 4>(q, &keys, s, ahead),
+                3 => score_heads::<K, 3>(q, &keys, s, ahead),
+                2 => score_heads::<K, 2>(q, &keys, s, ahead),
+                _ => score_heads::<K, 1>(q, &keys, s, ahead),
             }
         }
         h += step;
@@ -167,22 +173,25 @@ unsafe fn chunk_avx512<E: Widen16, K: Widen16>(
         dens[h] = den;
     }
     // Weighted values, grouped as the portable kernel groups them.
+    let mut first_read = true;
     for (first, end, n) in super::value_groups(shape) {
         let mut h = first;
         while h < end {
             let step = QUERY_STEP.min(end - h);
+            // Only the first heads read the values from memory.
+            let ahead = std::mem::take(&mut first_read).then_some(&mut *ahead);
             let w = scores[h * CHUNK..].as_ptr();
             let o = out[h * hd..].as_mut_ptr();
             // SAFETY: heads h..h + step have CHUNK weights and hd outputs;
             // the runs hold at least n ≤ len positions of hd values.
             unsafe {
                 match step {
-                    6 => value_heads::<E, 6>(w, values, hd, n, o),
-                    5 => value_heads::<E, 5>(w, values, hd, n, o),
-                    4 => value_heads::<E, 4>(w, values, hd, n, o),
-                    3 => value_heads::<E, 3>(w, values, hd, n, o),
-                    2 => value_heads::<E, 2>(w, values, hd, n, o),
-                    _ => value_heads::<E, 1>(w, values, hd, n, o),
+                    6 => value_heads::<E, 6>(w, values, hd, n, o, ahead),
+                    5 => value_heads::<E, 5>(w, values, hd, n, o, ahead),
+                    4 => value_heads::<E, 4>(w, values, hd, n, o, ahead),
+                    3 => value_heads::<E, 3>(w, values, hd, n, o, ahead),
+                    2 => value_heads::<E, 2>(w, values, hd, n, o, ahead),
+                    _ => value_heads::<E, 1>(w, values, hd, n, o, ahead),
                 }
             }
             h += step;
@@ -191,7 +200,8 @@ unsafe fn chunk_avx512<E: Widen16, K: Widen16>(
 }
 
 /// Scores of `Q` heads against every key block, in runs of
-/// [`KEY_BLOCKS`] blocks and then single blocks.
+/// [`KEY_BLOCKS`] blocks and then single blocks, telling `ahead` (when
+/// these heads are the first to read the keys) of each run before it.
 ///
 /// # Safety
 /// AVX-512F; `queries` holds `Q × head_dim` floats, `scores` `Q` rows of
@@ -202,14 +212,22 @@ unsafe fn score_heads<K: Widen16, const Q: usize>(
     queries: *const f32,
     keys: &KeyBlocks<'_, K>,
     scores: *mut f32,
+    mut ahead: Option<&mut Ahead>,
 ) {
+    let block_bytes = LANES * keys.head_dim() * std::mem::size_of::<K>();
     let mut b = 0;
     while b + KEY_BLOCKS <= keys.count() {
+        if let Some(ahead) = ahead.as_deref_mut() {
+            ahead.reading(KEY_BLOCKS * block_bytes);
+        }
         // SAFETY: forwarded; blocks b..b + 4 exist.
         unsafe { score_block::<K, Q, KEY_BLOCKS>(queries, keys, b, scores) };
         b += KEY_BLOCKS;
     }
     while b < keys.count() {
+        if let Some(ahead) = ahead.as_deref_mut() {
+            ahead.reading(block_bytes);
+        }
         // SAFETY: forwarded; block b exists.
         unsafe { score_block::<K, Q, 1>(queries, keys, b, scores) };
         b += 1;
@@ -366,23 +384,25 @@ unsafe fn value_heads<E: Widen16, const Q: usize>(
     hd: usize,
     n: usize,
     out: *mut f32,
+    mut ahead: Option<&mut Ahead>,
 ) {
     let mut d = 0;
     while d + DIM_BLOCKS * LANES <= hd {
         // SAFETY: forwarded; d + 64 <= hd.
-        unsafe { value_block::<E, Q, DIM_BLOCKS>(weights, runs, hd, n, d, out) };
+        unsafe { value_block::<E, Q, DIM_BLOCKS>(weights, runs, hd, n, d, out, ahead.take()) };
         d += DIM_BLOCKS * LANES;
     }
     while d < hd {
         // SAFETY: forwarded; d + 16 <= hd (hd is whole vectors).
-        unsafe { value_block::<E, Q, 1>(weights, runs, hd, n, d, out) };
+        unsafe { value_block::<E, Q, 1>(weights, runs, hd, n, d, out, ahead.take()) };
         d += LANES;
     }
 }
 
 /// `out[i][d + l] = Σ_j w_i[j] · v[j][d + l]` as one fused chain over
 /// positions ascending from zero, for `Q` heads and `B` blocks of 16
-/// dimensions.
+/// dimensions, telling `ahead` (when this is the first pass over the
+/// runs) of each run before it.
 ///
 /// # Safety
 /// As [`value_heads`], with `d + 16 · B <= hd`.
@@ -395,10 +415,14 @@ unsafe fn value_block<E: Widen16, const Q: usize, const B: usize>(
     n: usize,
     d: usize,
     out: *mut f32,
+    mut ahead: Option<&mut Ahead>,
 ) {
     let mut acc = [[_mm512_setzero_ps(); B]; Q];
     let mut j = 0;
     'runs: for run in runs {
+        if let Some(ahead) = ahead.as_deref_mut() {
+            ahead.reading(std::mem::size_of_val(*run));
+        }
         for row in run.chunks_exact(hd) {
             if j == n {
                 break 'runs;
@@ -426,15 +450,134 @@ unsafe fn value_block<E: Widen16, const Q: usize, const B: usize>(
     }
 }
 
-/// Asks for every cache line of `data` to be brought towards L1, so that
-/// a chunk's value runs (2 KB a page for SmolLM2) are all in flight at once rather than each waiting for the
-/// hardware prefetcher to notice it.
-pub(crate) fn prefetch<E>(_cpu: Cpu, data: &[E]) {
-    let bytes = std::mem::size_of_val(data);
-    let base = data.as_ptr().cast::<i8>();
-    for offset in (0..bytes).step_by(64) {
-        // SAFETY: prefetching has no effect on memory; `offset < bytes`
-        // keeps the address inside `data` anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(offset)) };
+/// How far ahead of what the kernel reads a task's KV is asked for: four
+/// 2 KB blocks of SmolLM2's shape. Asking for a whole chunk's values at
+/// once (256 lines) left each core waiting for free miss buffers; a few
+/// blocks ahead, issued as blocks are read, keeps a steady number of
+/// lines in flight (`attention step`, see docs/performance.md).
+const AHEAD_BYTES: usize = 8 << 10;
+
+/// One task's KV runs in the order its kernel reads them (each chunk's key
+/// blocks, then its value rows), asked for [`AHEAD_BYTES`] ahead of the
+/// reads the kernel reports. Holds addresses only: a prefetch never reads
+/// memory, so nothing here is dereferenced.
+pub(crate) struct Ahead {
+    /// Proof that the CPU has the prefetch instruction this issues.
+    _cpu: Cpu,
+    /// `(address, bytes)` of each run, in read order.
+    runs: Vec<(usize, usize)>,
+    /// The first run not yet asked for.
+    next: usize,
+    /// Bytes of the runs asked for, and read, so far.
+    asked: usize,
+    read: usize,
+}
+
+impl Ahead {
+    /// An empty plan reusing `runs`' allocation.
+    pub(crate) fn new(cpu: Cpu, mut runs: Vec<(usize, usize)>) -> Ahead {
+        runs.clear();
+        Ahead {
+            _cpu: cpu,
+            runs,
+            next: 0,
+            asked: 0,
+            read: 0,
+        }
+    }
+
+    /// Appends the run `data` (read after every run pushed before it).
+    pub(crate) fn push<E>(&mut self, data: &[E]) {
+        self.runs
+            .push((data.as_ptr() as usize, std::mem::size_of_val(data)));
+    }
+
+    /// Appends the key columns of `slots` of one page's block: from the
+    /// first column's first slot to the last column's last, the span the
+    /// score loop walks.
+    pub(crate) fn push_keys<E: Copy>(
+        &mut self,
+        keys: kvfence_pool::Keys<'_, E>,
+        slots: Range<usize>,
+    ) {
+        let hd = keys.head_dim();
+        if hd == 0 || slots.is_empty() {
+            return;
+        }
+        let first = keys.column(0)[slots.start..].as_ptr() as usize;
+        let elements = (hd - 1) * keys.stride() + slots.len();
+        self.runs.push((first, elements * std::mem::size_of::<E>()));
+    }
+
+    /// Bytes pushed so far: where the next run starts in read order.
+    pub(crate) fn len(&self) -> usize {
+        self.runs.iter().map(|&(_, bytes)| bytes).sum()
+    }
+
+    /// The kernel is about to read the next `bytes`.
+    #[inline]
+    pub(crate) fn reading(&mut self, bytes: usize) {
+        self.read += bytes;
+        self.ask();
+    }
+
+    /// Reads have reached at least `offset` bytes (a chunk's start: the
+    /// kernel's reports are per block and may fall short of a partial one).
+    pub(crate) fn reached(&mut self, offset: usize) {
+        self.read = self.read.max(offset);
+        self.ask();
+    }
+
+    fn ask(&mut self) {
+        while self.next < self.runs.len() && self.asked < self.read + AHEAD_BYTES {
+            let (address, bytes) = self.runs[self.next];
+            for offset in (0..bytes).step_by(64) {
+                // SAFETY: `self._cpu` proves the CPU runs AVX-512 (and so
+                // SSE's prefetch); a prefetch has no effect on memory, and the
+                // address is one of a run a view handed out.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>((address + offset) as *const i8) };
+            }
+            self.asked += bytes;
+            self.next += 1;
+        }
+    }
+
+    /// The runs' allocation, for the next task.
+    pub(crate) fn into_runs(self) -> Vec<(usize, usize)> {
+        self.runs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plan asks for every run once, in order, and never more than
+    /// [`AHEAD_BYTES`] (plus the run that crosses it) past what was read.
+    #[test]
+    fn ahead_asks_each_run_once_a_few_blocks_before_it_is_read() {
+        let Some(cpu) = Cpu::detect() else { return };
+        let data = vec![0u8; 64 << 10];
+        let mut ahead = Ahead::new(cpu, vec![(1, 1)]);
+        assert_eq!(ahead.len(), 0, "a new plan starts empty");
+        for run in data.chunks(2 << 10) {
+            ahead.push(run);
+        }
+        assert_eq!(ahead.len(), data.len());
+        ahead.reached(0);
+        assert_eq!(
+            ahead.asked, AHEAD_BYTES,
+            "the first blocks are asked for up front"
+        );
+        let mut read = 0;
+        while read < data.len() {
+            ahead.reading(2 << 10);
+            read += 2 << 10;
+            assert!(ahead.asked >= (read + AHEAD_BYTES).min(data.len()));
+            assert!(ahead.asked < read + AHEAD_BYTES + (2 << 10));
+        }
+        assert_eq!((ahead.next, ahead.asked), (ahead.runs.len(), data.len()));
+        ahead.reached(data.len());
+        assert_eq!(ahead.asked, data.len(), "nothing is asked for twice");
     }
 }

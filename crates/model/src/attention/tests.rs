@@ -13,6 +13,7 @@ fn poisoned_scratch(hd: usize) -> Scratch {
         chunk_out: Vec::new(),
         chunk_max: Vec::new(),
         chunk_den: Vec::new(),
+        runs: Vec::new(),
     }
 }
 
@@ -153,7 +154,12 @@ fn with_keys<'a, V: ?Sized, K>(data: ChunkData<'a, V>, keys: K) -> ChunkData<'a,
 #[cfg(target_arch = "x86_64")]
 fn avx512_staged<E: Stage>(cpu: avx512::Cpu, data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
     let keys = blocks::KeyBlocks::staged(data.keys, shape.head_dim, shape.cols);
-    avx512::chunk(cpu, with_keys(data, keys), shape);
+    avx512::chunk(
+        cpu,
+        with_keys(data, keys),
+        shape,
+        &mut avx512::Ahead::new(cpu, Vec::new()),
+    );
 }
 
 /// The AVX2 kernel over keys staged as the portable one reads them.
@@ -348,7 +354,14 @@ fn keys_read_in_place_score_as_staged_keys_do() {
             "every head sees the chunk"
         );
         let in_pages = run_chunk(
-            |d, s| avx512::chunk(cpu, with_keys(d, blocks), s),
+            |d, s| {
+                avx512::chunk(
+                    cpu,
+                    with_keys(d, blocks),
+                    s,
+                    &mut avx512::Ahead::new(cpu, Vec::new()),
+                )
+            },
             shape,
             &queries,
             &scratch.keys,
