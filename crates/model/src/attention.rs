@@ -114,9 +114,9 @@ const SUM_LANES: usize = 8;
 /// Multiply-adds below which a pass's attention stays on the calling
 /// thread.
 const PARALLEL_MIN_MACS: usize = 1 << 16;
-/// Tasks per worker thread a single-tile sequence's chunks are split into:
-/// enough that the threads finish together, few enough that each task runs
-/// several chunks back to back (a task's fixed cost is paid once per run
+/// Jobs per worker thread a single-tile sequence's chunks are split into:
+/// enough that the threads finish together, few enough that each job runs
+/// several chunks back to back (a job's fixed cost is paid once per run
 /// rather than per chunk).
 const DECODE_TASKS_PER_THREAD: usize = 4;
 
@@ -386,6 +386,8 @@ pub fn attend<E: KvValue>(
         "attention output must hold every row of the pass"
     );
     let mut tasks = Vec::new();
+    // Tasks run together, one job to a thread at a time: ranges of `tasks`.
+    let mut jobs: Vec<std::ops::Range<usize>> = Vec::new();
     let mut macs = 0usize;
     for (seq, part) in batch.iter().enumerate() {
         let Some(part) = part else { continue };
@@ -410,18 +412,25 @@ pub fn attend<E: KvValue>(
             let first = visible(part.past + row, window).start / CHUNK;
             let chunks = end.div_ceil(CHUNK);
             macs += rows * (end - first * CHUNK).min(window) * q_dim * 2;
-            for kv_head in 0..config.num_kv_heads {
-                if single_tile && chunks > first + 1 {
-                    let per_task = chunks_per_task(chunks - first, config.num_kv_heads);
-                    tasks.extend((first..chunks).step_by(per_task).map(|c| Task {
+            if single_tile && chunks > first + 1 {
+                // A decode row: runs of chunks over the threads, each run
+                // one job for every KV head, so a job reads each page's
+                // blocks of a layer together.
+                for (c, end) in job_chunks(first..chunks) {
+                    let start = tasks.len();
+                    tasks.extend((0..config.num_kv_heads).map(|kv_head| Task {
                         seq,
                         row,
                         rows,
                         kv_head,
-                        chunks: (c, (c + per_task).min(chunks)),
+                        chunks: (c, end),
                         split: true,
                     }));
-                } else {
+                    jobs.push(start..tasks.len());
+                }
+            } else {
+                for kv_head in 0..config.num_kv_heads {
+                    jobs.push(tasks.len()..tasks.len() + 1);
                     tasks.push(Task {
                         seq,
                         row,
@@ -434,21 +443,25 @@ pub fn attend<E: KvValue>(
             }
         }
     }
-    let run = |task: &Task| {
-        let part = batch[task.seq]
+    let run = |job: &std::ops::Range<usize>| {
+        let job = &tasks[job.clone()];
+        let part = batch[job[0].seq]
             .as_ref()
             .expect("tasks exist only for live sequences");
-        let state = SCRATCH.with_borrow_mut(|scratch| {
-            scratch.fit(hd, TILE_ROWS * group);
-            run_task(config, layer, part, task, scratch)
+        let outputs = SCRATCH.with_borrow_mut(|scratch| {
+            scratch.fit(hd, TILE_ROWS * group * job.len());
+            run_job(config, layer, part, job, scratch)
         });
-        (*task, state)
+        job.iter().copied().zip(outputs).collect::<Vec<_>>()
     };
-    let results: Vec<(Task, TaskOutput)> = if macs >= PARALLEL_MIN_MACS {
-        tasks.par_iter().map(run).collect()
+    let mut results: Vec<(Task, TaskOutput)> = if macs >= PARALLEL_MIN_MACS {
+        jobs.par_iter().flat_map_iter(run).collect()
     } else {
-        tasks.iter().map(run).collect()
+        jobs.iter().flat_map(run).collect()
     };
+    // The fold below wants each (tile, KV head)'s tasks adjacent, in chunk
+    // order.
+    results.sort_by_key(|(t, _)| (t.seq, t.row, t.kv_head, t.chunks.0));
 
     // Row offsets of each sequence in `out`.
     let mut first_row = Vec::with_capacity(rows_of.len());
@@ -518,183 +531,204 @@ pub fn attend<E: KvValue>(
     }
 }
 
-/// Runs one task: its tile's query heads of one KV group over its chunks,
-/// folded in order. Heads of rows that see none of a chunk skip it.
-fn run_task<E: KvValue>(
+/// Runs one job: tasks of one tile over the same chunks, one per KV head,
+/// chunk by chunk and within a chunk head by head (so a page's blocks of
+/// this layer are read together). Each task's query heads of its KV group
+/// are folded in order, or each chunk's state recorded for a split tile.
+/// Heads of rows that see none of a chunk skip it.
+fn run_job<E: KvValue>(
     config: &ModelConfig,
     layer: usize,
     part: &SequenceQueries<'_, '_, E>,
-    task: &Task,
+    job: &[Task],
     scratch: &mut Scratch,
-) -> TaskOutput {
+) -> Vec<TaskOutput> {
+    let first = job[0];
+    assert!(
+        job.iter().all(|t| (t.seq, t.row, t.rows, t.chunks, t.split)
+            == (first.seq, first.row, first.rows, first.chunks, first.split)),
+        "a job's tasks share their tile and chunks"
+    );
     let hd = config.head_dim;
     let group = config.num_heads / config.num_kv_heads;
-    let heads = task.rows * group;
+    let heads = first.rows * group;
     let window = config.attention_window(layer).unwrap_or(usize::MAX);
     let scale = 1.0 / (hd as f32).sqrt();
-    for r in 0..task.rows {
-        let line = &part.queries[(task.row + r) * part.stride..];
-        let src = &line[task.kv_head * group * hd..(task.kv_head + 1) * group * hd];
-        let dst = &mut scratch.queries[r * group * hd..(r + 1) * group * hd];
-        for (d, &q) in dst.iter_mut().zip(src) {
-            *d = q * scale;
+    // Task k's scaled queries start at row k · heads.
+    for (k, task) in job.iter().enumerate() {
+        for r in 0..task.rows {
+            let line = &part.queries[(task.row + r) * part.stride..];
+            let src = &line[task.kv_head * group * hd..(task.kv_head + 1) * group * hd];
+            let at = (k * heads + r * group) * hd;
+            for (d, &q) in scratch.queries[at..at + group * hd].iter_mut().zip(src) {
+                *d = q * scale;
+            }
         }
     }
-    let mut output = if task.split {
-        TaskOutput::Chunks(ChunkStates::new(task.chunks.1 - task.chunks.0, heads, hd))
-    } else {
-        TaskOutput::Folded(State::new(heads, hd))
-    };
-    // Under AVX-512 the task's KV is asked for a few blocks ahead of the
-    // kernel's reads: every chunk's key blocks, then its value rows, in
-    // the order the kernel reads them.
+    let mut outputs: Vec<TaskOutput> = job
+        .iter()
+        .map(|task| {
+            if task.split {
+                TaskOutput::Chunks(ChunkStates::new(task.chunks.1 - task.chunks.0, heads, hd))
+            } else {
+                TaskOutput::Folded(State::new(heads, hd))
+            }
+        })
+        .collect();
+    // Under AVX-512 the job's KV is asked for a few blocks ahead of the
+    // kernel's reads: each chunk's key blocks then value rows, head by
+    // head, in the order the kernel reads them.
     #[cfg(target_arch = "x86_64")]
     let mut chunk_offsets = Vec::new();
     #[cfg(target_arch = "x86_64")]
     let mut ahead = match simd_kernel(hd) {
         Some(Simd::Avx512(cpu)) => {
             let mut ahead = avx512::Ahead::new(cpu, std::mem::take(&mut scratch.runs));
-            for c in task.chunks.0..task.chunks.1 {
-                chunk_offsets.push(ahead.len());
-                let (start, len) = chunk_span(part, task, c);
-                for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
-                    ahead.push_keys(part.view.keys(page, layer, task.kv_head), slot..slot + run);
-                }
-                for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
-                    ahead.push(
-                        &part.view.values(page, layer, task.kv_head)[slot * hd..(slot + run) * hd],
-                    );
+            for c in first.chunks.0..first.chunks.1 {
+                let (start, len) = chunk_span(part, &first, c);
+                for task in job {
+                    chunk_offsets.push(ahead.len());
+                    for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
+                        ahead
+                            .push_keys(part.view.keys(page, layer, task.kv_head), slot..slot + run);
+                    }
+                    for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
+                        let values = part.view.values(page, layer, task.kv_head);
+                        ahead.push(&values[slot * hd..(slot + run) * hd]);
+                    }
                 }
             }
             Some(ahead)
         }
         _ => None,
     };
-    for c in task.chunks.0..task.chunks.1 {
-        let (start, len) = chunk_span(part, task, c);
-        let simd = simd_kernel(hd);
-        let key_runs = || {
-            page_runs(part.view.page_size(), start, len).map(|(page, slot, run, _)| {
-                (part.view.keys(page, layer, task.kv_head), slot..slot + run)
-            })
-        };
-        #[cfg(target_arch = "x86_64")]
-        if let Some(ahead) = ahead.as_mut() {
-            ahead.reached(chunk_offsets[c - task.chunks.0]);
-        }
-        // The SIMD kernels read whole 16-slot blocks of keys where they
-        // lie; a chunk with a partial block (the last page, odd page
-        // sizes) is staged instead.
-        #[cfg(target_arch = "x86_64")]
-        let in_pages = simd.and_then(|_| blocks::KeyBlocks::from_pages(key_runs()));
-        #[cfg(not(target_arch = "x86_64"))]
-        let in_pages: Option<std::convert::Infallible> = {
-            let _ = key_runs;
-            None
-        };
-        if in_pages.is_none() {
-            stage(
-                part.view,
-                layer,
-                task.kv_head,
-                start,
-                len,
-                hd,
-                scratch,
-                simd.is_none(),
-            );
-        }
-        let Scratch {
-            keys,
-            values,
-            scores,
-            queries,
-            chunk_out,
-            chunk_max,
-            chunk_den,
-            ..
-        } = scratch;
-        let cols = len.next_multiple_of(KEY_STEP);
-        let shape = ChunkShape {
-            heads,
-            group,
-            head_dim: hd,
-            cols,
-            start,
-            first_row_end: part.past + task.row + 1,
-            window,
-            len,
-        };
-        // One kernel call per chunk; a macro because the kernels take
-        // keys and values of different types.
-        macro_rules! data {
-            ($keys:expr, $values:expr) => {
-                ChunkData {
-                    queries: &queries[..heads * hd],
-                    keys: $keys,
-                    values: $values,
-                    scores,
-                    out: chunk_out,
-                    max: chunk_max,
-                    den: chunk_den,
-                }
+    for c in first.chunks.0..first.chunks.1 {
+        for (k, (task, output)) in job.iter().zip(&mut outputs).enumerate() {
+            let (start, len) = chunk_span(part, task, c);
+            let simd = simd_kernel(hd);
+            let key_runs = || {
+                page_runs(part.view.page_size(), start, len).map(|(page, slot, run, _)| {
+                    (part.view.keys(page, layer, task.kv_head), slot..slot + run)
+                })
             };
-        }
-        match simd {
             #[cfg(target_arch = "x86_64")]
-            Some(simd) => {
-                let mut runs = [&[] as &[E]; CHUNK];
-                let mut count = 0;
-                for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
-                    runs[count] =
-                        &part.view.values(page, layer, task.kv_head)[slot * hd..(slot + run) * hd];
-                    count += 1;
-                }
-                let runs = &runs[..count];
-                // Four calls for two kernels and two key sources, each its
-                // own monomorphisation.
-                match (simd, in_pages) {
-                    (Simd::Avx512(cpu), Some(in_pages)) => avx512::chunk(
-                        cpu,
-                        data!(in_pages, runs),
-                        shape,
-                        ahead.as_mut().expect("an AVX-512 task has its plan"),
-                    ),
-                    (Simd::Avx2(cpu), Some(in_pages)) => {
-                        avx2::chunk(cpu, data!(in_pages, runs), shape)
-                    }
-                    (Simd::Avx512(cpu), None) => {
-                        let staged = blocks::KeyBlocks::staged(keys, hd, cols);
-                        let ahead = ahead.as_mut().expect("an AVX-512 task has its plan");
-                        avx512::chunk(cpu, data!(staged, runs), shape, ahead);
-                    }
-                    (Simd::Avx2(cpu), None) => {
-                        let staged = blocks::KeyBlocks::staged(keys, hd, cols);
-                        avx2::chunk(cpu, data!(staged, runs), shape);
-                    }
-                }
+            if let Some(ahead) = ahead.as_mut() {
+                ahead.reached(chunk_offsets[(c - task.chunks.0) * job.len() + k]);
             }
-            _ => chunk_kernel(data!(keys, &values[..]), shape),
-        }
-        let state = match &mut output {
-            TaskOutput::Chunks(chunks) => {
-                chunks.record(c - task.chunks.0, chunk_max, chunk_den, chunk_out);
-                continue;
-            }
-            TaskOutput::Folded(state) => state,
-        };
-        for r in 0..task.rows {
-            if !sees_chunk(part.past + task.row + r, window, start) {
-                continue;
-            }
-            for g in 0..group {
-                let h = r * group + g;
-                state.fold(
-                    h,
-                    chunk_max[h],
-                    chunk_den[h],
-                    &chunk_out[h * hd..(h + 1) * hd],
+            // The SIMD kernels read whole 16-slot blocks of keys where they
+            // lie; a chunk with a partial block (the last page, odd page
+            // sizes) is staged instead.
+            #[cfg(target_arch = "x86_64")]
+            let in_pages = simd.and_then(|_| blocks::KeyBlocks::from_pages(key_runs()));
+            #[cfg(not(target_arch = "x86_64"))]
+            let in_pages: Option<std::convert::Infallible> = {
+                let _ = key_runs;
+                None
+            };
+            if in_pages.is_none() {
+                stage(
+                    part.view,
+                    layer,
+                    task.kv_head,
+                    start,
+                    len,
+                    hd,
+                    scratch,
+                    simd.is_none(),
                 );
+            }
+            let Scratch {
+                keys,
+                values,
+                scores,
+                queries,
+                chunk_out,
+                chunk_max,
+                chunk_den,
+                ..
+            } = scratch;
+            let cols = len.next_multiple_of(KEY_STEP);
+            let shape = ChunkShape {
+                heads,
+                group,
+                head_dim: hd,
+                cols,
+                start,
+                first_row_end: part.past + task.row + 1,
+                window,
+                len,
+            };
+            // One kernel call per chunk; a macro because the kernels take
+            // keys and values of different types.
+            macro_rules! data {
+                ($keys:expr, $values:expr) => {
+                    ChunkData {
+                        queries: &queries[k * heads * hd..(k + 1) * heads * hd],
+                        keys: $keys,
+                        values: $values,
+                        scores,
+                        out: chunk_out,
+                        max: chunk_max,
+                        den: chunk_den,
+                    }
+                };
+            }
+            match simd {
+                #[cfg(target_arch = "x86_64")]
+                Some(simd) => {
+                    let mut runs = [&[] as &[E]; CHUNK];
+                    let mut count = 0;
+                    for (page, slot, run, _) in page_runs(part.view.page_size(), start, len) {
+                        runs[count] = &part.view.values(page, layer, task.kv_head)
+                            [slot * hd..(slot + run) * hd];
+                        count += 1;
+                    }
+                    let runs = &runs[..count];
+                    // Four calls for two kernels and two key sources, each its
+                    // own monomorphisation.
+                    match (simd, in_pages) {
+                        (Simd::Avx512(cpu), Some(in_pages)) => avx512::chunk(
+                            cpu,
+                            data!(in_pages, runs),
+                            shape,
+                            ahead.as_mut().expect("an AVX-512 task has its plan"),
+                        ),
+                        (Simd::Avx2(cpu), Some(in_pages)) => {
+                            avx2::chunk(cpu, data!(in_pages, runs), shape)
+                        }
+                        (Simd::Avx512(cpu), None) => {
+                            let staged = blocks::KeyBlocks::staged(keys, hd, cols);
+                            let ahead = ahead.as_mut().expect("an AVX-512 task has its plan");
+                            avx512::chunk(cpu, data!(staged, runs), shape, ahead);
+                        }
+                        (Simd::Avx2(cpu), None) => {
+                            let staged = blocks::KeyBlocks::staged(keys, hd, cols);
+                            avx2::chunk(cpu, data!(staged, runs), shape);
+                        }
+                    }
+                }
+                _ => chunk_kernel(data!(keys, &values[..]), shape),
+            }
+            let state = match output {
+                TaskOutput::Chunks(chunks) => {
+                    chunks.record(c - task.chunks.0, chunk_max, chunk_den, chunk_out);
+                    continue;
+                }
+                TaskOutput::Folded(state) => state,
+            };
+            for r in 0..task.rows {
+                if !sees_chunk(part.past + task.row + r, window, start) {
+                    continue;
+                }
+                for g in 0..group {
+                    let h = r * group + g;
+                    state.fold(
+                        h,
+                        chunk_max[h],
+                        chunk_den[h],
+                        &chunk_out[h * hd..(h + 1) * hd],
+                    );
+                }
             }
         }
     }
@@ -702,7 +736,7 @@ fn run_task<E: KvValue>(
     if let Some(ahead) = ahead {
         scratch.runs = ahead.into_runs();
     }
-    output
+    outputs
 }
 
 /// The first position and length of chunk `c` of `task`'s tile: a whole
@@ -717,11 +751,18 @@ fn chunk_span<E: KvValue>(
     (start, CHUNK.min(tile_end - start))
 }
 
-/// Chunks per task when a single-tile sequence's `chunks` chunks of each of
-/// `kv_heads` heads are split across the worker threads.
-fn chunks_per_task(chunks: usize, kv_heads: usize) -> usize {
-    let tasks = rayon::current_num_threads() * DECODE_TASKS_PER_THREAD;
-    (chunks * kv_heads).div_ceil(tasks).clamp(1, chunks)
+/// A single-tile sequence's `chunks` split across the worker threads: as
+/// many runs as [`DECODE_TASKS_PER_THREAD`] asks (fewer if there are fewer
+/// chunks), of sizes that differ by at most one chunk, so the threads
+/// finish together (runs of a fixed size left 33 chunks as six runs of
+/// five and one of three: one thread did a third more).
+fn job_chunks(chunks: std::ops::Range<usize>) -> impl Iterator<Item = (usize, usize)> {
+    let total = chunks.len();
+    let jobs = (rayon::current_num_threads() * DECODE_TASKS_PER_THREAD).clamp(1, total.max(1));
+    let at = move |i: usize| chunks.start + i * total / jobs;
+    (0..jobs)
+        .map(move |i| (at(i), at(i + 1)))
+        .filter(|(c, end)| c < end)
 }
 
 /// The positions a row at `position` attends to with a window of `window`

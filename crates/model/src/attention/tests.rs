@@ -445,3 +445,23 @@ fn every_row_of_a_single_tile_gets_the_bits_it_gets_alone() {
         }
     }
 }
+
+/// A decode row's chunks split into runs that cover each chunk once, in
+/// order, as many as the threads ask for (fewer only with fewer chunks),
+/// of sizes within one chunk of each other.
+#[test]
+fn a_decode_rows_chunks_split_into_even_runs_in_order() {
+    let jobs = rayon::current_num_threads() * DECODE_TASKS_PER_THREAD;
+    for first in [0, 3] {
+        for total in 1..=70 {
+            let runs: Vec<(usize, usize)> = job_chunks(first..first + total).collect();
+            assert_eq!(runs.len(), jobs.min(total), "{total} chunks");
+            assert_eq!(runs[0].0, first);
+            assert_eq!(runs[runs.len() - 1].1, first + total);
+            assert!(runs.windows(2).all(|w| w[0].1 == w[1].0));
+            let sizes: Vec<usize> = runs.iter().map(|(c, end)| end - c).collect();
+            let (least, most) = (sizes.iter().min(), sizes.iter().max());
+            assert!(most.zip(least).is_some_and(|(m, l)| m - l <= 1 && *l > 0), "{sizes:?}");
+        }
+    }
+}
