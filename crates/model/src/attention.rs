@@ -75,6 +75,8 @@ use crate::isa::IsaCap;
 use crate::kernels::exp;
 
 #[cfg(target_arch = "x86_64")]
+mod ahead;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -309,7 +311,7 @@ struct Scratch {
     /// One chunk's softmax denominator per query head.
     chunk_den: Vec<f32>,
     /// A task's KV runs in read order (the allocation of
-    /// [`avx512::Ahead`]'s list, kept between tasks).
+    /// [`ahead::Ahead`]'s list, kept between jobs).
     runs: Vec<(usize, usize)>,
 }
 
@@ -575,15 +577,15 @@ fn run_job<E: KvValue>(
             }
         })
         .collect();
-    // Under AVX-512 the job's KV is asked for a few blocks ahead of the
-    // kernel's reads: each chunk's key blocks then value rows, head by
+    // Under a SIMD kernel the job's KV is asked for a few blocks ahead of
+    // its reads: each chunk's key blocks then value rows, head by
     // head, in the order the kernel reads them.
     #[cfg(target_arch = "x86_64")]
     let mut chunk_offsets = Vec::new();
     #[cfg(target_arch = "x86_64")]
     let mut ahead = match simd_kernel(hd) {
-        Some(Simd::Avx512(cpu)) => {
-            let mut ahead = avx512::Ahead::new(cpu, std::mem::take(&mut scratch.runs));
+        Some(_) => {
+            let mut ahead = ahead::Ahead::new(std::mem::take(&mut scratch.runs));
             for c in first.chunks.0..first.chunks.1 {
                 let (start, len) = chunk_span(part, &first, c);
                 for task in job {
@@ -600,7 +602,7 @@ fn run_job<E: KvValue>(
             }
             Some(ahead)
         }
-        _ => None,
+        None => None,
     };
     for c in first.chunks.0..first.chunks.1 {
         for (k, (task, output)) in job.iter().zip(&mut outputs).enumerate() {
@@ -686,24 +688,21 @@ fn run_job<E: KvValue>(
                     let runs = &runs[..count];
                     // Four calls for two kernels and two key sources, each its
                     // own monomorphisation.
+                    let ahead = ahead.as_mut().expect("a SIMD job has its plan");
                     match (simd, in_pages) {
-                        (Simd::Avx512(cpu), Some(in_pages)) => avx512::chunk(
-                            cpu,
-                            data!(in_pages, runs),
-                            shape,
-                            ahead.as_mut().expect("an AVX-512 task has its plan"),
-                        ),
+                        (Simd::Avx512(cpu), Some(in_pages)) => {
+                            avx512::chunk(cpu, data!(in_pages, runs), shape, ahead)
+                        }
                         (Simd::Avx2(cpu), Some(in_pages)) => {
-                            avx2::chunk(cpu, data!(in_pages, runs), shape)
+                            avx2::chunk(cpu, data!(in_pages, runs), shape, ahead)
                         }
                         (Simd::Avx512(cpu), None) => {
                             let staged = blocks::KeyBlocks::staged(keys, hd, cols);
-                            let ahead = ahead.as_mut().expect("an AVX-512 task has its plan");
                             avx512::chunk(cpu, data!(staged, runs), shape, ahead);
                         }
                         (Simd::Avx2(cpu), None) => {
                             let staged = blocks::KeyBlocks::staged(keys, hd, cols);
-                            avx2::chunk(cpu, data!(staged, runs), shape);
+                            avx2::chunk(cpu, data!(staged, runs), shape, ahead);
                         }
                     }
                 }

@@ -20,6 +20,7 @@ use std::ops::Range;
 use half::{bf16, f16};
 use kvfence_pool::Keys;
 
+use super::ahead::Ahead;
 use super::blocks::{BLOCK, KeyBlocks};
 use super::{CHUNK, ChunkData, ChunkShape, QUERY_STEP};
 
@@ -164,11 +165,13 @@ pub(crate) fn handles(head_dim: usize) -> bool {
 /// lie in the pages) and weighted values read their page runs (each
 /// `[slot][head_dim]`, in position order), so nothing is staged when the
 /// chunk's pages hold whole blocks. The softmax is the portable code's,
-/// compiled here with AVX2 and FMA.
+/// compiled here with AVX2 and FMA. It tells `ahead` what it is about to
+/// read, block by block.
 pub(crate) fn chunk<E: Widen8, K: Widen8>(
     _cpu: Avx2,
     data: ChunkData<'_, [&[E]], KeyBlocks<'_, K>>,
     shape: ChunkShape,
+    ahead: &mut Ahead,
 ) {
     assert!(
         handles(shape.head_dim),
@@ -178,13 +181,14 @@ pub(crate) fn chunk<E: Widen8, K: Widen8>(
     data.check(shape);
     // SAFETY: `_cpu` proves AVX2, FMA and F16C; the asserts above bound
     // every read and write the kernel makes (see each loop's bounds).
-    unsafe { chunk_avx2(data, shape) }
+    unsafe { chunk_avx2(data, shape, ahead) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn chunk_avx2<E: Widen8, K: Widen8>(
     data: ChunkData<'_, [&[E]], KeyBlocks<'_, K>>,
     shape: ChunkShape,
+    ahead: &mut Ahead,
 ) {
     let ChunkData {
         queries,
@@ -206,7 +210,12 @@ unsafe fn chunk_avx2<E: Widen8, K: Widen8>(
         let step = QUERY_STEP.min(heads - h);
         let q = queries[h * hd..].as_ptr();
         let s = scores[h * CHUNK..].as_mut_ptr();
+        let block_bytes = BLOCK * hd * std::mem::size_of::<K>();
         for b in 0..keys.count() {
+            // Only the first heads read the keys from memory.
+            if h == 0 {
+                ahead.reading(block_bytes);
+            }
             // SAFETY: heads h..h + step have hd queries and CHUNK scores
             // each; block b < count.
             unsafe {
@@ -224,22 +233,25 @@ unsafe fn chunk_avx2<E: Widen8, K: Widen8>(
     }
     super::softmax_rows(scores, maxes, dens, shape);
     // Weighted values, grouped as the portable kernel groups them.
+    let mut first_read = true;
     for (first, end, n) in super::value_groups(shape) {
         let mut h = first;
         while h < end {
             let step = QUERY_STEP.min(end - h);
+            // Only the first heads read the values from memory.
+            let ahead = std::mem::take(&mut first_read).then_some(&mut *ahead);
             let w = scores[h * CHUNK..].as_ptr();
             let o = out[h * hd..].as_mut_ptr();
             // SAFETY: heads h..h + step have CHUNK weights and hd outputs;
             // the runs hold at least n ≤ len positions of hd values.
             unsafe {
                 match step {
-                    6 => value_heads::<E, 6>(w, values, hd, n, o),
-                    5 => value_heads::<E, 5>(w, values, hd, n, o),
-                    4 => value_heads::<E, 4>(w, values, hd, n, o),
-                    3 => value_heads::<E, 3>(w, values, hd, n, o),
-                    2 => value_heads::<E, 2>(w, values, hd, n, o),
-                    _ => value_heads::<E, 1>(w, values, hd, n, o),
+                    6 => value_heads::<E, 6>(w, values, hd, n, o, ahead),
+                    5 => value_heads::<E, 5>(w, values, hd, n, o, ahead),
+                    4 => value_heads::<E, 4>(w, values, hd, n, o, ahead),
+                    3 => value_heads::<E, 3>(w, values, hd, n, o, ahead),
+                    2 => value_heads::<E, 2>(w, values, hd, n, o, ahead),
+                    _ => value_heads::<E, 1>(w, values, hd, n, o, ahead),
                 }
             }
             h += step;
@@ -300,23 +312,25 @@ unsafe fn value_heads<E: Widen8, const Q: usize>(
     hd: usize,
     n: usize,
     out: *mut f32,
+    mut ahead: Option<&mut Ahead>,
 ) {
     let mut d = 0;
     while d + 2 * LANES <= hd {
         // SAFETY: forwarded; d + 16 <= hd.
-        unsafe { value_block::<E, Q, 2>(weights, runs, hd, n, d, out) };
+        unsafe { value_block::<E, Q, 2>(weights, runs, hd, n, d, out, ahead.take()) };
         d += 2 * LANES;
     }
     while d < hd {
         // SAFETY: forwarded; d + 8 <= hd (hd is whole vectors).
-        unsafe { value_block::<E, Q, 1>(weights, runs, hd, n, d, out) };
+        unsafe { value_block::<E, Q, 1>(weights, runs, hd, n, d, out, ahead.take()) };
         d += LANES;
     }
 }
 
 /// `out[i][d + l] = Σ_j w_i[j] · v[j][d + l]` as one fused chain over
 /// positions ascending from zero, for `Q` heads and `B` blocks of 8
-/// dimensions.
+/// dimensions, telling `ahead` (when this is the first pass over the runs)
+/// of each run before it.
 ///
 /// # Safety
 /// As [`value_heads`], with `d + 8 · B <= hd`.
@@ -329,10 +343,14 @@ unsafe fn value_block<E: Widen8, const Q: usize, const B: usize>(
     n: usize,
     d: usize,
     out: *mut f32,
+    mut ahead: Option<&mut Ahead>,
 ) {
     let mut acc = [[_mm256_setzero_ps(); B]; Q];
     let mut j = 0;
     'runs: for run in runs {
+        if let Some(ahead) = ahead.as_deref_mut() {
+            ahead.reading(std::mem::size_of_val(*run));
+        }
         for row in run.chunks_exact(hd) {
             if j == n {
                 break 'runs;

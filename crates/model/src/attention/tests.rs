@@ -158,7 +158,7 @@ fn avx512_staged<E: Stage>(cpu: avx512::Cpu, data: ChunkData<'_, [&[E]]>, shape:
         cpu,
         with_keys(data, keys),
         shape,
-        &mut avx512::Ahead::new(cpu, Vec::new()),
+        &mut ahead::Ahead::new(Vec::new()),
     );
 }
 
@@ -166,7 +166,12 @@ fn avx512_staged<E: Stage>(cpu: avx512::Cpu, data: ChunkData<'_, [&[E]]>, shape:
 #[cfg(target_arch = "x86_64")]
 fn avx2_staged<E: Stage>(cpu: avx2::Avx2, data: ChunkData<'_, [&[E]]>, shape: ChunkShape) {
     let keys = blocks::KeyBlocks::staged(data.keys, shape.head_dim, shape.cols);
-    avx2::chunk(cpu, with_keys(data, keys), shape);
+    avx2::chunk(
+        cpu,
+        with_keys(data, keys),
+        shape,
+        &mut ahead::Ahead::new(Vec::new()),
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -359,7 +364,7 @@ fn keys_read_in_place_score_as_staged_keys_do() {
                     cpu,
                     with_keys(d, blocks),
                     s,
-                    &mut avx512::Ahead::new(cpu, Vec::new()),
+                    &mut ahead::Ahead::new(Vec::new()),
                 )
             },
             shape,
@@ -371,7 +376,14 @@ fn keys_read_in_place_score_as_staged_keys_do() {
         if let Some(narrow) = avx2::Avx2::detect() {
             let blocks = blocks::KeyBlocks::from_pages(key_runs()).unwrap();
             let in_pages = run_chunk(
-                |d, s| avx2::chunk(narrow, with_keys(d, blocks), s),
+                |d, s| {
+                    avx2::chunk(
+                        narrow,
+                        with_keys(d, blocks),
+                        s,
+                        &mut ahead::Ahead::new(Vec::new()),
+                    )
+                },
                 shape,
                 &queries,
                 &scratch.keys,
@@ -461,7 +473,10 @@ fn a_decode_rows_chunks_split_into_even_runs_in_order() {
             assert!(runs.windows(2).all(|w| w[0].1 == w[1].0));
             let sizes: Vec<usize> = runs.iter().map(|(c, end)| end - c).collect();
             let (least, most) = (sizes.iter().min(), sizes.iter().max());
-            assert!(most.zip(least).is_some_and(|(m, l)| m - l <= 1 && *l > 0), "{sizes:?}");
+            assert!(
+                most.zip(least).is_some_and(|(m, l)| m - l <= 1 && *l > 0),
+                "{sizes:?}"
+            );
         }
     }
 }

@@ -1,0 +1,141 @@
+//! A job's KV runs asked for a few blocks ahead of the chunk kernel's
+//! reads ([`Ahead`]), for both SIMD kernels: asking for a whole chunk's
+//! values at once left each core waiting for free miss buffers, while a
+//! rolling window keeps a steady number of lines in flight.
+//!
+//! The prefetch intrinsic is `unsafe` only as every intrinsic is; it is
+//! SSE's, which every x86-64 CPU has, and it never reads memory.
+
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+use std::ops::Range;
+
+/// How far ahead of what the kernel reads a task's KV is asked for: four
+/// 2 KB blocks of SmolLM2's shape. Asking for a whole chunk's values at
+/// once (256 lines) left each core waiting for free miss buffers; a few
+/// blocks ahead, issued as blocks are read, keeps a steady number of
+/// lines in flight (`attention step`, see docs/performance.md). The same
+/// distance serves the AVX2 kernel, which reads the same runs.
+const AHEAD_BYTES: usize = 8 << 10;
+
+/// One task's KV runs in the order its kernel reads them (each chunk's key
+/// blocks, then its value rows), asked for [`AHEAD_BYTES`] ahead of the
+/// reads the kernel reports. Holds addresses only: a prefetch never reads
+/// memory, so nothing here is dereferenced.
+pub(crate) struct Ahead {
+    /// `(address, bytes)` of each run, in read order.
+    runs: Vec<(usize, usize)>,
+    /// The first run not yet asked for.
+    next: usize,
+    /// Bytes of the runs asked for, and read, so far.
+    asked: usize,
+    read: usize,
+}
+
+impl Ahead {
+    /// An empty plan reusing `runs`' allocation.
+    pub(crate) fn new(mut runs: Vec<(usize, usize)>) -> Ahead {
+        runs.clear();
+        Ahead {
+            runs,
+            next: 0,
+            asked: 0,
+            read: 0,
+        }
+    }
+
+    /// Appends the run `data` (read after every run pushed before it).
+    pub(crate) fn push<E>(&mut self, data: &[E]) {
+        self.runs
+            .push((data.as_ptr() as usize, std::mem::size_of_val(data)));
+    }
+
+    /// Appends the key columns of `slots` of one page's block: from the
+    /// first column's first slot to the last column's last, the span the
+    /// score loop walks.
+    pub(crate) fn push_keys<E: Copy>(
+        &mut self,
+        keys: kvfence_pool::Keys<'_, E>,
+        slots: Range<usize>,
+    ) {
+        let hd = keys.head_dim();
+        if hd == 0 || slots.is_empty() {
+            return;
+        }
+        let first = keys.column(0)[slots.start..].as_ptr() as usize;
+        let elements = (hd - 1) * keys.stride() + slots.len();
+        self.runs.push((first, elements * std::mem::size_of::<E>()));
+    }
+
+    /// Bytes pushed so far: where the next run starts in read order.
+    pub(crate) fn len(&self) -> usize {
+        self.runs.iter().map(|&(_, bytes)| bytes).sum()
+    }
+
+    /// The kernel is about to read the next `bytes`.
+    #[inline]
+    pub(crate) fn reading(&mut self, bytes: usize) {
+        self.read += bytes;
+        self.ask();
+    }
+
+    /// Reads have reached at least `offset` bytes (a chunk's start: the
+    /// kernel's reports are per block and may fall short of a partial one).
+    pub(crate) fn reached(&mut self, offset: usize) {
+        self.read = self.read.max(offset);
+        self.ask();
+    }
+
+    fn ask(&mut self) {
+        while self.next < self.runs.len() && self.asked < self.read + AHEAD_BYTES {
+            let (address, bytes) = self.runs[self.next];
+            for offset in (0..bytes).step_by(64) {
+                // SAFETY: every x86-64 CPU has SSE's prefetch; a prefetch
+                // has no effect on memory, and the address is one of a run
+                // a view handed out.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>((address + offset) as *const i8) };
+            }
+            self.asked += bytes;
+            self.next += 1;
+        }
+    }
+
+    /// The runs' allocation, for the next task.
+    pub(crate) fn into_runs(self) -> Vec<(usize, usize)> {
+        self.runs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plan asks for every run once, in order, and never more than
+    /// [`AHEAD_BYTES`] (plus the run that crosses it) past what was read.
+    #[test]
+    fn ahead_asks_each_run_once_a_few_blocks_before_it_is_read() {
+        let data = vec![0u8; 64 << 10];
+        let mut ahead = Ahead::new(vec![(1, 1)]);
+        assert_eq!(ahead.len(), 0, "a new plan starts empty");
+        for run in data.chunks(2 << 10) {
+            ahead.push(run);
+        }
+        assert_eq!(ahead.len(), data.len());
+        ahead.reached(0);
+        assert_eq!(
+            ahead.asked, AHEAD_BYTES,
+            "the first blocks are asked for up front"
+        );
+        let mut read = 0;
+        while read < data.len() {
+            ahead.reading(2 << 10);
+            read += 2 << 10;
+            assert!(ahead.asked >= (read + AHEAD_BYTES).min(data.len()));
+            assert!(ahead.asked < read + AHEAD_BYTES + (2 << 10));
+        }
+        assert_eq!((ahead.next, ahead.asked), (ahead.runs.len(), data.len()));
+        ahead.reached(data.len());
+        assert_eq!(ahead.asked, data.len(), "nothing is asked for twice");
+    }
+}
