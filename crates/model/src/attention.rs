@@ -47,15 +47,19 @@
 //! (`attention/avx512.rs`, `attention/avx2.rs`): values are read (and
 //! widened) straight from their page runs instead of being staged, and so
 //! are keys when the chunk's pages hold whole 16-slot blocks
-//! (`attention/blocks.rs`; a partial last page is staged). With AVX-512
-//! every value run of the chunk is prefetched before any is touched, so
-//! its misses overlap instead of each run waiting for the hardware
-//! prefetcher. The operations and their order are the portable kernel's,
-//! so the bits are too.
+//! (`attention/blocks.rs`; a partial last page is staged). Each *job*
+//! (one task, or a decode row's tasks of every KV head over the same
+//! chunks) lists its KV runs in the order the kernel reads them, and the
+//! kernel asks for them a few blocks ahead of its reads
+//! (`attention/ahead.rs`), so misses overlap instead of each run waiting
+//! for the hardware prefetcher. The operations and their order are the
+//! portable kernel's, so the bits are too.
 //!
 //! Prefill tiles fold their chunks as they go. A sequence with a single
 //! tile (decode steps) and several chunks is split instead: a few runs of
-//! consecutive chunks per worker thread, in parallel, each recording its
+//! consecutive chunks per worker thread, in parallel, each one job for
+//! every KV head (so a page's blocks of a layer are read together),
+//! each recording its
 //! chunks' own states, which are folded afterwards one chunk at a time in
 //! ascending order — the same operations as folding in place, so the same
 //! bits, and a single long-context decode uses every core. (A run may not
@@ -120,7 +124,7 @@ const PARALLEL_MIN_MACS: usize = 1 << 16;
 /// enough that the threads finish together, few enough that each job runs
 /// several chunks back to back (a job's fixed cost is paid once per run
 /// rather than per chunk).
-const DECODE_TASKS_PER_THREAD: usize = 4;
+const DECODE_JOBS_PER_THREAD: usize = 4;
 
 /// A K/V element type attention can read and the forward pass can write.
 pub trait KvValue: KvElement + Stage {
@@ -310,7 +314,7 @@ struct Scratch {
     chunk_max: Vec<f32>,
     /// One chunk's softmax denominator per query head.
     chunk_den: Vec<f32>,
-    /// A task's KV runs in read order (the allocation of
+    /// A job's KV runs in read order (the allocation of
     /// [`ahead::Ahead`]'s list, kept between jobs).
     runs: Vec<(usize, usize)>,
 }
@@ -751,13 +755,13 @@ fn chunk_span<E: KvValue>(
 }
 
 /// A single-tile sequence's `chunks` split across the worker threads: as
-/// many runs as [`DECODE_TASKS_PER_THREAD`] asks (fewer if there are fewer
+/// many runs as [`DECODE_JOBS_PER_THREAD`] asks (fewer if there are fewer
 /// chunks), of sizes that differ by at most one chunk, so the threads
 /// finish together (runs of a fixed size left 33 chunks as six runs of
 /// five and one of three: one thread did a third more).
 fn job_chunks(chunks: std::ops::Range<usize>) -> impl Iterator<Item = (usize, usize)> {
     let total = chunks.len();
-    let jobs = (rayon::current_num_threads() * DECODE_TASKS_PER_THREAD).clamp(1, total.max(1));
+    let jobs = (rayon::current_num_threads() * DECODE_JOBS_PER_THREAD).clamp(1, total.max(1));
     let at = move |i: usize| chunks.start + i * total / jobs;
     (0..jobs)
         .map(move |i| (at(i), at(i + 1)))

@@ -28,7 +28,8 @@ pub(crate) struct Ahead {
     runs: Vec<(usize, usize)>,
     /// The first run not yet asked for.
     next: usize,
-    /// Bytes of the runs asked for, and read, so far.
+    /// Bytes of the runs pushed, asked for, and read, so far.
+    pushed: usize,
     asked: usize,
     read: usize,
 }
@@ -40,6 +41,7 @@ impl Ahead {
         Ahead {
             runs,
             next: 0,
+            pushed: 0,
             asked: 0,
             read: 0,
         }
@@ -47,8 +49,7 @@ impl Ahead {
 
     /// Appends the run `data` (read after every run pushed before it).
     pub(crate) fn push<E>(&mut self, data: &[E]) {
-        self.runs
-            .push((data.as_ptr() as usize, std::mem::size_of_val(data)));
+        self.add(data.as_ptr() as usize, std::mem::size_of_val(data));
     }
 
     /// Appends the key columns of `slots` of one page's block: from the
@@ -65,12 +66,17 @@ impl Ahead {
         }
         let first = keys.column(0)[slots.start..].as_ptr() as usize;
         let elements = (hd - 1) * keys.stride() + slots.len();
-        self.runs.push((first, elements * std::mem::size_of::<E>()));
+        self.add(first, elements * std::mem::size_of::<E>());
+    }
+
+    fn add(&mut self, address: usize, bytes: usize) {
+        self.runs.push((address, bytes));
+        self.pushed += bytes;
     }
 
     /// Bytes pushed so far: where the next run starts in read order.
     pub(crate) fn len(&self) -> usize {
-        self.runs.iter().map(|&(_, bytes)| bytes).sum()
+        self.pushed
     }
 
     /// The kernel is about to read the next `bytes`.

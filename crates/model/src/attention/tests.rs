@@ -463,7 +463,7 @@ fn every_row_of_a_single_tile_gets_the_bits_it_gets_alone() {
 /// of sizes within one chunk of each other.
 #[test]
 fn a_decode_rows_chunks_split_into_even_runs_in_order() {
-    let jobs = rayon::current_num_threads() * DECODE_TASKS_PER_THREAD;
+    let jobs = rayon::current_num_threads() * DECODE_JOBS_PER_THREAD;
     for first in [0, 3] {
         for total in 1..=70 {
             let runs: Vec<(usize, usize)> = job_chunks(first..first + total).collect();
