@@ -2,7 +2,8 @@
 //! and on the real SmolLM2-135M-Instruct (Q4_1 GGUF) and Gemma 3 270M
 //! (Q4_K_M GGUF: Q8_0, Q5_0, Q4_K and Q6_K matrices), both fetched into the
 //! model cache on first use: prefill tokens/s and decode tokens/s at batch
-//! 1, 8 and 32.
+//! 1, 8 and 32; and SmolLM2's decode step at a 4,096-token context with
+//! f16 KV, the step the memory roofline in `docs/performance.md` is for.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -17,6 +18,8 @@ use kvfence_pool::{Checks, ElemType, Lease, Pool, PoolSize, PoolSpec, RequestId,
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const CONTEXT: usize = 128;
+/// The long context of the decode step measured against its roofline.
+const LONG_CONTEXT: usize = 4096;
 
 fn pool_for(model: &Model) -> Pool {
     pool_with(model, Checks::On)
@@ -41,8 +44,12 @@ fn prompt(seed: usize, len: usize) -> Vec<u32> {
 }
 
 fn prefilled(model: &Model, pool: &Pool, owner: u64) -> Lease {
-    let mut lease = pool.lease(RequestId(owner), CONTEXT + 1).expect("room");
-    let tokens = prompt(owner as usize, CONTEXT);
+    prefilled_to(model, pool, owner, CONTEXT)
+}
+
+fn prefilled_to(model: &Model, pool: &Pool, owner: u64, context: usize) -> Lease {
+    let mut lease = pool.lease(RequestId(owner), context + 1).expect("room");
+    let tokens = prompt(owner as usize, context);
     model
         .forward(&mut [Sequence {
             lease: &mut lease,
@@ -64,6 +71,7 @@ fn bench(c: &mut Criterion) {
     })
     .expect("smollm2 loads (fetched on first use)");
     bench_model(c, "smollm2", &smollm2.model);
+    bench_long_decode(c, &smollm2.model);
     bench_checks(c, &smollm2.model);
     drop(smollm2);
     let gemma = LoadedModel::load_or_fetch("gemma3-270m", &ModelCache::from_env(), &mut |m| {
@@ -88,11 +96,16 @@ fn prefill_once(model: &Model, pool: &Pool, tokens: &[u32]) -> Vec<Vec<f32>> {
 /// One decode step for every lease. Each step rewrites position CONTEXT:
 /// a constant-context decode step.
 fn decode_step(model: &Model, leases: &mut [Lease]) -> Vec<Vec<f32>> {
+    decode_step_at(model, leases, CONTEXT)
+}
+
+/// [`decode_step`] after `past` positions.
+fn decode_step_at(model: &Model, leases: &mut [Lease], past: usize) -> Vec<Vec<f32>> {
     let mut batch: Vec<Sequence<'_>> = leases
         .iter_mut()
         .map(|lease| Sequence {
             lease,
-            past: CONTEXT,
+            past,
             tokens: &[65],
             logits: Logits::Last,
         })
@@ -130,6 +143,28 @@ fn bench_checks(c: &mut Criterion, model: &Model) {
             b.iter(|| black_box(decode_step(model, &mut leases)))
         });
     }
+    group.finish();
+}
+
+/// One sequence's decode step after [`LONG_CONTEXT`] positions of f16 KV,
+/// as served by default: the whole step (30 layers' matmuls, attention over
+/// 94 MB of KV, the logits), with nothing of the server around it.
+fn bench_long_decode(c: &mut Criterion, model: &Model) {
+    let spec = PoolSpec::new(
+        model.kv_shape(),
+        16,
+        ElemType::F16,
+        PoolSize::Tokens(LONG_CONTEXT + 16),
+    )
+    .with_scrub(Scrub::Off);
+    let pool = Pool::new(&spec).expect("bench pool");
+    let mut leases = [prefilled_to(model, &pool, 1, LONG_CONTEXT)];
+    let mut group = group(c, "smollm2 long context");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function(
+        format!("decode batch 1 at context {LONG_CONTEXT}, f16 KV"),
+        |b| b.iter(|| black_box(decode_step_at(model, &mut leases, LONG_CONTEXT))),
+    );
     group.finish();
 }
 
