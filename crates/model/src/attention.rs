@@ -123,10 +123,8 @@ const PARALLEL_MIN_MACS: usize = 1 << 16;
 /// Jobs per worker thread a single-tile sequence's chunks are split into:
 /// enough that the threads finish together, few enough that each job runs
 /// several chunks back to back (a job's fixed cost is paid once per run
-/// rather than per chunk). With jobs handed out one at a time (see
-/// `attend`), 8 measured faster than 4 (`attention step` at 4,096,
-/// sixteen alternated rounds: medians ≈ 5.5 → 5.0 ms).
-const DECODE_JOBS_PER_THREAD: usize = 8;
+/// rather than per chunk).
+const DECODE_JOBS_PER_THREAD: usize = 4;
 
 /// A K/V element type attention can read and the forward pass can write.
 pub trait KvValue: KvElement + Stage {
@@ -463,11 +461,7 @@ pub fn attend<E: KvValue>(
         job.iter().copied().zip(outputs).collect::<Vec<_>>()
     };
     let mut results: Vec<(Task, TaskOutput)> = if macs >= PARALLEL_MIN_MACS {
-        // One job at a time: rayon otherwise splits the list only a few
-        // times (into runs of several jobs) unless a run is stolen, and a
-        // thread that finishes first waits for the other's last run rather
-        // than taking part of it.
-        jobs.par_iter().with_max_len(1).flat_map_iter(run).collect()
+        jobs.par_iter().flat_map_iter(run).collect()
     } else {
         jobs.iter().flat_map(run).collect()
     };
