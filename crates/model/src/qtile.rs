@@ -11,7 +11,9 @@
 //! the registers; six activation rows over [`Decoded`] rows on AVX-512; the
 //! portable code takes one activation row at a time):
 //! each decoded block serves every activation row and each activation block
-//! every weight row while it is in a register.
+//! every weight row while it is in a register. Over many activation rows
+//! on AVX2, [`lanes`] regroups both sides so an accumulator holds one lane
+//! of eight rows instead of one row's 32 lanes.
 //!
 //! # One sequence of operations
 //!
@@ -29,6 +31,7 @@
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+pub(crate) mod lanes;
 
 /// Weights per block: the block size of Q4_0, Q4_1 and Q8_0, and the lanes
 /// of every accumulator.

@@ -7,7 +7,10 @@
 //! in place, so the kernels of `qtile` decode a block in registers with no
 //! format branch. With up to `FUSED_MAX_ROWS` activation rows, blocks are
 //! decoded in registers once per tile of activation rows; with more, each task's weight rows are decoded once to
-//! memory and then read by every activation row. Activations stay f32.
+//! memory and then read by every activation row. On AVX2, from
+//! `LANES_MIN_ROWS` rows on, the decoded rows and the activations are
+//! regrouped lane-major (`qtile::lanes`) so one broadcast weight feeds
+//! eight rows. Activations stay f32.
 //! (llama.cpp instead rounds activations to 8 bits for an integer dot
 //! product; measured on SmolLM2-135M, that rounding alone moves a logit by
 //! 0.5 and flips greedy answers, so kvfence keeps full precision and wins
@@ -24,6 +27,7 @@ use std::cell::Cell;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::qtile::lanes::{self, LaneKernel};
 use crate::qtile::{self, Bytes, FiveBits, Half, Nibbles, SixBits};
 
 /// A GGUF tensor encoding this runtime can multiply.
@@ -647,6 +651,14 @@ pub struct QuantMatrix {
 /// 512 (prefill) the two are equal. Both paths give the same bits (see
 /// `qtile`), so the switch cannot break batch invariance.
 const FUSED_MAX_ROWS: usize = 32;
+/// Activation rows from which matmuls run lane-major (`qtile::lanes`)
+/// where that kernel exists (AVX2). Measured on SmolLM2 under
+/// `KVFENCE_MAX_ISA=avx2` (2 cores, alternated runs): prefill 128 / 512
+/// 204–220 / 846–878 ms → 159–165 / 672–703, decode at batch 32 86–88 →
+/// 67–74 ms; at batch 8 it was 22 → 33–37 ms (each task's rows decoded and
+/// regrouped for only eight rows), so batches below sixteen keep the
+/// register tiles.
+const LANES_MIN_ROWS: usize = 16;
 /// Weight rows per parallel task.
 const TASK_ROWS: usize = 16;
 /// Multiply-adds below which a matmul stays on the calling thread.
@@ -828,6 +840,11 @@ impl QuantMatrix {
             padded = p;
             &padded
         };
+        if m >= LANES_MIN_ROWS
+            && let Some(kernel) = LaneKernel::detect()
+        {
+            return self.matmul_lanes(kernel, x, m, parallel, out);
+        }
         let work = |(task, chunk): (usize, &mut [f32])| {
             let first = task * TASK_ROWS;
             self.task(first, TASK_ROWS.min(n - first), x, m, chunk);
@@ -841,7 +858,21 @@ impl QuantMatrix {
             }
             return;
         }
-        // Task-major scratch (`[task][row][TASK_ROWS]`) so tasks write disjoint chunks.
+        self.by_tasks(m, parallel, out, work);
+    }
+
+    /// Runs `work(task, chunk)` for every task of [`TASK_ROWS`] weight
+    /// rows, each writing its `[row][TASK_ROWS]` chunk of a task-major
+    /// scratch (so tasks write disjoint memory), then gathers the chunks
+    /// into `out` (`m` rows of `n`).
+    fn by_tasks(
+        &self,
+        m: usize,
+        parallel: bool,
+        out: &mut [f32],
+        work: impl Fn((usize, &mut [f32])) + Sync + Send,
+    ) {
+        let n = self.n;
         let tasks = n.div_ceil(TASK_ROWS);
         with_scratch(&SCRATCH, tasks * m * TASK_ROWS, |scratch| {
             if parallel {
@@ -859,6 +890,50 @@ impl QuantMatrix {
                         .copy_from_slice(&chunk[row * TASK_ROWS..][..cols]);
                 }
             }
+        });
+    }
+
+    /// [`QuantMatrix::matmul`] by lane-major tiles (see `qtile::lanes`):
+    /// the activations regrouped once, each task's weight rows decoded and
+    /// regrouped once, then every group of activation rows against every
+    /// tile of the task's rows. The same bits as every other path.
+    fn matmul_lanes(
+        &self,
+        kernel: LaneKernel,
+        x: &[f32],
+        m: usize,
+        parallel: bool,
+        out: &mut [f32],
+    ) {
+        let wide = x.len() / m;
+        let group_len = lanes::GROUP_ROWS * wide;
+        let groups = m.div_ceil(lanes::GROUP_ROWS);
+        with_scratch(&LANES, groups * group_len, |grouped| {
+            let regroup = |(g, group): (usize, &mut [f32])| {
+                let rows = &x[g * group_len..x.len().min((g + 1) * group_len)];
+                kernel.interleave_group(rows, wide, group);
+            };
+            if parallel {
+                grouped
+                    .par_chunks_mut(group_len)
+                    .enumerate()
+                    .for_each(regroup);
+            } else {
+                grouped.chunks_mut(group_len).enumerate().for_each(regroup);
+            }
+            let grouped = &*grouped;
+            self.by_tasks(m, parallel, out, |(task, chunk)| {
+                let first = task * TASK_ROWS;
+                let count = TASK_ROWS.min(self.n - first);
+                with_scratch(&DECODED, count * wide, |decoded| {
+                    self.decode_task(first, wide, decoded);
+                    let tiles_len = count.next_multiple_of(lanes::TILE_WEIGHTS) * wide;
+                    with_scratch(&TILES, tiles_len, |tiles| {
+                        kernel.interleave_tiles(decoded, wide, tiles);
+                        kernel.dots(grouped, m, tiles, count, wide, TASK_ROWS, chunk);
+                    });
+                });
+            });
         });
     }
 
@@ -889,17 +964,23 @@ impl QuantMatrix {
         // activation row while they sit in L1/L2 (zero-padded like `x`).
         let wide = x.len() / m;
         with_scratch(&DECODED, count * wide, |decoded| {
-            if wide == k {
-                self.decode_rows(first, decoded);
-            } else {
-                for (i, dst) in decoded.chunks_exact_mut(wide).enumerate() {
-                    let (row, padding) = dst.split_at_mut(k);
-                    self.decode_rows(first + i, row);
-                    padding.fill(0.0);
-                }
-            }
+            self.decode_task(first, wide, decoded);
             qtile::dots_decoded(decoded, x, wide, TASK_ROWS, out);
         });
+    }
+
+    /// Decodes the rows from `first` on into `decoded`, rows `wide`
+    /// floats apart, zero past `k`.
+    fn decode_task(&self, first: usize, wide: usize, decoded: &mut [f32]) {
+        if wide == self.k {
+            self.decode_rows(first, decoded);
+        } else {
+            for (i, dst) in decoded.chunks_exact_mut(wide).enumerate() {
+                let (row, padding) = dst.split_at_mut(self.k);
+                self.decode_rows(first + i, row);
+                padding.fill(0.0);
+            }
+        }
     }
 }
 
@@ -909,6 +990,8 @@ thread_local! {
     /// batch-32 decode was the kernel clearing pages).
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     static DECODED: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    static LANES: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    static TILES: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
 /// Runs `f` on `len` floats of this thread's `buffer`. Contents are left

@@ -22,6 +22,7 @@
 
 use std::arch::x86_64::*;
 
+use super::lanes::{GROUP_ROWS, GROUP_VECTORS, TILE_WEIGHTS};
 use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale, SixBits, SixBitsBlock};
 
 /// How far ahead of the block being decoded each weight row is prefetched
@@ -440,4 +441,251 @@ unsafe fn tile_avx2<const M: usize, const R: usize, W: Block256>(
         }
     }
     sums
+}
+
+/// [`super::lanes`]' kernel: `out[r * stride + c] = x[r] · w[c]` for the
+/// `m` activation rows of the lane-major `groups` and the `count` weight
+/// rows of the lane-major `tiles`, each `blocks` blocks wide. Every chain
+/// is one lane of [`super::reference_dot`] (the same exactly rounded
+/// multiply-adds in the same order), and the 32 lanes are added in
+/// [`super::sum_lanes`]'s tree, eight rows at a time.
+#[allow(clippy::too_many_arguments)] // the shapes of both layouts and of the output
+pub(crate) fn lane_dots(
+    _cpu: Cpu,
+    groups: &[f32],
+    m: usize,
+    tiles: &[f32],
+    count: usize,
+    blocks: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    let (group_len, tile_len) = (BLOCK * blocks * GROUP_ROWS, BLOCK * blocks * TILE_WEIGHTS);
+    assert!(
+        groups.len() >= m.div_ceil(GROUP_ROWS) * group_len
+            && tiles.len() >= count.div_ceil(TILE_WEIGHTS) * tile_len,
+        "lane-major groups or tiles shorter than their rows"
+    );
+    assert!(
+        m == 0 || count == 0 || out.len() >= (m - 1) * stride + count,
+        "output shorter than its rows"
+    );
+    // SAFETY: a `Cpu` exists only where AVX2, FMA and F16C were detected;
+    // every group and tile read is inside the slices (checked above).
+    unsafe { lane_dots_avx2(groups, m, tiles, count, blocks, stride, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_dots_avx2(
+    groups: &[f32],
+    m: usize,
+    tiles: &[f32],
+    count: usize,
+    blocks: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    let (group_len, tile_len) = (BLOCK * blocks * GROUP_ROWS, BLOCK * blocks * TILE_WEIGHTS);
+    let zero = _mm256_setzero_ps();
+    // Each lane's chains run to the end before the next lane's start; the
+    // 32 results wait here for the tree.
+    let mut lanes = [[[zero; GROUP_VECTORS]; TILE_WEIGHTS]; BLOCK];
+    let mut sums = [[0.0f32; GROUP_ROWS]; TILE_WEIGHTS];
+    for g in 0..m.div_ceil(GROUP_ROWS) {
+        let group = groups[g * group_len..].as_ptr();
+        let rows = GROUP_ROWS.min(m - g * GROUP_ROWS);
+        for t in 0..count.div_ceil(TILE_WEIGHTS) {
+            let tile = tiles[t * tile_len..].as_ptr();
+            for (j, lane) in lanes.iter_mut().enumerate() {
+                let mut acc = [[zero; GROUP_VECTORS]; TILE_WEIGHTS];
+                for b in 0..blocks {
+                    // SAFETY: the caller guarantees `BLOCK * blocks` steps of
+                    // GROUP_ROWS floats a group and of TILE_WEIGHTS a tile.
+                    unsafe {
+                        let xs = group.add((j * blocks + b) * GROUP_ROWS);
+                        let ws = tile.add((j * blocks + b) * TILE_WEIGHTS);
+                        let mut x = [zero; GROUP_VECTORS];
+                        for (v, x) in x.iter_mut().enumerate() {
+                            *x = _mm256_loadu_ps(xs.add(8 * v));
+                        }
+                        for (c, acc) in acc.iter_mut().enumerate() {
+                            let w = _mm256_broadcast_ss(&*ws.add(c));
+                            for (acc, &x) in acc.iter_mut().zip(&x) {
+                                *acc = _mm256_fmadd_ps(x, w, *acc);
+                            }
+                        }
+                    }
+                }
+                *lane = acc;
+            }
+            let mut width = BLOCK;
+            while width > 1 {
+                width /= 2;
+                let (low, high) = lanes.split_at_mut(width);
+                for (low, high) in low.iter_mut().zip(&*high) {
+                    for (low, high) in low.iter_mut().flatten().zip(high.iter().flatten()) {
+                        *low = _mm256_add_ps(*low, *high);
+                    }
+                }
+            }
+            for (s, sum) in sums.iter_mut().zip(&lanes[0]) {
+                for (v, &vector) in sum.iter().enumerate() {
+                    // SAFETY: `s` holds GROUP_ROWS = 8 * GROUP_VECTORS floats.
+                    unsafe { _mm256_storeu_ps(s.as_mut_ptr().add(8 * v), vector) };
+                }
+            }
+            let first = t * TILE_WEIGHTS;
+            let columns = TILE_WEIGHTS.min(count - first);
+            for r in 0..rows {
+                let row = &mut out[(g * GROUP_ROWS + r) * stride + first..][..columns];
+                for (c, o) in row.iter_mut().enumerate() {
+                    *o = sums[c][r];
+                }
+            }
+        }
+    }
+}
+
+/// [`super::lanes::interleave_group`]: up to [`GROUP_ROWS`] rows of `k`
+/// (`rows`) into one lane-major group `out`, zero past the last row. Eight
+/// rows by eight lanes at a time, transposed in registers.
+pub(crate) fn interleave_group(_cpu: Cpu, rows: &[f32], k: usize, out: &mut [f32]) {
+    assert!(
+        out.len() == GROUP_ROWS * k && rows.len() <= out.len() && k.is_multiple_of(BLOCK),
+        "a lane-major group is {GROUP_ROWS} rows of whole blocks"
+    );
+    // SAFETY: a `Cpu` exists only where AVX2, FMA and F16C were detected;
+    // the shapes were checked above.
+    unsafe { interleave_group_avx2(rows, k, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn interleave_group_avx2(rows: &[f32], k: usize, out: &mut [f32]) {
+    let blocks = k / BLOCK;
+    let present = rows.len() / k;
+    let zero = _mm256_setzero_ps();
+    for first in (0..GROUP_ROWS).step_by(8) {
+        for b in 0..blocks {
+            for j0 in (0..BLOCK).step_by(8) {
+                let mut v = [zero; 8];
+                for (p, v) in v.iter_mut().enumerate() {
+                    if first + p < present {
+                        let at = (first + p) * k + b * BLOCK + j0;
+                        // SAFETY: row `first + p` is present, and `at + 8 <= k` past its start.
+                        *v = unsafe { _mm256_loadu_ps(rows.as_ptr().add(at)) };
+                    }
+                }
+                for (j, column) in transpose8(v).into_iter().enumerate() {
+                    let at = ((j0 + j) * blocks + b) * GROUP_ROWS + first;
+                    // SAFETY: `at + 8 <= GROUP_ROWS * k = out.len()` (checked by the caller).
+                    unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(at), column) };
+                }
+            }
+        }
+    }
+}
+
+/// [`super::lanes::interleave_tiles`]: rows of `k` decoded back to back
+/// into tiles of [`TILE_WEIGHTS`], zero past the last row. Four rows by
+/// eight lanes at a time, transposed in registers.
+pub(crate) fn interleave_tiles(_cpu: Cpu, decoded: &[f32], k: usize, out: &mut [f32]) {
+    let count = decoded.len() / k;
+    assert!(
+        out.len() == count.next_multiple_of(TILE_WEIGHTS) * k && k.is_multiple_of(BLOCK),
+        "whole tiles of whole blocks"
+    );
+    // SAFETY: a `Cpu` exists only where AVX2, FMA and F16C were detected;
+    // the shapes were checked above.
+    unsafe { interleave_tiles_avx2(decoded, k, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn interleave_tiles_avx2(decoded: &[f32], k: usize, out: &mut [f32]) {
+    const { assert!(TILE_WEIGHTS == 4, "the transpose below takes four rows") };
+    let blocks = k / BLOCK;
+    let count = decoded.len() / k;
+    let zero = _mm256_setzero_ps();
+    for (t, tile) in out.chunks_exact_mut(TILE_WEIGHTS * k).enumerate() {
+        for b in 0..blocks {
+            for j0 in (0..BLOCK).step_by(8) {
+                let mut v = [zero; 4];
+                for (c, v) in v.iter_mut().enumerate() {
+                    let row = t * TILE_WEIGHTS + c;
+                    if row < count {
+                        // SAFETY: row `row` is present, and block `b` lies inside it.
+                        *v = unsafe {
+                            _mm256_loadu_ps(decoded.as_ptr().add(row * k + b * BLOCK + j0))
+                        };
+                    }
+                }
+                // [r0 r1 r2 r3] of lanes j0 + i and j0 + i + 4 in each half.
+                let (t0, t1) = (
+                    _mm256_unpacklo_ps(v[0], v[1]),
+                    _mm256_unpackhi_ps(v[0], v[1]),
+                );
+                let (t2, t3) = (
+                    _mm256_unpacklo_ps(v[2], v[3]),
+                    _mm256_unpackhi_ps(v[2], v[3]),
+                );
+                let quads = [
+                    _mm256_shuffle_ps::<0x44>(t0, t2),
+                    _mm256_shuffle_ps::<0xEE>(t0, t2),
+                    _mm256_shuffle_ps::<0x44>(t1, t3),
+                    _mm256_shuffle_ps::<0xEE>(t1, t3),
+                ];
+                for (i, quad) in quads.into_iter().enumerate() {
+                    let low = (j0 + i) * blocks + b;
+                    let high = (j0 + i + 4) * blocks + b;
+                    // SAFETY: both steps are below `BLOCK * blocks`, whose
+                    // TILE_WEIGHTS floats each lie inside `tile`.
+                    unsafe {
+                        _mm_storeu_ps(
+                            tile.as_mut_ptr().add(low * TILE_WEIGHTS),
+                            _mm256_castps256_ps128(quad),
+                        );
+                        _mm_storeu_ps(
+                            tile.as_mut_ptr().add(high * TILE_WEIGHTS),
+                            _mm256_extractf128_ps::<1>(quad),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 8 × 8 transpose: lane `j` of result `i` is lane `i` of row `j`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t = [
+        _mm256_unpacklo_ps(r[0], r[1]),
+        _mm256_unpackhi_ps(r[0], r[1]),
+        _mm256_unpacklo_ps(r[2], r[3]),
+        _mm256_unpackhi_ps(r[2], r[3]),
+        _mm256_unpacklo_ps(r[4], r[5]),
+        _mm256_unpackhi_ps(r[4], r[5]),
+        _mm256_unpacklo_ps(r[6], r[7]),
+        _mm256_unpackhi_ps(r[6], r[7]),
+    ];
+    let u = [
+        _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+        _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+        _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+        _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+        _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+        _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+        _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+        _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+    ];
+    [
+        _mm256_permute2f128_ps::<0x20>(u[0], u[4]),
+        _mm256_permute2f128_ps::<0x20>(u[1], u[5]),
+        _mm256_permute2f128_ps::<0x20>(u[2], u[6]),
+        _mm256_permute2f128_ps::<0x20>(u[3], u[7]),
+        _mm256_permute2f128_ps::<0x31>(u[0], u[4]),
+        _mm256_permute2f128_ps::<0x31>(u[1], u[5]),
+        _mm256_permute2f128_ps::<0x31>(u[2], u[6]),
+        _mm256_permute2f128_ps::<0x31>(u[3], u[7]),
+    ]
 }
