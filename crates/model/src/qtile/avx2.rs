@@ -521,10 +521,12 @@ unsafe fn lane_dots_avx2(
             let mut width = BLOCK;
             while width > 1 {
                 width /= 2;
-                let (low, high) = lanes.split_at_mut(width);
-                for (low, high) in low.iter_mut().zip(&*high) {
-                    for (low, high) in low.iter_mut().flatten().zip(high.iter().flatten()) {
-                        *low = _mm256_add_ps(*low, *high);
+                for j in 0..width {
+                    #[allow(clippy::needless_range_loop)] // indexes two lanes alike
+                    for c in 0..TILE_WEIGHTS {
+                        for v in 0..GROUP_VECTORS {
+                            lanes[j][c][v] = _mm256_add_ps(lanes[j][c][v], lanes[j + width][c][v]);
+                        }
                     }
                 }
             }
