@@ -12,11 +12,13 @@
 //! for one lane and one weight row sit side by side in a few registers,
 //! and one weight value, broadcast, feeds a whole register of rows. A tile
 //! runs lane `j`'s chains to the end for [`TILE_WEIGHTS`] weight rows at
-//! once (twelve accumulators, three activation loads and four broadcasts
-//! for twelve multiply-adds), keeps the 32 lanes' results, then adds them
-//! in [`super::sum_lanes`]'s tree. Every output gets the operations of
+//! once (eight accumulators, two activation loads and four broadcasts for
+//! eight multiply-adds), keeps the 32 lanes' results, then adds them in
+//! [`super::sum_lanes`]'s tree. Every output gets the operations of
 //! [`super::reference_dot`] in its order, so the bits are the same as
-//! every other path's (property tests in `qtile`).
+//! every other path's (property tests below). AVX2 only: on AVX-512 the
+//! same kernel was slower than the register tiles (`docs/performance.md`,
+//! "Lane-major tiles for AVX2 prefill and large batches").
 //!
 //! That takes two layouts, written once per matmul (activations) and once
 //! per task (its decoded weight rows): a group of activation rows as
@@ -30,7 +32,10 @@ use super::BLOCK;
 /// Weight rows per lane-major tile.
 pub(crate) const TILE_WEIGHTS: usize = 4;
 
-/// Eight-lane vectors of activation rows per group (AVX2).
+/// Eight-lane vectors of activation rows per group (AVX2): two, so a
+/// tile's chains take eight of the sixteen registers. Three (twelve
+/// accumulators) spilled one to the stack; measured in
+/// `docs/performance.md`.
 pub(crate) const GROUP_VECTORS: usize = 2;
 
 /// Activation rows per lane-major group: [`GROUP_VECTORS`] vectors of eight.
@@ -40,7 +45,7 @@ pub(crate) const GROUP_ROWS: usize = 8 * GROUP_VECTORS;
 /// [`super::dots_of`]'s tiles.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum LaneKernel {
-    /// [`super::avx2::lane_tile`], on AVX2 (also where AVX-512 is capped
+    /// [`super::avx2::lane_dots`], on AVX2 (also where AVX-512 is capped
     /// to AVX2).
     #[cfg(target_arch = "x86_64")]
     Avx2(super::avx2::Cpu),
