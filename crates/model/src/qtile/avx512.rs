@@ -187,8 +187,8 @@ unsafe fn load_block(values: *const f32) -> (__m512, __m512) {
 /// its nibble (`vpermps` reads only an index's low four bits, so the low
 /// nibbles need no mask). Two permutes and one multiply-add replace two
 /// conversions, two multiply-adds and a mask: at one activation row the
-/// decode is most of the tile's work (SmolLM2 decode at batch one, 8 %
-/// to 10 % faster; see `docs/performance.md`).
+/// decode is most of the tile's work (SmolLM2 decode at batch one 8 %
+/// faster; see `docs/performance.md`).
 ///
 /// # Safety
 /// The CPU must support AVX-512F; `quants` must point to 16 bytes.
