@@ -6,9 +6,17 @@
 #   bash bench/long_context.sh GGUF LLAMA_SERVER [OUT_DIR]
 #
 # kvfence runs colocated with the prefix cache off; llama-server restarts
-# before each long prompt so its slot cache cannot reuse the previous,
-# shorter prompt (the bench's prompts of one length are prefixes of the
-# longer ones). Results: one JSON report per run in OUT_DIR, and a table.
+# before each long prompt and each load, so its slot cache cannot reuse an
+# earlier prompt (the bench's prompts of one length are prefixes of the
+# longer ones, and request i of every load sends the same prompt).
+#
+# Each time to first token is the median of three requests in a row (their
+# prompts share no first token, so no cache reuses one for the next): the
+# first request after a server starts pays for its page faults and thread
+# start-up, and one cold request used to decide a row. Loads run four
+# requests a slot (at least eight), each on a fresh connection, so a run is
+# several waves rather than one wave's slowest first token. Results: one
+# JSON report per run in OUT_DIR, and a table.
 set -euo pipefail
 GGUF=${1:?GGUF file}
 LLAMA=${2:?path to llama-server}
@@ -30,7 +38,7 @@ wait_up() {
 bench() { # name port prompt output concurrency requests
   "$KVFENCE" bench --base-url "http://127.0.0.1:$2" --prompt-len "$3" \
     --output-len "$4" --concurrency "$5" --requests "$6" --slo-ttft-ms 600000 \
-    --json "$OUT/$1.json" > "$OUT/$1.txt" 2>&1 || true
+    --fresh-connections --json "$OUT/$1.json" > "$OUT/$1.txt" 2>&1 || true
   python3 - "$OUT/$1.json" "$1" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -57,15 +65,17 @@ llama_up() { # parallel slots, context
 }
 
 for n in 512 2048 8176; do
-  bench "kvfence-ttft-$n" $KPORT $n 16 1 1
+  bench "kvfence-ttft-$n" $KPORT $n 16 1 3
   llama_up 1 8192
-  bench "llama-ttft-$n" $LPORT $n 16 1 1
+  bench "llama-ttft-$n" $LPORT $n 16 1 3
 done
 bench kvfence-decode-4096 $KPORT 4096 64 1 1
 llama_up 1 8192
 bench llama-decode-4096 $LPORT 4096 64 1 1
-llama_up 32 16384
 for c in 1 8 32; do
-  bench "kvfence-load-$c" $KPORT 128 128 $c $((c * 2 > 8 ? c * 2 : 8))
-  bench "llama-load-$c" $LPORT 128 128 $c $((c * 2 > 8 ? c * 2 : 8))
+  bench "kvfence-load-$c" $KPORT 128 128 $c $((c * 4 > 8 ? c * 4 : 8))
+  # A server that had run the previous load would skip part of this one's
+  # prefill: its slots keep the prompts it saw.
+  llama_up 32 16384
+  bench "llama-load-$c" $LPORT 128 128 $c $((c * 4 > 8 ? c * 4 : 8))
 done
