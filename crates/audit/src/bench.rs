@@ -118,15 +118,26 @@ fn prompt(i: usize, len: usize) -> Vec<u32> {
         .collect()
 }
 
+/// An HTTP client that reuses idle connections, or (`fresh`) opens a new
+/// one for every request.
+fn client(fresh: bool) -> Result<reqwest::Client, reqwest::Error> {
+    let builder = reqwest::Client::builder();
+    if fresh {
+        builder.pool_max_idle_per_host(0)
+    } else {
+        builder
+    }
+    .build()
+}
+
 /// Runs the load and measures it.
 pub async fn run(config: &BenchConfig) -> Report {
-    let mut builder = reqwest::Client::builder();
-    if config.fresh_connections {
-        builder = builder.pool_max_idle_per_host(0);
-    }
-    let client = match builder.build() {
-        Ok(client) => client,
-        Err(error) => {
+    // Retries get a client that keeps no idle connection: when the server
+    // has closed one pooled connection without a word, the others it holds
+    // are as likely closed, and a retry on one of them failed again.
+    let (client, fresh) = match (client(config.fresh_connections), client(true)) {
+        (Ok(client), Ok(fresh)) => (client, fresh),
+        (Err(error), _) | (_, Err(error)) => {
             let mut failures = BTreeMap::new();
             failures.insert(AuditError::http(error).to_string(), config.requests);
             return summarize(config, Vec::new(), failures, 0, Duration::ZERO);
@@ -137,8 +148,9 @@ pub async fn run(config: &BenchConfig) -> Report {
     let next = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
     let workers = (0..config.concurrency.max(1)).map(|_| {
-        let (client, url, next, config, retried) = (
+        let (client, fresh, url, next, config, retried) = (
             client.clone(),
+            fresh.clone(),
             url.clone(),
             Arc::clone(&next),
             config.clone(),
@@ -165,7 +177,7 @@ pub async fn run(config: &BenchConfig) -> Report {
                 let result = match timed_completion(&client, &url, key, body.clone()).await {
                     Err(AuditError::NoResponse(_)) => {
                         retried.fetch_add(1, Ordering::Relaxed);
-                        timed_completion(&client, &url, key, body).await
+                        timed_completion(&fresh, &url, key, body).await
                     }
                     other => other,
                 };

@@ -94,6 +94,20 @@ fn a_pooled_connection_the_server_closed_costs_a_retry_not_a_request() {
     assert!(report.output_token_throughput > 0.0);
 }
 
+/// With several connections pooled, the retry must not take another of
+/// them: each is as stale as the one that just failed.
+#[test]
+fn a_retry_goes_out_on_a_new_connection_not_another_pooled_one() {
+    let config = BenchConfig {
+        concurrency: 4,
+        requests: 16,
+        ..config(one_answer_per_connection(), false)
+    };
+    let report = runtime().block_on(run(&config));
+    assert_eq!(report.succeeded, 16, "failures: {:?}", report.failures);
+    assert!(report.retried >= 1);
+}
+
 #[test]
 fn fresh_connections_need_no_retry() {
     let report = runtime().block_on(run(&config(one_answer_per_connection(), true)));
