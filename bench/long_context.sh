@@ -11,12 +11,12 @@
 # longer ones, and request i of every load sends the same prompt).
 #
 # Each time to first token is the median of three requests in a row (their
-# prompts share no first token, so no cache reuses one for the next): the
-# first request after a server starts pays for its page faults and thread
-# start-up, and one cold request used to decide a row. Loads run four
-# requests a slot (at least eight), each on a fresh connection, so a run is
-# several waves rather than one wave's slowest first token. Results: one
-# JSON report per run in OUT_DIR, and a table.
+# prompts share at most a few first tokens, so no cache reuses one for the
+# next): the first request after a server starts pays for its page faults
+# and thread start-up, and one cold request used to decide a row. Loads run
+# four requests a slot (at least eight), each on a fresh connection, so a
+# run is several waves rather than one wave's slowest first token.
+# Results: one JSON report per run in OUT_DIR, and a table.
 set -euo pipefail
 GGUF=${1:?GGUF file}
 LLAMA=${2:?path to llama-server}

@@ -2,7 +2,9 @@
 //! completion requests at a fixed concurrency, timed token by token.
 //!
 //! Prompts are token-id arrays of exactly `prompt_len` ids (from the range
-//! every tokenizer has), so the load is the same on every server; every
+//! every tokenizer has), so the load is the same on every server; request
+//! `i` of a run with seed `s` sends the same prompt every time, and no two
+//! requests' prompts share more than a few first tokens; every
 //! request asks for exactly `output_len` tokens (`ignore_eos`). Figures:
 //! time to first token (TTFT), time per output token after the first (TPOT),
 //! inter-token latency (ITL, between streamed chunks), throughput, and
@@ -13,6 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use serde_json::json;
 
@@ -43,6 +47,8 @@ pub struct BenchConfig {
     /// Open a new connection for every request instead of reusing idle
     /// ones (for servers that close idle connections early).
     pub fresh_connections: bool,
+    /// Which prompts: runs with the same seed send the same ones.
+    pub seed: u64,
 }
 
 /// Percentiles of one latency, in milliseconds.
@@ -112,10 +118,16 @@ fn ms(d: Duration) -> f64 {
 
 /// The prompt of request `i`: `len` token ids in 32..122, which every
 /// vocabulary has.
-fn prompt(i: usize, len: usize) -> Vec<u32> {
-    (0..len)
-        .map(|j| 32 + ((i * 7 + j * 13) % 90) as u32)
-        .collect()
+/// Request `i`'s prompt under `seed`: `len` ids from 32..122, a ChaCha
+/// stream of its own for every request. A pattern over `i` repeated itself
+/// (every 90th request sent the same prompt, so a server's prompt cache
+/// skipped their prefill); independent streams share a first token with
+/// probability 1/90, two with 1/8,100. A shorter prompt is a prefix of a
+/// longer one of the same request.
+fn prompt(seed: u64, i: usize, len: usize) -> Vec<u32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(i as u64);
+    (0..len).map(|_| rng.random_range(32..122)).collect()
 }
 
 /// An HTTP client that reuses idle connections, or (`fresh`) opens a new
@@ -164,7 +176,7 @@ pub async fn run(config: &BenchConfig) -> Report {
                     return results;
                 }
                 let mut body = json!({
-                    "prompt": prompt(i, config.prompt_len),
+                    "prompt": prompt(config.seed, i, config.prompt_len),
                     "max_tokens": config.output_len,
                     "temperature": 0,
                     "ignore_eos": true,
@@ -304,6 +316,26 @@ mod tests {
     }
 
     #[test]
+    fn prompts_are_exact_and_no_two_requests_share_more_than_a_few_first_tokens() {
+        let shared = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        let prompts: Vec<Vec<u32>> = (0..400).map(|i| prompt(0, i, 16)).collect();
+        for (i, p) in prompts.iter().enumerate() {
+            assert_eq!(p.len(), 16);
+            assert!(p.iter().all(|t| (32..122).contains(t)), "{p:?}");
+            for (j, q) in prompts.iter().enumerate().skip(i + 1) {
+                assert!(shared(p, q) < 4, "requests {i} and {j} share a prefix");
+            }
+            // Another seed, other prompts; the same seed, the same ones.
+            assert!(
+                shared(p, &prompt(1, i, 16)) < 4,
+                "seed 1 repeats request {i}"
+            );
+            assert_eq!(*p, prompt(0, i, 16));
+            assert_eq!(prompt(0, i, 5), p[..5], "a shorter prompt is a prefix");
+        }
+    }
+
+    #[test]
     fn goodput_counts_only_requests_within_both_objectives() {
         let config = BenchConfig {
             base_url: String::new(),
@@ -316,6 +348,7 @@ mod tests {
             slo_ttft: Duration::from_millis(100),
             slo_tpot: Duration::from_millis(10),
             fresh_connections: false,
+            seed: 0,
         };
         let timeline = |first: u64, total: u64| Timeline {
             first_token: Duration::from_millis(first),

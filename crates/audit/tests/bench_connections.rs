@@ -73,6 +73,7 @@ fn config(base_url: String, fresh_connections: bool) -> BenchConfig {
         slo_ttft: Duration::from_secs(5),
         slo_tpot: Duration::from_secs(5),
         fresh_connections,
+        seed: 0,
     }
 }
 

@@ -41,6 +41,12 @@ pub(crate) struct BenchArgs {
     /// had closed (no response at all) is sent once more on a new one.
     #[arg(long)]
     fresh_connections: bool,
+    /// Which prompts to send. Request i sends the same prompt in every run
+    /// with the same seed (a server's prompt cache may reuse it from an
+    /// earlier run); under another seed no prompt shares more than a few
+    /// first tokens with them.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -62,6 +68,7 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         slo_ttft: Duration::from_millis(args.slo_ttft_ms),
         slo_tpot: Duration::from_millis(args.slo_tpot_ms),
         fresh_connections: args.fresh_connections,
+        seed: args.seed,
     };
     eprintln!(
         "{} requests, {} at a time, {} prompt + {} output tokens each, against {}",
