@@ -49,6 +49,10 @@ pub struct BenchConfig {
     pub fresh_connections: bool,
     /// Which prompts: runs with the same seed send the same ones.
     pub seed: u64,
+    /// A request fails when the server sends nothing for this long (before
+    /// its response or between two pieces of the stream), rather than
+    /// holding the run forever.
+    pub idle_timeout: Duration,
 }
 
 /// Percentiles of one latency, in milliseconds.
@@ -131,9 +135,9 @@ fn prompt(seed: u64, i: usize, len: usize) -> Vec<u32> {
 }
 
 /// An HTTP client that reuses idle connections, or (`fresh`) opens a new
-/// one for every request.
-fn client(fresh: bool) -> Result<reqwest::Client, reqwest::Error> {
-    let builder = reqwest::Client::builder();
+/// one for every request, and gives up on a server silent for `idle`.
+fn client(fresh: bool, idle: Duration) -> Result<reqwest::Client, reqwest::Error> {
+    let builder = reqwest::Client::builder().read_timeout(idle);
     if fresh {
         builder.pool_max_idle_per_host(0)
     } else {
@@ -147,7 +151,8 @@ pub async fn run(config: &BenchConfig) -> Report {
     // Retries get a client that keeps no idle connection: when the server
     // has closed one pooled connection without a word, the others it holds
     // are as likely closed, and a retry on one of them failed again.
-    let (client, fresh) = match (client(config.fresh_connections), client(true)) {
+    let idle = config.idle_timeout;
+    let (client, fresh) = match (client(config.fresh_connections, idle), client(true, idle)) {
         (Ok(client), Ok(fresh)) => (client, fresh),
         (Err(error), _) | (_, Err(error)) => {
             let mut failures = BTreeMap::new();
@@ -349,6 +354,7 @@ mod tests {
             slo_tpot: Duration::from_millis(10),
             fresh_connections: false,
             seed: 0,
+            idle_timeout: Duration::from_secs(1),
         };
         let timeline = |first: u64, total: u64| Timeline {
             first_token: Duration::from_millis(first),

@@ -23,14 +23,26 @@ pub enum AuditError {
     /// The stream carried an error event or ended without a finish reason.
     #[error("the stream ended without a normal finish: {0}")]
     Unfinished(String),
+    /// The server sent nothing for longer than the client's idle timeout,
+    /// before its response or between two pieces of it.
+    #[error("the server sent nothing for longer than the idle timeout")]
+    TimedOut,
 }
 
 impl AuditError {
     pub(crate) fn http(e: reqwest::Error) -> AuditError {
+        if e.is_timeout() {
+            return AuditError::TimedOut;
+        }
         AuditError::Http(cause_chain(e))
     }
 
+    /// A failure of sending: a timeout is a silent server, not a closed
+    /// connection worth another try.
     pub(crate) fn no_response(e: reqwest::Error) -> AuditError {
+        if e.is_timeout() {
+            return AuditError::TimedOut;
+        }
         AuditError::NoResponse(cause_chain(e))
     }
 }

@@ -56,6 +56,11 @@ pub async fn timed_completion(
     while let Some(piece) = bytes.next().await {
         let piece = piece.map_err(AuditError::http)?;
         pending.push_str(&String::from_utf8_lossy(&piece));
+        // Server-sent events may end their lines with CRLF; a pair split
+        // across two pieces joins here once the second arrives.
+        if pending.contains("\r\n") {
+            pending = pending.replace("\r\n", "\n");
+        }
         while let Some(end) = pending.find("\n\n") {
             let event: String = pending.drain(..end + 2).collect();
             for line in event.lines() {

@@ -74,6 +74,7 @@ fn config(base_url: String, fresh_connections: bool) -> BenchConfig {
         slo_tpot: Duration::from_secs(5),
         fresh_connections,
         seed: 0,
+        idle_timeout: Duration::from_secs(30),
     }
 }
 

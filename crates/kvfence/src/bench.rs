@@ -47,6 +47,11 @@ pub(crate) struct BenchArgs {
     /// first tokens with them.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// A request fails when the server sends nothing for this many seconds
+    /// (before its response, or between two streamed pieces), instead of
+    /// holding the run forever. Long prompts on slow servers need minutes.
+    #[arg(long, default_value_t = 600)]
+    idle_timeout_s: u64,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -54,8 +59,12 @@ pub(crate) struct BenchArgs {
 
 pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        args.concurrency > 0 && args.requests > 0 && args.prompt_len > 0 && args.output_len > 0,
-        "--concurrency, --requests, --prompt-len and --output-len must be positive"
+        args.concurrency > 0
+            && args.requests > 0
+            && args.prompt_len > 0
+            && args.output_len > 0
+            && args.idle_timeout_s > 0,
+        "--concurrency, --requests, --prompt-len, --output-len and --idle-timeout-s must be positive"
     );
     let config = BenchConfig {
         base_url: args.base_url.clone(),
@@ -69,6 +78,7 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         slo_tpot: Duration::from_millis(args.slo_tpot_ms),
         fresh_connections: args.fresh_connections,
         seed: args.seed,
+        idle_timeout: Duration::from_secs(args.idle_timeout_s),
     };
     eprintln!(
         "{} requests, {} at a time, {} prompt + {} output tokens each, against {}",

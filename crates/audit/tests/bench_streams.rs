@@ -1,0 +1,128 @@
+//! `kvfence bench` against servers that stream in ways the OpenAI servers
+//! it was first run against do not: events whose lines end in CRLF (legal
+//! server-sent events), and a server that accepts a request and then says
+//! nothing at all.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use kvfence_audit::bench::{BenchConfig, run};
+
+/// Serves every request on its own connection with `answer`, which gets
+/// the connection after the request has been read.
+fn server(answer: fn(TcpStream)) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { return };
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut length = 0;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                    if line == "\r\n" {
+                        break;
+                    }
+                }
+                let mut body = vec![0; length];
+                reader.read_exact(&mut body).unwrap();
+                answer(stream);
+            });
+        }
+    });
+    format!("http://{address}")
+}
+
+/// Two tokens and the usage, every line ending in CRLF, written in pieces
+/// that split a CRLF pair and an event.
+fn crlf_events(mut stream: TcpStream) {
+    let events = concat!(
+        "data: {\"choices\":[{\"text\":\"a\",\"finish_reason\":null}]}\r\n\r\n",
+        "data: {\"choices\":[{\"text\":\"b\",\"finish_reason\":\"length\"}]}\r\n\r\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2}}\r\n\r\n",
+        "data: [DONE]\r\n\r\n"
+    );
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        events.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    let split = events.find("\r\n\r\n").unwrap() + 1;
+    for piece in [
+        &events[..split],
+        &events[split..split + 30],
+        &events[split + 30..],
+    ] {
+        stream.write_all(piece.as_bytes()).unwrap();
+        stream.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Reads the request and never answers (the connection stays open).
+fn silence(stream: TcpStream) {
+    std::thread::sleep(Duration::from_secs(60));
+    drop(stream);
+}
+
+fn config(base_url: String, idle_timeout: Duration) -> BenchConfig {
+    BenchConfig {
+        base_url,
+        api_keys: Vec::new(),
+        model: None,
+        concurrency: 2,
+        requests: 2,
+        prompt_len: 4,
+        output_len: 2,
+        slo_ttft: Duration::from_secs(5),
+        slo_tpot: Duration::from_secs(5),
+        fresh_connections: true,
+        seed: 0,
+        idle_timeout,
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn events_with_crlf_line_ends_are_read_like_lf_ones() {
+    let report = runtime().block_on(run(&config(server(crlf_events), Duration::from_secs(30))));
+    assert_eq!(report.succeeded, 2, "failures: {:?}", report.failures);
+    let tokens = report.output_token_throughput * report.duration_s;
+    assert!((tokens - 4.0).abs() < 1e-6, "{tokens} tokens");
+}
+
+#[test]
+fn a_silent_server_fails_the_requests_after_the_idle_timeout_instead_of_holding_the_run() {
+    let started = Instant::now();
+    let report = runtime().block_on(run(&config(server(silence), Duration::from_millis(300))));
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the run waited for the server instead of giving up"
+    );
+    assert_eq!(report.succeeded, 0);
+    assert_eq!(report.retried, 0, "a timeout is not a closed connection");
+    assert_eq!(
+        report
+            .failures
+            .get("the server sent nothing for longer than the idle timeout"),
+        Some(&2),
+        "{:?}",
+        report.failures
+    );
+}
