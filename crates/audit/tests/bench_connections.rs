@@ -5,60 +5,37 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
+use std::io::{BufReader, Write};
+use std::net::TcpStream;
 use std::time::Duration;
 
 use kvfence_audit::bench::{BenchConfig, run};
 
+mod common;
+
 /// Answers the first request of every connection with a two-token stream,
 /// keeps the connection open, and drops it on the second request without
 /// a byte of response.
-fn one_answer_per_connection() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let address = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { return };
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                let mut writer = stream;
-                for turn in 0.. {
-                    let mut length = 0;
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap();
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                    }
-                    let mut body = vec![0; length];
-                    reader.read_exact(&mut body).unwrap();
-                    if turn > 0 {
-                        return; // closes without answering
-                    }
-                    let events = concat!(
-                        "data: {\"choices\":[{\"text\":\"a\",\"finish_reason\":null}]}\n\n",
-                        "data: {\"choices\":[{\"text\":\"b\",\"finish_reason\":\"length\"}]}\n\n",
-                        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2}}\n\n",
-                        "data: [DONE]\n\n"
-                    );
-                    let head = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n",
-                        events.len()
-                    );
-                    writer.write_all(head.as_bytes()).unwrap();
-                    writer.write_all(events.as_bytes()).unwrap();
-                }
-            });
+fn one_answer_per_connection(stream: TcpStream) {
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    for turn in 0.. {
+        if !common::read_request(&mut reader) || turn > 0 {
+            return; // closes without answering
         }
-    });
-    format!("http://{address}")
+        let events = concat!(
+            "data: {\"choices\":[{\"text\":\"a\",\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"text\":\"b\",\"finish_reason\":\"length\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n",
+            events.len()
+        );
+        writer.write_all(head.as_bytes()).unwrap();
+        writer.write_all(events.as_bytes()).unwrap();
+    }
 }
 
 fn config(base_url: String, fresh_connections: bool) -> BenchConfig {
@@ -87,7 +64,10 @@ fn runtime() -> tokio::runtime::Runtime {
 
 #[test]
 fn a_pooled_connection_the_server_closed_costs_a_retry_not_a_request() {
-    let report = runtime().block_on(run(&config(one_answer_per_connection(), false)));
+    let report = runtime().block_on(run(&config(
+        common::serve(one_answer_per_connection),
+        false,
+    )));
     assert_eq!(report.succeeded, 4, "failures: {:?}", report.failures);
     assert!(
         report.retried >= 1,
@@ -103,7 +83,7 @@ fn a_retry_goes_out_on_a_new_connection_not_another_pooled_one() {
     let config = BenchConfig {
         concurrency: 4,
         requests: 16,
-        ..config(one_answer_per_connection(), false)
+        ..config(common::serve(one_answer_per_connection), false)
     };
     let report = runtime().block_on(run(&config));
     assert_eq!(report.succeeded, 16, "failures: {:?}", report.failures);
@@ -112,7 +92,7 @@ fn a_retry_goes_out_on_a_new_connection_not_another_pooled_one() {
 
 #[test]
 fn fresh_connections_need_no_retry() {
-    let report = runtime().block_on(run(&config(one_answer_per_connection(), true)));
+    let report = runtime().block_on(run(&config(common::serve(one_answer_per_connection), true)));
     assert_eq!(report.succeeded, 4, "failures: {:?}", report.failures);
     assert_eq!(report.retried, 0);
 }

@@ -5,47 +5,18 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::{BufReader, Write};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use kvfence_audit::bench::{BenchConfig, run};
 
-/// Serves every request on its own connection with `answer`, which gets
-/// the connection after the request has been read.
-fn server(answer: fn(TcpStream)) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let address = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { return };
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                let mut length = 0;
-                loop {
-                    let mut line = String::new();
-                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                        length = v.trim().parse().unwrap();
-                    }
-                    if line == "\r\n" {
-                        break;
-                    }
-                }
-                let mut body = vec![0; length];
-                reader.read_exact(&mut body).unwrap();
-                answer(stream);
-            });
-        }
-    });
-    format!("http://{address}")
-}
+mod common;
 
-/// Two tokens and the usage, every line ending in CRLF, written in pieces
-/// that split a CRLF pair and an event.
+/// Reads a request and answers two tokens and the usage, every line ending
+/// in CRLF, in pieces that split a CRLF pair and an event.
 fn crlf_events(mut stream: TcpStream) {
+    common::read_request(&mut BufReader::new(stream.try_clone().unwrap()));
     let events = concat!(
         "data: {\"choices\":[{\"text\":\"a\",\"finish_reason\":null}]}\r\n\r\n",
         "data: {\"choices\":[{\"text\":\"b\",\"finish_reason\":\"length\"}]}\r\n\r\n",
@@ -69,8 +40,9 @@ fn crlf_events(mut stream: TcpStream) {
     }
 }
 
-/// Reads the request and never answers (the connection stays open).
+/// Reads a request and never answers (the connection stays open).
 fn silence(stream: TcpStream) {
+    common::read_request(&mut BufReader::new(stream.try_clone().unwrap()));
     std::thread::sleep(Duration::from_secs(60));
     drop(stream);
 }
@@ -101,7 +73,10 @@ fn runtime() -> tokio::runtime::Runtime {
 
 #[test]
 fn events_with_crlf_line_ends_are_read_like_lf_ones() {
-    let report = runtime().block_on(run(&config(server(crlf_events), Duration::from_secs(30))));
+    let report = runtime().block_on(run(&config(
+        common::serve(crlf_events),
+        Duration::from_secs(30),
+    )));
     assert_eq!(report.succeeded, 2, "failures: {:?}", report.failures);
     let tokens = report.output_token_throughput * report.duration_s;
     assert!((tokens - 4.0).abs() < 1e-6, "{tokens} tokens");
@@ -110,7 +85,10 @@ fn events_with_crlf_line_ends_are_read_like_lf_ones() {
 #[test]
 fn a_silent_server_fails_the_requests_after_the_idle_timeout_instead_of_holding_the_run() {
     let started = Instant::now();
-    let report = runtime().block_on(run(&config(server(silence), Duration::from_millis(300))));
+    let report = runtime().block_on(run(&config(
+        common::serve(silence),
+        Duration::from_millis(300),
+    )));
     assert!(
         started.elapsed() < Duration::from_secs(30),
         "the run waited for the server instead of giving up"
