@@ -9,24 +9,17 @@ use std::io::{BufReader, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvfence_audit::bench::{BenchConfig, run};
+use kvfence_audit::bench::BenchConfig;
 
 mod common;
+
+use common::{config, run};
 
 /// Reads a request and answers two tokens and the usage, every line ending
 /// in CRLF, in pieces that split a CRLF pair and an event.
 fn crlf_events(mut stream: TcpStream) {
     common::read_request(&mut BufReader::new(stream.try_clone().unwrap()));
-    let events = concat!(
-        "data: {\"choices\":[{\"text\":\"a\",\"finish_reason\":null}]}\r\n\r\n",
-        "data: {\"choices\":[{\"text\":\"b\",\"finish_reason\":\"length\"}]}\r\n\r\n",
-        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2}}\r\n\r\n",
-        "data: [DONE]\r\n\r\n"
-    );
-    let head = format!(
-        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        events.len()
-    );
+    let (head, events) = common::two_tokens("\r\n", true);
     stream.write_all(head.as_bytes()).unwrap();
     let split = events.find("\r\n\r\n").unwrap() + 1;
     for piece in [
@@ -47,36 +40,14 @@ fn silence(stream: TcpStream) {
     drop(stream);
 }
 
-fn config(base_url: String, idle_timeout: Duration) -> BenchConfig {
-    BenchConfig {
-        base_url,
-        api_keys: Vec::new(),
-        model: None,
-        concurrency: 2,
-        requests: 2,
-        prompt_len: 4,
-        output_len: 2,
-        slo_ttft: Duration::from_secs(5),
-        slo_tpot: Duration::from_secs(5),
-        fresh_connections: true,
-        seed: 0,
-        idle_timeout,
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 #[test]
 fn events_with_crlf_line_ends_are_read_like_lf_ones() {
-    let report = runtime().block_on(run(&config(
-        common::serve(crlf_events),
-        Duration::from_secs(30),
-    )));
+    let report = run(&BenchConfig {
+        concurrency: 2,
+        requests: 2,
+        fresh_connections: true,
+        ..config(common::serve(crlf_events))
+    });
     assert_eq!(report.succeeded, 2, "failures: {:?}", report.failures);
     let tokens = report.output_token_throughput * report.duration_s;
     assert!((tokens - 4.0).abs() < 1e-6, "{tokens} tokens");
@@ -85,10 +56,12 @@ fn events_with_crlf_line_ends_are_read_like_lf_ones() {
 #[test]
 fn a_silent_server_fails_the_requests_after_the_idle_timeout_instead_of_holding_the_run() {
     let started = Instant::now();
-    let report = runtime().block_on(run(&config(
-        common::serve(silence),
-        Duration::from_millis(300),
-    )));
+    let report = run(&BenchConfig {
+        concurrency: 2,
+        requests: 2,
+        idle_timeout: Duration::from_millis(300),
+        ..config(common::serve(silence))
+    });
     assert!(
         started.elapsed() < Duration::from_secs(30),
         "the run waited for the server instead of giving up"
