@@ -120,14 +120,12 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// The prompt of request `i`: `len` token ids in 32..122, which every
-/// vocabulary has.
-/// Request `i`'s prompt under `seed`: `len` ids from 32..122, a ChaCha
-/// stream of its own for every request. A pattern over `i` repeated itself
-/// (every 90th request sent the same prompt, so a server's prompt cache
-/// skipped their prefill); independent streams share a first token with
-/// probability 1/90, two with 1/8,100. A shorter prompt is a prefix of a
-/// longer one of the same request.
+/// Request `i`'s prompt under `seed`: `len` token ids in 32..122, which
+/// every vocabulary has, from a ChaCha stream of the request's own. Two
+/// requests share a first token with probability 1/90 and two with
+/// 1/8,100, so no prompt cache serves one from another (an arithmetic
+/// pattern over `i` repeated every 90th prompt). A shorter prompt is a
+/// prefix of a longer one of the same request.
 fn prompt(seed: u64, i: usize, len: usize) -> Vec<u32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(i as u64);
