@@ -23,7 +23,10 @@
 use std::arch::x86_64::*;
 
 use super::lanes::{GROUP_ROWS, GROUP_VECTORS, TILE_WEIGHTS};
-use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale, SixBits, SixBitsBlock};
+use super::{
+    BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale, SixBits, SixBitsBlock,
+    WIDENED_BLOCKS, Widened,
+};
 
 /// How far ahead of the block being decoded each weight row is prefetched
 /// (the AVX-512 kernels' measured best; the access pattern is the same).
@@ -60,6 +63,28 @@ pub(crate) trait Block256: BlockRow {
     /// Asks for the bytes `distance` past block `b` to be brought to L1.
     #[inline(always)]
     fn prefetch(self, _b: usize, _distance: usize) {}
+
+    /// Widens the f16 parameters of blocks `b..b + n` (`n` at most
+    /// [`WIDENED_BLOCKS`]) into `into`, for [`Block256::block256_widened`];
+    /// rows without f16 parameters leave it as it is.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C, and [`BlockRow::check`]
+    /// must have passed for some `blocks >= b + n`.
+    #[inline(always)]
+    unsafe fn widen(self, _b: usize, _n: usize, _into: &mut Widened) {}
+
+    /// [`Block256::block256`] of block `b`, the `i`-th of the blocks
+    /// [`Block256::widen`] widened into `widened`: the same values.
+    ///
+    /// # Safety
+    /// As [`Block256::block256`]; `widened` holds what `widen` wrote for
+    /// the blocks from `b - i` on.
+    #[inline(always)]
+    unsafe fn block256_widened(self, b: usize, _widened: &Widened, _i: usize) -> Block {
+        // SAFETY: the caller's obligations are `block256`'s.
+        unsafe { self.block256(b) }
+    }
 }
 
 impl Block256 for Decoded<'_> {
@@ -88,6 +113,35 @@ impl<S: Scale> Block256 for Nibbles<'_, S> {
             )
         }
     }
+
+    #[inline(always)]
+    unsafe fn widen(self, b: usize, n: usize, into: &mut Widened) {
+        if S::HALF {
+            // SAFETY: the caller guarantees the CPU's features and blocks
+            // `b..b + n`.
+            unsafe {
+                widen_halves(self.scales, b, n, PREFETCH_BYTES / 16, &mut into.scales);
+                widen_halves(self.offsets, b, n, PREFETCH_BYTES / 16, &mut into.offsets);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block256_widened(self, b: usize, widened: &Widened, i: usize) -> Block {
+        if !S::HALF {
+            // SAFETY: the caller's obligations are `block256`'s.
+            return unsafe { self.block256(b) };
+        }
+        // SAFETY: the caller guarantees the CPU's features, block `b` in
+        // bounds and `i < WIDENED_BLOCKS`.
+        unsafe {
+            decode_nibbles(
+                self.quants.as_ptr().add(b * 16),
+                _mm256_set1_ps(*widened.scales.get_unchecked(i)),
+                _mm256_set1_ps(*widened.offsets.get_unchecked(i)),
+            )
+        }
+    }
 }
 
 impl<S: Scale> Block256 for Bytes<'_, S> {
@@ -104,6 +158,31 @@ impl<S: Scale> Block256 for Bytes<'_, S> {
             decode_bytes(
                 self.quants.as_ptr().add(b * BLOCK),
                 broadcast(*self.scales.get_unchecked(b)),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn widen(self, b: usize, n: usize, into: &mut Widened) {
+        if S::HALF {
+            // SAFETY: the caller guarantees the CPU's features and blocks
+            // `b..b + n`.
+            unsafe { widen_halves(self.scales, b, n, PREFETCH_BYTES / BLOCK, &mut into.scales) };
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block256_widened(self, b: usize, widened: &Widened, i: usize) -> Block {
+        if !S::HALF {
+            // SAFETY: the caller's obligations are `block256`'s.
+            return unsafe { self.block256(b) };
+        }
+        // SAFETY: the caller guarantees the CPU's features, block `b` in
+        // bounds and `i < WIDENED_BLOCKS`.
+        unsafe {
+            decode_bytes(
+                self.quants.as_ptr().add(b * BLOCK),
+                _mm256_set1_ps(*widened.scales.get_unchecked(i)),
             )
         }
     }
@@ -166,6 +245,51 @@ unsafe fn broadcast<S: Scale>(scale: S) -> __m256 {
         _mm256_cvtph_ps(_mm_set1_epi16(scale.bits() as i16))
     } else {
         _mm256_set1_ps(f32::from_bits(scale.bits()))
+    }
+}
+
+/// `halves[b..b + n]`, f16 bits ([`Scale::HALF`]), widened exactly into
+/// `into[..n]` by F16C: sixteen by two conversions, a shorter run (a row's
+/// last blocks) one by one — no call, which would spill the tile's
+/// accumulators. Asks for the parameters `ahead` blocks on, as the tiles
+/// ask for the quants: waiting on them here, at the head of each group,
+/// was a stall per group. The AVX-512 kernels use it too.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `S` must be an f16, and
+/// `n <= WIDENED_BLOCKS`, `b + n <= halves.len()`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn widen_halves<S: Scale>(
+    halves: &[S],
+    b: usize,
+    n: usize,
+    ahead: usize,
+    into: &mut [f32; WIDENED_BLOCKS],
+) {
+    debug_assert!(S::HALF && std::mem::size_of::<S>() == 2);
+    debug_assert!(n <= WIDENED_BLOCKS && b + n <= halves.len());
+    let at = halves.as_ptr().wrapping_add(b + ahead);
+    // A hint: an address past the end is never read.
+    _mm_prefetch::<_MM_HINT_T0>(at.cast());
+    if n == WIDENED_BLOCKS {
+        // SAFETY: sixteen f16s (two bytes each: `Half` is a transparent
+        // `u16`) from `b` are in bounds by the caller's guarantee; `into`
+        // holds sixteen floats.
+        unsafe {
+            let bits: *const __m128i = halves.as_ptr().add(b).cast();
+            _mm256_storeu_ps(into.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(bits)));
+            _mm256_storeu_ps(
+                into.as_mut_ptr().add(8),
+                _mm256_cvtph_ps(_mm_loadu_si128(bits.add(1))),
+            );
+        }
+    } else {
+        for (j, value) in into[..n].iter_mut().enumerate() {
+            // SAFETY: `b + j < b + n`, in bounds by the caller's guarantee.
+            let bits = unsafe { halves.get_unchecked(b + j) }.bits() as i32;
+            *value = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+        }
     }
 }
 
@@ -418,21 +542,33 @@ unsafe fn tile_avx2<const M: usize, const R: usize, W: Block256>(
     let blocks = super::tile_blocks(x, w);
     let zero = _mm256_setzero_ps();
     let mut acc = [[[zero; 4]; R]; M];
-    for b in 0..blocks {
-        for (c, row) in w.into_iter().enumerate() {
-            row.prefetch(b, PREFETCH_BYTES);
-            // SAFETY: AVX2, FMA and F16C are enabled for this function; every row
-            // was checked for `blocks > b` blocks.
-            let values = unsafe { row.block256(b) };
-            for (acc_row, x_row) in acc.iter_mut().zip(x) {
-                let lanes = &mut acc_row[c];
-                for (i, (lane, &v)) in lanes.iter_mut().zip(&values).enumerate() {
-                    // SAFETY: every activation row holds `blocks` blocks.
-                    let xs = unsafe { _mm256_loadu_ps(x_row.as_ptr().add(b * BLOCK + 8 * i)) };
-                    *lane = _mm256_fmadd_ps(xs, v, *lane);
+    let mut widened = [Widened::EMPTY; R];
+    let mut first = 0;
+    while first < blocks {
+        let n = WIDENED_BLOCKS.min(blocks - first);
+        for (into, row) in widened.iter_mut().zip(w) {
+            // SAFETY: AVX2, FMA and F16C are enabled for this function;
+            // every row was checked for `blocks >= first + n` blocks.
+            unsafe { row.widen(first, n, into) };
+        }
+        for i in 0..n {
+            let b = first + i;
+            for (c, (row, widened)) in w.into_iter().zip(&widened).enumerate() {
+                row.prefetch(b, PREFETCH_BYTES);
+                // SAFETY: as above, `blocks > b`; `widened` holds this
+                // group's parameters, `i < n`.
+                let values = unsafe { row.block256_widened(b, widened, i) };
+                for (acc_row, x_row) in acc.iter_mut().zip(x) {
+                    let lanes = &mut acc_row[c];
+                    for (l, (lane, &v)) in lanes.iter_mut().zip(&values).enumerate() {
+                        // SAFETY: every activation row holds `blocks` blocks.
+                        let xs = unsafe { _mm256_loadu_ps(x_row.as_ptr().add(b * BLOCK + 8 * l)) };
+                        *lane = _mm256_fmadd_ps(xs, v, *lane);
+                    }
                 }
             }
         }
+        first += n;
     }
     let mut sums = [[0.0f32; R]; M];
     for (s_row, acc_row) in sums.iter_mut().zip(acc) {

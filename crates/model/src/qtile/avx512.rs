@@ -21,7 +21,10 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale, SixBits, SixBitsBlock};
+use super::{
+    BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale, SixBits, SixBitsBlock,
+    WIDENED_BLOCKS, Widened,
+};
 
 /// How far ahead of the block being decoded each weight row is prefetched.
 /// A tile reads up to four rows at once, interleaved streams the hardware
@@ -58,6 +61,28 @@ pub(crate) trait Block512: BlockRow {
     /// Asks for the bytes `distance` past block `b` to be brought to L1.
     #[inline(always)]
     fn prefetch(self, _b: usize, _distance: usize) {}
+
+    /// Widens the f16 parameters of blocks `b..b + n` (`n` at most
+    /// [`WIDENED_BLOCKS`]) into `into`, for [`Block512::block512_widened`];
+    /// rows without f16 parameters leave it as it is.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, and [`BlockRow::check`] must have
+    /// passed for some `blocks >= b + n`.
+    #[inline(always)]
+    unsafe fn widen(self, _b: usize, _n: usize, _into: &mut Widened) {}
+
+    /// [`Block512::block512`] of block `b`, the `i`-th of the blocks
+    /// [`Block512::widen`] widened into `widened`: the same values.
+    ///
+    /// # Safety
+    /// As [`Block512::block512`]; `widened` holds what `widen` wrote for
+    /// the blocks from `b - i` on.
+    #[inline(always)]
+    unsafe fn block512_widened(self, b: usize, _widened: &Widened, _i: usize) -> (__m512, __m512) {
+        // SAFETY: the caller's obligations are `block512`'s.
+        unsafe { self.block512(b) }
+    }
 }
 
 impl Block512 for Decoded<'_> {
@@ -86,6 +111,36 @@ impl<S: Scale> Block512 for Nibbles<'_, S> {
             )
         }
     }
+
+    #[inline(always)]
+    unsafe fn widen(self, b: usize, n: usize, into: &mut Widened) {
+        if S::HALF {
+            // SAFETY: the caller guarantees AVX-512F (which implies AVX2,
+            // FMA and F16C) and blocks `b..b + n`.
+            unsafe {
+                let ahead = PREFETCH_BYTES / 16;
+                super::avx2::widen_halves(self.scales, b, n, ahead, &mut into.scales);
+                super::avx2::widen_halves(self.offsets, b, n, ahead, &mut into.offsets);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block512_widened(self, b: usize, widened: &Widened, i: usize) -> (__m512, __m512) {
+        if !S::HALF {
+            // SAFETY: the caller's obligations are `block512`'s.
+            return unsafe { self.block512(b) };
+        }
+        // SAFETY: the caller guarantees AVX-512F, block `b` in bounds and
+        // `i < WIDENED_BLOCKS`.
+        unsafe {
+            decode_nibbles(
+                self.quants.as_ptr().add(b * 16),
+                _mm512_set1_ps(*widened.scales.get_unchecked(i)),
+                _mm512_set1_ps(*widened.offsets.get_unchecked(i)),
+            )
+        }
+    }
 }
 
 impl<S: Scale> Block512 for Bytes<'_, S> {
@@ -102,6 +157,39 @@ impl<S: Scale> Block512 for Bytes<'_, S> {
             decode_bytes(
                 self.quants.as_ptr().add(b * BLOCK),
                 broadcast(*self.scales.get_unchecked(b)),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn widen(self, b: usize, n: usize, into: &mut Widened) {
+        if S::HALF {
+            // SAFETY: the caller guarantees AVX-512F (which implies AVX2,
+            // FMA and F16C) and blocks `b..b + n`.
+            unsafe {
+                super::avx2::widen_halves(
+                    self.scales,
+                    b,
+                    n,
+                    PREFETCH_BYTES / BLOCK,
+                    &mut into.scales,
+                )
+            };
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block512_widened(self, b: usize, widened: &Widened, i: usize) -> (__m512, __m512) {
+        if !S::HALF {
+            // SAFETY: the caller's obligations are `block512`'s.
+            return unsafe { self.block512(b) };
+        }
+        // SAFETY: the caller guarantees AVX-512F, block `b` in bounds and
+        // `i < WIDENED_BLOCKS`.
+        unsafe {
+            decode_bytes(
+                self.quants.as_ptr().add(b * BLOCK),
+                _mm512_set1_ps(*widened.scales.get_unchecked(i)),
             )
         }
     }
@@ -376,23 +464,35 @@ unsafe fn tile_avx512<const M: usize, const R: usize, W: Block512>(
     let blocks = super::tile_blocks(x, w);
     let zero = _mm512_setzero_ps();
     let mut acc = [[[zero; 2]; R]; M];
-    for b in 0..blocks {
-        let mut values = [[zero; 2]; R];
-        for (v, row) in values.iter_mut().zip(w) {
-            row.prefetch(b, PREFETCH_BYTES);
+    let mut widened = [Widened::EMPTY; R];
+    let mut first = 0;
+    while first < blocks {
+        let n = WIDENED_BLOCKS.min(blocks - first);
+        for (into, row) in widened.iter_mut().zip(w) {
             // SAFETY: AVX-512F is enabled for this function; every row was
-            // checked for `blocks > b` blocks.
-            let (low, high) = unsafe { row.block512(b) };
-            *v = [low, high];
+            // checked for `blocks >= first + n` blocks.
+            unsafe { row.widen(first, n, into) };
         }
-        for (acc_row, x_row) in acc.iter_mut().zip(x) {
-            // SAFETY: as above; every activation row holds `blocks` blocks.
-            let (x_low, x_high) = unsafe { load_block(x_row.as_ptr().add(b * BLOCK)) };
-            for (lanes, v) in acc_row.iter_mut().zip(&values) {
-                lanes[0] = _mm512_fmadd_ps(x_low, v[0], lanes[0]);
-                lanes[1] = _mm512_fmadd_ps(x_high, v[1], lanes[1]);
+        for i in 0..n {
+            let b = first + i;
+            let mut values = [[zero; 2]; R];
+            for ((v, row), widened) in values.iter_mut().zip(w).zip(&widened) {
+                row.prefetch(b, PREFETCH_BYTES);
+                // SAFETY: as above, `blocks > b`; `widened` holds this
+                // group's parameters, `i < n`.
+                let (low, high) = unsafe { row.block512_widened(b, widened, i) };
+                *v = [low, high];
+            }
+            for (acc_row, x_row) in acc.iter_mut().zip(x) {
+                // SAFETY: as above; every activation row holds `blocks` blocks.
+                let (x_low, x_high) = unsafe { load_block(x_row.as_ptr().add(b * BLOCK)) };
+                for (lanes, v) in acc_row.iter_mut().zip(&values) {
+                    lanes[0] = _mm512_fmadd_ps(x_low, v[0], lanes[0]);
+                    lanes[1] = _mm512_fmadd_ps(x_high, v[1], lanes[1]);
+                }
             }
         }
+        first += n;
     }
     let mut sums = [[0.0f32; R]; M];
     for (s_row, acc_row) in sums.iter_mut().zip(acc) {
