@@ -21,9 +21,9 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2::Block256;
 use super::{
-    BLOCK, BlockRow, Bytes, Decoded, FiveBits, Nibbles, Scale, SixBits, SixBitsBlock,
-    WIDENED_BLOCKS, Widened,
+    BLOCK, Bytes, Decoded, FiveBits, Nibbles, Scale, SixBits, SixBitsBlock, WIDENED_BLOCKS, Widened,
 };
 
 /// How far ahead of the block being decoded each weight row is prefetched.
@@ -47,33 +47,21 @@ impl Cpu {
 
 /// A weight row read as AVX-512 vectors (AVX-512F implies F16C, which
 /// widens scales kept as f16), by the same operations as its
-/// [`super::BlockRow::block`]. Bounds are checked once per row
-/// ([`BlockRow::check`]) rather than once per block: per-block checks were
-/// measured to cost as many instructions as the arithmetic.
-pub(crate) trait Block512: BlockRow {
+/// [`super::BlockRow::block`]. Every such row is an AVX2 one too: its
+/// prefetches and its widened block parameters are [`Block256`]'s. Bounds
+/// are checked once per row ([`super::BlockRow::check`]) rather than once
+/// per block: per-block checks were measured to cost as many instructions
+/// as the arithmetic.
+pub(crate) trait Block512: Block256 {
     /// Weights `0..16` and `16..32` of block `b`.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F, and [`BlockRow::check`] must have
-    /// passed for some `blocks > b`.
+    /// The CPU must support AVX-512F, and [`super::BlockRow::check`] must
+    /// have passed for some `blocks > b`.
     unsafe fn block512(self, b: usize) -> (__m512, __m512);
 
-    /// Asks for the bytes `distance` past block `b` to be brought to L1.
-    #[inline(always)]
-    fn prefetch(self, _b: usize, _distance: usize) {}
-
-    /// Widens the f16 parameters of blocks `b..b + n` (`n` at most
-    /// [`WIDENED_BLOCKS`]) into `into`, for [`Block512::block512_widened`];
-    /// rows without f16 parameters leave it as it is.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F, and [`BlockRow::check`] must have
-    /// passed for some `blocks >= b + n`.
-    #[inline(always)]
-    unsafe fn widen(self, _b: usize, _n: usize, _into: &mut Widened) {}
-
     /// [`Block512::block512`] of block `b`, the `i`-th of the blocks
-    /// [`Block512::widen`] widened into `widened`: the same values.
+    /// [`Block256::widen`] widened into `widened`: the same values.
     ///
     /// # Safety
     /// As [`Block512::block512`]; `widened` holds what `widen` wrote for
@@ -95,11 +83,6 @@ impl Block512 for Decoded<'_> {
 
 impl<S: Scale> Block512 for Nibbles<'_, S> {
     #[inline(always)]
-    fn prefetch(self, b: usize, distance: usize) {
-        prefetch_past(self.quants, b * 16 + distance);
-    }
-
-    #[inline(always)]
     unsafe fn block512(self, b: usize) -> (__m512, __m512) {
         // SAFETY: the caller guarantees AVX-512F and that block `b` is in
         // bounds of all three arrays.
@@ -109,19 +92,6 @@ impl<S: Scale> Block512 for Nibbles<'_, S> {
                 broadcast(*self.scales.get_unchecked(b)),
                 broadcast(*self.offsets.get_unchecked(b)),
             )
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn widen(self, b: usize, n: usize, into: &mut Widened) {
-        if S::HALF {
-            // SAFETY: the caller guarantees AVX-512F (which implies AVX2,
-            // FMA and F16C) and blocks `b..b + n`.
-            unsafe {
-                let ahead = PREFETCH_BYTES / 16;
-                super::avx2::widen_halves(self.scales, b, n, ahead, &mut into.scales);
-                super::avx2::widen_halves(self.offsets, b, n, ahead, &mut into.offsets);
-            }
         }
     }
 
@@ -145,11 +115,6 @@ impl<S: Scale> Block512 for Nibbles<'_, S> {
 
 impl<S: Scale> Block512 for Bytes<'_, S> {
     #[inline(always)]
-    fn prefetch(self, b: usize, distance: usize) {
-        prefetch_past(self.quants, b * BLOCK + distance);
-    }
-
-    #[inline(always)]
     unsafe fn block512(self, b: usize) -> (__m512, __m512) {
         // SAFETY: the caller guarantees AVX-512F and that block `b` is in
         // bounds of both arrays.
@@ -158,23 +123,6 @@ impl<S: Scale> Block512 for Bytes<'_, S> {
                 self.quants.as_ptr().add(b * BLOCK),
                 broadcast(*self.scales.get_unchecked(b)),
             )
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn widen(self, b: usize, n: usize, into: &mut Widened) {
-        if S::HALF {
-            // SAFETY: the caller guarantees AVX-512F (which implies AVX2,
-            // FMA and F16C) and blocks `b..b + n`.
-            unsafe {
-                super::avx2::widen_halves(
-                    self.scales,
-                    b,
-                    n,
-                    PREFETCH_BYTES / BLOCK,
-                    &mut into.scales,
-                )
-            };
         }
     }
 
@@ -197,11 +145,6 @@ impl<S: Scale> Block512 for Bytes<'_, S> {
 
 impl Block512 for FiveBits<'_> {
     #[inline(always)]
-    fn prefetch(self, b: usize, distance: usize) {
-        prefetch_past(self.quants, b * 16 + distance);
-    }
-
-    #[inline(always)]
     unsafe fn block512(self, b: usize) -> (__m512, __m512) {
         // SAFETY: the caller guarantees AVX-512F and that block `b` is in
         // bounds of all three arrays.
@@ -217,25 +160,11 @@ impl Block512 for FiveBits<'_> {
 
 impl Block512 for SixBits<'_> {
     #[inline(always)]
-    fn prefetch(self, b: usize, distance: usize) {
-        prefetch_past(self.0, SixBits::at(b).low + distance);
-    }
-
-    #[inline(always)]
     unsafe fn block512(self, b: usize) -> (__m512, __m512) {
         // SAFETY: the caller guarantees the CPU's features and that block
         // `b` is in bounds (its super-block's 210 bytes hold every piece).
         unsafe { decode_six_bits(self.0.as_ptr(), SixBits::at(b)) }
     }
-}
-
-/// Asks for the byte `offset` into `bytes` to be brought to L1. A
-/// prefetch is a hint: an address past the end is never read.
-#[inline(always)]
-fn prefetch_past(bytes: &[u8], offset: usize) {
-    let at = bytes.as_ptr().wrapping_add(offset);
-    // SAFETY: prefetching has no effect on memory, valid or not.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
 }
 
 /// A block's scale or offset in every lane: an f16 broadcast and then
@@ -469,9 +398,10 @@ unsafe fn tile_avx512<const M: usize, const R: usize, W: Block512>(
     while first < blocks {
         let n = WIDENED_BLOCKS.min(blocks - first);
         for (into, row) in widened.iter_mut().zip(w) {
-            // SAFETY: AVX-512F is enabled for this function; every row was
-            // checked for `blocks >= first + n` blocks.
-            unsafe { row.widen(first, n, into) };
+            // SAFETY: AVX-512F (which implies AVX2, FMA and F16C) is
+            // enabled for this function; every row was checked for
+            // `blocks >= first + n` blocks.
+            unsafe { Block256::widen(row, first, n, into) };
         }
         for i in 0..n {
             let b = first + i;
