@@ -253,14 +253,15 @@ unsafe fn broadcast<S: Scale>(scale: S) -> __m256 {
 /// last blocks) one by one — no call, which would spill the tile's
 /// accumulators. Asks for the parameters `ahead` blocks on, as the tiles
 /// ask for the quants: waiting on them here, at the head of each group,
-/// was a stall per group. The AVX-512 kernels use it too.
+/// was a stall per group. Through [`Block256::widen`] the AVX-512 tiles
+/// use it too.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `S` must be an f16, and
 /// `n <= WIDENED_BLOCKS`, `b + n <= halves.len()`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn widen_halves<S: Scale>(
+unsafe fn widen_halves<S: Scale>(
     halves: &[S],
     b: usize,
     n: usize,
