@@ -10,6 +10,7 @@ use half::{bf16, f16};
 use kvfence_pool::{ElemType, KvShape, LayerGroups, Lease, ReadView};
 
 use crate::attention::{self, KvValue, SequenceQueries};
+use crate::awake;
 use crate::config::{Activation, Architecture, ModelConfig};
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
@@ -494,7 +495,9 @@ impl Model {
     /// The pass runs on a thread of the compute pool (rayon's, sized to the
     /// cores): a caller outside it hands the whole pass over once, instead
     /// of every matmul waking the pool and putting the caller to sleep
-    /// (measured on SmolLM2 decode at one sequence: +15 % tokens/s).
+    /// (measured on SmolLM2 decode at one sequence: +15 % tokens/s), and
+    /// the pool's other workers poll for its jobs through the pass instead
+    /// of sleeping between them (`awake`; −12 % per step there).
     pub fn forward(&self, batch: &mut [Sequence<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         self.forward_each(batch).into_iter().collect()
     }
@@ -577,10 +580,22 @@ impl Model {
                 .eq(pass.shape.iter().copied()),
             "a pass resumes over the batch it began with"
         );
+        // The pool's other workers are kept polling for the pass's jobs
+        // between its regions instead of sleeping (`crate::awake`); between
+        // layers, any helper that left is sent again.
+        let mut run = || {
+            awake::kept_awake(|awake| {
+                let mut between_layers = || {
+                    awake.rearm();
+                    pause()
+                };
+                self.resume_in_pool(pass, batch, &mut between_layers)
+            })
+        };
         if rayon::current_thread_index().is_some() {
-            self.resume_in_pool(pass, batch, pause)
+            run()
         } else {
-            rayon::scope(|_| self.resume_in_pool(pass, batch, pause))
+            rayon::scope(|_| run())
         }
     }
 

@@ -9,13 +9,15 @@
 //! - [`kernels`]: batch-invariant CPU kernels; the seam for other backends;
 //!   `qtile`: the register-tiled quantized dot products.
 //! - [`forward`]: the batched, paged forward pass; [`attention`]: its
-//!   tiled attention over pool pages, in f32, f16 or bf16 KV.
+//!   tiled attention over pool pages, in f32, f16 or bf16 KV; `awake`: the
+//!   pool's other workers kept polling through a pass.
 //! - [`sampling`]: token choice and stop strings; [`constraint`]: grammars
 //!   that restrict it (structured outputs).
 //! - [`builtin`]: deterministic built-in models; [`fetch`]: pretrained
 //!   models by name, cached; [`loader`]: load by name.
 
 pub mod attention;
+mod awake;
 pub mod builtin;
 pub mod chat;
 pub mod config;

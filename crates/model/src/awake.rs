@@ -1,0 +1,214 @@
+//! The compute pool's other workers, kept awake through a forward pass.
+//!
+//! A decode step is some 150 short parallel regions (each matmul, each
+//! layer's attention), tens of microseconds apiece, with a few
+//! microseconds of serial work between them. Left to rayon, the idle worker
+//! falls asleep in every gap and is woken by a futex for the next region:
+//! on a two-core VM that was 10–14 % of a step spent in the kernel's
+//! scheduler (see `docs/performance.md`).
+//!
+//! [`kept_awake`] runs a pass with a *helper* per other worker: a rayon job
+//! that polls the pool for work ([`rayon::yield_now`]) instead of sleeping,
+//! so each region's jobs are stolen by a thread that is already running.
+//! Everything still goes through rayon — its deques, its joins, its latches
+//! — so results keep their bits and a region never depends on a helper
+//! being there. A helper is a guest and leaves:
+//!
+//! - when the pass ends (at once, even if the pass panics);
+//! - when its thread leads a pass of its own (it declines at once: helping
+//!   would stall that pass, which sits below it on the thread's stack,
+//!   until this one ends — in the default mode a decode step would wait
+//!   out a whole prefill);
+//! - after [`LINGER`] without finding work (a long serial stretch);
+//! - after [`BUDGET`] in all: rayon may have started it under some other
+//!   job that is waiting, and that job's wait must stay short.
+//!
+//! Between layers the pass calls [`Awake::rearm`], which sends a new helper
+//! for each one that left; while one is still there it costs two atomic
+//! loads.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a helper stays without finding work: longer than any gap
+/// between two regions of a pass, short enough that a pass with a long
+/// serial stretch gives the core back.
+pub(crate) const LINGER: Duration = Duration::from_millis(1);
+
+/// How long a helper stays at most: bounds how long it can hold up a job
+/// rayon started it under.
+pub(crate) const BUDGET: Duration = Duration::from_millis(8);
+
+/// Polls for work between two reads of the clock.
+const POLLS_PER_CLOCK: u32 = 32;
+
+thread_local! {
+    /// Passes this thread is leading (nested passes count each).
+    static LEADING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Why a helper left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Leave {
+    /// Its thread leads a pass; it never started.
+    Declined,
+    /// The pass it helped ended.
+    PassEnded,
+    /// It found no work for [`LINGER`].
+    Idle,
+    /// It spent its [`BUDGET`].
+    BudgetSpent,
+}
+
+/// A helper's clock: when it must leave, from what it found when.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stay {
+    arrived: Instant,
+    last_work: Instant,
+}
+
+impl Stay {
+    pub(crate) fn new(now: Instant) -> Stay {
+        Stay {
+            arrived: now,
+            last_work: now,
+        }
+    }
+
+    /// Records a poll at `now` that did (`worked`) or did not find work;
+    /// `Some` when the helper must leave.
+    pub(crate) fn after_poll(&mut self, now: Instant, worked: bool) -> Option<Leave> {
+        debug_assert!(now >= self.last_work, "a helper's clock runs forward");
+        if worked {
+            self.last_work = now;
+        }
+        if now.duration_since(self.arrived) >= BUDGET {
+            Some(Leave::BudgetSpent)
+        } else if now.duration_since(self.last_work) >= LINGER {
+            Some(Leave::Idle)
+        } else {
+            None
+        }
+    }
+}
+
+/// What a pass and its helpers share.
+#[derive(Debug)]
+struct Shared {
+    /// Set when the pass returns or unwinds.
+    ended: AtomicBool,
+    /// Helpers sent and not yet gone (queued or polling).
+    present: AtomicUsize,
+    /// Helpers a pass wants: one per other worker.
+    wanted: usize,
+}
+
+/// A pass's handle on its helpers.
+pub(crate) struct Awake<'a, 'scope> {
+    scope: &'a rayon::Scope<'scope>,
+    shared: &'scope Shared,
+}
+
+impl Awake<'_, '_> {
+    /// Sends a helper for each one that left since the last call.
+    pub(crate) fn rearm(&self) {
+        while self.shared.present.load(Ordering::Acquire) < self.shared.wanted {
+            self.shared.present.fetch_add(1, Ordering::AcqRel);
+            let shared = self.shared;
+            self.scope.spawn(move |_| {
+                help(shared);
+            });
+        }
+    }
+}
+
+/// Sets `ended` however the pass leaves, a panic included, so that its
+/// helpers go at once instead of lingering.
+struct EndOnDrop<'a>(&'a Shared);
+
+impl Drop for EndOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.ended.store(true, Ordering::Release);
+    }
+}
+
+/// Counts this thread as leading a pass while it lives.
+struct Leading;
+
+impl Leading {
+    fn start() -> Leading {
+        LEADING.set(LEADING.get() + 1);
+        Leading
+    }
+}
+
+impl Drop for Leading {
+    fn drop(&mut self) {
+        let leading = LEADING.get();
+        assert!(leading > 0, "a pass stops leading only once");
+        LEADING.set(leading - 1);
+    }
+}
+
+/// Runs `pass` on this thread with the pool's other workers kept awake
+/// (see the module docs). Call from a thread of the pool; elsewhere, or in
+/// a pool of one thread, `pass` runs with no helpers.
+pub(crate) fn kept_awake<R: Send>(pass: impl FnOnce(&Awake<'_, '_>) -> R + Send) -> R {
+    let shared = Shared {
+        ended: AtomicBool::new(false),
+        present: AtomicUsize::new(0),
+        wanted: if rayon::current_thread_index().is_some() {
+            rayon::current_num_threads() - 1
+        } else {
+            0
+        },
+    };
+    rayon::scope(|scope| {
+        let _ended = EndOnDrop(&shared);
+        let _leading = Leading::start();
+        let awake = Awake {
+            scope,
+            shared: &shared,
+        };
+        awake.rearm();
+        pass(&awake)
+    })
+}
+
+/// One helper's stay: polls the pool until it must leave.
+fn help(shared: &Shared) -> Leave {
+    let leave = stay(shared);
+    shared.present.fetch_sub(1, Ordering::AcqRel);
+    leave
+}
+
+fn stay(shared: &Shared) -> Leave {
+    if LEADING.get() > 0 {
+        return Leave::Declined;
+    }
+    let mut clock = Stay::new(Instant::now());
+    let mut worked = false;
+    let mut polls = 0u32;
+    loop {
+        if shared.ended.load(Ordering::Acquire) {
+            return Leave::PassEnded;
+        }
+        match rayon::yield_now() {
+            Some(rayon::Yield::Executed) => worked = true,
+            Some(rayon::Yield::Idle) => std::hint::spin_loop(),
+            // Not on a pool thread: nothing to poll.
+            None => return Leave::Idle,
+        }
+        polls += 1;
+        if worked || polls == POLLS_PER_CLOCK {
+            if let Some(leave) = clock.after_poll(Instant::now(), worked) {
+                return leave;
+            }
+            (worked, polls) = (false, 0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,225 @@
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+
+use super::*;
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a test pool starts")
+}
+
+fn shared() -> Shared {
+    Shared {
+        ended: AtomicBool::new(false),
+        present: AtomicUsize::new(1),
+        wanted: 1,
+    }
+}
+
+#[test]
+fn a_helper_that_finds_work_stays_until_its_budget() {
+    let t0 = Instant::now();
+    let mut stay = Stay::new(t0);
+    let step = LINGER / 2;
+    let mut now = t0;
+    while now + step < t0 + BUDGET {
+        now += step;
+        assert_eq!(stay.after_poll(now, true), None, "at {:?}", now - t0);
+    }
+    assert_eq!(stay.after_poll(t0 + BUDGET, true), Some(Leave::BudgetSpent));
+}
+
+#[test]
+fn a_helper_without_work_leaves_after_lingering() {
+    let t0 = Instant::now();
+    let mut stay = Stay::new(t0);
+    assert_eq!(stay.after_poll(t0 + LINGER / 2, false), None);
+    // Work found resets the wait; the budget still counts from arrival.
+    assert_eq!(stay.after_poll(t0 + LINGER / 2, true), None);
+    assert_eq!(stay.after_poll(t0 + LINGER, false), None);
+    assert_eq!(
+        stay.after_poll(t0 + LINGER / 2 + LINGER, false),
+        Some(Leave::Idle)
+    );
+}
+
+#[test]
+fn a_helper_runs_the_pools_jobs_until_the_pass_ends() {
+    const JOBS: usize = 10;
+    let shared = shared();
+    let ran = AtomicUsize::new(0);
+    // One thread: the jobs wait in its own queue until the helper polls.
+    let leave = pool(1).install(|| {
+        rayon::scope(|s| {
+            for _ in 0..JOBS {
+                s.spawn(|_| {
+                    if ran.fetch_add(1, Ordering::AcqRel) + 1 == JOBS {
+                        shared.ended.store(true, Ordering::Release);
+                    }
+                });
+            }
+            help(&shared)
+        })
+    });
+    assert_eq!(leave, Leave::PassEnded);
+    assert_eq!(ran.load(Ordering::Acquire), JOBS);
+    assert_eq!(
+        shared.present.load(Ordering::Acquire),
+        0,
+        "a helper that left is not present"
+    );
+}
+
+#[test]
+fn a_thread_leading_a_pass_declines_to_help() {
+    // Were it to help, the pass below it on this thread's stack would wait
+    // until the other pass ended.
+    let other = shared();
+    let leave = pool(2).install(|| kept_awake(|_| help(&other)));
+    assert_eq!(leave, Leave::Declined);
+    assert_eq!(other.present.load(Ordering::Acquire), 0);
+}
+
+#[test]
+fn outside_the_pool_a_pass_runs_without_helpers() {
+    assert!(rayon::current_thread_index().is_none());
+    let sum = kept_awake(|awake| {
+        assert_eq!(awake.shared.wanted, 0);
+        awake.rearm();
+        (0..1000u64).into_par_iter().sum::<u64>()
+    });
+    assert_eq!(sum, 999 * 1000 / 2);
+}
+
+/// A pass of many short regions with serial gaps between them, as a decode
+/// step is; the sum of every region's results.
+fn regions(awake: &Awake<'_, '_>, regions: usize, gap: Duration) -> u64 {
+    let mut total = 0;
+    for region in 0..regions as u64 {
+        total = (0..64u64)
+            .into_par_iter()
+            .map(|i| (0..2_000u64).fold(region + i, |a, b| a.wrapping_mul(31).wrapping_add(b)))
+            .fold(|| 0u64, |a, b| a.wrapping_add(b))
+            .reduce(|| 0, |a, b| a.wrapping_add(b))
+            .wrapping_add(total);
+        let until = Instant::now() + gap;
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+        awake.rearm();
+    }
+    total
+}
+
+fn regions_alone(count: usize) -> u64 {
+    (0..count as u64)
+        .map(|region| {
+            (0..64u64)
+                .map(|i| (0..2_000u64).fold(region + i, |a, b| a.wrapping_mul(31).wrapping_add(b)))
+                .fold(0u64, |a, b| a.wrapping_add(b))
+        })
+        .fold(0, |a, b| a.wrapping_add(b))
+}
+
+#[test]
+fn passes_on_both_workers_at_once_both_finish_with_their_results() {
+    // The default mode's shape: a prefill pass and a decode pass entering
+    // the pool from two threads at once, each sending a helper that may
+    // land on the thread leading the other.
+    let pool = pool(2);
+    let expected = regions_alone(300);
+    std::thread::scope(|s| {
+        let runs: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    pool.install(|| {
+                        kept_awake(|awake| regions(awake, 300, Duration::from_micros(20)))
+                    })
+                })
+            })
+            .collect();
+        for run in runs {
+            assert_eq!(run.join().expect("a pass returns"), expected);
+        }
+    });
+}
+
+#[test]
+fn a_panicking_pass_panics_to_its_caller_and_leaves_the_pool_working() {
+    let pool = pool(2);
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        pool.install(|| {
+            kept_awake(|awake| {
+                regions(awake, 3, Duration::ZERO);
+                panic!("a kernel's invariant broke");
+            })
+        })
+    }));
+    assert!(caught.is_err());
+    assert_eq!(
+        pool.install(|| kept_awake(|awake| regions(awake, 20, Duration::ZERO))),
+        regions_alone(20)
+    );
+}
+
+/// Voluntary context switches of each of `pool`'s threads so far (a thread
+/// that blocks — rayon's sleep — switches voluntarily).
+#[cfg(target_os = "linux")]
+fn voluntary_switches(pool: &rayon::ThreadPool) -> Vec<u64> {
+    pool.broadcast(|_| {
+        let status = std::fs::read_to_string("/proc/thread-self/status").expect("procfs");
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("voluntary_ctxt_switches:"))
+            .expect("the status names voluntary switches")
+            .trim()
+            .parse::<u64>()
+            .expect("a count")
+    })
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn through_a_pass_the_other_worker_does_not_sleep_between_regions() {
+    const REGIONS: usize = 200;
+    // A gap long enough for an idle rayon worker to fall asleep, short
+    // against a helper's linger.
+    let gap = Duration::from_micros(300);
+    assert!(gap * 3 < LINGER);
+    let pool = pool(2);
+    // Switches of the thread that did not lead the pass.
+    let other_slept = |run: &(dyn Fn() -> (usize, u64) + Sync)| {
+        let before = voluntary_switches(&pool);
+        let (lead, total) = pool.install(run);
+        assert_eq!(total, regions_alone(REGIONS));
+        let after = voluntary_switches(&pool);
+        after[1 - lead] - before[1 - lead]
+    };
+    let lead = || rayon::current_thread_index().expect("installed in the pool");
+    let with_helpers = other_slept(&|| (lead(), kept_awake(|awake| regions(awake, REGIONS, gap))));
+    let plain = other_slept(&|| {
+        let shared = Shared {
+            ended: AtomicBool::new(true),
+            present: AtomicUsize::new(0),
+            wanted: 0,
+        };
+        rayon::scope(|scope| {
+            let alone = Awake {
+                scope,
+                shared: &shared,
+            };
+            (lead(), regions(&alone, REGIONS, gap))
+        })
+    });
+    // Each region of the plain pass wakes the sleeping worker; a helper
+    // sleeps only if it left (a lead preempted past the linger) and was
+    // sent again.
+    assert!(
+        with_helpers * 4 < plain,
+        "the other worker slept {with_helpers} times with a helper, {plain} times without"
+    );
+}
