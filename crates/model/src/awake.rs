@@ -14,7 +14,8 @@
 //! — so results keep their bits and a region never depends on a helper
 //! being there. A helper is a guest and leaves:
 //!
-//! - when the pass ends (at once, even if the pass panics);
+//! - when the pass ends (at once, even if the pass panics; the pass never
+//!   waits for its helpers to go);
 //! - when its thread leads a pass of its own (it declines at once: helping
 //!   would stall that pass, which sits below it on the thread's stack,
 //!   until this one ends — in the default mode a decode step would wait
@@ -28,6 +29,7 @@
 //! loads.
 
 use std::cell::Cell;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -110,32 +112,31 @@ struct Shared {
     wanted: usize,
 }
 
-/// A pass's handle on its helpers.
-pub(crate) struct Awake<'a, 'scope> {
-    scope: &'a rayon::Scope<'scope>,
-    shared: &'scope Shared,
+/// A pass's handle on its helpers. Helpers are detached jobs holding their
+/// own reference: the pass never waits for one (a helper whose thread the
+/// OS has just preempted would otherwise hold the pass's end until it runs
+/// again). Dropping the handle — however the pass leaves, a panic
+/// included — tells them to go.
+pub(crate) struct Awake {
+    shared: Arc<Shared>,
 }
 
-impl Awake<'_, '_> {
+impl Awake {
     /// Sends a helper for each one that left since the last call.
     pub(crate) fn rearm(&self) {
         while self.shared.present.load(Ordering::Acquire) < self.shared.wanted {
             self.shared.present.fetch_add(1, Ordering::AcqRel);
-            let shared = self.shared;
-            self.scope.spawn(move |_| {
-                help(shared);
+            let shared = Arc::clone(&self.shared);
+            rayon::spawn(move || {
+                help(&shared);
             });
         }
     }
 }
 
-/// Sets `ended` however the pass leaves, a panic included, so that its
-/// helpers go at once instead of lingering.
-struct EndOnDrop<'a>(&'a Shared);
-
-impl Drop for EndOnDrop<'_> {
+impl Drop for Awake {
     fn drop(&mut self) {
-        self.0.ended.store(true, Ordering::Release);
+        self.shared.ended.store(true, Ordering::Release);
     }
 }
 
@@ -160,26 +161,21 @@ impl Drop for Leading {
 /// Runs `pass` on this thread with the pool's other workers kept awake
 /// (see the module docs). Call from a thread of the pool; elsewhere, or in
 /// a pool of one thread, `pass` runs with no helpers.
-pub(crate) fn kept_awake<R: Send>(pass: impl FnOnce(&Awake<'_, '_>) -> R + Send) -> R {
-    let shared = Shared {
-        ended: AtomicBool::new(false),
-        present: AtomicUsize::new(0),
-        wanted: if rayon::current_thread_index().is_some() {
-            rayon::current_num_threads() - 1
-        } else {
-            0
-        },
+pub(crate) fn kept_awake<R>(pass: impl FnOnce(&Awake) -> R) -> R {
+    let awake = Awake {
+        shared: Arc::new(Shared {
+            ended: AtomicBool::new(false),
+            present: AtomicUsize::new(0),
+            wanted: if rayon::current_thread_index().is_some() {
+                rayon::current_num_threads() - 1
+            } else {
+                0
+            },
+        }),
     };
-    rayon::scope(|scope| {
-        let _ended = EndOnDrop(&shared);
-        let _leading = Leading::start();
-        let awake = Awake {
-            scope,
-            shared: &shared,
-        };
-        awake.rearm();
-        pass(&awake)
-    })
+    let _leading = Leading::start();
+    awake.rearm();
+    pass(&awake)
 }
 
 /// One helper's stay: polls the pool until it must leave.

@@ -1,3 +1,4 @@
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -97,7 +98,7 @@ fn outside_the_pool_a_pass_runs_without_helpers() {
 
 /// A pass of many short regions with serial gaps between them, as a decode
 /// step is; the sum of every region's results.
-fn regions(awake: &Awake<'_, '_>, regions: usize, gap: Duration) -> u64 {
+fn regions(awake: &Awake, regions: usize, gap: Duration) -> u64 {
     let mut total = 0;
     for region in 0..regions as u64 {
         total = (0..64u64)
@@ -164,4 +165,39 @@ fn a_panicking_pass_panics_to_its_caller_and_leaves_the_pool_working() {
         pool.install(|| kept_awake(|awake| regions(awake, 20, Duration::ZERO))),
         regions_alone(20)
     );
+}
+
+#[test]
+fn a_pass_ends_without_waiting_for_its_helpers() {
+    // The helper on the other worker picks up a job that blocks until a
+    // thread releases it a second later; the pass must return before that
+    // (a helper's thread preempted by the OS is the same case, shorter).
+    let released = Arc::new(AtomicBool::new(false));
+    let (release, blocked) = std::sync::mpsc::channel::<()>();
+    let started = Arc::new(AtomicBool::new(false));
+    let releaser = {
+        let released = Arc::clone(&released);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(1));
+            released.store(true, Ordering::Release);
+            let _ = release.send(());
+        })
+    };
+    let returned_before_release = pool(2).install(|| {
+        let value = kept_awake(|_| {
+            let job_started = Arc::clone(&started);
+            rayon::spawn(move || {
+                job_started.store(true, Ordering::Release);
+                let _ = blocked.recv();
+            });
+            while !started.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+            }
+            7
+        });
+        assert_eq!(value, 7);
+        !released.load(Ordering::Acquire)
+    });
+    releaser.join().expect("the releaser ends");
+    assert!(returned_before_release);
 }
