@@ -582,6 +582,10 @@ fn tile_rows<const M: usize, W: Source>(
         *row = &x[r * k..(r + 1) * k];
     }
     let x = rows_x;
+    // The tiles' widened block parameters, made once here: made (and so
+    // zeroed) in every tile, they cost a sixth of a one-row matmul at
+    // SmolLM2's widths.
+    let mut widened = [Widened::EMPTY; 4];
     let mut c = 0;
     // Few activation rows leave registers for four weight rows at a time
     // (more independent work per loaded activation block).
@@ -594,18 +598,28 @@ fn tile_rows<const M: usize, W: Source>(
                 rows.skip(c + 2, blocks),
                 rows.skip(c + 3, blocks),
             ];
-            store(&tile_with::<M, 4, W>(isa, x, quad), c, stride, out);
+            store(
+                &tile_with::<M, 4, W>(isa, x, quad, &mut widened),
+                c,
+                stride,
+                out,
+            );
             c += 4;
         }
     }
     while widest >= 2 && c + 2 <= count {
         let pair = [rows.skip(c, blocks), rows.skip(c + 1, blocks)];
-        store(&tile_with::<M, 2, W>(isa, x, pair), c, stride, out);
+        store(
+            &tile_with::<M, 2, W>(isa, x, pair, &mut widened),
+            c,
+            stride,
+            out,
+        );
         c += 2;
     }
     while c < count {
         store(
-            &tile_with::<M, 1, W>(isa, x, [rows.skip(c, blocks)]),
+            &tile_with::<M, 1, W>(isa, x, [rows.skip(c, blocks)], &mut widened),
             c,
             stride,
             out,
@@ -632,13 +646,17 @@ fn tile_with<const M: usize, const R: usize, W: Source>(
     isa: Isa,
     x: [&[f32]; M],
     w: [W; R],
+    widened: &mut [Widened],
 ) -> [[f32; R]; M] {
     match isa {
-        Isa::Portable => tile::<M, R, W>(x, w),
+        Isa::Portable => {
+            let _ = widened;
+            tile::<M, R, W>(x, w)
+        }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2(cpu) => avx2::tile::<M, R, W>(cpu, x, w),
+        Isa::Avx2(cpu) => avx2::tile::<M, R, W>(cpu, x, w, widened),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512(cpu) => avx512::tile::<M, R, W>(cpu, x, w),
+        Isa::Avx512(cpu) => avx512::tile::<M, R, W>(cpu, x, w, widened),
     }
 }
 

@@ -249,9 +249,9 @@ unsafe fn broadcast<S: Scale>(scale: S) -> __m256 {
 }
 
 /// `halves[b..b + n]`, f16 bits ([`Scale::HALF`]), widened exactly into
-/// `into[..n]` by F16C: sixteen by two conversions, a shorter run (a row's
-/// last blocks) one by one — no call, which would spill the tile's
-/// accumulators. Asks for the parameters `ahead` blocks on, as the tiles
+/// `into[..n]` by F16C, sixteen by two conversions; a shorter run (a row's
+/// last blocks) too where the slice holds sixteen from `b`, else one by
+/// one — no call, which would spill the tile's accumulators. Asks for the parameters `ahead` blocks on, as the tiles
 /// ask for the quants: waiting on them here, at the head of each group,
 /// was a stall per group. Through [`Block256::widen`] the AVX-512 tiles
 /// use it too.
@@ -273,10 +273,15 @@ unsafe fn widen_halves<S: Scale>(
     let at = halves.as_ptr().wrapping_add(b + ahead);
     // A hint: an address past the end is never read.
     _mm_prefetch::<_MM_HINT_T0>(at.cast());
-    if n == WIDENED_BLOCKS {
+    // A row's last blocks (fewer than sixteen) are widened sixteen at a
+    // time too where the slice goes on past them (the next rows'
+    // parameters: read, widened, never used), which every row but a
+    // matrix's last has. One by one they cost as much as the other sixteen
+    // blocks' arithmetic at SmolLM2's widths (eighteen blocks a row).
+    if n == WIDENED_BLOCKS || b + WIDENED_BLOCKS <= halves.len() {
         // SAFETY: sixteen f16s (two bytes each: `Half` is a transparent
-        // `u16`) from `b` are in bounds by the caller's guarantee; `into`
-        // holds sixteen floats.
+        // `u16`) from `b` are in bounds: by the caller's guarantee, or as
+        // just checked; `into` holds sixteen floats.
         unsafe {
             let bits: *const __m128i = halves.as_ptr().add(b).cast();
             _mm256_storeu_ps(into.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(bits)));
@@ -525,13 +530,16 @@ unsafe fn decode_rows_avx2<W: Block256>(rows: W, k: usize, out: &mut [f32]) {
 /// [`super::tile`]: `out[r][c] = x[r] · w[c]`, with four 8-lane
 /// accumulators per output. `M × R` should be at most 2 (see the module
 /// docs), or the accumulators leave the registers.
+/// `widened` is scratch for the rows' block parameters, at least `R` of
+/// them, made once by the caller for all its tiles.
 pub(crate) fn tile<const M: usize, const R: usize, W: Block256>(
     _cpu: Cpu,
     x: [&[f32]; M],
     w: [W; R],
+    widened: &mut [Widened],
 ) -> [[f32; R]; M] {
     // SAFETY: a `Cpu` exists only where AVX2, FMA and F16C were detected.
-    unsafe { tile_avx2(x, w) }
+    unsafe { tile_avx2(x, w, widened) }
 }
 
 #[inline]
@@ -539,11 +547,12 @@ pub(crate) fn tile<const M: usize, const R: usize, W: Block256>(
 unsafe fn tile_avx2<const M: usize, const R: usize, W: Block256>(
     x: [&[f32]; M],
     w: [W; R],
+    widened: &mut [Widened],
 ) -> [[f32; R]; M] {
     let blocks = super::tile_blocks(x, w);
     let zero = _mm256_setzero_ps();
     let mut acc = [[[zero; 4]; R]; M];
-    let mut widened = [Widened::EMPTY; R];
+    let widened = &mut widened[..R];
     let mut first = 0;
     while first < blocks {
         let n = WIDENED_BLOCKS.min(blocks - first);
@@ -554,7 +563,7 @@ unsafe fn tile_avx2<const M: usize, const R: usize, W: Block256>(
         }
         for i in 0..n {
             let b = first + i;
-            for (c, (row, widened)) in w.into_iter().zip(&widened).enumerate() {
+            for (c, (row, widened)) in w.into_iter().zip(widened.iter()).enumerate() {
                 row.prefetch(b, PREFETCH_BYTES);
                 // SAFETY: as above, `blocks > b`; `widened` holds this
                 // group's parameters, `i < n`.

@@ -375,13 +375,16 @@ unsafe fn decode_rows_avx512<W: Block512>(rows: W, k: usize, out: &mut [f32]) {
 /// [`super::tile`]: `out[r][c] = x[r] · w[c]`, with two 16-lane
 /// accumulators per output so the decoded block and the activation block
 /// stay in registers across the whole tile.
+/// `widened` is scratch for the rows' block parameters, at least `R` of
+/// them, made once by the caller for all its tiles.
 pub(crate) fn tile<const M: usize, const R: usize, W: Block512>(
     _cpu: Cpu,
     x: [&[f32]; M],
     w: [W; R],
+    widened: &mut [Widened],
 ) -> [[f32; R]; M] {
     // SAFETY: a `Cpu` exists only where AVX-512F was detected.
-    unsafe { tile_avx512(x, w) }
+    unsafe { tile_avx512(x, w, widened) }
 }
 
 #[inline]
@@ -389,11 +392,12 @@ pub(crate) fn tile<const M: usize, const R: usize, W: Block512>(
 unsafe fn tile_avx512<const M: usize, const R: usize, W: Block512>(
     x: [&[f32]; M],
     w: [W; R],
+    widened: &mut [Widened],
 ) -> [[f32; R]; M] {
     let blocks = super::tile_blocks(x, w);
     let zero = _mm512_setzero_ps();
     let mut acc = [[[zero; 2]; R]; M];
-    let mut widened = [Widened::EMPTY; R];
+    let widened = &mut widened[..R];
     let mut first = 0;
     while first < blocks {
         let n = WIDENED_BLOCKS.min(blocks - first);
@@ -406,7 +410,7 @@ unsafe fn tile_avx512<const M: usize, const R: usize, W: Block512>(
         for i in 0..n {
             let b = first + i;
             let mut values = [[zero; 2]; R];
-            for ((v, row), widened) in values.iter_mut().zip(w).zip(&widened) {
+            for ((v, row), widened) in values.iter_mut().zip(w).zip(widened.iter()) {
                 row.prefetch(b, PREFETCH_BYTES);
                 // SAFETY: as above, `blocks > b`; `widened` holds this
                 // group's parameters, `i < n`.
