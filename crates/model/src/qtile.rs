@@ -582,9 +582,9 @@ fn tile_rows<const M: usize, W: Source>(
         *row = &x[r * k..(r + 1) * k];
     }
     let x = rows_x;
-    // The tiles' widened block parameters, made once here: made (and so
-    // zeroed) in every tile, they cost a sixth of a one-row matmul at
-    // SmolLM2's widths.
+    // The AVX-512 tiles' widened block parameters, made once here: made
+    // (and so zeroed) in every tile, they cost a sixth of a one-row matmul
+    // at SmolLM2's widths.
     let mut widened = [Widened::EMPTY; 4];
     let mut c = 0;
     // Few activation rows leave registers for four weight rows at a time
@@ -654,7 +654,10 @@ fn tile_with<const M: usize, const R: usize, W: Source>(
             tile::<M, R, W>(x, w)
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2(cpu) => avx2::tile::<M, R, W>(cpu, x, w, widened),
+        Isa::Avx2(cpu) => {
+            let _ = widened;
+            avx2::tile::<M, R, W>(cpu, x, w)
+        }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512(cpu) => avx512::tile::<M, R, W>(cpu, x, w, widened),
     }
