@@ -44,6 +44,7 @@ fn bench(c: &mut Criterion) {
         let w = matrix(format, rows, k);
         let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut out = vec![0.0; rows];
+        // Throughput in 32-weight blocks (of one row each) a second.
         group.throughput(Throughput::Elements((rows * k / 32) as u64));
         group.bench_function(format!("{format:?} {rows}x{k} ({what})"), |b| {
             one_thread.install(|| b.iter(|| w.matmul(black_box(&x), 1, &mut out)));

@@ -497,7 +497,7 @@ impl Model {
     /// of every matmul waking the pool and putting the caller to sleep
     /// (measured on SmolLM2 decode at one sequence: +15 % tokens/s), and
     /// the pool's other workers poll for its jobs through the pass instead
-    /// of sleeping between them (`awake`; −12 % per step there).
+    /// of sleeping between them (`awake`; −11 % per step on an Intel Xeon).
     pub fn forward(&self, batch: &mut [Sequence<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         self.forward_each(batch).into_iter().collect()
     }
