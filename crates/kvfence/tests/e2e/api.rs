@@ -38,6 +38,9 @@ fn chunks(data: &[String]) -> Vec<Value> {
 async fn no_field_is_dropped_in_silence() {
     let server = Server::start(&[]);
     let url = server.url("/v1/chat/completions");
+    // What Pydantic writes for a `SecretStr` argument.
+    let secret_key =
+        json!({"type": "object", "properties": {"key": {"type": "string", "format": "password"}}});
     for (patch, param) in [
         (json!({"frobnicate": true}), "frobnicate"),
         (json!({"functions": [{"name": "f"}]}), "functions"),
@@ -53,6 +56,34 @@ async fn no_field_is_dropped_in_silence() {
         (
             json!({"response_format": {"type": "regex", "regex": "(unclosed"}}),
             "response_format",
+        ),
+        // A tool's schema that cannot constrain its arguments is refused by
+        // its tool whatever the choice (`auto` constrains nothing).
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}]}),
+            "tools[0].function.parameters",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+                   "tool_choice": "required"}),
+            "tools[0].function.parameters",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}},
+                             {"type": "function", "function": {"name": "g", "parameters": {"$ref": "#/nowhere"}}}],
+                   "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tools[1].function.parameters",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}}),
+            "response_format",
+        ),
+        // A keyword the compiler cannot enforce, where calls are held to it.
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": secret_key}}],
+                   "tool_choice": "required"}),
+            "tools[0].function.parameters",
         ),
         (json!({"logit_bias": {"999999": 5}}), "logit_bias"),
         (json!({"logit_bias": {"3": 150}}), "logit_bias"),
@@ -78,6 +109,10 @@ async fn no_field_is_dropped_in_silence() {
                "parallel_tool_calls": true, "seed": null, "stop": null, "n": null}),
     );
     let (status, body) = post(&url, None, accepted).await;
+    assert_eq!(status, 200, "{body}");
+    // Under `auto` such a schema only describes its function: served.
+    let described = json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": secret_key}}]});
+    let (status, body) = post(&url, None, with(chat("hi", 2), described)).await;
     assert_eq!(status, 200, "{body}");
     assert!(
         body["system_fingerprint"]

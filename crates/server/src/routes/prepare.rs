@@ -146,9 +146,21 @@ pub(super) fn prepare(
             ),
         ));
     }
+    let format = params.grammar()?;
+    if let Some(tools) = &tools {
+        let constrained = tools.calls_only() || format.is_some();
+        tools.check_schemas(state.grammars()?, constrained)?;
+    }
+    // What a grammar that cannot be used is blamed on: each tool's schema
+    // passed above, so a call-only grammar fails on the tools as a whole
+    // (past the limits), any other on the format.
+    let constraint_param = match &tools {
+        Some(tools) if tools.calls_only() => "tools",
+        _ => "response_format",
+    };
     let constraint = match &tools {
-        Some(tools) => tools.grammar(params.grammar()?)?,
-        None => params.grammar()?,
+        Some(tools) => tools.grammar(format)?,
+        None => format,
     };
     // Compiled here, once per request, on this blocking thread: a bad
     // grammar — or one past the compiler's limits at its first mask — is a
@@ -158,10 +170,7 @@ pub(super) fn prepare(
     let constraint = match constraint {
         Some(grammar) => {
             let cannot = |e: kvfence_model::ModelError| {
-                ApiError::invalid(
-                    "response_format",
-                    format!("the grammar cannot be used: {e}"),
-                )
+                ApiError::invalid(constraint_param, format!("the grammar cannot be used: {e}"))
             };
             let mut start = state.grammars()?.compile(&grammar).map_err(cannot)?;
             start.mask().map_err(cannot)?;
