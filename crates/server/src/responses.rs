@@ -466,7 +466,7 @@ fn response_format(format: &Value) -> Result<Value, ApiError> {
 /// An error about the chat request named as the Responses request's field.
 pub fn rename_param(mut error: ApiError) -> ApiError {
     if let Some(param) = &error.param {
-        let renamed = if param.starts_with("max_") {
+        let renamed = if param == "max_tokens" || param == "max_completion_tokens" {
             "max_output_tokens".to_string()
         } else if param.starts_with("messages") {
             "input".to_string()
@@ -816,5 +816,15 @@ mod tests {
         assert_eq!(error.param.as_deref(), Some("input"));
         let renamed = rename_param(ApiError::invalid("tools[0].function.name", "x"));
         assert_eq!(renamed.param.as_deref(), Some("tools[0].name"));
+        // Only the chat request's token limits become `max_output_tokens`;
+        // a refused field of the Responses request keeps its own name.
+        for (chat, responses) in [
+            ("max_tokens", "max_output_tokens"),
+            ("max_completion_tokens", "max_output_tokens"),
+            ("max_tool_calls", "max_tool_calls"),
+        ] {
+            let renamed = rename_param(ApiError::invalid(chat, "x"));
+            assert_eq!(renamed.param.as_deref(), Some(responses), "{chat}");
+        }
     }
 }
