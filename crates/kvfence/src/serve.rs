@@ -36,9 +36,10 @@ pub(crate) struct ServeArgs {
     /// Transport between the prefill and decode workers: channels, one-sided
     /// shared-memory windows, or a loopback TCP link inside mutually
     /// authenticated TLS 1.3 (with credentials made at start-up, since both
-    /// ends live in this process).
-    #[arg(long, value_enum, default_value_t = Handoff::Inproc)]
-    handoff: Handoff,
+    /// ends live in this process). Default: inproc; with --mode colocated
+    /// there is no hand-off, and naming one is refused.
+    #[arg(long, value_enum)]
+    handoff: Option<Handoff>,
     /// KV cache for the decode (or colocated) worker: the memory this many
     /// tokens of the model's KV take, rounded up to whole pages. A model
     /// with sliding-window layers (Gemma 3) keeps only their windows
@@ -234,6 +235,11 @@ impl EngineArgs {
                 && self.shared_step_tokens > 0
                 && self.page_size > 0,
             "--max-running, --step-tokens, --shared-step-tokens and --page-size must be positive"
+        );
+        anyhow::ensure!(
+            self.handoff_timeout_ms > 0,
+            "--handoff-timeout-ms must be positive: at 0 every hand-off is aborted before its \
+             first chunk"
         );
         Ok(EngineConfig {
             max_running: self.max_running,
@@ -572,7 +578,33 @@ pub(crate) fn load_model(name: &str) -> anyhow::Result<Arc<LoadedModel>> {
     Ok(model)
 }
 
+impl ServeArgs {
+    /// The hand-off between the workers (disaggregated mode).
+    fn handoff(&self) -> Handoff {
+        self.handoff.unwrap_or(Handoff::Inproc)
+    }
+
+    /// Refuses, before any model is fetched, settings the chosen mode has
+    /// no use for: served in silence, they would look as if they did
+    /// something.
+    fn check_mode(&self) -> anyhow::Result<()> {
+        if self.mode == Mode::Colocated {
+            anyhow::ensure!(
+                self.handoff.is_none(),
+                "--handoff is for --mode disaggregated: a colocated worker hands no KV off"
+            );
+            anyhow::ensure!(
+                self.prefill_pool_tokens.is_none(),
+                "--prefill-pool-tokens is for --mode disaggregated: a colocated worker has one \
+                 pool (--kv-pool-tokens)"
+            );
+        }
+        Ok(())
+    }
+}
+
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
+    args.check_mode()?;
     kvfence_server::init_logging();
     let _traces = args.traces.export("serve")?;
     let tenants = tenants(&args.http)?;
@@ -602,7 +634,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let keep = args
         .engine
-        .kv_keep(args.mode == Mode::Disaggregated && args.handoff == Handoff::Shm)?;
+        .kv_keep(args.mode == Mode::Disaggregated && args.handoff() == Handoff::Shm)?;
     let min = args.public.min_tokens;
     let engine = match args.mode {
         Mode::Colocated => Engine::start(
@@ -618,7 +650,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
                 keep,
             )?;
             let decode = args.engine.pool(&model, args.kv_pool_tokens, min, keep)?;
-            let transport = match args.handoff {
+            let transport = match args.handoff() {
                 Handoff::Inproc => Transport::InProcess,
                 Handoff::Shm => Transport::SharedMemory,
                 Handoff::Tcp => TlsLoopback::transport(),
@@ -627,7 +659,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .context("connecting the prefill and decode workers")?
         }
     };
-    info!(mode = ?args.mode, handoff = ?args.handoff, "workers started");
+    info!(mode = ?args.mode, handoff = ?args.handoff(), "workers started");
     for path in &args.public.files {
         cache_public_system_prompt(&engine, path, &args.engine)?;
     }
@@ -728,6 +760,10 @@ pub(crate) fn serve_http(
                 .expect("the default metrics address parses"),
         ),
     };
+    anyhow::ensure!(
+        http.default_max_tokens > 0,
+        "--default-max-tokens must be positive: every request without max_tokens would be refused"
+    );
     let limits = http.limits()?;
     raise_open_files(limits.sockets());
     let options = ApiOptions {

@@ -508,6 +508,40 @@ fn local_mode_refuses_to_listen_beyond_loopback() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("without --config"));
 }
 
+/// Settings that would make every request fail, or that the chosen mode
+/// has no use for, stop start-up with a message naming them rather than
+/// being served (or ignored) in silence.
+#[test]
+fn settings_that_would_fail_every_request_or_do_nothing_stop_start_up() {
+    for (args, says) in [
+        (
+            &["--handoff-timeout-ms", "0"][..],
+            "--handoff-timeout-ms must be positive",
+        ),
+        (
+            &["--default-max-tokens", "0"],
+            "--default-max-tokens must be positive",
+        ),
+        (
+            &["--mode", "colocated", "--handoff", "tcp"],
+            "--handoff is for --mode disaggregated",
+        ),
+        (
+            &["--mode", "colocated", "--prefill-pool-tokens", "4096"],
+            "--prefill-pool-tokens is for --mode disaggregated",
+        ),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+            .args(["serve", "--model", "builtin:tiny", "--port", "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn i6_a_max_context_beyond_the_pool_stops_start_up_unless_clamped() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
