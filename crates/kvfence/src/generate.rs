@@ -10,8 +10,8 @@ use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId};
 
 #[derive(Args, Debug)]
 pub(crate) struct GenerateArgs {
-    /// smollm2 (fetched on first use), a .gguf file, a Hugging Face model
-    /// directory, builtin:tiny or builtin:small.
+    /// smollm2 or gemma3-270m (fetched on first use), a .gguf file, a
+    /// Hugging Face model directory, builtin:tiny or builtin:small.
     #[arg(long, default_value = "smollm2")]
     model: String,
     /// The prompt.
@@ -35,6 +35,7 @@ pub(crate) struct GenerateArgs {
 }
 
 pub(crate) fn run(args: &GenerateArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
     let loaded = crate::serve::load_model(&args.model)?;
     let text = match (&loaded.chat_template, args.raw) {
         (Some(template), false) => template.render(

@@ -104,7 +104,7 @@ pub enum ModelError {
     },
     /// A model name that is neither `builtin:...` nor a directory.
     #[error(
-        "unknown model {name:?}: use smollm2, builtin:tiny, builtin:small, a Hugging Face model directory or a .gguf file"
+        "unknown model {name:?}: use smollm2, gemma3-270m, builtin:tiny, builtin:small, a Hugging Face model directory or a .gguf file"
     )]
     UnknownModel {
         /// The name given.

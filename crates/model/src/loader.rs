@@ -123,10 +123,12 @@ fn load_known<T>(
     Ok(loaded)
 }
 
+/// Whether `path` names a GGUF file, by its extension: one that is not
+/// there is then an error opening it (naming the path), not an unknown
+/// model name.
 fn is_gguf(path: &Path) -> bool {
     path.extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-        && path.is_file()
 }
 
 fn gguf_name(path: &Path) -> String {

@@ -171,6 +171,21 @@ fn a_corrupt_weights_file_and_an_unknown_model_name_are_clear_errors() {
         LoadedModel::load("builtin:huge"),
         Err(ModelError::UnknownModel { .. })
     ));
+    // The names it suggests are every name it takes.
+    let msg = LoadedModel::load("builtin:huge").unwrap_err().to_string();
+    assert!(
+        msg.contains("gemma3-270m") && msg.contains("smollm2"),
+        "{msg}"
+    );
+    // A .gguf path that is not there is a missing file, not an unknown name.
+    let missing = dir.path().join("gone.gguf");
+    let msg = LoadedModel::load(missing.to_str().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("gone.gguf") && !msg.contains("unknown model"),
+        "{msg}"
+    );
 }
 
 /// What a router loads: name, shape, tokenizer and template, never the

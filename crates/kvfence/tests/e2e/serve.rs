@@ -542,6 +542,34 @@ fn settings_that_would_fail_every_request_or_do_nothing_stop_start_up() {
     }
 }
 
+#[test]
+fn generate_runs_one_prompt_and_refuses_what_it_cannot_do() {
+    let generate = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+            .args(["generate", "--prompt", "hi"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = generate(&["--model", "builtin:tiny", "--max-tokens", "3"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("tokens generated"), "{stderr}");
+    for (args, says) in [
+        (
+            &["--model", "builtin:tiny", "--max-tokens", "0"][..],
+            "--max-tokens must be at least 1",
+        ),
+        (&["--model", "/nonexistent/gone.gguf"], "gone.gguf"),
+    ] {
+        let out = generate(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} ran");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!stderr.contains("unknown model"), "{args:?}: {stderr}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn i6_a_max_context_beyond_the_pool_stops_start_up_unless_clamped() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
