@@ -33,6 +33,16 @@ pub enum PoolSize {
     Tokens(usize),
 }
 
+impl std::fmt::Display for PoolSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PoolSize::Pages(n) => write!(f, "{n} pages"),
+            PoolSize::Bytes(n) => write!(f, "{n} bytes"),
+            PoolSize::Tokens(n) => write!(f, "{n} tokens"),
+        }
+    }
+}
+
 /// What happens to a page's contents when it returns to `Free`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scrub {
@@ -270,7 +280,7 @@ impl PoolSpec {
         };
         if num_pages == 0 {
             return Err(invalid(format!(
-                "{:?} leaves room for no page of {page_bytes} bytes ({} tokens)",
+                "a pool of {} leaves room for no page of {page_bytes} bytes ({} tokens)",
                 self.size, self.page_size
             )));
         }
@@ -453,6 +463,31 @@ mod tests {
     /// `KVFENCE_HARSH_POOLS=1`, where the defaults must really change — in
     /// debug builds. A release build keeps its own defaults (no scrub,
     /// oldest first) and ignores the variable.
+    /// A size that leaves room for no page says so in the operator's words.
+    #[test]
+    fn a_size_with_room_for_no_page_is_named_in_units() {
+        let shape = KvShape {
+            layers: 2,
+            kv_heads: 1,
+            head_dim: 4,
+        };
+        for (size, says) in [
+            (PoolSize::Tokens(0), "0 tokens"),
+            (PoolSize::Bytes(10), "10 bytes"),
+            (PoolSize::Pages(0), "0 pages"),
+        ] {
+            let error = PoolSpec::new(shape, 16, ElemType::F32, size)
+                .geometry()
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(says), "{error}");
+            assert!(
+                !error.contains("Tokens(") && !error.contains("Bytes("),
+                "{error}"
+            );
+        }
+    }
+
     #[test]
     fn the_harsh_pools_variable_switches_the_test_defaults() {
         let shape = KvShape {
