@@ -497,6 +497,10 @@ impl HttpArgs {
                 && self.body_timeout_ms > 0,
             "--max-connections, --max-unauthenticated-connections(-per-address), --header-timeout-ms and --body-timeout-ms must be positive"
         );
+        anyhow::ensure!(
+            self.max_body_bytes > 0,
+            "--max-body-bytes must be positive: every request with a body would be refused"
+        );
         Ok(kvfence_server::ConnectionLimits {
             max_connections: self.max_connections,
             max_strangers: self.max_unauthenticated_connections,
@@ -723,6 +727,16 @@ pub(crate) fn serve_http(
     model: Arc<TextModel>,
     backend: Box<dyn Backend>,
 ) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        http.max_context.is_none_or(|n| n >= 2),
+        "--max-context must be at least 2: a prompt token and a completion token"
+    );
+    anyhow::ensure!(
+        http.served_model_name
+            .as_ref()
+            .is_none_or(|n| !n.is_empty()),
+        "--served-model-name must not be empty"
+    );
     let pools = backend.capacities();
     let capacity = Capacity::compute(
         model.config.max_position_embeddings,

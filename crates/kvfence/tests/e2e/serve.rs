@@ -530,6 +530,15 @@ fn settings_that_would_fail_every_request_or_do_nothing_stop_start_up() {
             &["--mode", "colocated", "--prefill-pool-tokens", "4096"],
             "--prefill-pool-tokens is for --mode disaggregated",
         ),
+        (
+            &["--max-body-bytes", "0"],
+            "--max-body-bytes must be positive",
+        ),
+        (&["--max-context", "1"], "--max-context must be at least 2"),
+        (
+            &["--served-model-name", ""],
+            "--served-model-name must not be empty",
+        ),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
             .args(["serve", "--model", "builtin:tiny", "--port", "0"])
