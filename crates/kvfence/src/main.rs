@@ -219,7 +219,6 @@ fn main() -> anyhow::Result<()> {
             tokens_per_minute,
             max_priority,
         }) => {
-            anyhow::ensure!(max_concurrent > 0, "--max-concurrent must be at least 1");
             let limits = kvfence_server::Limits {
                 max_concurrent,
                 max_tokens,
@@ -227,7 +226,7 @@ fn main() -> anyhow::Result<()> {
                 tokens_per_minute,
                 max_priority,
             };
-            let (key, lines) = kvfence_server::new_tenant(&name, &limits, weight);
+            let (key, lines) = kvfence_server::new_tenant(&name, &limits, weight)?;
             println!("API key for {name} (shown once; store it now):\n\n    {key}\n");
             println!("Add to the tenants file passed to `kvfence serve --config`:\n\n{lines}");
             Ok(())

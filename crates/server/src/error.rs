@@ -29,6 +29,15 @@ pub enum ServerError {
         /// What is wrong.
         reason: String,
     },
+    /// A tenant `kvfence tenant add` was asked for that no server would
+    /// admit.
+    #[error("tenant {name:?}: {reason}")]
+    TenantRefused {
+        /// The name asked for.
+        name: String,
+        /// Why a tenants file could not hold it.
+        reason: String,
+    },
     /// The configured context cannot be served by the real pools (I6).
     #[error(
         "--max-context {configured} exceeds what this server can hold: {limit} tokens ({why}); lower it or pass --clamp-context"

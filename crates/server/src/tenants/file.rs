@@ -82,6 +82,15 @@ pub(crate) struct TenantsFile {
     pub(crate) objectives: BTreeMap<String, i32>,
 }
 
+/// The longest tenant name, in characters.
+const MAX_NAME_CHARS: usize = 64;
+
+/// Whether `name` can name a tenant: not empty, not overlong, and nothing
+/// that would break the line of a log or the label of a metric.
+fn valid_name(name: &str) -> bool {
+    (1..=MAX_NAME_CHARS).contains(&name.chars().count()) && !name.chars().any(char::is_control)
+}
+
 fn parse_hex(text: &str) -> Option<[u8; 32]> {
     if text.len() != 64 {
         return None;
@@ -138,8 +147,19 @@ impl TenantsFile {
                 }
                 keys.push(digest);
             }
+            if !valid_name(&entry.name) {
+                return Err(format!(
+                    "a tenant name is 1 to {MAX_NAME_CHARS} characters, none of them a control \
+                     character (it appears in logs, metrics and traces)"
+                ));
+            }
             if entry.max_concurrent == 0 {
                 return Err(named("max_concurrent must be at least 1"));
+            }
+            if entry.max_tokens == Some(0) {
+                return Err(named(
+                    "max_tokens must be at least 1 (leave it out for no limit)",
+                ));
             }
             if !(1..=Share::MAX_WEIGHT).contains(&entry.weight) {
                 return Err(named(&format!(

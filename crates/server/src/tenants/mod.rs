@@ -384,8 +384,13 @@ pub fn new_key() -> (String, String) {
 }
 
 /// A new random API key and the tenants-file lines that admit it with
-/// `limits` and `weight` (limits left at their defaults are not written).
-pub fn new_tenant(name: &str, limits: &Limits, weight: u32) -> (String, String) {
+/// `limits` and `weight` (limits left at their defaults are not written);
+/// an error, saying why, where a server would refuse those lines.
+pub fn new_tenant(
+    name: &str,
+    limits: &Limits,
+    weight: u32,
+) -> Result<(String, String), ServerError> {
     let (key, hash) = new_key();
     let mut lines = format!(
         "[[tenants]]\nname = {}\nkey_sha256 = \"{hash}\"\nmax_concurrent = {}\n",
@@ -408,7 +413,12 @@ pub fn new_tenant(name: &str, limits: &Limits, weight: u32) -> (String, String) 
     if limits.max_priority != 0 {
         lines.push_str(&format!("max_priority = {}\n", limits.max_priority));
     }
-    (key, lines)
+    // Checked as the server will read them.
+    TenantsFile::parse(&lines).map_err(|reason| ServerError::TenantRefused {
+        name: name.to_string(),
+        reason,
+    })?;
+    Ok((key, lines))
 }
 
 fn toml_string(s: &str) -> String {
@@ -435,7 +445,7 @@ mod tests {
             max_priority: 3,
             ..limits(2, Some(100))
         };
-        let (key, lines) = new_tenant("acme \"corp\"", &written, 3);
+        let (key, lines) = new_tenant("acme \"corp\"", &written, 3).unwrap();
         let tenants = Tenants::from_toml(&lines, "t.toml").unwrap();
         let tenant = tenants
             .authenticate(Some(&format!("Bearer {key}")))
@@ -452,7 +462,7 @@ mod tests {
 
     #[test]
     fn the_concurrency_limit_counts_sequences_not_requests() {
-        let (key, lines) = new_tenant("a", &limits(4, None), 1);
+        let (key, lines) = new_tenant("a", &limits(4, None), 1).unwrap();
         let tenants = Tenants::from_toml(&lines, "t.toml").unwrap();
         let tenant = tenants
             .authenticate(Some(&format!("Bearer {key}")))
@@ -481,7 +491,7 @@ mod tests {
 
     #[test]
     fn weights_default_to_one_and_must_be_positive() {
-        let (key, lines) = new_tenant("a", &limits(1, None), 1);
+        let (key, lines) = new_tenant("a", &limits(1, None), 1).unwrap();
         assert!(!lines.contains("weight"), "the default is not written");
         let tenants = Tenants::from_toml(&lines, "t").unwrap();
         let tenant = tenants
@@ -572,7 +582,7 @@ mod tests {
 
     #[test]
     fn objectives_name_priorities_and_tenants_are_capped() {
-        let (key, lines) = new_tenant("a", &limits(1, None), 1);
+        let (key, lines) = new_tenant("a", &limits(1, None), 1).unwrap();
         let text = format!("[objectives]\nrealtime = 10\nbatch = -1\n\n{lines}max_priority = 5\n");
         let tenants = Tenants::from_toml(&text, "t").unwrap();
         assert_eq!(tenants.objective("batch").unwrap(), -1);
@@ -603,7 +613,7 @@ mod tests {
 
     #[test]
     fn the_bearer_scheme_is_case_insensitive() {
-        let (key, lines) = new_tenant("a", &limits(1, None), 1);
+        let (key, lines) = new_tenant("a", &limits(1, None), 1).unwrap();
         let tenants = Tenants::from_toml(&lines, "t").unwrap();
         for scheme in ["Bearer", "bearer", "BEARER"] {
             assert!(
@@ -616,7 +626,7 @@ mod tests {
 
     #[test]
     fn i9_missing_or_wrong_keys_are_refused() {
-        let (_, lines) = new_tenant("a", &limits(1, None), 1);
+        let (_, lines) = new_tenant("a", &limits(1, None), 1).unwrap();
         let tenants = Tenants::from_toml(&lines, "t.toml").unwrap();
         assert_eq!(tenants.authenticate(None).unwrap_err().status(), 401);
         assert_eq!(
@@ -645,8 +655,40 @@ mod tests {
             let err = Tenants::from_toml(text, "conf/t.toml").unwrap_err();
             assert!(err.to_string().contains("conf/t.toml"), "{err}");
         }
-        let (_, one) = new_tenant("a", &limits(1, None), 1);
+        let (_, one) = new_tenant("a", &limits(1, None), 1).unwrap();
         let twice = format!("{one}{one}");
         assert!(Tenants::from_toml(&twice, "t").is_err());
+        // Limits that would refuse every request, and a name no log line or
+        // metric could show, are errors of the file, not of each request.
+        let key = "0".repeat(64);
+        for (text, says) in [
+            (
+                format!("[[tenants]]\nname='a'\nkey_sha256='{key}'\nmax_tokens=0\n"),
+                "max_tokens must be at least 1",
+            ),
+            (
+                format!("[[tenants]]\nname=''\nkey_sha256='{key}'\n"),
+                "a tenant name is 1 to 64",
+            ),
+            (
+                format!("[[tenants]]\nname=\"a\\nb\"\nkey_sha256='{key}'\n"),
+                "a tenant name is 1 to 64",
+            ),
+        ] {
+            let err = Tenants::from_toml(&text, "t").unwrap_err().to_string();
+            assert!(err.contains(says), "{text}: {err}");
+        }
+        // `tenant add` never prints lines the server would refuse.
+        for (name, limits, weight) in [
+            ("", limits(1, None), 1),
+            ("a", limits(0, None), 1),
+            ("a", limits(1, Some(0)), 1),
+            ("a", limits(1, None), 0),
+        ] {
+            assert!(
+                new_tenant(name, &limits, weight).is_err(),
+                "{name:?} {limits:?} {weight}"
+            );
+        }
     }
 }
