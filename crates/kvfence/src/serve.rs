@@ -728,6 +728,10 @@ pub(crate) fn serve_http(
     backend: Box<dyn Backend>,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
+        http.default_max_tokens > 0,
+        "--default-max-tokens must be positive: every request without max_tokens would be refused"
+    );
+    anyhow::ensure!(
         http.max_context.is_none_or(|n| n >= 2),
         "--max-context must be at least 2: a prompt token and a completion token"
     );
@@ -774,10 +778,6 @@ pub(crate) fn serve_http(
                 .expect("the default metrics address parses"),
         ),
     };
-    anyhow::ensure!(
-        http.default_max_tokens > 0,
-        "--default-max-tokens must be positive: every request without max_tokens would be refused"
-    );
     let limits = http.limits()?;
     raise_open_files(limits.sockets());
     let options = ApiOptions {

@@ -459,10 +459,6 @@ impl Iterator for ChunkRuns {
 mod tests {
     use super::*;
 
-    /// Runs in both of CI's test passes: plain, and with
-    /// `KVFENCE_HARSH_POOLS=1`, where the defaults must really change — in
-    /// debug builds. A release build keeps its own defaults (no scrub,
-    /// oldest first) and ignores the variable.
     /// A size that leaves room for no page says so in the operator's words.
     #[test]
     fn a_size_with_room_for_no_page_is_named_in_units() {
@@ -488,6 +484,10 @@ mod tests {
         }
     }
 
+    /// Runs in both of CI's test passes: plain, and with
+    /// `KVFENCE_HARSH_POOLS=1`, where the defaults must really change — in
+    /// debug builds. A release build keeps its own defaults (no scrub,
+    /// oldest first) and ignores the variable.
     #[test]
     fn the_harsh_pools_variable_switches_the_test_defaults() {
         let shape = KvShape {
