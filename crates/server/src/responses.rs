@@ -242,6 +242,9 @@ fn input_items(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
                         _ => "msg",
                     };
                     fields.entry("id").or_insert_with(|| item_id(prefix).into());
+                    if prefix == "msg" {
+                        in_parts(fields);
+                    }
                 }
                 item
             })
@@ -252,6 +255,21 @@ fn input_items(object: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
             "input must be a string or a non-empty list of items",
         )),
     }
+}
+
+/// A message's text content as the one part OpenAI keeps it in (and
+/// lists it in, where clients index `content[0].text`): `output_text` for
+/// the assistant's, `input_text` for the others'. Parts stay as sent.
+fn in_parts(message: &mut Map<String, Value>) {
+    let Some(Value::String(text)) = message.get("content") else {
+        return;
+    };
+    let part = if message.get("role").and_then(Value::as_str) == Some("assistant") {
+        json!({ "type": "output_text", "text": text, "annotations": [] })
+    } else {
+        json!({ "type": "input_text", "text": text })
+    };
+    message.insert("content".into(), json!([part]));
 }
 
 /// The keys each kind of `input` item and content part may carry: what
@@ -705,6 +723,39 @@ mod tests {
         assert_eq!(messages[3]["role"], "tool");
         assert_eq!(chat["max_completion_tokens"], 9);
         assert_eq!(chat["response_format"]["type"], "json_schema");
+    }
+
+    /// Items are kept, listed and read back as OpenAI lists them: a
+    /// message's text content in parts (`input_text`, or `output_text` for
+    /// the assistant), which clients index (`content[0].text`).
+    #[test]
+    fn a_message_s_text_content_is_kept_in_parts() {
+        let items = conversation_items(&json!([
+            {"role": "user", "content": "hello"},
+            {"type": "message", "role": "assistant", "content": "hi there"},
+            {"role": "system", "content": [{"type": "input_text", "text": "as sent"}]},
+        ]))
+        .unwrap();
+        assert_eq!(
+            items[0]["content"],
+            json!([{"type": "input_text", "text": "hello"}])
+        );
+        assert_eq!(
+            items[1]["content"],
+            json!([{"type": "output_text", "text": "hi there", "annotations": []}])
+        );
+        assert_eq!(
+            items[2]["content"],
+            json!([{"type": "input_text", "text": "as sent"}])
+        );
+        // And they read as the same conversation.
+        let Translated { chat, input, .. } = to_chat(
+            &object(json!({"input": [{"role": "user", "content": "hello"}]})),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(chat["messages"][0]["content"], "hello");
+        assert_eq!(input[0]["content"][0]["text"], "hello");
     }
 
     #[test]

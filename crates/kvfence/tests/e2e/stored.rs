@@ -314,7 +314,9 @@ async fn conversations_hold_items_responses_join_and_other_tenants_never_see() {
     assert_eq!(status, 200, "{items}");
     let data = items["data"].as_array().unwrap();
     assert_eq!(data.len(), 3, "its item, the question, the answer: {items}");
-    assert_eq!(data[0]["content"], "my name is Zed");
+    // Text content comes back in parts, as OpenAI lists it.
+    assert_eq!(data[0]["content"][0]["text"], "my name is Zed");
+    assert_eq!(data[0]["content"][0]["type"], "input_text");
     assert_eq!(data[1]["content"][0]["text"], "what is my name?");
     assert_eq!(data[2]["id"], answer["output"][0]["id"]);
 
@@ -328,7 +330,10 @@ async fn conversations_hold_items_responses_join_and_other_tenants_never_see() {
     assert_eq!(status, 200, "{added}");
     let item_id = added["data"][0]["id"].as_str().unwrap().to_string();
     let (status, item) = call(&server, "GET", &format!("{path}/items/{item_id}"), &alpha).await;
-    assert_eq!((status, &item["content"]), (200, &json!("one more")));
+    assert_eq!(
+        (status, &item["content"][0]["text"]),
+        (200, &json!("one more"))
+    );
 
     // Another tenant: every path answers as for a conversation never made.
     let made_up = format!("conv_{:032x}", 9u128);
