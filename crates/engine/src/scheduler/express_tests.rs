@@ -245,6 +245,55 @@ fn a_prompt_whose_last_chunk_is_due_runs_before_another_tenants_chunks() {
     panic!("b never ended");
 }
 
+#[test]
+fn a_short_prompt_goes_first_when_another_tenants_prompts_also_end_in_the_step() {
+    // The flood of short prompts: a's chunks in the next step are last
+    // chunks too, so "finishing" alone does not set b's apart from them.
+    let short = request("b", 2, 4, 3);
+    let short_alone = alone(short.clone());
+    let mut w = worker();
+    let _a: Vec<RequestHandle> = (0..3).map(|i| w.send(request("a", 10 + i, 8, 2))).collect();
+    let mut b = w.send(short);
+    w.turn();
+    assert_eq!(
+        w.counters.express_steps.load(Ordering::Relaxed),
+        1,
+        "b's 4 tokens ran apart from a's 24"
+    );
+    assert_eq!(w.counters.steps.load(Ordering::Relaxed), 2);
+    let mut text = String::new();
+    for _ in 0..1000 {
+        if drain(&mut b, &mut text) {
+            assert_eq!(text, short_alone, "going first changed none of b's bits");
+            return;
+        }
+        w.turn();
+    }
+    panic!("b never ended");
+}
+
+#[test]
+fn the_shorter_tenants_go_first_and_never_all_of_the_step() {
+    let mut w = worker();
+    // Three tenants' prompts end in the next step: 5, 6 and 20 tokens.
+    // Shortest first while they stay the shorter part: b and c (11 ≤ 20)
+    // in one express step, then a's alone.
+    let _a = w.send(request("a", 1, 20, 2));
+    let _b = w.send(request("b", 2, 5, 2));
+    let _c = w.send(request("c", 3, 6, 2));
+    w.turn();
+    assert_eq!(w.counters.express_steps.load(Ordering::Relaxed), 1);
+    assert_eq!(w.counters.steps.load(Ordering::Relaxed), 2);
+    // Two tenants with one prompt each of the same length: one of them
+    // goes first (the step is split in two equal halves, never emptied).
+    let mut w = worker();
+    let _a = w.send(request("a", 1, 8, 2));
+    let _b = w.send(request("b", 2, 8, 2));
+    w.turn();
+    assert_eq!(w.counters.express_steps.load(Ordering::Relaxed), 1);
+    assert_eq!(w.counters.steps.load(Ordering::Relaxed), 2);
+}
+
 /// A prefill worker's view of one link: what it sends back to the decode
 /// worker, in order, by kind.
 fn kinds_sent(to_decode: &mpsc::Receiver<Command>) -> Vec<&'static str> {

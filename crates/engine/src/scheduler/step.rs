@@ -177,11 +177,11 @@ impl Scheduler {
     ///   left of the paused step get a step of their own first (an express
     ///   step, run whole): the shorter job first, so a long prompt never
     ///   holds up a nearly finished step, nor a part of one any.
-    /// - Likewise, once a worker serves several tenants, a step's last
-    ///   chunks of prompts whose tenants have nothing else in it run first,
-    ///   alone, when they are the shorter part: a short chat that arrives
-    ///   between two steps does not wait for another tenant's chunks to
-    ///   compute its first token.
+    /// - Likewise, once a worker serves several tenants, the last chunks of
+    ///   prompts of the tenants with the least work in a step run first,
+    ///   alone, while they are the shorter part ([`Self::finishing_apart`]):
+    ///   a short chat that arrives between two steps does not wait for
+    ///   another tenant's chunks to compute its first token.
     ///
     /// Express steps are charged to their tenants like any step, and the
     /// ones run ahead of a step add up to at most about a step's budget
@@ -254,9 +254,13 @@ impl Scheduler {
         self.resume_step(outside);
     }
 
-    /// Takes out of `work` the last chunks of fresh prompts whose tenants
-    /// have no other work in it, once this worker serves several tenants
-    /// and if they are the shorter part (so never all of it).
+    /// Takes out of `work` the last chunks of fresh prompts of the tenants
+    /// with the least work in it, once this worker serves several tenants:
+    /// shortest first, as many tenants as stay the shorter part (so never
+    /// all of it). A tenant goes only whole, and only if all its work in
+    /// the step ends prompts: a part of a longer one would not bring its
+    /// first token nearer. Another tenant's chunks that end prompts too (a
+    /// flood of short ones) no longer hold a short chat back.
     fn finishing_apart(&self, work: &mut Vec<Work>) -> Vec<Work> {
         if !self.shared() {
             return Vec::new();
@@ -267,14 +271,33 @@ impl Scheduler {
         };
         let tenant = |w: &Work| self.active[w.index].pending.request.share.tenant.as_str();
         let busy: BTreeSet<&str> = work.iter().filter(|w| !finishing(w)).map(tenant).collect();
-        let (express, rest): (Vec<Work>, Vec<Work>) = std::mem::take(work)
-            .into_iter()
-            .partition(|w| finishing(w) && !busy.contains(tenant(w)));
-        if tokens(&express) > tokens(&rest) {
-            // Not the short one: nothing gained by running it first.
-            *work = rest.into_iter().chain(express).collect();
+        let mut candidates: BTreeMap<&str, usize> = BTreeMap::new();
+        for w in work.iter().filter(|w| !busy.contains(tenant(w))) {
+            *candidates.entry(tenant(w)).or_default() += w.tokens.len();
+        }
+        let mut shortest: Vec<(usize, &str)> =
+            candidates.into_iter().map(|(t, n)| (n, t)).collect();
+        shortest.sort_unstable();
+        let total = tokens(work);
+        let mut apart = 0;
+        let mut chosen: BTreeSet<&str> = BTreeSet::new();
+        for (n, t) in shortest {
+            if 2 * (apart + n) > total {
+                break;
+            }
+            apart += n;
+            chosen.insert(t);
+        }
+        if chosen.is_empty() {
             return Vec::new();
         }
+        let (express, rest): (Vec<Work>, Vec<Work>) = std::mem::take(work)
+            .into_iter()
+            .partition(|w| chosen.contains(tenant(w)));
+        assert!(
+            !rest.is_empty() && tokens(&express) <= tokens(&rest),
+            "the work set apart is the shorter part of the step"
+        );
         *work = rest;
         express
     }
