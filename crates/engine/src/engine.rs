@@ -17,7 +17,7 @@ use crate::counters::{Counters, EngineStats, WorkerSnapshot};
 use crate::error::EngineError;
 use crate::port::{Facing, Port, Transport};
 use crate::request::{CacheScope, Event, GenerationRequest, LinkGrammars, RequestHandle};
-use crate::scheduler::{Command, PeerId, PeerTx, PeerUp, Pending, Scheduler, Shell};
+use crate::scheduler::{Command, ComputeTurn, PeerId, PeerTx, PeerUp, Pending, Scheduler, Shell};
 
 /// A worker: the scheduler(s) behind one client-facing queue.
 pub struct Engine {
@@ -220,7 +220,10 @@ impl Engine {
             }));
         }
         let (prefill_tx, prefill_inbox) = mpsc::channel();
-        let mut engine = Engine::decode_worker(model.clone(), decode_pool, config, one_sided);
+        // The two workers compute on this process's one pool, in turns.
+        let turn = Arc::new(ComputeTurn::default());
+        let mut engine =
+            Engine::decode_worker(model.clone(), decode_pool, config, one_sided, &turn);
         // One link each way, named 0 at both ends.
         let link = PeerId(0);
         let prefill_tokens = prefill_pool.capacity_tokens();
@@ -265,7 +268,8 @@ impl Engine {
             prefill_pool.clone(),
             config,
             Arc::new(Counters::default()),
-        );
+        )
+        .sharing_turn(turn);
         engine.prefill = Some(Peer {
             commands: prefill_tx,
             pool: prefill_pool,
@@ -278,16 +282,18 @@ impl Engine {
     /// A decode worker with no prefill worker yet: links to prefill workers
     /// in other processes join it through [`Engine::prefill_links`].
     pub fn start_decode(model: Arc<LoadedModel>, pool: Pool, config: EngineConfig) -> Engine {
-        Engine::decode_worker(model, pool, config, false)
+        Engine::decode_worker(model, pool, config, false, &Arc::default())
     }
 
     /// A decode worker with no prefill worker yet. `one_sided` grants
-    /// shared-memory windows.
+    /// shared-memory windows; `turn` is the compute pool's, shared with
+    /// the other workers of this process.
     fn decode_worker(
         model: Arc<LoadedModel>,
         pool: Pool,
         config: EngineConfig,
         one_sided: bool,
+        turn: &Arc<ComputeTurn>,
     ) -> Engine {
         let (commands, inbox) = mpsc::channel();
         let counters = Arc::new(Counters::default());
@@ -298,7 +304,8 @@ impl Engine {
             config,
             Arc::clone(&counters),
         )
-        .with_one_sided_grants(one_sided);
+        .with_one_sided_grants(one_sided)
+        .sharing_turn(Arc::clone(turn));
         let decode = Shell::new(decode, inbox);
         Engine {
             commands,

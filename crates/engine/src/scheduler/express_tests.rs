@@ -14,7 +14,7 @@ use std::time::Instant;
 use kvfence_handoff::Message;
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
-use super::{Command, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler, Shell};
+use super::{Command, ComputeTurn, PeerId, PeerTx, PeerUp, Pending, Role, Scheduler, Shell};
 use crate::config::EngineConfig;
 use crate::counters::Counters;
 use crate::request::{Event, GenerationRequest, RequestHandle, Share};
@@ -29,6 +29,11 @@ struct Worker {
 }
 
 fn worker() -> Worker {
+    worker_sharing(Arc::default())
+}
+
+/// A worker taking turns on the compute pool by `turn`.
+fn worker_sharing(turn: Arc<ComputeTurn>) -> Worker {
     let model = tiny_model();
     let spec = PoolSpec::new(
         model.model.kv_shape(),
@@ -50,7 +55,8 @@ fn worker() -> Worker {
             Pool::new(&spec).unwrap(),
             config,
             Arc::clone(&counters),
-        ),
+        )
+        .sharing_turn(turn),
         receiver,
     );
     Worker {
@@ -292,6 +298,30 @@ fn the_shorter_tenants_go_first_and_never_all_of_the_step() {
     w.turn();
     assert_eq!(w.counters.express_steps.load(Ordering::Relaxed), 1);
     assert_eq!(w.counters.steps.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn a_pass_gives_the_pool_to_the_other_worker_between_layers_and_keeps_its_bits() {
+    let long = request("a", 1, 40, 4);
+    let expected = alone(long.clone());
+    // The process's other worker waits for the pool all along.
+    let mut w = worker_sharing(Arc::new(ComputeTurn::always_wanted()));
+    let mut a = w.send(long);
+    let mut text = String::new();
+    let mut pauses = 0;
+    for _ in 0..1000 {
+        w.turn();
+        pauses += usize::from(w.paused());
+        if drain(&mut a, &mut text) {
+            assert!(
+                pauses >= 4,
+                "every pass stopped at its layer boundaries: {pauses} pauses"
+            );
+            assert_eq!(text, expected, "a pass in turns computes the same bits");
+            return;
+        }
+    }
+    panic!("a never ended");
 }
 
 /// A prefill worker's view of one link: what it sends back to the decode

@@ -65,6 +65,7 @@ mod grammar;
 mod prefill;
 mod shell;
 mod step;
+mod turn;
 
 #[cfg(test)]
 pub(crate) use effects::Deliver;
@@ -92,6 +93,7 @@ use crate::text::TextStream;
 use crate::trace::Timeline;
 use fair::FairQueue;
 use grammar::GrammarCache;
+pub(crate) use turn::ComputeTurn;
 
 /// Names one link to a peer worker, as the scheduler at this end knows it.
 /// A prefill worker keeps every order under the link it came on, so each
@@ -485,6 +487,9 @@ pub(crate) struct Scheduler {
     /// prompts together: each returns a whole vocabulary of logits
     /// ([`step::SCORING_LOGITS_BYTES`]).
     scoring_rows: usize,
+    /// The compute pool's turn, shared with the other worker of this
+    /// process if there is one: a pass computes only while it holds it.
+    turn: Arc<ComputeTurn>,
     /// The step whose pass paused for a command, if one did.
     in_flight: Option<InFlight>,
     /// What it sent and its caller has not yet taken.
@@ -545,12 +550,20 @@ impl Scheduler {
             one_sided: false,
             admissions: 0,
             grammars: GrammarCache::default(),
+            turn: Arc::default(),
             in_flight: None,
             outbox: Outbox::default(),
             frames: FrameShelf::new(FRAME_SHELF_BYTES),
             held_back: Vec::new(),
             left_in_row: LeftInRow::default(),
         }
+    }
+
+    /// Takes turns on the compute pool with the other workers holding
+    /// `turn`: those of the same process.
+    pub(crate) fn sharing_turn(mut self, turn: Arc<ComputeTurn>) -> Self {
+        self.turn = turn;
+        self
     }
 
     /// Decode role over a one-sided transport.

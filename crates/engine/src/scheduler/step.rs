@@ -182,6 +182,9 @@ impl Scheduler {
     ///   alone, while they are the shorter part ([`Self::finishing_apart`]):
     ///   a short chat that arrives between two steps does not wait for
     ///   another tenant's chunks to compute its first token.
+    /// - A pass computes only while this worker holds the compute pool's
+    ///   turn ([`super::turn`]), and stops between two layers, as for a
+    ///   command, when the process's other worker has waited a quantum.
     ///
     /// Express steps are charged to their tenants like any step, and the
     /// ones run ahead of a step add up to at most about a step's budget
@@ -333,6 +336,8 @@ impl Scheduler {
         let started = Instant::now();
         let result = {
             let mut batch = lend(&mut self.active, &express);
+            // Run whole: short by choice, and what it is for is its end.
+            let _turn = self.turn.take();
             self.model.model.forward_each(&mut batch)
         };
         self.conclude(&express, result, started.elapsed());
@@ -354,9 +359,12 @@ impl Scheduler {
         }
         outside.send(self.outbox.take());
         let result = {
+            let turn = self.turn.take();
             let started = Instant::now();
             let mut batch = lend(&mut self.active, &flight.work);
-            let mut pause = || outside.command_waiting();
+            // Stops for a command, or for the other worker once this one
+            // has had its quantum of the pool.
+            let mut pause = || outside.command_waiting() || turn.wanted();
             let result = self
                 .model
                 .model
@@ -470,6 +478,7 @@ impl Scheduler {
             .filter(|(index, _)| drawing.contains(index))
             .filter_map(|(index, active)| Some((index, active.constraint.as_mut()?)))
             .collect();
+        let _turn = (!constraints.is_empty()).then(|| self.turn.take());
         constraints
             .into_par_iter()
             .map(|(index, constraint)| {
