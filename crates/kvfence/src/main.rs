@@ -204,6 +204,7 @@ impl From<Dtype> for DiskDtype {
 fn main() -> anyhow::Result<()> {
     // Reads FAILPOINTS when built with the `failpoints` feature; inert otherwise.
     let _failpoints = fail::FailScenario::setup();
+    kvfence_model::start_compute_pool();
     match Cli::parse().command {
         Command::Serve(args) => serve::run(args),
         Command::Prefill(args) => workers::prefill(args),

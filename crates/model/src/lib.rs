@@ -49,3 +49,15 @@ pub use sampling::{
 };
 pub use tensors::{DiskDtype, Tensor, TensorMap};
 pub use tokenizer::Tokenizer;
+
+/// Starts the process's compute pool (rayon's global pool, one thread per
+/// core) with its threads named `kvf-compute-N`, so that `top -H` and
+/// profiles tell them apart from the workers: left to rayon, they take the
+/// name of whichever thread first used the pool (a prefill worker's, in the
+/// default mode). Call before any model work; once the pool exists it does
+/// nothing, and the pool keeps the names it has.
+pub fn start_compute_pool() {
+    let _already_started = rayon::ThreadPoolBuilder::new()
+        .thread_name(|index| format!("kvf-compute-{index}"))
+        .build_global();
+}
