@@ -105,6 +105,17 @@ impl Worker {
     fn paused(&self) -> bool {
         self.scheduler.core.in_flight.is_some()
     }
+
+    /// Turns until `handle`'s request ends: its text after `text`.
+    fn finish(&mut self, handle: &mut RequestHandle, mut text: String) -> String {
+        for _ in 0..1000 {
+            if drain(handle, &mut text) {
+                return text;
+            }
+            self.turn();
+        }
+        panic!("the request never ended");
+    }
 }
 
 /// The tokens a handle has received, and whether it finished.
@@ -125,14 +136,7 @@ fn drain(handle: &mut RequestHandle, text: &mut String) -> bool {
 fn alone(request: GenerationRequest) -> String {
     let mut w = worker();
     let mut handle = w.send(request);
-    let mut text = String::new();
-    for _ in 0..1000 {
-        w.turn();
-        if drain(&mut handle, &mut text) {
-            return text;
-        }
-    }
-    panic!("the request never ended");
+    w.finish(&mut handle, String::new())
 }
 
 #[test]
@@ -241,14 +245,7 @@ fn a_prompt_whose_last_chunk_is_due_runs_before_another_tenants_chunks() {
     let mut text = String::new();
     drain(&mut b, &mut text);
     assert!(!text.is_empty(), "b's first token came from its own step");
-    for _ in 0..1000 {
-        if drain(&mut b, &mut text) {
-            assert_eq!(text, short_alone);
-            return;
-        }
-        w.turn();
-    }
-    panic!("b never ended");
+    assert_eq!(w.finish(&mut b, text), short_alone);
 }
 
 #[test]
@@ -267,15 +264,11 @@ fn a_short_prompt_goes_first_when_another_tenants_prompts_also_end_in_the_step()
         "b's 4 tokens ran apart from a's 24"
     );
     assert_eq!(w.counters.steps.load(Ordering::Relaxed), 2);
-    let mut text = String::new();
-    for _ in 0..1000 {
-        if drain(&mut b, &mut text) {
-            assert_eq!(text, short_alone, "going first changed none of b's bits");
-            return;
-        }
-        w.turn();
-    }
-    panic!("b never ended");
+    assert_eq!(
+        w.finish(&mut b, String::new()),
+        short_alone,
+        "going first changed none of b's bits"
+    );
 }
 
 #[test]
