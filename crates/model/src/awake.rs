@@ -18,8 +18,9 @@
 //!   waits for its helpers to go);
 //! - when its thread leads a pass of its own (it declines at once: helping
 //!   would stall that pass, which sits below it on the thread's stack,
-//!   until this one ends — in the default mode a decode step would wait
-//!   out a whole prefill);
+//!   until this one ends — a decode step would wait out a whole prefill.
+//!   The engine's workers take turns on the pool so their passes never
+//!   overlap, but a pass does not rely on its callers for this);
 //! - after [`LINGER`] without finding work (a long serial stretch);
 //! - after [`BUDGET`] in all: rayon may have started it under some other
 //!   job that is waiting, and that job's wait must stay short.
