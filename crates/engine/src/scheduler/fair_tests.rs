@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId, Scrub};
 
+use super::step::Stopwatch;
 use super::{Pending, Role, Scheduler};
 use crate::config::EngineConfig;
 use crate::counters::Counters;
@@ -278,35 +279,44 @@ fn i11_a_request_saying_its_front_door_serves_several_tenants_makes_a_fresh_work
 #[test]
 fn i11_a_tenants_grammar_masks_are_charged_to_its_share() {
     let mut w = worker(4_096, 64, 64);
-    // Every draw under this schema walks a grammar of 200 fields, which
-    // costs far more than the tiny model's step.
-    let fields: serde_json::Map<String, serde_json::Value> = (0..200)
-        .map(|i| (format!("field_{i}"), serde_json::json!({"type": "string"})))
-        .collect();
-    let schema = serde_json::json!({"type": "object", "properties": fields});
-    let mut handle = w
-        .submit(GenerationRequest {
-            max_tokens: 16,
-            constraint: Some(kvfence_model::Grammar::JsonSchema(schema).into()),
-            ..request("a", 1, 1, 20)
-        })
-        .handle;
-    let usage = loop {
-        w.scheduler.poll_delivering(Instant::now());
-        match handle.try_next() {
-            Ok(Event::Finished { usage, .. }) => break usage,
-            Ok(Event::Failed { message, .. }) => panic!("{message}"),
-            _ => {}
+    // Every pass and every mask reads as taking as long, whatever else the
+    // machine runs meanwhile: a draw's mask costs its tenant what the step
+    // before it computed.
+    w.scheduler.stopwatch = Stopwatch::Fixed(Duration::from_millis(1));
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}
+    });
+    let mut run_alone = |request: GenerationRequest| {
+        let mut handle = w.submit(request).handle;
+        loop {
+            w.scheduler.poll_delivering(Instant::now());
+            match handle.try_next() {
+                Ok(Event::Finished { usage, .. }) => break usage,
+                Ok(Event::Failed { message, .. }) => panic!("{message}"),
+                _ => {}
+            }
         }
     };
-    // Its prompt and a row for every token but the last, and its masks.
-    let tokens = (usage.prompt_tokens + usage.completion_tokens - 1) as u128;
-    let charged = w.scheduler.waiting.charged("a");
-    assert!(
-        charged >= tokens + usage.completion_tokens as u128,
-        "charged {charged} for {tokens} tokens and {} masks",
-        usage.completion_tokens
+    // Its prompt and a row for every token but the last.
+    let rows =
+        |usage: crate::request::Usage| (usage.prompt_tokens + usage.completion_tokens - 1) as u128;
+    let constrained = run_alone(GenerationRequest {
+        max_tokens: 16,
+        constraint: Some(kvfence_model::Grammar::JsonSchema(schema).into()),
+        ..request("a", 1, 1, 20)
+    });
+    let plain = run_alone(GenerationRequest {
+        max_tokens: 16,
+        ..request("b", 1, 1, 20)
+    });
+    assert!(constrained.completion_tokens > 1, "a's draws were masked");
+    let (a, b) = (
+        w.scheduler.waiting.charged("a"),
+        w.scheduler.waiting.charged("b"),
     );
+    assert_eq!(a, 2 * rows(constrained), "a pays for its rows and masks");
+    assert_eq!(b, rows(plain), "b draws unmasked and pays for its rows");
 }
 
 #[test]

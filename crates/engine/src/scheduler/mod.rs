@@ -490,6 +490,8 @@ pub(crate) struct Scheduler {
     /// The compute pool's turn, shared with the other worker of this
     /// process if there is one: a pass computes only while it holds it.
     turn: Arc<ComputeTurn>,
+    /// Times the passes and grammar masks charged to tenants.
+    stopwatch: step::Stopwatch,
     /// The step whose pass paused for a command, if one did.
     in_flight: Option<InFlight>,
     /// What it sent and its caller has not yet taken.
@@ -551,6 +553,7 @@ impl Scheduler {
             admissions: 0,
             grammars: GrammarCache::default(),
             turn: Arc::default(),
+            stopwatch: step::Stopwatch::default(),
             in_flight: None,
             outbox: Outbox::default(),
             frames: FrameShelf::new(FRAME_SHELF_BYTES),

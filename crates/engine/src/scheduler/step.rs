@@ -333,14 +333,13 @@ impl Scheduler {
             flight.express_tokens += tokens.max(EXPRESS_PASS_MIN_TOKENS);
         }
         outside.send(self.outbox.take());
-        let started = Instant::now();
-        let result = {
+        let (result, pass) = self.stopwatch.time(|| {
             let mut batch = lend(&mut self.active, &express);
             // Run whole: short by choice, and what it is for is its end.
             let _turn = self.turn.take();
             self.model.model.forward_each(&mut batch)
-        };
-        self.conclude(&express, result, started.elapsed());
+        });
+        self.conclude(&express, result, pass);
     }
 
     /// Runs the step in flight until its pass ends or a command arrives;
@@ -360,16 +359,16 @@ impl Scheduler {
         outside.send(self.outbox.take());
         let result = {
             let turn = self.turn.take();
-            let started = Instant::now();
-            let mut batch = lend(&mut self.active, &flight.work);
-            // Stops for a command, or for the other worker once this one
-            // has had its quantum of the pool.
-            let mut pause = || outside.command_waiting() || turn.wanted();
-            let result = self
-                .model
-                .model
-                .resume(&mut flight.pass, &mut batch, &mut pause);
-            flight.computing += started.elapsed();
+            let (result, took) = self.stopwatch.time(|| {
+                let mut batch = lend(&mut self.active, &flight.work);
+                // Stops for a command, or for the other worker once this
+                // one has had its quantum of the pool.
+                let mut pause = || outside.command_waiting() || turn.wanted();
+                self.model
+                    .model
+                    .resume(&mut flight.pass, &mut batch, &mut pause)
+            });
+            flight.computing += took;
             result
         };
         match result {
@@ -479,12 +478,14 @@ impl Scheduler {
             .filter_map(|(index, active)| Some((index, active.constraint.as_mut()?)))
             .collect();
         let _turn = (!constraints.is_empty()).then(|| self.turn.take());
+        let stopwatch = self.stopwatch;
         constraints
             .into_par_iter()
             .map(|(index, constraint)| {
-                let started = Instant::now();
-                let _ = constraint.mask();
-                (index, started.elapsed())
+                let ((), took) = stopwatch.time(|| {
+                    let _ = constraint.mask();
+                });
+                (index, took)
             })
             .collect()
     }
@@ -781,9 +782,6 @@ fn lend<'a>(active: &'a mut [Active], work: &'a [Work]) -> Vec<Sequence<'a>> {
         .collect()
 }
 
-/// What a grammar mask that took `took` costs its tenant, in tokens: what
-/// the step computed (`tokens` in `pass`) in that time, to the nearest
-/// token (a regex's microseconds cost nothing).
 /// `budget` split between the tenants of `claims` (weight, tokens wanted)
 /// by weight ([`split_budget`]).
 fn by_weight<'t>(
@@ -810,12 +808,42 @@ fn charged_tokens(config: &kvfence_model::ModelConfig, w: &Work) -> usize {
     }
 }
 
+/// What a grammar mask that took `took` costs its tenant, in tokens: what
+/// the step computed (`tokens` in `pass`) in that time, to the nearest
+/// token (a regex's microseconds cost nothing).
 fn mask_charge(took: Duration, tokens: usize, pass: Duration) -> usize {
     if pass.is_zero() {
         return 0;
     }
     // `as` saturates: a mask beyond any count of tokens costs the most.
     (took.as_secs_f64() * tokens as f64 / pass.as_secs_f64()).round() as usize
+}
+
+/// Measures how long the compute charged to tenants took: passes and
+/// grammar masks (I11). The worker reads the wall clock; a test reads
+/// every span as the same length, so what each tenant is charged does not
+/// hang on what else the machine runs meanwhile.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) enum Stopwatch {
+    #[default]
+    Wall,
+    /// Every span takes this long.
+    #[cfg(test)]
+    Fixed(Duration),
+}
+
+impl Stopwatch {
+    /// Runs `work` and returns what it returned and how long it took.
+    pub(super) fn time<T>(self, work: impl FnOnce() -> T) -> (T, Duration) {
+        let started = Instant::now();
+        let value = work();
+        let took = match self {
+            Stopwatch::Wall => started.elapsed(),
+            #[cfg(test)]
+            Stopwatch::Fixed(span) => span,
+        };
+        (value, took)
+    }
 }
 
 #[cfg(test)]
