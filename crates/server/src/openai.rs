@@ -704,7 +704,9 @@ impl CommonParams {
     }
 
     /// Whether the last stream chunk should carry usage; 400 for
-    /// obfuscated chunks, which this server does not send.
+    /// obfuscated chunks, which this server does not send, and for stream
+    /// options on an answer that does not stream, where they would do
+    /// nothing (OpenAI refuses them too).
     pub fn include_usage(&self) -> Result<bool, ApiError> {
         let Some(options) = &self.stream_options else {
             return Ok(false);
@@ -713,6 +715,12 @@ impl CommonParams {
             return Err(ApiError::invalid(
                 "stream_options.include_obfuscation",
                 "obfuscated stream chunks are not supported by this server; send false",
+            ));
+        }
+        if !self.stream() {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "stream_options is only allowed when stream is true",
             ));
         }
         Ok(options.include_usage.unwrap_or(false))

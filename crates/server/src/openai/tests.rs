@@ -20,10 +20,12 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
     let error = params(r#"{"messages": [], "stream_options": {"include_usage": true, "x": 1}}"#)
         .unwrap_err();
     assert_eq!(error.param.as_deref(), Some("stream_options.x"));
-    let obfuscated = params(r#"{"messages": [], "stream_options": {"include_obfuscation": true}}"#)
-        .unwrap()
-        .include_usage()
-        .unwrap_err();
+    let obfuscated = params(
+        r#"{"messages": [], "stream": true, "stream_options": {"include_obfuscation": true}}"#,
+    )
+    .unwrap()
+    .include_usage()
+    .unwrap_err();
     assert_eq!(
         obfuscated.param.as_deref(),
         Some("stream_options.include_obfuscation")
@@ -145,4 +147,26 @@ fn top_logprobs_needs_logprobs() {
         .logprobs()
         .unwrap_err();
     assert_eq!(error.param.as_deref(), Some("top_logprobs"));
+}
+
+#[test]
+fn stream_options_are_refused_unless_the_answer_streams() {
+    // They would do nothing, so they are refused, as OpenAI refuses them.
+    let params = |body: &str| -> CommonParams { typed(&chat(body).unwrap()).unwrap() };
+    for stream in ["", r#""stream": false, "#] {
+        let body =
+            format!(r#"{{"messages": [], {stream}"stream_options": {{"include_usage": true}}}}"#);
+        let error = params(&body).include_usage().unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("stream_options"), "{body}");
+    }
+    let streamed = r#"{"messages": [], "stream": true, "stream_options": {"include_usage": true}}"#;
+    assert!(params(streamed).include_usage().unwrap());
+    // Absent or null, there is nothing to refuse.
+    for body in [
+        r#"{"messages": []}"#,
+        r#"{"messages": [], "stream_options": null}"#,
+        r#"{"messages": [], "stream": true}"#,
+    ] {
+        assert!(!params(body).include_usage().unwrap(), "{body}");
+    }
 }
