@@ -91,9 +91,10 @@ enum ClusterCommand {
 
 #[derive(Subcommand, Debug)]
 enum TenantCommand {
-    /// Create a tenant: prints a new API key once, and the lines to add to
-    /// the tenants file given to `serve --config`. Only the key's SHA-256 is
-    /// stored there.
+    /// Create a tenant: prints a new API key once, on standard error, and
+    /// on standard output the lines to add to the tenants file given to
+    /// `serve --config` (`tenant add NAME >> tenants.toml`). Only the key's
+    /// SHA-256 is stored there.
     Add {
         /// Tenant name (appears in logs and metrics).
         name: String,
@@ -124,8 +125,9 @@ enum TenantCommand {
               value_parser = clap::value_parser!(i32).range(-1_000_000..=1_000_000))]
         max_priority: i32,
     },
-    /// A new API key for an existing tenant: prints the key once and its
-    /// SHA-256 to add to the tenant's `key_sha256` list. The server reads
+    /// A new API key for an existing tenant: prints the key once, on
+    /// standard error, and on standard output its quoted SHA-256 to add to
+    /// the tenant's `key_sha256` list. The server reads
     /// the tenants file again on SIGHUP and when it changes, so keys
     /// rotate without a restart: add the new key, move clients to it,
     /// then remove the old one.
@@ -228,17 +230,29 @@ fn main() -> anyhow::Result<()> {
                 max_priority,
             };
             let (key, lines) = kvfence_server::new_tenant(&name, &limits, weight)?;
-            println!("API key for {name} (shown once; store it now):\n\n    {key}\n");
-            println!("Add to the tenants file passed to `kvfence serve --config`:\n\n{lines}");
+            // The key goes to the terminal, the lines to standard output,
+            // so `tenant add NAME >> tenants.toml` appends them and only
+            // the key's digest reaches the file.
+            eprintln!("API key for {name} (shown once; store it now):\n\n    {key}\n");
+            eprintln!(
+                "Its [[tenants]] lines are on standard output: append them to the tenants \
+                 file passed to `kvfence serve --config` (`kvfence tenant add {name} ... >> \
+                 tenants.toml`); the server picks them up within seconds."
+            );
+            // A blank line first: appended to a file whose last line has no
+            // newline, the table still starts a line of its own.
+            print!("\n{lines}");
             Ok(())
         }
         Command::Tenant(TenantCommand::Key) => {
             let (key, hash) = kvfence_server::new_key();
-            println!("New API key (shown once; store it now):\n\n    {key}\n");
-            println!(
-                "Add its digest to the tenant's key_sha256 list in the tenants file:\n\n    \"{hash}\"\n"
+            eprintln!("New API key (shown once; store it now):\n\n    {key}\n");
+            eprintln!(
+                "Its digest is on standard output: add it to the tenant's key_sha256 list in \
+                 the tenants file; the server picks the change up within seconds (or at once \
+                 on SIGHUP)."
             );
-            println!("The server picks the change up within seconds (or at once on SIGHUP).");
+            println!("\"{hash}\"");
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),

@@ -93,21 +93,22 @@ fn new_key() -> (String, String) {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
-    let word = |prefix: &str| {
-        text.split_whitespace()
-            .find(|w| w.starts_with(prefix))
-            .unwrap()
-            .trim_matches('"')
-            .to_string()
-    };
-    let key = word("kvf-");
-    let hash = text
+    // The key on standard error; standard output is the quoted digest
+    // alone, as it goes into the tenant's key_sha256 list.
+    let told = String::from_utf8(out.stderr).unwrap();
+    let key = told
         .split_whitespace()
-        .map(|w| w.trim_matches('"'))
-        .find(|w| w.len() == 64 && w.chars().all(|c| c.is_ascii_hexdigit()))
-        .unwrap()
+        .find(|w| w.starts_with("kvf-"))
+        .expect("the key is told on standard error")
         .to_string();
+    let digest = String::from_utf8(out.stdout).unwrap();
+    let hash = digest
+        .trim()
+        .strip_prefix('"')
+        .and_then(|d| d.strip_suffix('"'))
+        .expect("standard output is the quoted digest alone")
+        .to_string();
+    assert!(hash.len() == 64 && hash.chars().all(|c| c.is_ascii_hexdigit()));
     (key, hash)
 }
 

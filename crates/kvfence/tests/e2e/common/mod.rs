@@ -374,6 +374,9 @@ pub async fn hold_slots(
 }
 
 /// Creates a tenant with `kvfence tenant add`; returns (key, config lines).
+/// The key is told on standard error; standard output is the lines alone,
+/// so `tenant add NAME >> tenants.toml` appends them (the tests write
+/// them into tenants files as they come) and the key never lands there.
 pub fn tenant(name: &str, extra: &[&str]) -> (String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvfence"))
         .args(["tenant", "add", name])
@@ -381,13 +384,18 @@ pub fn tenant(name: &str, extra: &[&str]) -> (String, String) {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
-    let key = text
+    let told = String::from_utf8(out.stderr).unwrap();
+    let key = told
         .split_whitespace()
         .find(|w| w.starts_with("kvf-"))
-        .unwrap()
+        .expect("the key is told on standard error")
         .to_string();
-    let lines = text[text.find("[[tenants]]").unwrap()..].to_string();
+    let lines = String::from_utf8(out.stdout).unwrap();
+    assert!(!lines.contains("kvf-"), "the key stays out of the lines");
+    assert!(
+        lines.trim_start().starts_with("[[tenants]]"),
+        "standard output is the tenants file's lines alone"
+    );
     (key, lines)
 }
 
