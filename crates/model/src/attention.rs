@@ -71,7 +71,6 @@ use std::borrow::Cow;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use kvfence_pool::{Keys, KvElement, ReadView};
-use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 #[cfg(target_arch = "x86_64")]
@@ -461,7 +460,10 @@ pub fn attend<E: KvValue>(
         job.iter().copied().zip(outputs).collect::<Vec<_>>()
     };
     let mut results: Vec<(Task, TaskOutput)> = if macs >= PARALLEL_MIN_MACS {
-        jobs.par_iter().flat_map_iter(run).collect()
+        crate::awake::each_job(jobs.len(), |j| run(&jobs[j]))
+            .into_iter()
+            .flatten()
+            .collect()
     } else {
         jobs.iter().flat_map(run).collect()
     };

@@ -28,10 +28,15 @@
 //! Between layers the pass calls [`Awake::rearm`], which sends a new helper
 //! for each one that left; while one is still there it costs two atomic
 //! loads.
+//!
+//! A helper keeps a worker awake between regions, not inside one: a
+//! parallel iterator's join that waits for its stolen half still sleeps
+//! after a few dozen yields. [`each_job`] runs a region of a few long jobs
+//! (a decode row's attention) without such waits.
 
 use std::cell::Cell;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// How long a helper stays without finding work: longer than any gap
@@ -177,6 +182,66 @@ pub(crate) fn kept_awake<R>(pass: impl FnOnce(&Awake) -> R) -> R {
     let _leading = Leading::start();
     awake.rearm();
     pass(&awake)
+}
+
+/// How long a region's leader spins for the other workers' last jobs
+/// before it waits the way rayon waits (which sleeps after a few dozen
+/// yields): longer than any one job of a decode step.
+const FINISH_SPIN: Duration = Duration::from_millis(1);
+
+/// Runs `job(i)` for every `i < jobs` on this thread and the pool's other
+/// workers, and returns the results in order of `i`.
+///
+/// A parallel iterator's join waits for a stolen half the way rayon
+/// waits: a few dozen yields, then asleep on a futex until the half's
+/// thread wakes it. At the end of a region of a few 20 µs jobs the
+/// leader often waited that long, and a decode step after 4,096 positions
+/// slept and was woken some ten times. Here each thread takes the next job
+/// from a shared counter, and the leader, out of jobs, spins until the
+/// others finish theirs before it leaves the scope. Every job still runs
+/// as a rayon job or on this thread — a region never depends on another
+/// worker being there — and each result goes to its own slot, so the
+/// results do not depend on who ran what.
+pub(crate) fn each_job<T: Send>(jobs: usize, job: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let next = AtomicUsize::new(0);
+    let finished = AtomicUsize::new(0);
+    let results: Vec<Mutex<Option<T>>> = (0..jobs).map(|_| Mutex::new(None)).collect();
+    let work = || {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= jobs {
+                break;
+            }
+            let value = job(i);
+            *results[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(value);
+            finished.fetch_add(1, Ordering::Release);
+        }
+    };
+    rayon::in_place_scope(|scope| {
+        for _ in 1..rayon::current_num_threads().min(jobs) {
+            scope.spawn(|_| work());
+        }
+        work();
+        let started = Instant::now();
+        let mut spins = 0u32;
+        while finished.load(Ordering::Acquire) < jobs {
+            std::hint::spin_loop();
+            spins += 1;
+            // A job that panicked never finishes: rayon's wait below
+            // takes the panic to the caller.
+            if spins.is_multiple_of(64) && started.elapsed() >= FINISH_SPIN {
+                break;
+            }
+        }
+    });
+    results
+        .into_iter()
+        .map(|slot| {
+            slot.into_inner()
+                .unwrap_or_else(PoisonError::into_inner)
+                .expect("every job ran before its scope ended")
+        })
+        .collect()
 }
 
 /// One helper's stay: polls the pool until it must leave.

@@ -201,3 +201,54 @@ fn a_pass_ends_without_waiting_for_its_helpers() {
     releaser.join().expect("the releaser ends");
     assert!(returned_before_release);
 }
+
+/// A job whose length depends on its index, so the threads finish theirs
+/// at different times.
+fn uneven_job(i: usize) -> u64 {
+    (0..(i % 7 + 1) as u64 * 3_000).fold(i as u64, |a, b| a.wrapping_mul(31).wrapping_add(b))
+}
+
+#[test]
+fn each_job_returns_every_result_in_order_whoever_ran_it() {
+    let expected: Vec<u64> = (0..100).map(uneven_job).collect();
+    for threads in [1, 2, 3] {
+        let got = pool(threads).install(|| kept_awake(|_| each_job(100, uneven_job)));
+        assert_eq!(got, expected, "{threads} threads");
+    }
+    // Outside any pass, and outside the pool.
+    assert_eq!(pool(2).install(|| each_job(100, uneven_job)), expected);
+    assert_eq!(each_job(100, uneven_job), expected);
+    assert!(each_job(0, uneven_job).is_empty());
+}
+
+#[test]
+fn each_job_runs_each_job_once() {
+    let runs: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
+    pool(2).install(|| {
+        kept_awake(|_| {
+            each_job(runs.len(), |i| runs[i].fetch_add(1, Ordering::Relaxed));
+        })
+    });
+    assert!(runs.iter().all(|r| r.load(Ordering::Relaxed) == 1));
+}
+
+#[test]
+fn a_panicking_job_panics_to_the_caller_and_leaves_the_pool_working() {
+    let pool = pool(2);
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        pool.install(|| {
+            kept_awake(|_| {
+                each_job(16, |i| {
+                    assert!(i != 11, "a kernel's invariant broke");
+                    uneven_job(i)
+                })
+            })
+        })
+    }));
+    assert!(caught.is_err());
+    let expected: Vec<u64> = (0..16).map(uneven_job).collect();
+    assert_eq!(
+        pool.install(|| kept_awake(|_| each_job(16, uneven_job))),
+        expected
+    );
+}
