@@ -4,6 +4,7 @@
 use std::io::Write;
 use std::time::Instant;
 
+use anyhow::Context as _;
 use clap::Args;
 use kvfence_model::{ChatMessage, Logits, Sampler, SamplingParams, Sequence};
 use kvfence_pool::{ElemType, Pool, PoolSize, PoolSpec, RequestId};
@@ -52,7 +53,23 @@ pub(crate) fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         tokens.insert(0, bos);
     }
     anyhow::ensure!(!tokens.is_empty(), "the prompt encodes to no tokens");
-    let total = tokens.len() + args.max_tokens;
+    // Refused before any work, as the API refuses it: a run past the
+    // model's positions would fail at its end and lose what it made, and
+    // the pool below is sized by what is asked.
+    let max_context = loaded.model.config().max_position_embeddings;
+    let total = tokens
+        .len()
+        .checked_add(args.max_tokens)
+        .filter(|&total| total <= max_context)
+        .with_context(|| {
+            format!(
+                "{}'s maximum context length is {max_context} tokens: the prompt takes {} \
+                 and --max-tokens asks for {} more",
+                args.model,
+                tokens.len(),
+                args.max_tokens
+            )
+        })?;
     let spec = PoolSpec::new(
         loaded.model.kv_shape(),
         16,

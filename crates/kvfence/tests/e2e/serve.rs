@@ -570,6 +570,26 @@ fn generate_runs_one_prompt_and_refuses_what_it_cannot_do() {
             "--max-tokens must be at least 1",
         ),
         (&["--model", "/nonexistent/gone.gguf"], "gone.gguf"),
+        // Past the model's positions: refused before any work, not after
+        // thousands of tokens (which were then lost), nor with a pool
+        // sized for whatever was asked (which exhausted memory).
+        (
+            &["--model", "builtin:tiny", "--max-tokens", "5000"][..],
+            "maximum context length is 4096 tokens",
+        ),
+        (
+            &["--model", "builtin:tiny", "--max-tokens", "1000000000000"][..],
+            "maximum context length is 4096 tokens",
+        ),
+        (
+            &[
+                "--model",
+                "builtin:tiny",
+                "--max-tokens",
+                "18446744073709551615",
+            ][..],
+            "maximum context length is 4096 tokens",
+        ),
     ] {
         let out = generate(args);
         let stderr = String::from_utf8_lossy(&out.stderr);
