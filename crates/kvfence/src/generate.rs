@@ -25,7 +25,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
     /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]

@@ -570,6 +570,12 @@ fn generate_runs_one_prompt_and_refuses_what_it_cannot_do() {
             "--max-tokens must be at least 1",
         ),
         (&["--model", "/nonexistent/gone.gguf"], "gone.gguf"),
+        // A negative value reaches the sampler's own check, not clap's
+        // "unexpected argument".
+        (
+            &["--model", "builtin:tiny", "--temperature", "-1"][..],
+            "temperature must be between 0 and 2",
+        ),
         // Past the model's positions: refused before any work, not after
         // thousands of tokens (which were then lost), nor with a pool
         // sized for whatever was asked (which exhausted memory).
