@@ -390,6 +390,30 @@ async fn prompts_are_scored_with_echo_and_logprobs_or_prompt_logprobs_in_every_m
         .await;
         assert_eq!(status, 200, "{next}");
         let generated = &next["choices"][0]["logprobs"];
+        // No alternatives asked for: the chosen token alone (OpenAI's
+        // legacy format always shows it, so up to `logprobs` + 1 entries).
+        assert_eq!(
+            generated["top_logprobs"][0],
+            json!({generated["tokens"][0].as_str().unwrap(): generated["token_logprobs"][0]}),
+            "{generated}"
+        );
+        // Drawn at a high temperature, tokens that are not the most likely
+        // still show in their alternatives, with their own log-probability.
+        let (status, drawn) = post(
+            &url,
+            None,
+            json!({"prompt": prompt, "max_tokens": 8, "temperature": 2, "seed": 7,
+                   "logprobs": 1, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{drawn}");
+        let drawn = &drawn["choices"][0]["logprobs"];
+        for (i, token) in drawn["tokens"].as_array().unwrap().iter().enumerate() {
+            let top = drawn["top_logprobs"][i].as_object().unwrap();
+            assert!((1..=2).contains(&top.len()), "{i}: {drawn}");
+            let own = top.get(token.as_str().unwrap());
+            assert_eq!(own, Some(&drawn["token_logprobs"][i]), "{i}: {drawn}");
+        }
         // Echoed and scored, two alternatives per token.
         let body = json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": true,
                           "logprobs": 2, "ignore_eos": true});
@@ -404,9 +428,13 @@ async fn prompts_are_scored_with_echo_and_logprobs_or_prompt_logprobs_in_every_m
         for i in 1..43 {
             assert!(scores[i].as_f64().unwrap() <= 0.0, "{i}: {logprobs}");
             // Keyed by text: tokens spelled alike (bytes of one
-            // character) share a key, as in OpenAI's legacy format.
-            let top = logprobs["top_logprobs"][i].as_object().unwrap().len();
-            assert!((1..=2).contains(&top), "{i}: {logprobs}");
+            // character) share a key, as in OpenAI's legacy format. The
+            // two most likely, and the prompt's own token with its score
+            // where it is not one of them.
+            let top = logprobs["top_logprobs"][i].as_object().unwrap();
+            assert!((1..=3).contains(&top.len()), "{i}: {logprobs}");
+            let own = tokens[i].as_str().unwrap();
+            assert_eq!(top.get(own), Some(&scores[i]), "{i}: {logprobs}");
         }
         // The text is the echoed prompt then the completion, and every
         // token's offset is where its text begins.

@@ -192,7 +192,7 @@ impl Endpoint {
                     token_logprobs: tokens.iter().map(|t| Some(f64::from(t.logprob))).collect(),
                     top_logprobs: tokens
                         .iter()
-                        .map(|t| Some(top_by_text(state, &t.top)))
+                        .map(|t| Some(top_by_text(state, &t.top, (t.token, t.logprob))))
                         .collect(),
                     text_offset: text_offsets(
                         offset,
@@ -205,9 +205,17 @@ impl Endpoint {
 }
 
 /// The legacy format's alternatives of one position: log-probability by
-/// token text (two tokens of one text keep the later's).
-fn top_by_text(state: &AppState, top: &[(u32, f32)]) -> serde_json::Map<String, Value> {
+/// token text, the most likely and then the position's own token, which
+/// OpenAI's format always shows (so up to `logprobs` + 1 entries). Two
+/// tokens of one text keep the later's, so the own token's text always
+/// maps to its own log-probability.
+fn top_by_text(
+    state: &AppState,
+    top: &[(u32, f32)],
+    own: (u32, f32),
+) -> serde_json::Map<String, Value> {
     top.iter()
+        .chain(std::iter::once(&own))
         .map(|&(id, lp)| {
             let text = String::from_utf8_lossy(state.token_bytes(id)).into_owned();
             (text, json!(lp))
@@ -231,11 +239,10 @@ fn legacy_prompt_logprobs(
             .chain(scores.iter().map(|s| Some(f64::from(s.logprobs.logprob))))
             .collect(),
         top_logprobs: std::iter::once(None)
-            .chain(
-                scores
-                    .iter()
-                    .map(|s| Some(top_by_text(state, &s.logprobs.top))),
-            )
+            .chain(scores.iter().map(|s| {
+                let own = (s.logprobs.token, s.logprobs.logprob);
+                Some(top_by_text(state, &s.logprobs.top, own))
+            }))
             .collect(),
         text_offset: text_offsets(0, ids.map(|id| state.text_bytes(id))),
     }
