@@ -23,10 +23,10 @@ pub(crate) struct AuditArgs {
     #[arg(long)]
     context: Option<usize>,
     /// Upper bound on the whole audit; checks that would overrun are skipped.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 300, value_parser = crate::positive::<u64>)]
     budget_seconds: u64,
     /// Requests in flight during the load phases.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = crate::positive::<usize>)]
     concurrency: usize,
     /// The server does not promise batch-invariant greedy decoding (most
     /// engines do not): report the divergence rate of checks 3 and 5
@@ -44,10 +44,6 @@ pub(crate) struct AuditArgs {
 }
 
 pub(crate) fn run(args: &AuditArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        args.concurrency > 0 && args.budget_seconds > 0,
-        "--concurrency and --budget-seconds must be positive"
-    );
     let config = AuditConfig {
         base_url: args.base_url.trim_end_matches('/').to_string(),
         api_keys: args.api_keys.clone(),

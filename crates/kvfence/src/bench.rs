@@ -13,16 +13,16 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     base_url: String,
     /// Requests in flight at once.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = crate::positive::<usize>)]
     concurrency: usize,
     /// Requests in all.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::positive::<usize>)]
     requests: usize,
     /// Prompt tokens per request (sent as token ids, so exact on any server).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = crate::positive::<usize>)]
     prompt_len: usize,
     /// Completion tokens per request (the server is asked to ignore EOS).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::positive::<usize>)]
     output_len: usize,
     /// API key; repeat for several tenants (requests go round-robin).
     #[arg(long = "api-key")]
@@ -50,7 +50,7 @@ pub(crate) struct BenchArgs {
     /// A request fails when the server sends nothing for this many seconds
     /// (before its response, or between two streamed pieces), instead of
     /// holding the run forever. Long prompts on slow servers need minutes.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 600, value_parser = crate::positive::<u64>)]
     idle_timeout_s: u64,
     /// Also write the results as JSON to this file.
     #[arg(long)]
@@ -58,14 +58,6 @@ pub(crate) struct BenchArgs {
 }
 
 pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        args.concurrency > 0
-            && args.requests > 0
-            && args.prompt_len > 0
-            && args.output_len > 0
-            && args.idle_timeout_s > 0,
-        "--concurrency, --requests, --prompt-len, --output-len and --idle-timeout-s must be positive"
-    );
     let config = BenchConfig {
         base_url: args.base_url.clone(),
         api_keys: args.api_keys.clone(),

@@ -203,6 +203,21 @@ impl From<Dtype> for DiskDtype {
     }
 }
 
+/// clap's parser for a count or a duration that zero would make useless
+/// (`value_parser = positive::<usize>`): what `T` parses, except zero. A
+/// zero is refused naming the one flag that says it.
+pub(crate) fn positive<T>(text: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + Default + PartialEq,
+    T::Err: std::fmt::Display,
+{
+    let value: T = text.parse().map_err(|error: T::Err| error.to_string())?;
+    if value == T::default() {
+        return Err("must be positive".to_string());
+    }
+    Ok(value)
+}
+
 fn main() -> anyhow::Result<()> {
     // Reads FAILPOINTS when built with the `failpoints` feature; inert otherwise.
     let _failpoints = fail::FailScenario::setup();

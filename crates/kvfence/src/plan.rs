@@ -37,11 +37,11 @@ pub(crate) struct PlanArgs {
     sliding_window: Option<usize>,
     /// With --sliding-window: layer `i` attends to everything when
     /// `i % N == N − 1` (Gemma 3: 6), the others through the window.
-    #[arg(long, default_value_t = 6, requires = "sliding_window")]
+    #[arg(long, default_value_t = 6, requires = "sliding_window", value_parser = crate::positive::<usize>)]
     global_every: usize,
     /// With --sliding-window: the worker's --step-tokens, the most
     /// positions one step writes for a request (a window's pages hold it).
-    #[arg(long, default_value_t = 256, requires = "sliding_window")]
+    #[arg(long, default_value_t = 256, requires = "sliding_window", value_parser = crate::positive::<usize>)]
     step_tokens: usize,
 }
 
@@ -59,10 +59,6 @@ pub(crate) fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let elem = ElemType::from(args.dtype);
     let mut spec = PoolSpec::new(shape, args.page_size, elem, size);
     if let Some(window) = args.sliding_window {
-        anyhow::ensure!(
-            args.global_every > 0 && args.step_tokens > 0,
-            "--global-every and --step-tokens must be positive"
-        );
         let windows: Vec<Option<usize>> = (0..args.layers)
             .map(|i| (i % args.global_every != args.global_every - 1).then_some(window))
             .collect();

@@ -133,7 +133,7 @@ pub(crate) struct PublicPrefixArgs {
 #[derive(Args, Debug, Clone)]
 pub(crate) struct EngineArgs {
     /// Token slots per KV page (prefill and decode workers must agree).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::positive::<usize>)]
     pub(crate) page_size: usize,
     /// Whether sliding-window layers (Gemma 3's) keep only their windows
     /// (on) or every position (off: about five times the memory per
@@ -152,19 +152,19 @@ pub(crate) struct EngineArgs {
     #[arg(long, value_enum, default_value_t = Dtype::F16)]
     pub(crate) kv_dtype: Dtype,
     /// Requests running at once.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::positive::<usize>)]
     pub(crate) max_running: usize,
     /// Requests waiting for KV pages at most; beyond it requests get 429.
     #[arg(long, default_value_t = 256)]
     pub(crate) max_queue: usize,
     /// Tokens per forward pass (decode steps plus prefill chunks).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = crate::positive::<usize>)]
     pub(crate) step_tokens: usize,
     /// Tokens per forward pass once the worker serves more than one tenant:
     /// a request waits for the step in flight and its own, so shorter steps
     /// keep one tenant's long prompts from delaying another's first token
     /// (measured in docs/performance.md).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::positive::<usize>)]
     pub(crate) shared_step_tokens: usize,
     /// Milliseconds a decode worker waits without a word from the prefill
     /// worker filling a grant (no KV chunk, no progress report) before
@@ -229,13 +229,6 @@ impl EngineArgs {
     }
 
     pub(crate) fn config(&self) -> anyhow::Result<EngineConfig> {
-        anyhow::ensure!(
-            self.max_running > 0
-                && self.step_tokens > 0
-                && self.shared_step_tokens > 0
-                && self.page_size > 0,
-            "--max-running, --step-tokens, --shared-step-tokens and --page-size must be positive"
-        );
         anyhow::ensure!(
             self.handoff_timeout_ms > 0,
             "--handoff-timeout-ms must be positive: at 0 every hand-off is aborted before its \
@@ -345,7 +338,7 @@ pub(crate) struct HttpArgs {
     shutdown_timeout: u64,
     /// Authenticated HTTP connections open at once; past it, a connection
     /// whose request authenticates gets 503 and is closed.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = crate::positive::<usize>)]
     max_connections: usize,
     /// HTTP connections open at once that have not yet sent an
     /// authenticated request. Past it, a connection that sends a request
@@ -353,19 +346,19 @@ pub(crate) struct HttpArgs {
     /// cannot keep a tenant out; silent ones are held (not closed, which
     /// only makes a flood reconnect) up to five times this, and closed at
     /// the header deadline.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = crate::positive::<usize>)]
     max_unauthenticated_connections: usize,
     /// Of those, from one client address, likewise, so one address cannot
     /// push out another's. (Behind a load balancer every client shares its
     /// address: raise it there.)
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::positive::<usize>)]
     max_unauthenticated_connections_per_address: usize,
     /// Milliseconds a client has to send a request's headers (also the idle
     /// limit of a kept-alive connection); slower connections are closed.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000, value_parser = crate::positive::<u64>)]
     header_timeout_ms: u64,
     /// Milliseconds an authenticated client has to send a request's whole body.
-    #[arg(long, default_value_t = 30_000)]
+    #[arg(long, default_value_t = 30_000, value_parser = crate::positive::<u64>)]
     body_timeout_ms: u64,
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, default_value_t = 2 << 20)]
@@ -412,10 +405,10 @@ pub(crate) struct HttpArgs {
     #[arg(long, value_name = "FILE")]
     responses_store_ca: Option<PathBuf>,
     /// Hours a stored response can be read or continued.
-    #[arg(long, default_value_t = 720)]
+    #[arg(long, default_value_t = 720, value_parser = crate::positive::<u64>)]
     responses_ttl_hours: u64,
     /// MiB of stored responses per tenant; past it the tenant's oldest go.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = crate::positive::<u64>)]
     responses_tenant_max_mib: u64,
 }
 
@@ -426,10 +419,6 @@ impl HttpArgs {
     /// The response store `--responses-store` names, opened.
     fn responses(&self) -> anyhow::Result<Option<kvfence_server::ResponseStore>> {
         use kvfence_server::{ResponseStore, StoreLimits};
-        anyhow::ensure!(
-            self.responses_ttl_hours > 0 && self.responses_tenant_max_mib > 0,
-            "--responses-ttl-hours and --responses-tenant-max-mib must be positive"
-        );
         let limits = StoreLimits {
             ttl: Duration::from_secs(self.responses_ttl_hours.saturating_mul(3600)),
             tenant_bytes: self.responses_tenant_max_mib.saturating_mul(1 << 20),
@@ -489,14 +478,6 @@ impl HttpArgs {
     }
 
     fn limits(&self) -> anyhow::Result<kvfence_server::ConnectionLimits> {
-        anyhow::ensure!(
-            self.max_connections > 0
-                && self.max_unauthenticated_connections > 0
-                && self.max_unauthenticated_connections_per_address > 0
-                && self.header_timeout_ms > 0
-                && self.body_timeout_ms > 0,
-            "--max-connections, --max-unauthenticated-connections(-per-address), --header-timeout-ms and --body-timeout-ms must be positive"
-        );
         anyhow::ensure!(
             self.max_body_bytes > 0,
             "--max-body-bytes must be positive: every request with a body would be refused"

@@ -551,6 +551,80 @@ fn settings_that_would_fail_every_request_or_do_nothing_stop_start_up() {
     }
 }
 
+/// A count or a duration of zero is refused by the flag that says it, and
+/// only that flag is named: before, one message named a whole group.
+#[test]
+fn a_zero_where_a_count_or_duration_must_be_positive_names_its_own_flag() {
+    let commands: [(&[&str], &[&str]); 4] = [
+        (
+            &["serve", "--model", "builtin:tiny", "--port", "0"],
+            &[
+                "--max-running",
+                "--step-tokens",
+                "--shared-step-tokens",
+                "--page-size",
+                "--max-connections",
+                "--max-unauthenticated-connections",
+                "--max-unauthenticated-connections-per-address",
+                "--header-timeout-ms",
+                "--body-timeout-ms",
+                "--responses-ttl-hours",
+                "--responses-tenant-max-mib",
+            ],
+        ),
+        (
+            &["bench", "--base-url", "http://127.0.0.1:9"],
+            &[
+                "--concurrency",
+                "--requests",
+                "--prompt-len",
+                "--output-len",
+                "--idle-timeout-s",
+            ],
+        ),
+        (
+            &["audit", "--base-url", "http://127.0.0.1:9"],
+            &["--concurrency", "--budget-seconds"],
+        ),
+        (
+            &[
+                "pool",
+                "plan",
+                "--layers",
+                "2",
+                "--kv-heads",
+                "1",
+                "--head-dim",
+                "8",
+                "--tokens",
+                "64",
+                "--sliding-window",
+                "16",
+            ],
+            &["--global-every", "--step-tokens"],
+        ),
+    ];
+    for (command, flags) in commands {
+        for flag in flags {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+                .args(command)
+                .args([flag, "0"])
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{command:?} {flag} 0 ran: {stderr}");
+            let named = format!("'{flag} <");
+            assert!(
+                stderr.contains(&named) && stderr.contains("must be positive"),
+                "{command:?} {flag} 0: {stderr}"
+            );
+            // No other flag is named (clap's closing hint aside).
+            let flags_named = stderr.replace("'--help'", "").matches("--").count();
+            assert_eq!(flags_named, 1, "{command:?} {flag} 0: {stderr}");
+        }
+    }
+}
+
 #[test]
 fn generate_runs_one_prompt_and_refuses_what_it_cannot_do() {
     let generate = |args: &[&str]| {
