@@ -100,10 +100,10 @@ enum TenantCommand {
         name: String,
         /// Sequences the tenant may run at once: a request counts once
         /// per choice of each of its prompts (`n`, batches of prompts).
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = 16, value_parser = positive::<usize>)]
         max_concurrent: usize,
         /// Largest max_tokens one request may ask for.
-        #[arg(long)]
+        #[arg(long, value_parser = positive::<usize>)]
         max_tokens: Option<usize>,
         /// The tenant's share of every worker against other tenants with
         /// work: compute and admission are split in proportion to weights.
@@ -111,12 +111,12 @@ enum TenantCommand {
         weight: u32,
         /// Requests the tenant may start per minute (a minute's worth may
         /// come at once). No limit if not given.
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, value_parser = positive::<u64>)]
         requests_per_minute: Option<u64>,
         /// Tokens the tenant may use per minute: each request is charged
         /// its prompts and max_tokens for every choice before it runs, and
         /// gets back what it did not generate. No limit if not given.
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, value_parser = positive::<u64>)]
         tokens_per_minute: Option<u64>,
         /// Highest priority the tenant's requests may ask for (the
         /// `priority` field, `service_tier`, or the gateway's objective);

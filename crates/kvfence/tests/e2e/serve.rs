@@ -555,7 +555,16 @@ fn settings_that_would_fail_every_request_or_do_nothing_stop_start_up() {
 /// only that flag is named: before, one message named a whole group.
 #[test]
 fn a_zero_where_a_count_or_duration_must_be_positive_names_its_own_flag() {
-    let commands: [(&[&str], &[&str]); 4] = [
+    let commands: [(&[&str], &[&str]); 5] = [
+        (
+            &["tenant", "add", "acme"],
+            &[
+                "--max-concurrent",
+                "--max-tokens",
+                "--requests-per-minute",
+                "--tokens-per-minute",
+            ],
+        ),
         (
             &["serve", "--model", "builtin:tiny", "--port", "0"],
             &[
