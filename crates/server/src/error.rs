@@ -31,11 +31,12 @@ pub enum ServerError {
     },
     /// A tenant `kvfence tenant add` was asked for that no server would
     /// admit.
-    #[error("tenant {name:?}: {reason}")]
+    #[error("{reason}")]
     TenantRefused {
         /// The name asked for.
         name: String,
-        /// Why a tenants file could not hold it.
+        /// Why a tenants file could not hold it, in the file check's words
+        /// (which name the tenant).
         reason: String,
     },
     /// The configured context cannot be served by the real pools (I6).

@@ -148,10 +148,10 @@ impl TenantsFile {
                 keys.push(digest);
             }
             if !valid_name(&entry.name) {
-                return Err(format!(
+                return Err(named(&format!(
                     "a tenant name is 1 to {MAX_NAME_CHARS} characters, none of them a control \
                      character (it appears in logs, metrics and traces)"
-                ));
+                )));
             }
             if entry.max_concurrent == 0 {
                 return Err(named("max_concurrent must be at least 1"));

@@ -672,7 +672,7 @@ mod tests {
             ),
             (
                 format!("[[tenants]]\nname=\"a\\nb\"\nkey_sha256='{key}'\n"),
-                "a tenant name is 1 to 64",
+                "tenant \"a\\nb\": a tenant name is 1 to 64",
             ),
         ] {
             let err = Tenants::from_toml(&text, "t").unwrap_err().to_string();
@@ -685,10 +685,10 @@ mod tests {
             ("a", limits(1, Some(0)), 1),
             ("a", limits(1, None), 0),
         ] {
-            assert!(
-                new_tenant(name, &limits, weight).is_err(),
-                "{name:?} {limits:?} {weight}"
-            );
+            let err = new_tenant(name, &limits, weight).unwrap_err().to_string();
+            // The tenant is named once, as the file's check names it.
+            let named = format!("tenant {name:?}: ");
+            assert_eq!(err.matches(&named).count(), 1, "{err}");
         }
     }
 }
