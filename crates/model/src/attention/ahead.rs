@@ -1,16 +1,18 @@
 //! A job's KV runs asked for a few blocks ahead of the chunk kernel's
 //! reads ([`Ahead`]), for both SIMD kernels: asking for a whole chunk's
 //! values at once left each core waiting for free miss buffers, while a
-//! rolling window keeps a steady number of lines in flight. Only the head
-//! of each run is asked for; the hardware's streamer follows the rest.
+//! rolling window keeps a steady number of lines in flight. How much of
+//! each run is asked for, and into which cache, depends on the CPU's maker
+//! ([`Plan`]): the two answer software prefetches differently.
 //!
 //! The prefetch intrinsic is `unsafe` only as every intrinsic is; it is
 //! SSE's, which every x86-64 CPU has, and it never reads memory.
 
 #![allow(unsafe_code)]
 
-use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
 use std::ops::Range;
+use std::sync::OnceLock;
 
 /// How far ahead of what the kernel reads a task's KV is asked for: four
 /// 2 KB blocks of SmolLM2's shape. Asking for a whole chunk's values at
@@ -20,22 +22,88 @@ use std::ops::Range;
 /// distance serves the AVX2 kernel, which reads the same runs.
 const AHEAD_BYTES: usize = 8 << 10;
 
-/// How much of each run is asked for: its first 1 KB, half of one head's
-/// 2 KB block. Once a run's first lines miss, the L2 streamer fetches the
-/// lines after them on its own; asking for every line of the run as well
-/// held the core's fill buffers with requests the streamer would have
-/// made, and the kernel's loads waited for a free one (64–78 % of the
-/// value kernel's samples sat on its prefetches). Asking for the head
-/// only: `attention step` −12 % in ten alternated rounds on the Intel
-/// Xeon (docs/performance.md, "Only the head of each run").
-const HEAD_BYTES: usize = 1 << 10;
+/// Which part of each run is asked for, and into which cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Plan {
+    /// The run's first 1 KB (half of one head's 2 KB block) into L1; the
+    /// L2 streamer fetches the lines after them on its own. On the Intel
+    /// Xeon, asking for every line of the run into L1 held the core's fill
+    /// buffers with requests the streamer would have made, and the
+    /// kernel's loads waited for a free one (64–78 % of the value kernel's
+    /// samples sat on its prefetches); the head only: `attention step`
+    /// −12 % in ten alternated rounds (docs/performance.md, "Only the head
+    /// of each run").
+    HeadsToL1,
+    /// The run's first 2 KB (a SmolLM2 block whole) into L2. On a Zen 4
+    /// EPYC the head into L1 left 70 % of the value kernel's samples on its
+    /// loads, and neither the whole block into L1 nor the head into L2
+    /// helped; the whole block into L2 did: `attention step` −11 % (six
+    /// alternated rounds, AVX-512; the AVX2 kernel likewise), the decode
+    /// step after 4,096 positions −20 % (docs/performance.md, "Blocks into
+    /// L2 on AMD").
+    BlocksToL2,
+}
 
-/// The addresses to prefetch for a run of `bytes` at `address`: one per
-/// 64-byte line of its first [`HEAD_BYTES`].
-fn head_lines(address: usize, bytes: usize) -> impl Iterator<Item = usize> {
-    (0..bytes.min(HEAD_BYTES))
-        .step_by(64)
-        .map(move |offset| address + offset)
+impl Plan {
+    /// The plan for a CPU of this maker (`cpuid`'s vendor string): AMD's
+    /// measured on Zen 4, everyone else's on the Intel Xeon.
+    fn for_vendor(vendor: &[u8; 12]) -> Plan {
+        match vendor {
+            b"AuthenticAMD" => Plan::BlocksToL2,
+            _ => Plan::HeadsToL1,
+        }
+    }
+
+    /// This CPU's plan, found once per process.
+    fn of_this_cpu() -> Plan {
+        static PLAN: OnceLock<Plan> = OnceLock::new();
+        *PLAN.get_or_init(|| {
+            // `__cpuid` became a safe function after this crate's minimum
+            // Rust version; leaf 0 exists on every x86-64 CPU.
+            #[allow(unused_unsafe)]
+            // SAFETY: leaf 0 (the vendor string) is defined on every
+            // x86-64 CPU and reads no memory.
+            let leaf = unsafe { std::arch::x86_64::__cpuid(0) };
+            let mut vendor = [0; 12];
+            for (bytes, register) in vendor
+                .chunks_exact_mut(4)
+                .zip([leaf.ebx, leaf.edx, leaf.ecx])
+            {
+                bytes.copy_from_slice(&register.to_le_bytes());
+            }
+            Plan::for_vendor(&vendor)
+        })
+    }
+
+    /// How much of each run is asked for.
+    fn bytes(self) -> usize {
+        match self {
+            Plan::HeadsToL1 => 1 << 10,
+            Plan::BlocksToL2 => 2 << 10,
+        }
+    }
+
+    /// The addresses to prefetch for a run of `bytes` at `address`: one
+    /// per 64-byte line of its first [`Plan::bytes`].
+    fn lines(self, address: usize, bytes: usize) -> impl Iterator<Item = usize> {
+        (0..bytes.min(self.bytes()))
+            .step_by(64)
+            .map(move |offset| address + offset)
+    }
+
+    /// Asks for the line at `address`.
+    #[inline]
+    fn prefetch(self, address: usize) {
+        let line = address as *const i8;
+        // SAFETY: every x86-64 CPU has SSE's prefetch; a prefetch has no
+        // effect on memory.
+        unsafe {
+            match self {
+                Plan::HeadsToL1 => _mm_prefetch::<_MM_HINT_T0>(line),
+                Plan::BlocksToL2 => _mm_prefetch::<_MM_HINT_T1>(line),
+            }
+        }
+    }
 }
 
 /// One task's KV runs in the order its kernel reads them (each chunk's key
@@ -43,6 +111,8 @@ fn head_lines(address: usize, bytes: usize) -> impl Iterator<Item = usize> {
 /// reads the kernel reports. Holds addresses only: a prefetch never reads
 /// memory, so nothing here is dereferenced.
 pub(crate) struct Ahead {
+    /// What of each run is asked for, where.
+    plan: Plan,
     /// `(address, bytes)` of each run, in read order.
     runs: Vec<(usize, usize)>,
     /// The first run not yet asked for.
@@ -58,6 +128,7 @@ impl Ahead {
     pub(crate) fn new(mut runs: Vec<(usize, usize)>) -> Ahead {
         runs.clear();
         Ahead {
+            plan: Plan::of_this_cpu(),
             runs,
             next: 0,
             pushed: 0,
@@ -115,11 +186,8 @@ impl Ahead {
     fn ask(&mut self) {
         while self.next < self.runs.len() && self.asked < self.read + AHEAD_BYTES {
             let (address, bytes) = self.runs[self.next];
-            for line in head_lines(address, bytes) {
-                // SAFETY: every x86-64 CPU has SSE's prefetch; a prefetch
-                // has no effect on memory, and the address is one of a run
-                // a view handed out.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+            for line in self.plan.lines(address, bytes) {
+                self.plan.prefetch(line);
             }
             self.asked += bytes;
             self.next += 1;
@@ -164,21 +232,34 @@ mod tests {
         assert_eq!(ahead.asked, data.len(), "nothing is asked for twice");
     }
 
-    /// A run is asked for from its first line through its first
-    /// [`HEAD_BYTES`], one address per line; a short run, whole.
+    /// A run is asked for from its first line through the plan's first
+    /// bytes, one address per line; a short run, whole.
     #[test]
     fn only_the_head_of_a_long_run_is_asked_for() {
-        let long: Vec<usize> = head_lines(4096, 2 << 10).collect();
-        assert_eq!(long.len(), HEAD_BYTES / 64, "one prefetch per line");
-        assert_eq!(long.first(), Some(&4096), "from the run's first line");
-        assert!(long.windows(2).all(|pair| pair[1] - pair[0] == 64));
-        assert_eq!(long.last(), Some(&(4096 + HEAD_BYTES - 64)));
-        let short: Vec<usize> = head_lines(100, 200).collect();
-        assert_eq!(
-            short,
-            [100, 164, 228, 292],
-            "a short run is asked for whole"
-        );
-        assert_eq!(head_lines(0, 0).count(), 0, "an empty run asks for nothing");
+        for plan in [Plan::HeadsToL1, Plan::BlocksToL2] {
+            let long: Vec<usize> = plan.lines(4096, 4 << 10).collect();
+            assert_eq!(long.len(), plan.bytes() / 64, "one prefetch per line");
+            assert_eq!(long.first(), Some(&4096), "from the run's first line");
+            assert!(long.windows(2).all(|pair| pair[1] - pair[0] == 64));
+            assert_eq!(long.last(), Some(&(4096 + plan.bytes() - 64)));
+            let short: Vec<usize> = plan.lines(100, 200).collect();
+            assert_eq!(
+                short,
+                [100, 164, 228, 292],
+                "a short run is asked for whole"
+            );
+            assert_eq!(plan.lines(0, 0).count(), 0, "an empty run asks for nothing");
+        }
+        // SmolLM2's 2 KB blocks: half of each into L1, or all into L2.
+        assert_eq!(Plan::HeadsToL1.lines(0, 2 << 10).count(), 16);
+        assert_eq!(Plan::BlocksToL2.lines(0, 2 << 10).count(), 32);
+    }
+
+    /// AMD's CPUs take the plan measured on Zen 4; every other maker's,
+    /// the one measured on the Intel Xeon.
+    #[test]
+    fn the_plan_follows_the_cpus_maker() {
+        assert_eq!(Plan::for_vendor(b"AuthenticAMD"), Plan::BlocksToL2);
+        assert_eq!(Plan::for_vendor(b"GenuineIntel"), Plan::HeadsToL1);
     }
 }
