@@ -58,12 +58,14 @@ impl Plan {
     fn of_this_cpu() -> Plan {
         static PLAN: OnceLock<Plan> = OnceLock::new();
         *PLAN.get_or_init(|| {
-            // `__cpuid` became a safe function after this crate's minimum
-            // Rust version; leaf 0 exists on every x86-64 CPU.
-            #[allow(unused_unsafe)]
+            // `__cpuid` is an unsafe function up to a Rust newer than this
+            // crate's minimum and safe after it; called through an unsafe
+            // function pointer it reads the same under both.
+            let cpuid: unsafe fn(u32) -> std::arch::x86_64::CpuidResult =
+                std::arch::x86_64::__cpuid;
             // SAFETY: leaf 0 (the vendor string) is defined on every
             // x86-64 CPU and reads no memory.
-            let leaf = unsafe { std::arch::x86_64::__cpuid(0) };
+            let leaf = unsafe { cpuid(0) };
             let mut vendor = [0; 12];
             for (bytes, register) in vendor
                 .chunks_exact_mut(4)
