@@ -32,7 +32,9 @@ enum Plan {
     /// kernel's loads waited for a free one (64–78 % of the value kernel's
     /// samples sat on its prefetches); the head only: `attention step`
     /// −12 % in ten alternated rounds (docs/performance.md, "Only the head
-    /// of each run").
+    /// of each run"). The whole block into L2 (AMD's plan) was 10–17 %
+    /// slower there in four alternated rounds: an Intel `prefetcht1` holds
+    /// a miss buffer too ("Blocks into L2 on AMD").
     HeadsToL1,
     /// The run's first 2 KB (a SmolLM2 block whole) into L2. On a Zen 4
     /// EPYC the head into L1 left 70 % of the value kernel's samples on its
