@@ -14,6 +14,7 @@
 //! text, and a call it writes is taken only if it names a known function
 //! and its arguments are a JSON object.
 
+use kvfence_engine::FinishReason;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -434,11 +435,18 @@ impl Tools {
     /// The calls in a finished answer, and the text before the first; no
     /// calls if a complete one is not a call this request's tools allow
     /// (the answer is then text). A call cut off by the end of the answer
-    /// (`max_tokens`) is never text: it becomes a call with the arguments
-    /// written so far, as OpenAI returns one, if its function's name was
-    /// written whole and is a known one, and is dropped otherwise.
-    pub fn parse(&self, text: &str) -> (String, Vec<Call>) {
+    /// (`finish` is `Length`: `max_tokens`) is never text: it becomes a call
+    /// with the arguments written so far, as OpenAI returns one, if its
+    /// function's name was written whole and is a known one, and is dropped
+    /// otherwise — as is an answer's end cut inside `<tool_call>` itself.
+    pub fn parse(&self, text: &str, finish: Option<FinishReason>) -> (String, Vec<Call>) {
         let Some(first) = text.find(OPEN) else {
+            let cut_tag = match finish {
+                Some(FinishReason::Length) => partial_open(text),
+                Some(FinishReason::Stop) | None => 0,
+            };
+            let text = &text[..text.len() - cut_tag];
+            let text = if cut_tag > 0 { text.trim_end() } else { text };
             return (text.to_string(), Vec::new());
         };
         let mut calls = Vec::new();
@@ -510,6 +518,17 @@ pub fn render_calls(calls: &[ToolCallIn]) -> String {
         .join("\n")
 }
 
+/// How many bytes at the end of `text` could begin `<tool_call>`: the
+/// longest such end shorter than the tag, 0 if there is none.
+fn partial_open(text: &str) -> usize {
+    (1..OPEN.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && OPEN.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
+}
+
 /// Splits a streamed answer into text that can go out now and a call that
 /// is being written: text is held back only while it could still be the
 /// start of `<tool_call>`.
@@ -533,14 +552,7 @@ impl StreamSplit {
             self.held.drain(..at);
             return before;
         }
-        // Keep the longest end of the text that begins `<tool_call>`.
-        let keep = (1..OPEN.len().min(self.held.len() + 1))
-            .rev()
-            .find(|&n| {
-                self.held.is_char_boundary(self.held.len() - n)
-                    && OPEN.starts_with(&self.held[self.held.len() - n..])
-            })
-            .unwrap_or(0);
+        let keep = partial_open(&self.held);
         let out = self.held[..self.held.len() - keep].to_string();
         self.held.drain(..self.held.len() - keep);
         out
@@ -571,6 +583,7 @@ mod tests {
         let t = tools(None).unwrap();
         let (content, calls) = t.parse(
             "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+            Some(FinishReason::Stop),
         );
         assert_eq!(content, "Let me check.");
         assert_eq!(calls.len(), 1);
@@ -582,8 +595,11 @@ mod tests {
             "<tool_call>\n{\"name\": \"now\", \"arguments\": \"x\"}\n</tool_call>",
             "plain answer",
         ] {
-            assert!(t.parse(text).1.is_empty(), "{text}");
-            assert_eq!(t.parse(text).0, text);
+            assert!(
+                t.parse(text, Some(FinishReason::Stop)).1.is_empty(),
+                "{text}"
+            );
+            assert_eq!(t.parse(text, Some(FinishReason::Stop)).0, text);
         }
     }
 
@@ -594,6 +610,7 @@ mod tests {
         // the second with its arguments so far (as OpenAI returns one).
         let (content, calls) = t.parse(
             "Checking.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par",
+            Some(FinishReason::Length),
         );
         assert_eq!(content, "Checking.");
         let names: Vec<&str> = calls.iter().map(|c| c.name.as_str()).collect();
@@ -607,16 +624,44 @@ mod tests {
             "Hm.\n<tool_call> not json",
             "Hm.\n<tool_call>",
         ] {
-            let (content, calls) = t.parse(cut);
+            let (content, calls) = t.parse(cut, Some(FinishReason::Length));
             assert!(calls.is_empty(), "{cut}");
             assert_eq!(content, "Hm.", "{cut}");
         }
         // Cut right after the name: a call with no arguments yet.
-        let (_, calls) = t.parse("<tool_call>\n{\"name\": \"now\"");
+        let (_, calls) = t.parse(
+            "<tool_call>\n{\"name\": \"now\"",
+            Some(FinishReason::Length),
+        );
         assert_eq!(
             (calls[0].name.as_str(), calls[0].arguments.as_str()),
             ("now", "")
         );
+    }
+
+    #[test]
+    fn an_answer_cut_inside_the_calls_opening_tag_shows_none_of_it() {
+        let t = tools(None).unwrap();
+        // Cut by max_tokens while `<tool_call>` itself was being written
+        // (a forced call's first tokens, or a call after some text): the
+        // partial tag is markup, never content.
+        for (cut, content) in [
+            ("<", ""),
+            ("<to", ""),
+            ("<tool_call", ""),
+            ("Checking.\n<tool_ca", "Checking."),
+        ] {
+            let (text, calls) = t.parse(cut, Some(FinishReason::Length));
+            assert!(calls.is_empty(), "{cut}");
+            assert_eq!(text, content, "{cut}");
+        }
+        // An answer that ended on its own keeps its text, whatever its end:
+        // only a cut leaves the tag unfinished.
+        for ended in ["x <", "see <tool_ca"] {
+            assert_eq!(t.parse(ended, Some(FinishReason::Stop)).0, ended);
+        }
+        // Text cut elsewhere is left whole.
+        assert_eq!(t.parse("a <b> c", Some(FinishReason::Length)).0, "a <b> c");
     }
 
     #[test]

@@ -1014,6 +1014,41 @@ async fn a_call_cut_by_max_tokens_is_a_call_never_markup() {
         chunks.last().unwrap()["choices"][0]["finish_reason"],
         "length"
     );
+    // Cut inside `<tool_call>` itself (its 11 bytes): no call yet, and none
+    // of the tag as content — whole, streamed, or through /v1/responses.
+    let responses = server.url("/v1/responses");
+    for max_tokens in 1..=11 {
+        let ask = with(
+            chat("weather in Paris?", max_tokens),
+            json!({"tools": weather_tools(), "tool_choice": "required"}),
+        );
+        let (status, answer) = post(&url, None, ask.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+        let reply = &answer["choices"][0];
+        assert_eq!(reply["finish_reason"], "length", "{answer}");
+        assert_eq!(reply["message"]["content"], "", "{answer}");
+        assert!(reply["message"].get("tool_calls").is_none(), "{answer}");
+        let (_, data) = sse(&url, None, with(ask, json!({"stream": true}))).await;
+        let text: String = self::chunks(&data)
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, "", "{data:?}");
+        let (status, answer) = post(
+            &responses,
+            None,
+            json!({"model": "builtin:tiny", "input": "weather in Paris?", "tools": [
+                {"type": "function", "name": "get_time", "parameters": {"type": "object"}}],
+                "tool_choice": "required", "max_output_tokens": max_tokens, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["status"], "incomplete", "{answer}");
+        for item in answer["output"].as_array().unwrap() {
+            assert_eq!(item["type"], "message", "{answer}");
+            assert_eq!(item["content"][0]["text"], "", "{answer}");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

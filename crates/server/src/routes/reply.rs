@@ -261,7 +261,7 @@ impl Reply {
                 let choice = &self.choices[i];
                 let text = format!("{prefix}{}", choice.text);
                 let (text, calls) = match &self.tools {
-                    Some(tools) => tools.parse(&text),
+                    Some(tools) => tools.parse(&text, choice.finish.map(|(reason, _)| reason)),
                     None => (text, Vec::new()),
                 };
                 Whole {
@@ -413,7 +413,7 @@ impl Reply {
             let choice = &mut self.choices[i];
             let mut held = choice.split.push(&text);
             held.push_str(&choice.split.finish());
-            (text, calls) = tools.parse(&held);
+            (text, calls) = tools.parse(&held, choice.finish.map(|(reason, _)| reason));
         }
         let logprobs = self.take_logprobs(i);
         let choice = &self.choices[i];

@@ -11,7 +11,7 @@ impl Reply {
     /// is only calls), then each call.
     pub(super) fn response_items(&self, text: &str, status: &str) -> Vec<Value> {
         let (content, calls) = match &self.tools {
-            Some(tools) => tools.parse(text),
+            Some(tools) => tools.parse(text, self.choices[0].finish.map(|(reason, _)| reason)),
             None => (text.to_string(), Vec::new()),
         };
         let mut items = Vec::new();
@@ -150,7 +150,7 @@ impl Reply {
             let choice = &mut self.choices[0];
             let mut held = choice.split.push(&rest);
             held.push_str(&choice.split.finish());
-            (rest, calls) = tools.parse(&held);
+            (rest, calls) = tools.parse(&held, choice.finish.map(|(reason, _)| reason));
         }
         let status = self.response_status();
         let mut events = Vec::new();
