@@ -510,9 +510,19 @@ impl CommonParams {
         }
     }
 
-    /// The requested `max_tokens`, if any, checked to be positive.
+    /// The requested `max_tokens`, if any, checked to be positive. Both
+    /// names may be sent (clients moving from one to the other do) only if
+    /// they agree: one silently winning would leave the other doing nothing.
     pub fn max_tokens(&self) -> Result<Option<usize>, ApiError> {
         let (param, value) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(new), Some(old)) if new != old => {
+                return Err(ApiError::invalid(
+                    "max_tokens",
+                    format!(
+                        "max_tokens ({old}) and max_completion_tokens ({new}) disagree; send one of them"
+                    ),
+                ));
+            }
             (Some(n), _) => ("max_completion_tokens", n),
             (None, Some(n)) => ("max_tokens", n),
             (None, None) => return Ok(None),

@@ -124,6 +124,29 @@ fn logit_bias_keys_must_be_tokens_of_the_vocabulary() {
 }
 
 #[test]
+fn both_names_of_the_completion_limit_must_agree() {
+    let limit = |body: &str| {
+        typed::<CommonParams>(&chat(body).unwrap())
+            .unwrap()
+            .max_tokens()
+    };
+    assert_eq!(
+        limit(r#"{"messages": [], "max_tokens": 7}"#).unwrap(),
+        Some(7)
+    );
+    assert_eq!(
+        limit(r#"{"messages": [], "max_completion_tokens": 7, "max_tokens": 7}"#).unwrap(),
+        Some(7)
+    );
+    let error =
+        limit(r#"{"messages": [], "max_completion_tokens": 7, "max_tokens": 5}"#).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("max_tokens"));
+    assert!(error.message.contains("disagree"), "{}", error.message);
+    let error = limit(r#"{"messages": [], "max_completion_tokens": 0}"#).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("max_completion_tokens"));
+}
+
+#[test]
 fn top_logprobs_needs_logprobs() {
     let fields = |body: &str| -> ChatFields { typed(&chat(body).unwrap()).unwrap() };
     assert_eq!(
