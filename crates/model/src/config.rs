@@ -53,6 +53,29 @@ pub struct SlidingWindow {
 }
 
 impl Architecture {
+    /// Those a Hugging Face directory's `config.json` loads as; Phi-3 and
+    /// Gemma 3 load from GGUF files only.
+    const FROM_HF: [Architecture; 4] = [
+        Architecture::Llama,
+        Architecture::Mistral,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+    ];
+
+    /// Those a GGUF file loads as (Mistral's files say `llama`).
+    const FROM_GGUF: [Architecture; 5] = [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Phi3,
+        Architecture::Gemma3,
+    ];
+
+    /// The names in `names`, as an error lists them.
+    fn listed(names: impl Iterator<Item = &'static str>) -> String {
+        names.collect::<Vec<_>>().join(", ")
+    }
+
     /// The name `config.json` uses.
     pub fn hf_name(self) -> &'static str {
         match self {
@@ -211,17 +234,17 @@ impl ModelConfig {
         let hf: HfConfig = serde_json::from_str(text)
             .map_err(|e| ModelError::config(path, format!("invalid config.json: {e}")))?;
         let name = hf.architectures.first().cloned().unwrap_or_default();
-        let architecture = match name.as_str() {
-            "LlamaForCausalLM" => Architecture::Llama,
-            "MistralForCausalLM" => Architecture::Mistral,
-            "Qwen2ForCausalLM" => Architecture::Qwen2,
-            "Qwen3ForCausalLM" => Architecture::Qwen3,
-            _ => {
-                return Err(ModelError::UnsupportedArchitecture {
-                    path: path.into(),
-                    architecture: name,
-                });
-            }
+        let Some(architecture) = Architecture::FROM_HF
+            .into_iter()
+            .find(|a| a.hf_name() == name)
+        else {
+            return Err(ModelError::UnsupportedArchitecture {
+                path: path.into(),
+                architecture: name,
+                supported: Architecture::listed(
+                    Architecture::FROM_HF.into_iter().map(Architecture::hf_name),
+                ),
+            });
         };
         let rope_scaling = match hf.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
@@ -265,20 +288,19 @@ impl ModelConfig {
     pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig, ModelError> {
         let path = file.path();
         let arch = file.str("general.architecture")?;
-        let architecture = match arch {
-            "llama" => Architecture::Llama,
-            "qwen2" => Architecture::Qwen2,
-            "qwen3" => Architecture::Qwen3,
-            "phi3" => Architecture::Phi3,
-            "gemma3" => Architecture::Gemma3,
-            _ => {
-                return Err(ModelError::UnsupportedArchitecture {
-                    path: path.into(),
-                    architecture: format!(
-                        "{arch} (GGUF; supported: llama, qwen2, qwen3, phi3, gemma3)"
-                    ),
-                });
-            }
+        let Some(architecture) = Architecture::FROM_GGUF
+            .into_iter()
+            .find(|a| a.gguf_name() == arch)
+        else {
+            return Err(ModelError::UnsupportedArchitecture {
+                path: path.into(),
+                architecture: arch.to_string(),
+                supported: Architecture::listed(
+                    Architecture::FROM_GGUF
+                        .into_iter()
+                        .map(Architecture::gguf_name),
+                ),
+            });
         };
         if file.has_tensor("blk.0.rope_factors_long.weight")
             || file.has_tensor("rope_factors_long.weight")
@@ -592,6 +614,17 @@ mod tests {
             err.to_string().contains("GPT2LMHeadModel")
                 && err.to_string().contains("/m/config.json")
         );
+        // It lists exactly what a config.json does load as.
+        for name in [
+            "LlamaForCausalLM",
+            "MistralForCausalLM",
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+        ] {
+            assert!(err.to_string().contains(name), "{err}");
+            let text = SMOL.replace("LlamaForCausalLM", name);
+            ModelConfig::from_hf_json(&text, Path::new("c")).unwrap();
+        }
         let bad = SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4");
         assert!(
             ModelConfig::from_hf_json(&bad, Path::new("c"))

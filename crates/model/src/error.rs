@@ -10,12 +10,13 @@ use kvfence_pool::PoolError;
 #[non_exhaustive]
 pub enum ModelError {
     /// A file could not be read or written.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {error}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
+        /// The OS error: in the message, so not the error's `source` too
+        /// (a chain printed whole would say it twice).
+        error: std::io::Error,
     },
     /// `config.json` is malformed or describes an impossible model.
     #[error("{}: {reason}", path.display())]
@@ -26,12 +27,14 @@ pub enum ModelError {
         reason: String,
     },
     /// An architecture this runtime does not implement.
-    #[error("{}: architecture {architecture:?} is not supported (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)", path.display())]
+    #[error("{}: architecture {architecture:?} is not supported (supported: {supported})", path.display())]
     UnsupportedArchitecture {
-        /// The config file.
+        /// The config or GGUF file.
         path: PathBuf,
-        /// The architecture named.
+        /// The architecture named, as the file names it.
         architecture: String,
+        /// The names of those that load from such a file.
+        supported: String,
     },
     /// A weights file is not valid safetensors.
     #[error("{}: not a valid safetensors file: {reason}", path.display())]
@@ -149,10 +152,10 @@ pub enum ModelError {
 }
 
 impl ModelError {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         ModelError::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 

@@ -79,9 +79,7 @@ impl TextModel {
                 chat_template: gguf_chat_template(&file)?,
             });
         }
-        Err(ModelError::UnknownModel {
-            name: name.to_string(),
-        })
+        Err(not_a_model(name))
     }
 
     /// Like [`TextModel::load`], and also takes the name of a
@@ -126,6 +124,26 @@ fn load_known<T>(
 /// Whether `path` names a GGUF file, by its extension: one that is not
 /// there is then an error opening it (naming the path), not an unknown
 /// model name.
+/// Why `name`, neither a builtin, a directory nor a `.gguf` file, loads
+/// nothing: a name written as a path (absolute, or from `.`) is a file
+/// that is not there or is not a model; anything else is a name this
+/// runtime does not know, and the error lists those it does.
+fn not_a_model(name: &str) -> ModelError {
+    let path = Path::new(name);
+    if path.is_absolute() || name.starts_with('.') {
+        return match std::fs::metadata(path) {
+            Err(e) => ModelError::io(path, e),
+            Ok(_) => ModelError::config(
+                path,
+                "not a model: give a Hugging Face model directory or a .gguf file",
+            ),
+        };
+    }
+    ModelError::UnknownModel {
+        name: name.to_string(),
+    }
+}
+
 fn is_gguf(path: &Path) -> bool {
     path.extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
@@ -190,9 +208,7 @@ impl LoadedModel {
         if is_gguf(path) {
             return Self::load_gguf(path);
         }
-        Err(ModelError::UnknownModel {
-            name: name.to_string(),
-        })
+        Err(not_a_model(name))
     }
 
     /// Like [`LoadedModel::load`], and also takes the name of a

@@ -186,6 +186,21 @@ fn a_corrupt_weights_file_and_an_unknown_model_name_are_clear_errors() {
         msg.contains("gone.gguf") && !msg.contains("unknown model"),
         "{msg}"
     );
+    // So is any path that is not there, written as a path (a directory of
+    // weights mistyped, say), for the weights and for a router's text model.
+    for missing in [
+        dir.path().join("weights").to_str().unwrap().to_string(),
+        "./no-such-model-dir".to_string(),
+    ] {
+        let load = LoadedModel::load(&missing).unwrap_err();
+        let text = kvfence_model::TextModel::load(&missing).unwrap_err();
+        for err in [load, text] {
+            assert!(matches!(err, ModelError::Io { .. }), "{missing}: {err}");
+            assert!(err.to_string().starts_with(&missing), "{err}");
+            // The OS's reason is in the message, so not again as its cause.
+            assert!(std::error::Error::source(&err).is_none(), "{err:?}");
+        }
+    }
 }
 
 /// What a router loads: name, shape, tokenizer and template, never the

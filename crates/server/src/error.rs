@@ -14,12 +14,12 @@ use serde::Serialize;
 #[non_exhaustive]
 pub enum ServerError {
     /// The tenants file could not be read.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: String,
-        /// The OS error.
-        source: std::io::Error,
+        /// The OS error: in the message, so not the error's `source` too.
+        error: std::io::Error,
     },
     /// The tenants file is malformed.
     #[error("{path}: {reason}")]

@@ -369,9 +369,9 @@ impl Tenants {
 }
 
 fn read(path: &Path) -> Result<String, ServerError> {
-    std::fs::read_to_string(path).map_err(|source| ServerError::Io {
+    std::fs::read_to_string(path).map_err(|error| ServerError::Io {
         path: path.display().to_string(),
-        source,
+        error,
     })
 }
 
@@ -655,6 +655,14 @@ mod tests {
             let err = Tenants::from_toml(text, "conf/t.toml").unwrap_err();
             assert!(err.to_string().contains("conf/t.toml"), "{err}");
         }
+        // A file that is not there: named, and the OS's reason said once in
+        // the error's chain (as `Error: ... Caused by: ...` prints it).
+        let err = Tenants::from_file(Path::new("/no/such/tenants.toml")).unwrap_err();
+        assert!(
+            err.to_string().starts_with("/no/such/tenants.toml: "),
+            "{err}"
+        );
+        assert!(std::error::Error::source(&err).is_none(), "{err:?}");
         let (_, one) = new_tenant("a", &limits(1, None), 1).unwrap();
         let twice = format!("{one}{one}");
         assert!(Tenants::from_toml(&twice, "t").is_err());
