@@ -22,7 +22,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long)]
     raw: bool,
     /// Tokens to generate at most.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::positive::<usize>)]
     max_tokens: usize,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -36,7 +36,14 @@ pub(crate) struct GenerateArgs {
 }
 
 pub(crate) fn run(args: &GenerateArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
+    // Checked before the model loads (smollm2 may be fetched first).
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: args.temperature,
+        top_k: 0,
+        top_p: 1.0,
+        seed: args.seed,
+        ..SamplingParams::greedy()
+    })?;
     let loaded = crate::serve::load_model(&args.model)?;
     let text = match (&loaded.chat_template, args.raw) {
         (Some(template), false) => template.render(
@@ -78,13 +85,6 @@ pub(crate) fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     );
     let pool = Pool::new(&spec)?;
     let mut lease = pool.lease(RequestId(1), total)?;
-    let mut sampler = Sampler::new(SamplingParams {
-        temperature: args.temperature,
-        top_k: 0,
-        top_p: 1.0,
-        seed: args.seed,
-        ..SamplingParams::greedy()
-    })?;
     let eos = &loaded.model.config().eos_token_ids;
 
     let start = Instant::now();
