@@ -134,6 +134,9 @@ pub enum ErrorType {
     /// 405: the path exists, the method does not.
     #[serde(rename = "invalid_request_error")]
     MethodNotAllowed,
+    /// 415: the body is encoded in a way the server does not read.
+    #[serde(rename = "invalid_request_error")]
+    UnsupportedEncoding,
 }
 
 impl ErrorType {
@@ -148,6 +151,7 @@ impl ErrorType {
             ErrorType::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorType::Timeout => StatusCode::REQUEST_TIMEOUT,
             ErrorType::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorType::UnsupportedEncoding => StatusCode::UNSUPPORTED_MEDIA_TYPE,
         }
     }
 }

@@ -160,6 +160,14 @@ async fn every_error_comes_in_the_openai_envelope_and_models_can_be_retrieved() 
                 .body(format!("{{\"prompt\": \"{}\"}}", "x".repeat(2000))),
             413,
         ),
+        // A compressed body is refused as such, not as "invalid JSON".
+        (
+            client
+                .post(server.url("/v1/chat/completions"))
+                .header("content-encoding", "gzip")
+                .body(vec![0x1f, 0x8b, 8, 0]),
+            415,
+        ),
         (client.get(server.url("/v1/models/other-model")), 404),
     ];
     for (request, status) in cases {
@@ -167,6 +175,15 @@ async fn every_error_comes_in_the_openai_envelope_and_models_can_be_retrieved() 
         assert_eq!(response.status().as_u16(), status);
         let body: Value = response.json().await.unwrap();
         envelope(status, &body);
+        if status == 415 {
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("Content-Encoding"),
+                "{body}"
+            );
+        }
     }
     let model = server.get_json("/v1/models/builtin:tiny").await;
     assert_eq!(model["id"], "builtin:tiny");

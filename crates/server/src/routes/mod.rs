@@ -527,6 +527,19 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
             format!("the request body is larger than {max} bytes"),
         )
     };
+    // A compressed body would read as malformed JSON; say what it is. The
+    // header's value is not quoted back.
+    let encoded = headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .any(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        return Err(ApiError::new(
+            ErrorType::UnsupportedEncoding,
+            "unsupported_content_encoding",
+            "a request body with a Content-Encoding is not read here: send it uncompressed",
+        ));
+    }
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
