@@ -71,9 +71,26 @@ impl Architecture {
         Architecture::Gemma3,
     ];
 
-    /// The names in `names`, as an error lists them.
-    fn listed(names: impl Iterator<Item = &'static str>) -> String {
-        names.collect::<Vec<_>>().join(", ")
+    /// The one of `from` that `name_of` calls `wanted`; else an error
+    /// naming `path` and listing what `from` is called.
+    fn named(
+        from: &[Architecture],
+        name_of: fn(Architecture) -> &'static str,
+        wanted: &str,
+        path: &Path,
+    ) -> Result<Architecture, ModelError> {
+        from.iter()
+            .copied()
+            .find(|&a| name_of(a) == wanted)
+            .ok_or_else(|| ModelError::UnsupportedArchitecture {
+                path: path.into(),
+                architecture: wanted.to_string(),
+                supported: from
+                    .iter()
+                    .map(|&a| name_of(a))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
     }
 
     /// The name `config.json` uses.
@@ -234,18 +251,8 @@ impl ModelConfig {
         let hf: HfConfig = serde_json::from_str(text)
             .map_err(|e| ModelError::config(path, format!("invalid config.json: {e}")))?;
         let name = hf.architectures.first().cloned().unwrap_or_default();
-        let Some(architecture) = Architecture::FROM_HF
-            .into_iter()
-            .find(|a| a.hf_name() == name)
-        else {
-            return Err(ModelError::UnsupportedArchitecture {
-                path: path.into(),
-                architecture: name,
-                supported: Architecture::listed(
-                    Architecture::FROM_HF.into_iter().map(Architecture::hf_name),
-                ),
-            });
-        };
+        let architecture =
+            Architecture::named(&Architecture::FROM_HF, Architecture::hf_name, &name, path)?;
         let rope_scaling = match hf.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
             Some(value) => Some(parse_rope_scaling(&value, path)?),
@@ -288,20 +295,12 @@ impl ModelConfig {
     pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig, ModelError> {
         let path = file.path();
         let arch = file.str("general.architecture")?;
-        let Some(architecture) = Architecture::FROM_GGUF
-            .into_iter()
-            .find(|a| a.gguf_name() == arch)
-        else {
-            return Err(ModelError::UnsupportedArchitecture {
-                path: path.into(),
-                architecture: arch.to_string(),
-                supported: Architecture::listed(
-                    Architecture::FROM_GGUF
-                        .into_iter()
-                        .map(Architecture::gguf_name),
-                ),
-            });
-        };
+        let architecture = Architecture::named(
+            &Architecture::FROM_GGUF,
+            Architecture::gguf_name,
+            arch,
+            path,
+        )?;
         if file.has_tensor("blk.0.rope_factors_long.weight")
             || file.has_tensor("rope_factors_long.weight")
         {
