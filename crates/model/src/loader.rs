@@ -121,9 +121,6 @@ fn load_known<T>(
     Ok(loaded)
 }
 
-/// Whether `path` names a GGUF file, by its extension: one that is not
-/// there is then an error opening it (naming the path), not an unknown
-/// model name.
 /// Why `name`, neither a builtin, a directory nor a `.gguf` file, loads
 /// nothing: a name written as a path (absolute, or from `.`) is a file
 /// that is not there or is not a model; anything else is a name this
@@ -144,6 +141,9 @@ fn not_a_model(name: &str) -> ModelError {
     }
 }
 
+/// Whether `path` names a GGUF file, by its extension: one that is not
+/// there is then an error opening it (naming the path), not an unknown
+/// model name.
 fn is_gguf(path: &Path) -> bool {
     path.extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
