@@ -70,9 +70,10 @@ pub enum ServerError {
         /// What failed.
         reason: String,
     },
-    /// The response store's database failed.
+    /// The response store's database failed. Its reason is in the
+    /// message, so it is not the error's `source` too.
     #[error("the response store failed: {0}")]
-    StoreDatabase(#[from] rusqlite::Error),
+    StoreDatabase(rusqlite::Error),
     /// The response store's PostgreSQL server failed, or could not be
     /// reached. The reason is its SQLSTATE code or the connection's
     /// error, never its message (which may quote a value).
@@ -107,6 +108,12 @@ pub enum ServerError {
         /// The host asked for.
         host: String,
     },
+}
+
+impl From<rusqlite::Error> for ServerError {
+    fn from(error: rusqlite::Error) -> Self {
+        ServerError::StoreDatabase(error)
+    }
 }
 
 /// Kinds of error body, as OpenAI names them.
@@ -336,6 +343,15 @@ impl From<postgres::Error> for ServerError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_store_failure_says_its_reason_once() {
+        let err = ServerError::from(rusqlite::Error::InvalidQuery);
+        let reason = rusqlite::Error::InvalidQuery.to_string();
+        assert!(err.to_string().ends_with(&reason), "{err}");
+        // Not again as its cause: anyhow's "Caused by" would repeat it.
+        assert!(std::error::Error::source(&err).is_none(), "{err:?}");
+    }
 
     #[test]
     fn busy_answers_say_when_to_retry_and_others_do_not() {
