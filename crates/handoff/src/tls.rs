@@ -215,6 +215,17 @@ impl ClusterCa {
     }
 }
 
+/// The certificate and key file names `role` is read from in `dir`:
+/// `ROLE.crt` and `ROLE.key` as `kvfence cluster init` writes them, else a
+/// Kubernetes TLS Secret's `tls.crt` and `tls.key`.
+fn file_names(dir: &Path, role: Role) -> (String, String) {
+    if dir.join(format!("{role}.crt")).exists() {
+        (format!("{role}.crt"), format!("{role}.key"))
+    } else {
+        ("tls.crt".to_string(), "tls.key".to_string())
+    }
+}
+
 fn write_file(path: &Path, contents: &[u8], secret: bool) -> std::io::Result<()> {
     use std::io::Write;
     let mut options = std::fs::OpenOptions::new();
@@ -259,18 +270,37 @@ impl Credentials {
                 reason: format!("{e} (create the directory with `kvfence cluster init --out DIR`)"),
             })
         };
-        let named = dir.join(format!("{role}.crt")).exists();
-        let (cert, key) = if named {
-            (format!("{role}.crt"), format!("{role}.key"))
-        } else {
-            ("tls.crt".to_string(), "tls.key".to_string())
-        };
+        let (cert, key) = file_names(dir, role);
         Credentials::from_pem(role, &read("ca.crt")?, &read(&cert)?, &read(&key)?).map_err(
             |error| HandoffError::Credentials {
                 path: dir.display().to_string(),
                 reason: error.to_string(),
             },
         )
+    }
+
+    /// The permission bits of the private key [`Credentials::load`] reads
+    /// from `dir` for `role`, when they give every other user of the
+    /// machine some access to it (any of `0o007`); `None` when they do not,
+    /// or when the file cannot be read (loading says why). Such a key still
+    /// loads — a Kubernetes Secret volume mounts files `0644` unless told
+    /// otherwise — but the process should say so.
+    pub fn key_open_to_others(dir: &Path, role: Role) -> Option<u32> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(dir.join(file_names(dir, role).1))
+                .ok()?
+                .permissions()
+                .mode()
+                & 0o777;
+            (mode & 0o007 != 0).then_some(mode)
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = (dir, role);
+            None
+        }
     }
 
     /// Credentials from PEM text: the CA certificate, this role's certificate
@@ -460,6 +490,55 @@ mod tests {
         assert!(Credentials::load(dir.path(), Role::Decode).is_ok());
         // The same Secret cannot be used to run as another role.
         assert!(Credentials::load(dir.path(), Role::Router).is_err());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_key_other_users_can_read_is_told_and_an_owner_or_group_one_is_not() {
+        use std::os::unix::fs::PermissionsExt;
+        let chmod = |path: &std::path::Path, mode: u32| {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        ClusterCa::generate()
+            .unwrap()
+            .write_dir(dir.path())
+            .unwrap();
+        let key = dir.path().join("prefill.key");
+        assert_eq!(
+            Credentials::key_open_to_others(dir.path(), Role::Prefill),
+            None
+        );
+        // A Kubernetes Secret with `defaultMode: 0400` under an `fsGroup`.
+        chmod(&key, 0o440);
+        assert_eq!(
+            Credentials::key_open_to_others(dir.path(), Role::Prefill),
+            None
+        );
+        // A Secret volume's default.
+        chmod(&key, 0o644);
+        assert_eq!(
+            Credentials::key_open_to_others(dir.path(), Role::Prefill),
+            Some(0o644)
+        );
+        assert!(
+            Credentials::load(dir.path(), Role::Prefill).is_ok(),
+            "such a key still loads"
+        );
+        // The Secret layout's key is the one checked there.
+        let secret = tempfile::tempdir().unwrap();
+        std::fs::write(secret.path().join("tls.crt"), b"").unwrap();
+        std::fs::write(secret.path().join("tls.key"), b"").unwrap();
+        chmod(&secret.path().join("tls.key"), 0o604);
+        assert_eq!(
+            Credentials::key_open_to_others(secret.path(), Role::Decode),
+            Some(0o604)
+        );
+        assert_eq!(
+            Credentials::key_open_to_others(dir.path().join("absent").as_path(), Role::Decode),
+            None,
+            "a key that is not there is for loading to report"
+        );
     }
 
     #[test]

@@ -49,8 +49,16 @@ impl TlsArgs {
                 "KVFENCE_CLUSTER_SECRET is no longer used: links authenticate with the certificates in --tls-dir"
             );
         }
-        Credentials::load(&self.tls_dir, role)
-            .with_context(|| format!("loading the {role} role's TLS credentials"))
+        let credentials = Credentials::load(&self.tls_dir, role)
+            .with_context(|| format!("loading the {role} role's TLS credentials"))?;
+        if let Some(mode) = Credentials::key_open_to_others(&self.tls_dir, role) {
+            warn!(
+                dir = %self.tls_dir.display(),
+                mode = format!("{mode:o}"),
+                "the {role} role's private key is open to every user of this machine: make it 0600 (on Kubernetes, defaultMode: 0400 on the Secret volume)"
+            );
+        }
+        Ok(credentials)
     }
 }
 
