@@ -2,15 +2,16 @@
 
 use anyhow::Context;
 use clap::Args;
+use clap::builder::RangedU64ValueParser;
 use kvfence_engine::EngineConfig;
-use kvfence_pool::{ElemType, KvShape, LayerGroups, PoolSize, PoolSpec};
+use kvfence_pool::{ElemType, KvShape, LayerGroups, MAX_LAYERS, PoolSize, PoolSpec};
 
 use crate::Dtype;
 
 #[derive(Args, Debug)]
 pub(crate) struct PlanArgs {
-    /// Decoder layers of the model.
-    #[arg(long)]
+    /// Decoder layers of the model (at most 1024).
+    #[arg(long, value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_LAYERS as u64))]
     layers: usize,
     /// Key/value heads per layer.
     #[arg(long)]

@@ -202,6 +202,15 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// Most attention heads (query or key/value) a model may have: eight times
+/// the largest open models' (128).
+const MAX_HEADS: usize = 1024;
+/// Most elements a head may have (open models use 64 to 256).
+const MAX_HEAD_DIM: usize = 4096;
+/// Most elements a hidden or intermediate activation row may have: the
+/// largest open models' are 16,384 and 53,248.
+const MAX_WIDTH: usize = 1 << 20;
+
 /// The subset of `config.json` kvfence reads. Unknown fields are ignored.
 #[derive(Debug, Deserialize)]
 struct HfConfig {
@@ -427,6 +436,26 @@ impl ModelConfig {
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return fail(format!("{name} must be positive"));
+        }
+        // The file's word on sizes is checked before anything is sized by
+        // it: a count of 2^40 layers made the loader abort on an
+        // allocation of terabytes.
+        let bounded = [
+            (
+                "num_hidden_layers",
+                self.num_layers,
+                kvfence_pool::MAX_LAYERS,
+            ),
+            ("num_attention_heads", self.num_heads, MAX_HEADS),
+            ("num_key_value_heads", self.num_kv_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_HEAD_DIM),
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+        ];
+        if let Some((name, value, most)) = bounded.iter().find(|(_, v, most)| v > most) {
+            return fail(format!(
+                "{name} ({value}) is more than this runtime runs (at most {most})"
+            ));
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return fail(format!(

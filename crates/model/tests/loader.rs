@@ -159,6 +159,33 @@ fn an_unsupported_architecture_is_named_with_the_config_file() {
     );
 }
 
+/// A config's sizes are the file's word, not the runtime's: one that no
+/// memory could hold is refused by name before anything is sized by it,
+/// where trusting it made the loader abort on an allocation of terabytes.
+#[test]
+fn sizes_no_memory_could_hold_are_refused_by_name() {
+    for (field, value) in [
+        ("num_hidden_layers", 1u64 << 40),
+        ("num_attention_heads", 1 << 40),
+        ("num_key_value_heads", 1 << 40),
+        ("hidden_size", 1 << 40),
+        ("intermediate_size", 1 << 40),
+        ("head_dim", 1 << 40),
+    ] {
+        let dir = export(1, DiskDtype::F32);
+        let path = dir.path().join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config[field] = value.into();
+        std::fs::write(&path, config.to_string()).unwrap();
+        let msg = load(dir.path()).unwrap_err().to_string();
+        assert!(
+            msg.contains(field) && msg.contains("config.json"),
+            "{field}: {msg}"
+        );
+    }
+}
+
 #[test]
 fn a_corrupt_weights_file_and_an_unknown_model_name_are_clear_errors() {
     let dir = export(1, DiskDtype::F32);

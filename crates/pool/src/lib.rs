@@ -38,8 +38,8 @@ pub use page::{Generation, NamespaceId, PageId, PageRef, PageState, RequestId};
 pub use pool::{Pool, PoolStats};
 pub use prefix::Namespace;
 pub use spec::{
-    CacheSpec, Checks, ChunkRuns, DEFAULT_PUBLIC_MIN_TOKENS, Geometry, KvShape, MAX_PAGE_SIZE,
-    PoolSize, PoolSpec, ReusePolicy, Scrub,
+    CacheSpec, Checks, ChunkRuns, DEFAULT_PUBLIC_MIN_TOKENS, Geometry, KvShape, MAX_LAYERS,
+    MAX_PAGE_SIZE, PoolSize, PoolSpec, ReusePolicy, Scrub,
 };
 pub use view::{Keys, ReadView};
 pub use window::{Window, WindowKey};

@@ -139,6 +139,11 @@ pub enum Checks {
 /// pages of modest size.
 pub const MAX_PAGE_SIZE: usize = 4096;
 
+/// Most layers a pool holds KV for: eight times the deepest open models'
+/// (126). A pool sizes per-layer tables by the count, so one a file or a
+/// flag makes up (2^40) is refused rather than allocated.
+pub const MAX_LAYERS: usize = 1024;
+
 impl PoolSpec {
     /// A spec with the build's default scrub policy and oldest-first reuse.
     ///
@@ -245,6 +250,11 @@ impl PoolSpec {
         if layers == 0 || kv_heads == 0 || head_dim == 0 {
             return Err(invalid(format!(
                 "layers ({layers}), kv heads ({kv_heads}) and head dim ({head_dim}) must all be positive"
+            )));
+        }
+        if layers > MAX_LAYERS {
+            return Err(invalid(format!(
+                "{layers} layers are more than a pool holds ({MAX_LAYERS})"
             )));
         }
         let groups = self.layer_groups();
@@ -482,6 +492,37 @@ mod tests {
                 "{error}"
             );
         }
+    }
+
+    /// Layer counts no model has are refused before anything is sized by
+    /// them: a spec of 2^40 layers used to build a table of 2^40 entries
+    /// (`kvfence pool plan --layers 4294967295` ran until memory ran out).
+    #[test]
+    fn more_layers_than_a_pool_holds_are_refused_by_count() {
+        for layers in [MAX_LAYERS + 1, 1 << 40, usize::MAX] {
+            let shape = KvShape {
+                layers,
+                kv_heads: 1,
+                head_dim: 4,
+            };
+            let error = PoolSpec::new(shape, 16, ElemType::F32, PoolSize::Pages(4))
+                .geometry()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains(&format!("{layers} layers")) && error.contains("1024"),
+                "{error}"
+            );
+        }
+        let deepest = KvShape {
+            layers: MAX_LAYERS,
+            kv_heads: 1,
+            head_dim: 4,
+        };
+        let geometry = PoolSpec::new(deepest, 16, ElemType::F32, PoolSize::Pages(4))
+            .geometry()
+            .unwrap();
+        assert_eq!(geometry.page_bytes, MAX_LAYERS * 2 * 16 * 4 * 4);
     }
 
     /// Runs in both of CI's test passes: plain, and with

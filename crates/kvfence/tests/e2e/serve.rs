@@ -638,6 +638,38 @@ fn a_zero_where_a_count_or_duration_must_be_positive_names_its_own_flag() {
     }
 }
 
+/// `pool plan` takes the layer counts a pool holds: one past them is a
+/// usage error at once, where 4294967295 layers built a table of that many
+/// entries until memory ran out.
+#[test]
+fn pool_plan_refuses_more_layers_than_a_pool_holds() {
+    let plan = |layers: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvfence"))
+            .args(["pool", "plan", "--layers", layers])
+            .args(["--kv-heads", "1", "--head-dim", "8", "--tokens", "64"])
+            .args(["--sliding-window", "16"])
+            .output()
+            .unwrap()
+    };
+    for layers in ["1025", "4294967295"] {
+        let out = plan(layers);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{layers} layers planned: {stderr}");
+        assert!(
+            stderr.contains("'--layers <") && stderr.contains("1..=1024"),
+            "{layers}: {stderr}"
+        );
+    }
+    let out = plan("1024");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("layer groups"), "{stdout}");
+}
+
 #[test]
 fn generate_runs_one_prompt_and_refuses_what_it_cannot_do() {
     let generate = |args: &[&str]| {
