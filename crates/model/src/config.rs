@@ -480,6 +480,15 @@ impl ModelConfig {
         {
             return fail("a sliding window and its RoPE base must be positive".into());
         }
+        if let Some(sliding) = &self.sliding_window
+            && sliding.window > kvfence_pool::MAX_SPAN
+        {
+            return fail(format!(
+                "sliding window ({}) is more than this runtime runs (at most {})",
+                sliding.window,
+                kvfence_pool::MAX_SPAN
+            ));
+        }
         if let Some(&bad) = self
             .eos_token_ids
             .iter()
@@ -632,6 +641,37 @@ mod tests {
         let c = ModelConfig::from_hf_json(&text, Path::new("c")).unwrap();
         assert!(c.qkv_bias);
         assert_eq!(c.rope_scaling.unwrap().factor, 8.0);
+    }
+
+    /// A GGUF file's sliding window past what the pool counts in is
+    /// refused with the file, as every other size is.
+    #[test]
+    fn a_window_too_long_to_count_is_refused() {
+        let mut c = ModelConfig::from_hf_json(SMOL, Path::new("config.json")).unwrap();
+        let path = Path::new("/m/gemma.gguf");
+        for (window, refused) in [
+            (512, false),
+            (kvfence_pool::MAX_SPAN, false),
+            (kvfence_pool::MAX_SPAN + 1, true),
+            (usize::MAX, true),
+        ] {
+            c.sliding_window = Some(SlidingWindow {
+                window,
+                period: 6,
+                local_rope_theta: 10_000.0,
+            });
+            match c.validate(path) {
+                Ok(()) => assert!(!refused, "{window} accepted"),
+                Err(error) => {
+                    let error = error.to_string();
+                    assert!(refused, "{window}: {error}");
+                    assert!(
+                        error.contains("sliding window") && error.contains("gemma.gguf"),
+                        "{error}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -35,7 +35,39 @@ pub enum Keep {
     },
 }
 
+/// The most positions a window, its alignment or one write may span. The
+/// pages a window holds are counted from their sum, which must stay far
+/// from overflowing; no context is longer.
+pub const MAX_SPAN: usize = u32::MAX as usize;
+
 impl Keep {
+    /// Refuses a window whose numbers are zero or past [`MAX_SPAN`]: its
+    /// page counts would divide by zero or overflow.
+    fn check(self) -> Result<(), PoolError> {
+        match self {
+            Keep::All => Ok(()),
+            Keep::Window {
+                window,
+                align,
+                max_run,
+            } => {
+                if [window, align, max_run]
+                    .iter()
+                    .all(|n| (1..=MAX_SPAN).contains(n))
+                {
+                    Ok(())
+                } else {
+                    Err(PoolError::InvalidSpec {
+                        reason: format!(
+                            "window ({window}), alignment ({align}) and longest write \
+                             ({max_run}) must each be between 1 and {MAX_SPAN} positions"
+                        ),
+                    })
+                }
+            }
+        }
+    }
+
     /// The first position a pass whose rows start at `past` reads.
     pub fn read_start(self, past: usize) -> usize {
         match self {
@@ -91,11 +123,12 @@ impl LayerGroups {
         if local.iter().any(|&l| windows[l] != Some(window)) {
             return invalid("windowed layers of different windows".into());
         }
-        if window == 0 || align == 0 || max_run == 0 {
-            return invalid(format!(
-                "window ({window}), alignment ({align}) and longest write ({max_run}) must be positive"
-            ));
-        }
+        let keep = Keep::Window {
+            window,
+            align,
+            max_run,
+        };
+        keep.check()?;
         // Every layer windowed (a small Gemma 3 has no global layer): no
         // group would say how long a context the pages hold, so the
         // layers keep every position, as one group.
@@ -103,11 +136,6 @@ impl LayerGroups {
             return Ok(LayerGroups::single(windows.len()));
         }
         let size = gcd(global.len(), local.len());
-        let keep = Keep::Window {
-            window,
-            align,
-            max_run,
-        };
         let groups = global
             .chunks(size)
             .map(|layers| (layers.to_vec(), Keep::All))
@@ -127,6 +155,9 @@ impl LayerGroups {
         }
         if !groups.iter().any(|(_, keep)| *keep == Keep::All) {
             return invalid("at least one layer group must keep every position".into());
+        }
+        for (_, keep) in &groups {
+            keep.check()?;
         }
         let layers = size * groups.len();
         let mut place = vec![None; layers];
@@ -307,6 +338,43 @@ mod tests {
         assert_eq!(keep.read_start(640), 128, "row 640 sees from 129");
         assert_eq!(keep.read_start(767), 256);
         assert_eq!(Keep::All.read_start(10_000), 0);
+    }
+
+    /// A window, alignment or longest write past `MAX_SPAN` made the page
+    /// counts overflow (`kvfence pool plan --step-tokens 18446744073709551615`
+    /// panicked in a debug build; a release build would have wrapped).
+    #[test]
+    fn windows_too_long_to_count_are_refused_and_the_longest_are_counted() {
+        for (window, align, max_run) in [
+            (usize::MAX, 128, 256),
+            (512, usize::MAX, 256),
+            (512, 128, usize::MAX),
+            (MAX_SPAN + 1, 1, 1),
+            (512, 0, 256),
+        ] {
+            let error = LayerGroups::of_windows(&[Some(window), None], align, max_run)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains(&format!("longest write ({max_run})"))
+                    && error.contains(&MAX_SPAN.to_string()),
+                "{error}"
+            );
+            let keep = Keep::Window {
+                window,
+                align,
+                max_run,
+            };
+            assert!(LayerGroups::new(vec![(vec![0], Keep::All), (vec![1], keep)]).is_err());
+        }
+        let windows: Vec<Option<usize>> =
+            (0..18).map(|l| (l % 6 != 5).then_some(MAX_SPAN)).collect();
+        let groups = LayerGroups::of_windows(&windows, MAX_SPAN, MAX_SPAN).expect("valid groups");
+        for page_size in [1, 16] {
+            let pages = groups.pages_for(MAX_SPAN, page_size);
+            let tokens = groups.capacity_tokens(pages, page_size);
+            assert!(groups.pages_for(tokens, page_size) <= pages);
+        }
     }
 
     #[test]

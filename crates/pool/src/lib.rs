@@ -32,7 +32,7 @@ mod window;
 
 pub use element::{ElemType, KvElement};
 pub use error::PoolError;
-pub use layers::{Keep, LayerGroups};
+pub use layers::{Keep, LayerGroups, MAX_SPAN};
 pub use lease::Lease;
 pub use page::{Generation, NamespaceId, PageId, PageRef, PageState, RequestId};
 pub use pool::{Pool, PoolStats};
