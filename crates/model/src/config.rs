@@ -475,19 +475,17 @@ impl ModelConfig {
         if !(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0) {
             return fail("rms_norm_eps and rope_theta must be positive".into());
         }
-        if let Some(sliding) = &self.sliding_window
-            && !(sliding.window > 0 && sliding.local_rope_theta > 0.0)
-        {
-            return fail("a sliding window and its RoPE base must be positive".into());
-        }
-        if let Some(sliding) = &self.sliding_window
-            && sliding.window > kvfence_pool::MAX_SPAN
-        {
-            return fail(format!(
-                "sliding window ({}) is more than this runtime runs (at most {})",
-                sliding.window,
-                kvfence_pool::MAX_SPAN
-            ));
+        if let Some(sliding) = &self.sliding_window {
+            if !(sliding.window > 0 && sliding.local_rope_theta > 0.0) {
+                return fail("a sliding window and its RoPE base must be positive".into());
+            }
+            if sliding.window > kvfence_pool::MAX_SPAN {
+                return fail(format!(
+                    "sliding window ({}) is more than this runtime runs (at most {})",
+                    sliding.window,
+                    kvfence_pool::MAX_SPAN
+                ));
+            }
         }
         if let Some(&bad) = self
             .eos_token_ids
