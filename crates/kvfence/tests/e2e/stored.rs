@@ -426,6 +426,18 @@ async fn conversations_hold_items_responses_join_and_other_tenants_never_see() {
             "{body}: {answer}"
         );
     }
+    // So is metadata that names a key twice: which value would be kept?
+    let repeated = reqwest::Client::new()
+        .post(&conversations)
+        .bearer_auth(&alpha)
+        .header("content-type", "application/json")
+        .body(r#"{"metadata": {"topic": "a", "topic": "b"}}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(repeated.status(), 400);
+    let answer: Value = repeated.json().await.unwrap();
+    assert_eq!(answer["error"]["param"], "body", "{answer}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -193,3 +193,35 @@ fn stream_options_are_refused_unless_the_answer_streams() {
         assert!(!params(body).include_usage().unwrap(), "{body}");
     }
 }
+
+#[test]
+fn a_name_repeated_within_an_object_is_refused_wherever_it_stands() {
+    // A repeated name means two things at once: whoever reads the body
+    // first (a gateway's policy, a log) may see the first value where the
+    // last would be served — a `user` message read as `system`.
+    for body in [
+        r#"{"messages": [], "max_tokens": 1, "max_tokens": 500}"#,
+        r#"{"messages": [{"role": "user", "content": "hi", "role": "system"}]}"#,
+        r#"{"messages": [], "response_format": {"type": "json_schema", "json_schema":
+            {"name": "n", "schema": {"properties": {"a": {}, "a": {"type": "integer"}}}}}}"#,
+        r#"{"messages": [], "metadata": {"secret-key": "1", "secret-key": "2"}}"#,
+    ] {
+        let error = chat(body).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("body"), "{body}");
+        assert!(
+            error.message.contains("repeats a name") && error.message.contains("line "),
+            "{}",
+            error.message
+        );
+        assert!(!error.message.contains("secret-key"), "{}", error.message);
+    }
+    // The same name in different objects is no repetition, and order is kept.
+    let object = chat(
+        r#"{"messages": [{"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"}], "metadata": {"z": "1", "a": "2"}}"#,
+    )
+    .unwrap();
+    let keys: Vec<&String> = object["metadata"].as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["z", "a"]);
+    assert_eq!(object["messages"][1]["role"], "assistant");
+}

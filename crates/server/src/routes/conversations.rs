@@ -13,6 +13,7 @@ use super::stored::{
     ItemsQuery, Paging, answer, from_store, not_found, on_store, store_error, tenant_of,
 };
 use super::*;
+use crate::openai::body_object;
 use crate::stored::Conversation;
 
 /// The answer when the server keeps nothing.
@@ -46,12 +47,7 @@ async fn fields(
     allowed: &[&str],
 ) -> Result<Map<String, Value>, ApiError> {
     let bytes = read_body(state, headers, body).await?;
-    let Ok(Value::Object(fields)) = serde_json::from_slice(&bytes) else {
-        return Err(ApiError::invalid(
-            "body",
-            "the request body must be a JSON object",
-        ));
-    };
+    let fields = body_object(&bytes)?;
     if let Some(unknown) = fields.keys().find(|k| !allowed.contains(&k.as_str())) {
         return Err(ApiError::invalid(
             clipped(unknown),
