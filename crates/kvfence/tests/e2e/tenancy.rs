@@ -254,6 +254,19 @@ async fn priorities_are_the_tenants_to_use_and_objectives_name_them() {
     for ((status, param), expected) in refused {
         assert_eq!((status, param.as_deref()), (400, Some(expected)));
     }
+    // Two objectives, each allowed alone: which would a gateway have read?
+    let twice = reqwest::Client::new()
+        .post(&url)
+        .bearer_auth(&key)
+        .header("x-gateway-inference-objective", "batch")
+        .header("x-gateway-inference-objective", "standard")
+        .json(&json!({"prompt": "hi", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(twice.status(), 400);
+    let body: serde_json::Value = twice.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "x-gateway-inference-objective");
 }
 
 #[tokio::test(flavor = "multi_thread")]

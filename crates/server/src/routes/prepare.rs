@@ -12,9 +12,17 @@ pub(super) fn objective_priority(
     state: &AppState,
     headers: &HeaderMap,
 ) -> Result<Option<i32>, ApiError> {
-    let Some(value) = headers.get(OBJECTIVE_HEADER) else {
+    let mut values = headers.get_all(OBJECTIVE_HEADER).iter();
+    let Some(value) = values.next() else {
         return Ok(None);
     };
+    // Readers take the first of two, or join them: refuse rather than guess.
+    if values.next().is_some() {
+        return Err(ApiError::invalid(
+            OBJECTIVE_HEADER,
+            "more than one inference objective: send at most one",
+        ));
+    }
     let name = value.to_str().map_err(|_| {
         ApiError::invalid(
             OBJECTIVE_HEADER,
