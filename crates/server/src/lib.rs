@@ -363,9 +363,41 @@ fn status_router<S: Observed>(state: Arc<S>) -> Router {
         .with_state(state)
 }
 
-/// Serves [`metrics_router`] on `listener` until the process ends.
-pub async fn serve_metrics(listener: TcpListener, state: Arc<AppState>) -> std::io::Result<()> {
-    axum::serve(listener, metrics_router(state)).await
+/// Serves [`metrics_router`] on `listener` until the process ends, its
+/// connections bounded as [`STATUS_LIMITS`] says.
+pub async fn serve_metrics(listener: TcpListener, state: Arc<AppState>) {
+    serve_status(listener, metrics_router(state)).await;
+}
+
+/// What a status listener's connections may cost. Its callers (a scraper,
+/// the probes) hold no key, so every connection is a stranger; it sits on
+/// `0.0.0.0` in the Kubernetes layout, as reachable as the API. Unbounded,
+/// a stranger's idle sockets there took every descriptor of the process
+/// and the API accepted no one (I11). A scrape or a probe speaks at once
+/// and takes the place of a silent socket; silent ones are held five times
+/// these caps at most, and closed at the header deadline.
+pub const STATUS_LIMITS: ConnectionLimits = ConnectionLimits {
+    max_connections: 0,
+    max_strangers: 32,
+    max_strangers_per_address: 8,
+    header_timeout: Duration::from_secs(10),
+    body_timeout: Duration::from_secs(10),
+    // Its routes read no body.
+    max_body_bytes: 0,
+};
+
+/// Serves `routes` as a status listener ([`STATUS_LIMITS`]) until the
+/// process ends.
+async fn serve_status(listener: TcpListener, routes: Router) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    accept(
+        &listener,
+        &routes,
+        STATUS_LIMITS,
+        &graceful,
+        std::future::pending(),
+    )
+    .await;
 }
 
 /// What a status listener (`/metrics`, `/health`, `/ready`) reads: the
@@ -420,11 +452,8 @@ impl Observed for WorkerStatus {
 
 /// Serves a worker's `/metrics`, `/health` and `/ready` on `listener`
 /// until the process ends.
-pub async fn serve_worker_status(
-    listener: TcpListener,
-    status: Arc<WorkerStatus>,
-) -> std::io::Result<()> {
-    axum::serve(listener, status_router(status)).await
+pub async fn serve_worker_status(listener: TcpListener, status: Arc<WorkerStatus>) {
+    serve_status(listener, status_router(status)).await;
 }
 
 /// What one HTTP connection may cost before it has said who it is.
@@ -493,19 +522,44 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioIo, TokioTimer};
-    let limits = state.limits;
     let app = router(Arc::clone(&state));
-    let connections = connections::Connections::new(
-        limits.max_strangers,
-        limits.max_strangers_per_address,
-        limits.max_connections,
-    );
     let tenants = tokio::spawn({
         let state = Arc::clone(&state);
         async move { state.tenants.watch(TENANTS_FILE_POLL).await }
     });
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    accept(&listener, &app, state.limits, &graceful, shutdown).await;
+    drop(listener);
+    tenants.abort();
+    let drained = graceful.shutdown();
+    tokio::pin!(drained);
+    if tokio::time::timeout(grace, &mut drained).await.is_err() {
+        tracing::warn!("shutdown grace period over; failing requests still in flight");
+        state.engine.shutdown();
+        // The failures reach their clients as errors; then the connections end.
+        let _ = tokio::time::timeout(Duration::from_secs(5), drained).await;
+    }
+    Ok(())
+}
+
+/// Accepts connections on `listener` and serves `app` on each until
+/// `shutdown` resolves, under `limits`: strangers bounded (past a cap the
+/// oldest silent one is closed to make room; see `connections`), headers
+/// due within the header deadline, each connection watched by `graceful`.
+/// The accept loop itself never waits on a connection.
+async fn accept(
+    listener: &TcpListener,
+    app: &Router,
+    limits: ConnectionLimits,
+    graceful: &hyper_util::server::graceful::GracefulShutdown,
+    shutdown: impl Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let connections = connections::Connections::new(
+        limits.max_strangers,
+        limits.max_strangers_per_address,
+        limits.max_connections,
+    );
     tokio::pin!(shutdown);
     for serial in 0u64.. {
         let (tcp, peer) = tokio::select! {
@@ -557,17 +611,6 @@ pub async fn serve(
             oldest.abort();
         }
     }
-    drop(listener);
-    tenants.abort();
-    let drained = graceful.shutdown();
-    tokio::pin!(drained);
-    if tokio::time::timeout(grace, &mut drained).await.is_err() {
-        tracing::warn!("shutdown grace period over; failing requests still in flight");
-        state.engine.shutdown();
-        // The failures reach their clients as errors; then the connections end.
-        let _ = tokio::time::timeout(Duration::from_secs(5), drained).await;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -207,3 +207,43 @@ async fn i11_a_strangers_idle_sockets_do_not_keep_a_tenant_out() {
     );
     drop(strangers);
 }
+
+/// The metrics listener is as open as the API (on `0.0.0.0` in the
+/// Kubernetes layout, for the scraper and the probes) and needs no key at
+/// all: every caller is a stranger. Idle sockets there were held for ever,
+/// one descriptor each, until the process had none left and the API
+/// accepted no one. Now it holds a bounded number, and a scrape still
+/// answers among them.
+#[tokio::test(flavor = "multi_thread")]
+async fn i11_idle_sockets_on_the_metrics_listener_are_bounded() {
+    let (server, key, _file) = tenant_server(&[]);
+    let address = server
+        .metrics_base
+        .trim_start_matches("http://")
+        .to_string();
+    let mut strangers = Vec::new();
+    for _ in 0..1_100 {
+        strangers.push(TcpStream::connect(&address).unwrap());
+    }
+    let scrape = tokio::time::timeout(Duration::from_secs(20), reqwest::get(server.metrics_url()))
+        .await
+        .expect("the scrape was kept out by idle sockets")
+        .unwrap();
+    assert_eq!(scrape.status(), 200);
+    let answer = post(
+        &server.url("/v1/completions"),
+        Some(&key),
+        json!({"prompt": "hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(answer.0, 200, "{}", answer.1);
+    let mut open = 0;
+    for stranger in &mut strangers {
+        open += usize::from(!closed_within(stranger, Duration::from_millis(1)).0);
+    }
+    assert!(
+        open <= 8 * 5,
+        "{open} idle sockets from one address still open on the metrics listener"
+    );
+    drop(strangers);
+}
