@@ -3,7 +3,7 @@
 //! with `kvfence router`.
 
 use std::io::Write;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -785,13 +785,16 @@ pub(crate) fn serve_http(
     );
     runtime.block_on(async move {
         if let Some(address) = metrics_listen {
-            let listener = kvfence_server::listen(address).with_context(|| {
-                format!("binding the metrics listener {address} (--metrics-listen)")
-            })?;
+            let listener = tokio::net::TcpListener::bind(address)
+                .await
+                .with_context(|| {
+                    format!("binding the metrics listener {address} (--metrics-listen)")
+                })?;
             println!("metrics on http://{}", listener.local_addr()?);
             tokio::spawn(kvfence_server::serve_metrics(listener, Arc::clone(&state)));
         }
-        let listener = kvfence_server::listen(SocketAddr::new(host, port))
+        let listener = tokio::net::TcpListener::bind((host, port))
+            .await
             .with_context(|| format!("binding {host}:{port}"))?;
         let address = listener.local_addr()?;
         println!("listening on http://{address}");

@@ -186,7 +186,7 @@ fn run_until_drained(
         let state =
             WorkerStatus::new(worker.clone(), model.model.config().max_position_embeddings)?;
         let listener = runtime
-            .block_on(async { kvfence_server::listen(status) })
+            .block_on(tokio::net::TcpListener::bind(status))
             .with_context(|| format!("binding the status listener {status} (--metrics-listen)"))?;
         println!("metrics on http://{}", listener.local_addr()?);
         runtime.spawn(kvfence_server::serve_worker_status(listener, state));

@@ -19,7 +19,6 @@ mod text_work;
 mod tools;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -543,30 +542,6 @@ pub async fn serve(
     Ok(())
 }
 
-/// Connections a listener's accept queue holds before the kernel drops
-/// SYNs (it grants at most `net.core.somaxconn`, 4,096 by default).
-pub const ACCEPT_QUEUE: usize = 4096;
-
-/// Binds a listener for the API or a status listener with a deep accept
-/// queue. std and tokio ask for 128: a burst (a flood of idle sockets, or
-/// many clients at once) outran the accept loop past that, the kernel
-/// dropped the next SYNs, and each of those clients waited a second before
-/// it tried again — a tenant among them too. Must run inside the runtime
-/// that will accept.
-pub fn listen(address: SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = match address {
-        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
-        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
-    };
-    // As std and tokio do on Unix: restart on a port whose old connections
-    // linger in TIME_WAIT.
-    #[cfg(unix)]
-    socket.set_reuseaddr(true)?;
-    socket.bind(address)?;
-    let queue = u32::try_from(ACCEPT_QUEUE).expect("the accept queue's length fits a u32");
-    socket.listen(queue)
-}
-
 /// Accepts connections on `listener` and serves `app` on each until
 /// `shutdown` resolves, under `limits`: strangers bounded (past a cap the
 /// oldest silent one is closed to make room; see `connections`), headers
@@ -641,30 +616,6 @@ async fn accept(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A burst of connections waits in the accept queue until the accept
-    /// loop gets to it. With the 128 that std and tokio ask for, the
-    /// kernel dropped the SYNs past it, and each of those clients (a
-    /// tenant among a flood's sockets) waited a second to try again.
-    #[tokio::test]
-    async fn a_burst_of_connections_waits_in_the_accept_queue() {
-        let listener = listen(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
-        let address = listener.local_addr().unwrap();
-        // What the kernel grants at most (`listen` asks for more).
-        let granted = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
-            .ok()
-            .and_then(|n| n.trim().parse::<usize>().ok())
-            .unwrap_or(ACCEPT_QUEUE);
-        // Four times the 128 of before, within a default open-file limit.
-        let burst = granted.min(512);
-        // Nothing accepts: every connection that completes waits in the queue.
-        let mut queued = Vec::new();
-        for _ in 0..burst {
-            let stream = std::net::TcpStream::connect_timeout(&address, Duration::from_millis(500));
-            queued.push(stream.expect("a SYN within the accept queue's length was dropped"));
-        }
-        assert_eq!(queued.len(), burst);
-    }
 
     #[test]
     fn cors_origins_are_origins_or_star_alone() {
