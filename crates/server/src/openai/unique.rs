@@ -98,3 +98,73 @@ impl<'de> serde::de::DeserializeSeed<'de> for Seed {
         reader.deserialize_any(UniqueNames)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use serde_json::{Map, Value};
+
+    use super::from_slice;
+
+    /// Any JSON value, objects with their names in any order.
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("JSON numbers are finite", |f| f.is_finite())
+                .prop_map(Value::from),
+            any::<String>().prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 64, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::vec((any::<String>(), inner), 0..6).prop_map(|members| {
+                    // Later members of a name are dropped: the text names each once.
+                    let mut object = Map::new();
+                    for (name, value) in members {
+                        object.entry(name).or_insert(value);
+                    }
+                    Value::Object(object)
+                }),
+            ]
+        })
+    }
+
+    proptest! {
+        /// Where no name repeats, the value read is serde_json's, member
+        /// order included.
+        #[test]
+        fn reads_what_serde_json_reads(value in json()) {
+            let text = serde_json::to_string(&value).unwrap();
+            let read = from_slice(text.as_bytes()).unwrap();
+            let expected: Value = serde_json::from_str(&text).unwrap();
+            prop_assert_eq!(&read, &expected);
+            let names = |v: &Value| v.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>());
+            prop_assert_eq!(names(&read), names(&expected));
+        }
+
+        /// A name given twice in any object, however deep, is refused.
+        #[test]
+        fn refuses_a_name_given_twice(value in json(), name in any::<String>(), depth in 0usize..4) {
+            let name = serde_json::to_string(&name).unwrap();
+            let mut text = format!("{{{name}: 1, {name}: {}}}", serde_json::to_string(&value).unwrap());
+            for _ in 0..depth {
+                text = format!("[{{\"a\": {text}}}]");
+            }
+            let error = from_slice(text.as_bytes()).unwrap_err();
+            prop_assert!(error.is_data(), "{}", error);
+        }
+    }
+
+    #[test]
+    fn trailing_text_and_syntax_errors_are_refused_as_serde_json_refuses_them() {
+        for text in ["{} x", "{\"a\": }", "[1,]", "", "{\"a\": 1} {\"b\": 2}"] {
+            let error = from_slice(text.as_bytes()).unwrap_err();
+            assert!(error.is_syntax() || error.is_eof(), "{text:?}: {error}");
+            assert!(serde_json::from_str::<Value>(text).is_err());
+        }
+    }
+}
