@@ -760,7 +760,8 @@ pub(crate) fn serve_http(
         ),
     };
     let limits = http.limits()?;
-    raise_open_files(limits.sockets());
+    let status_sockets = metrics_listen.map_or(0, |_| kvfence_server::STATUS_LIMITS.sockets());
+    raise_open_files(limits.sockets() + status_sockets);
     let options = ApiOptions {
         tenants,
         model_id,
@@ -805,8 +806,8 @@ pub(crate) fn serve_http(
     })
 }
 
-/// Descriptors the process needs beside its clients' sockets: model and
-/// store files, worker links, the metrics listener, logs.
+/// Descriptors the process needs beside its clients' sockets (the API's
+/// and the metrics listener's): model and store files, worker links, logs.
 const OTHER_DESCRIPTORS: usize = 256;
 
 /// Raises the soft open-file limit to the hard one (as Go's runtime does):
