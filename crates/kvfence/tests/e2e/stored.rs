@@ -599,3 +599,92 @@ async fn the_postgresql_store_speaks_tls_verified_against_the_operator_s_ca() {
         assert!(!said.contains("kvfence@"), "the URL is not printed: {said}");
     }
 }
+
+/// A streamed response whose client goes away has already given it its id
+/// (`response.created`): that id reads back as what was streamed, status
+/// `cancelled`, and a later request may continue it. Generation stops at
+/// once, and the conversation it named does not take the unfinished turn
+/// (a client that retries it would find it twice).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streamed_response_whose_client_left_is_kept_as_far_as_it_went() {
+    // builtin:small decodes slowly enough to leave mid-answer.
+    let server = Server::start(&["--model", "builtin:small"]);
+    let (status, made) = post(&server.url("/v1/conversations"), None, json!({})).await;
+    assert_eq!(status, 200, "{made}");
+    let conversation = made["id"].as_str().unwrap().to_string();
+    let mut stream = reqwest::Client::new()
+        .post(server.url("/v1/responses"))
+        .json(
+            &json!({"model": "builtin:small", "input": "tell me a long story",
+                      "max_output_tokens": 3000, "ignore_eos": true, "stream": true,
+                      "conversation": conversation}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    // Read whole events until some text has come, then hang up.
+    let (mut text, mut received, mut id) = (String::new(), String::new(), None);
+    while received.is_empty() {
+        text.push_str(&String::from_utf8_lossy(
+            &stream.chunk().await.unwrap().unwrap(),
+        ));
+        while let Some(end) = text.find("\n\n") {
+            let event: String = text.drain(..end + 2).collect();
+            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                continue;
+            };
+            let data: Value = serde_json::from_str(data).unwrap();
+            match data["type"].as_str().unwrap() {
+                "response.created" => id = data["response"]["id"].as_str().map(str::to_string),
+                "response.output_text.delta" => received.push_str(data["delta"].as_str().unwrap()),
+                _ => {}
+            }
+        }
+    }
+    drop(stream);
+    let id = id.expect("response.created came first");
+    let path = format!("/v1/responses/{id}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let kept = loop {
+        let (status, kept) = call(&server, "GET", &path, "unused").await;
+        if status == 200 {
+            break kept;
+        }
+        assert_eq!(status, 404, "{kept}");
+        assert!(std::time::Instant::now() < deadline, "never kept");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(kept["status"], "cancelled", "{kept}");
+    assert_eq!(kept["output"][0]["status"], "incomplete", "{kept}");
+    let streamed = kept["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert!(streamed.starts_with(&received), "{kept}");
+    assert!(
+        streamed.chars().count() < 3000,
+        "generation went on after the client left: {kept}"
+    );
+    let (status, items) = call(&server, "GET", &format!("{path}/input_items"), "unused").await;
+    assert_eq!(
+        (status, &items["data"][0]["content"][0]["text"]),
+        (200, &json!("tell me a long story")),
+        "{items}"
+    );
+    // A later request continues it.
+    let (status, next) = post(
+        &server.url("/v1/responses"),
+        None,
+        json!({"model": "builtin:small", "input": "go on", "max_output_tokens": 2,
+               "previous_response_id": id}),
+    )
+    .await;
+    assert_eq!(status, 200, "{next}");
+    // The conversation holds only answered turns.
+    let (status, items) = call(
+        &server,
+        "GET",
+        &format!("/v1/conversations/{conversation}/items"),
+        "unused",
+    )
+    .await;
+    assert_eq!((status, &items["data"]), (200, &json!([])), "{items}");
+}

@@ -87,6 +87,10 @@ pub(super) struct Reply {
 impl Drop for Reply {
     fn drop(&mut self) {
         if !self.ended.get() {
+            // A stream's client has the response's id from its first event.
+            if self.endpoint == Endpoint::Responses && self.sequence > 0 {
+                self.keep_cancelled();
+            }
             self.state
                 .metrics
                 .request(&self.tenant.name, self.endpoint.label(), "cancelled");

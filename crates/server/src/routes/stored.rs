@@ -119,7 +119,6 @@ impl Reply {
         let Some(to_store) = self.to_store.take() else {
             return;
         };
-        let output: Vec<Value> = body["output"].as_array().cloned().unwrap_or_default();
         // A task that panicked kept nothing of what was asked.
         let lost = (
             to_store
@@ -136,42 +135,9 @@ impl Reply {
             self.id.clone(),
             body.clone(),
         );
-        let kept = tokio::task::spawn_blocking(move || {
-            let ToStore {
-                input,
-                earlier,
-                response: keep_response,
-                conversation,
-            } = to_store;
-            let store = state
-                .responses
-                .as_ref()
-                .expect("a reply keeps something only when the server has a store");
-            let now = unix_now();
-            let joined = conversation.map(|conversation| {
-                let added = input.iter().chain(&output).cloned();
-                match store.edit_conversation(&tenant, &conversation, |c| c.items.extend(added)) {
-                    Ok(Some(_)) => Ok(()),
-                    Ok(None) => Err("the conversation was deleted first".to_string()),
-                    Err(error) => Err(error.to_string()),
-                }
-            });
-            let stored = keep_response.then(|| {
-                let mut items = earlier;
-                items.extend(input.iter().cloned());
-                items.extend(output);
-                let stored = Stored {
-                    response,
-                    input,
-                    conversation: items,
-                };
-                store
-                    .put(&tenant, &id, &stored, now)
-                    .map_err(|error| error.to_string())
-            });
-            (stored, joined)
-        })
-        .await;
+        let kept =
+            tokio::task::spawn_blocking(move || to_store.keep(&state, &tenant, &id, response))
+                .await;
         let (stored, joined) = kept.unwrap_or(lost);
         let request = self.choices[0].handle.id();
         if let Some(Err(error)) = stored {
@@ -184,6 +150,92 @@ impl Reply {
             self.state.metrics.unkept();
             body["conversation"] = Value::Null;
         }
+    }
+
+    /// The client of a Responses stream left after `response.created` gave
+    /// it the response's id: keeps the response as far as it was streamed,
+    /// `cancelled`, so that id reads back and may be continued. Its
+    /// conversation does not take the unfinished turn: a client that sends
+    /// it again would find it twice. Runs as the reply is dropped, so the
+    /// write goes on without it.
+    pub(super) fn keep_cancelled(&mut self) {
+        let Some(mut to_store) = self.to_store.take() else {
+            return;
+        };
+        to_store.conversation = None;
+        if !to_store.response {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut output = self.output.clone();
+        if let Some(message) = output.first_mut().filter(|item| item["type"] == "message") {
+            *message = responses::message_item(
+                message["id"].as_str().unwrap_or_default(),
+                &self.streamed,
+                "incomplete",
+            );
+        }
+        let response = self.response_body("cancelled", output, None);
+        let (state, tenant, id) = (
+            Arc::clone(&self.state),
+            self.tenant.name.clone(),
+            self.id.clone(),
+        );
+        let request = self.choices[0].handle.id();
+        runtime.spawn_blocking(move || {
+            if let (Some(Err(error)), _) = to_store.keep(&state, &tenant, &id, response) {
+                warn!(%request, %tenant, %error, "the cancelled response was not stored");
+                state.metrics.unkept();
+            }
+        });
+    }
+}
+
+/// What came of one write of a reply's keeping, if it was asked for: done,
+/// or why not (logged; never with stored text).
+type Written = Option<Result<(), String>>;
+
+impl ToStore {
+    /// Writes what it keeps of `response`, the answer to its request, on a
+    /// blocking thread: the response with its conversation so far, and its
+    /// input and output added to the conversation it joins. What each
+    /// write came to, if asked for.
+    fn keep(self, state: &AppState, tenant: &str, id: &str, response: Value) -> (Written, Written) {
+        let ToStore {
+            input,
+            earlier,
+            response: keep_response,
+            conversation,
+        } = self;
+        let store = state
+            .responses
+            .as_ref()
+            .expect("a reply keeps something only when the server has a store");
+        let output: Vec<Value> = response["output"].as_array().cloned().unwrap_or_default();
+        let joined = conversation.map(|conversation| {
+            let added = input.iter().chain(&output).cloned();
+            match store.edit_conversation(tenant, &conversation, |c| c.items.extend(added)) {
+                Ok(Some(_)) => Ok(()),
+                Ok(None) => Err("the conversation was deleted first".to_string()),
+                Err(error) => Err(error.to_string()),
+            }
+        });
+        let stored = keep_response.then(|| {
+            let mut items = earlier;
+            items.extend(input.iter().cloned());
+            items.extend(output);
+            let stored = Stored {
+                response,
+                input,
+                conversation: items,
+            };
+            store
+                .put(tenant, id, &stored, unix_now())
+                .map_err(|error| error.to_string())
+        });
+        (stored, joined)
     }
 }
 
