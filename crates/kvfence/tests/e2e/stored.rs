@@ -600,6 +600,41 @@ async fn the_postgresql_store_speaks_tls_verified_against_the_operator_s_ca() {
     }
 }
 
+/// A Responses stream's events as they are read: the response's id, the
+/// text so far, and the last event's type.
+#[derive(Default)]
+struct Events {
+    pending: String,
+    id: Option<String>,
+    text: String,
+    last: String,
+}
+
+impl Events {
+    /// Reads one chunk of `stream` and takes in every whole event in it;
+    /// false at the stream's end.
+    async fn read(&mut self, stream: &mut reqwest::Response) -> bool {
+        let Some(chunk) = stream.chunk().await.unwrap() else {
+            return false;
+        };
+        self.pending.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = self.pending.find("\n\n") {
+            let event: String = self.pending.drain(..end + 2).collect();
+            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                continue;
+            };
+            let data: Value = serde_json::from_str(data).unwrap();
+            self.last = data["type"].as_str().unwrap().to_string();
+            match self.last.as_str() {
+                "response.created" => self.id = data["response"]["id"].as_str().map(str::to_string),
+                "response.output_text.delta" => self.text.push_str(data["delta"].as_str().unwrap()),
+                _ => {}
+            }
+        }
+        true
+    }
+}
+
 /// A streamed response whose client goes away has already given it its id
 /// (`response.created`): that id reads back as what was streamed, status
 /// `cancelled`, and a later request may continue it. Generation stops at
@@ -624,26 +659,12 @@ async fn a_streamed_response_whose_client_left_is_kept_as_far_as_it_went() {
         .unwrap();
     assert_eq!(stream.status(), 200);
     // Read whole events until some text has come, then hang up.
-    let (mut text, mut received, mut id) = (String::new(), String::new(), None);
-    while received.is_empty() {
-        text.push_str(&String::from_utf8_lossy(
-            &stream.chunk().await.unwrap().unwrap(),
-        ));
-        while let Some(end) = text.find("\n\n") {
-            let event: String = text.drain(..end + 2).collect();
-            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
-                continue;
-            };
-            let data: Value = serde_json::from_str(data).unwrap();
-            match data["type"].as_str().unwrap() {
-                "response.created" => id = data["response"]["id"].as_str().map(str::to_string),
-                "response.output_text.delta" => received.push_str(data["delta"].as_str().unwrap()),
-                _ => {}
-            }
-        }
+    let mut events = Events::default();
+    while events.text.is_empty() {
+        events.read(&mut stream).await;
     }
     drop(stream);
-    let id = id.expect("response.created came first");
+    let (id, received) = (events.id.expect("response.created came first"), events.text);
     let path = format!("/v1/responses/{id}");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     let kept = loop {
@@ -687,4 +708,38 @@ async fn a_streamed_response_whose_client_left_is_kept_as_far_as_it_went() {
     )
     .await;
     assert_eq!((status, &items["data"]), (200, &json!([])), "{items}");
+}
+
+/// A streamed response that fails after `response.created` — here the
+/// server stops and its grace period runs out — reads back as `failed`,
+/// with the error its stream ended with, after a restart too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streamed_response_that_failed_reads_back_as_failed() {
+    let mut server = Server::start(&["--model", "builtin:small", "--shutdown-timeout", "0"]);
+    let mut stream = reqwest::Client::new()
+        .post(server.url("/v1/responses"))
+        .json(
+            &json!({"model": "builtin:small", "input": "tell me a long story",
+                      "max_output_tokens": 3000, "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let mut events = Events::default();
+    while events.text.is_empty() {
+        events.read(&mut stream).await;
+    }
+    server.terminate();
+    while events.read(&mut stream).await {}
+    assert_eq!(events.last, "error");
+    let id = events.id.expect("response.created came first");
+    server.restart();
+    let (status, kept) = call(&server, "GET", &format!("/v1/responses/{id}"), "unused").await;
+    assert_eq!(status, 200, "{kept}");
+    assert_eq!(kept["status"], "failed", "{kept}");
+    assert!(kept["error"]["code"].is_string(), "{kept}");
+    assert!(kept["error"]["message"].is_string(), "{kept}");
+    assert_eq!(kept["output"][0]["status"], "incomplete", "{kept}");
+    let streamed = kept["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert!(streamed.starts_with(&events.text), "{kept}");
 }

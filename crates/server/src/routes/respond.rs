@@ -289,6 +289,7 @@ impl Reply {
                     }
                     Step::Failed(error) => {
                         reply.log_end(200, None);
+                        reply.keep_failed(&error).await;
                         // An error event and no completion (I5, I7).
                         let body = EventBody::Error {
                             code: error.code.as_deref(),

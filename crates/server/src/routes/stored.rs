@@ -152,23 +152,17 @@ impl Reply {
         }
     }
 
-    /// The client of a Responses stream left after `response.created` gave
-    /// it the response's id: keeps the response as far as it was streamed,
-    /// `cancelled`, so that id reads back and may be continued. Its
-    /// conversation does not take the unfinished turn: a client that sends
-    /// it again would find it twice. Runs as the reply is dropped, so the
-    /// write goes on without it.
-    pub(super) fn keep_cancelled(&mut self) {
-        let Some(mut to_store) = self.to_store.take() else {
-            return;
-        };
+    /// What a Responses stream that ends unfinished keeps: `response.created`
+    /// gave its client the id, so the response is kept as far as it was
+    /// streamed (the message `incomplete`), with `status`. Its conversation
+    /// does not take the unfinished turn: a client that sends it again
+    /// would find it twice. `None` when the request keeps no response.
+    fn unfinished(&mut self, status: &str) -> Option<(ToStore, Value)> {
+        let mut to_store = self.to_store.take()?;
         to_store.conversation = None;
         if !to_store.response {
-            return;
+            return None;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let mut output = self.output.clone();
         if let Some(message) = output.first_mut().filter(|item| item["type"] == "message") {
             *message = responses::message_item(
@@ -177,7 +171,20 @@ impl Reply {
                 "incomplete",
             );
         }
-        let response = self.response_body("cancelled", output, None);
+        let body = self.response_body(status, output, None);
+        Some((to_store, body))
+    }
+
+    /// The client of a Responses stream left: keeps the response as far as
+    /// it went, `cancelled`, so its id reads back and may be continued.
+    /// Runs as the reply is dropped, so the write goes on without it.
+    pub(super) fn keep_cancelled(&mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let Some((to_store, response)) = self.unfinished("cancelled") else {
+            return;
+        };
         let (state, tenant, id) = (
             Arc::clone(&self.state),
             self.tenant.name.clone(),
@@ -190,6 +197,21 @@ impl Reply {
                 state.metrics.unkept();
             }
         });
+    }
+
+    /// A Responses stream failed after it opened: keeps the response as far
+    /// as it went, `failed` with `error` (OpenAI's `code` and `message`;
+    /// messages never quote a request), before the client sees the error.
+    pub(super) async fn keep_failed(&mut self, error: &ApiError) {
+        let Some((to_store, mut body)) = self.unfinished("failed") else {
+            return;
+        };
+        body["error"] = json!({
+            "code": error.code.as_deref().unwrap_or("server_error"),
+            "message": error.message,
+        });
+        self.to_store = Some(to_store);
+        self.keep(&mut body).await;
     }
 }
 
