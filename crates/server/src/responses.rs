@@ -338,21 +338,24 @@ fn messages(
                     Some(Value::Array(parts)) => {
                         let mut text = String::new();
                         for (j, part) in parts.iter().enumerate() {
-                            known_keys(part, PART_KEYS, &param(&format!(".content[{j}]")))?;
-                            match (
-                                part.get("type").and_then(Value::as_str),
-                                part.get("text").and_then(Value::as_str),
-                            ) {
-                                (Some("input_text" | "output_text" | "text"), Some(t)) => {
-                                    text.push_str(t);
-                                }
-                                _ => {
-                                    return Err(ApiError::invalid(
-                                        &param(&format!(".content[{j}]")),
-                                        "only text content parts are supported",
-                                    ));
-                                }
+                            let at = param(&format!(".content[{j}]"));
+                            // The kind first: an image refused for its
+                            // `image_url` would name the wrong problem.
+                            let kind = part.get("type").and_then(Value::as_str);
+                            if !matches!(kind, Some("input_text" | "output_text" | "text")) {
+                                return Err(ApiError::invalid(
+                                    &format!("{at}.type"),
+                                    "only text content parts are supported (input_text, output_text)",
+                                ));
                             }
+                            known_keys(part, PART_KEYS, &at)?;
+                            let Some(t) = part.get("text").and_then(Value::as_str) else {
+                                return Err(ApiError::invalid(
+                                    &format!("{at}.text"),
+                                    "a text part needs its text, a string",
+                                ));
+                            };
+                            text.push_str(t);
                         }
                         text
                     }
@@ -857,6 +860,18 @@ mod tests {
     fn unsupported_items_and_tools_are_refused_by_their_place() {
         let error = to_chat(&object(json!({"input": [{"type": "input_image"}]})), &[]).unwrap_err();
         assert_eq!(error.param.as_deref(), Some("input[0].type"));
+        // A part of a kind not served is refused as that, not for the
+        // fields its kind has (an image's `image_url`, a file's `file_id`).
+        for part in [
+            json!({"type": "input_image", "image_url": "https://example.com/a.png"}),
+            json!({"type": "input_file", "file_id": "file_1"}),
+        ] {
+            let input =
+                json!([{"role": "user", "content": [{"type": "input_text", "text": "a"}, part]}]);
+            let error = to_chat(&object(json!({ "input": input })), &[]).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some("input[0].content[1].type"));
+            assert!(error.message.contains("text"), "{}", error.message);
+        }
         let error = to_chat(
             &object(json!({"input": "x", "tools": [{"type": "web_search"}]})),
             &[],
