@@ -11,6 +11,8 @@
 //! Client text is held as [`Redacted`] from the moment it is parsed (I10),
 //! and so are grammars and schemas ([`RedactedJson`]).
 
+mod unique;
+
 use std::collections::BTreeMap;
 
 use kvfence_model::{Grammar, MAX_TOP_LOGPROBS, SamplingParams, StopStrings};
@@ -895,8 +897,6 @@ impl CompletionFields {
         Ok(())
     }
 }
-
-mod unique;
 
 #[cfg(test)]
 mod tests;
