@@ -75,7 +75,7 @@ pub const CHAT_FIELDS: &[(&str, FieldUse)] = &[
     ("tool_choice", FieldUse::Honoured),
     ("safety_identifier", FieldUse::Metadata),
     ("prompt_cache_key", FieldUse::Metadata),
-    ("parallel_tool_calls", FieldUse::Metadata),
+    ("parallel_tool_calls", FieldUse::Honoured),
     ("functions", FieldUse::RefusedUnlessNeutral),
     ("function_call", FieldUse::RefusedUnlessNeutral),
     ("modalities", FieldUse::RefusedUnlessNeutral),
@@ -346,6 +346,8 @@ pub struct ChatFields {
     pub tools: Option<Vec<ToolIn>>,
     /// Whether and which it must call.
     pub tool_choice: Option<ToolChoiceIn>,
+    /// Whether one answer may make several calls (absent: yes).
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// `prompt` of `/v1/completions`.
@@ -776,7 +778,11 @@ impl ChatFields {
 
     /// The request's tools, if it has any to use.
     pub fn tools(&self) -> Result<Option<Tools>, ApiError> {
-        Tools::from_request(self.tools.as_deref(), self.tool_choice.as_ref())
+        Tools::from_request(
+            self.tools.as_deref(),
+            self.tool_choice.as_ref(),
+            self.parallel_tool_calls,
+        )
     }
 
     /// The messages as plain chat messages for the template: earlier tool

@@ -30,7 +30,7 @@ pub const RESPONSES_FIELDS: &[(&str, FieldUse)] = &[
     ("text", FieldUse::Honoured),
     ("safety_identifier", FieldUse::Metadata),
     ("prompt_cache_key", FieldUse::Metadata),
-    ("parallel_tool_calls", FieldUse::Metadata),
+    ("parallel_tool_calls", FieldUse::Honoured),
     ("stream_options", FieldUse::Metadata),
     ("previous_response_id", FieldUse::Honoured),
     ("conversation", FieldUse::Honoured),
@@ -153,6 +153,9 @@ pub fn to_chat(object: &Map<String, Value>, earlier: &[Value]) -> Result<Transla
     }
     if let Some(choice) = object.get("tool_choice").filter(|c| !c.is_null()) {
         chat.insert("tool_choice".into(), chat_tool_choice(choice)?);
+    }
+    if let Some(parallel) = object.get("parallel_tool_calls") {
+        chat.insert("parallel_tool_calls".into(), parallel.clone());
     }
     if let Some(text) = object.get("text").filter(|t| !t.is_null()) {
         let Value::Object(settings) = text else {
@@ -759,6 +762,27 @@ mod tests {
         .unwrap();
         assert_eq!(chat["messages"][0]["content"], "hello");
         assert_eq!(input[0]["content"][0]["text"], "hello");
+    }
+
+    #[test]
+    fn tools_come_as_chat_tools_with_their_choice_and_parallel_setting() {
+        let Translated { chat, echo, .. } = to_chat(
+            &object(json!({
+                "input": "x",
+                "tools": [{"type": "function", "name": "now", "parameters": {"type": "object"}}],
+                "tool_choice": "auto",
+                "parallel_tool_calls": false,
+            })),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(chat["tools"][0]["function"]["name"], "now");
+        assert_eq!(chat["tool_choice"], "auto");
+        assert_eq!(chat["parallel_tool_calls"], false);
+        assert_eq!(
+            echo["parallel_tool_calls"], false,
+            "the response repeats it"
+        );
     }
 
     #[test]

@@ -126,6 +126,9 @@ struct Tool {
 pub struct Tools {
     tools: Vec<Tool>,
     choice: ToolChoice,
+    /// `parallel_tool_calls`: whether an answer may make more than one
+    /// call. When it may not, only the first is taken.
+    parallel: bool,
 }
 
 /// Names, descriptions and schemas are client content: `Debug` shows how
@@ -135,6 +138,7 @@ impl std::fmt::Debug for Tools {
         f.debug_struct("Tools")
             .field("count", &self.tools.len())
             .field("required", &(self.choice != ToolChoice::Auto))
+            .field("parallel", &self.parallel)
             .finish()
     }
 }
@@ -198,10 +202,12 @@ fn valid_name(name: &str) -> bool {
 
 impl Tools {
     /// The tools of a request, or `None` when it has none or
-    /// `tool_choice` is `none`.
+    /// `tool_choice` is `none`. `parallel` is `parallel_tool_calls`
+    /// (absent: true, as OpenAI's).
     pub fn from_request(
         tools: Option<&[ToolIn]>,
         choice: Option<&ToolChoiceIn>,
+        parallel: Option<bool>,
     ) -> Result<Option<Tools>, ApiError> {
         let tools = tools.unwrap_or_default();
         let choice = match choice {
@@ -294,6 +300,7 @@ impl Tools {
         Ok(Some(Tools {
             tools: held,
             choice,
+            parallel: parallel.unwrap_or(true),
         }))
     }
 
@@ -434,7 +441,8 @@ impl Tools {
 
     /// The calls in a finished answer, and the text before the first; no
     /// calls if a complete one is not a call this request's tools allow
-    /// (the answer is then text). A call cut off by the end of the answer
+    /// (the answer is then text). Without `parallel_tool_calls`, only the
+    /// first call: what follows it is dropped, as text after calls is. A call cut off by the end of the answer
     /// (`finish` is `Length`: `max_tokens`) is never text: it becomes a call
     /// with the arguments written so far, as OpenAI returns one, if its
     /// function's name was written whole and is a known one, and is dropped
@@ -471,6 +479,9 @@ impl Tools {
                 return (text.to_string(), Vec::new());
             }
             calls.push(Call::new(name, arguments.to_string()));
+            if !self.parallel {
+                break;
+            }
             rest = after;
         }
         (text[..first].trim_end().to_string(), calls)
@@ -569,13 +580,46 @@ mod tests {
     use super::*;
 
     fn tools(choice: Option<ToolChoiceIn>) -> Option<Tools> {
+        tools_in_parallel(choice, None)
+    }
+
+    fn tools_in_parallel(choice: Option<ToolChoiceIn>, parallel: Option<bool>) -> Option<Tools> {
         let list: Vec<ToolIn> = serde_json::from_value(json!([
             {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
             {"type": "function", "function": {"name": "now"}},
         ]))
         .unwrap();
-        Tools::from_request(Some(&list), choice.as_ref()).unwrap()
+        Tools::from_request(Some(&list), choice.as_ref(), parallel).unwrap()
+    }
+
+    #[test]
+    fn without_parallel_tool_calls_an_answer_makes_one_call_the_first() {
+        let answer = "Checking.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let names = |parallel| {
+            let t = tools_in_parallel(None, parallel).unwrap();
+            let (content, calls) = t.parse(answer, Some(FinishReason::Stop));
+            assert_eq!(content, "Checking.");
+            calls.into_iter().map(|c| c.name).collect::<Vec<_>>()
+        };
+        assert_eq!(names(None), ["now", "get_weather"], "parallel by default");
+        assert_eq!(names(Some(true)), ["now", "get_weather"]);
+        assert_eq!(names(Some(false)), ["now"]);
+        // What follows the first call is dropped whatever it is: a second
+        // call cut off by max_tokens, or one the tools do not allow.
+        let t = tools_in_parallel(None, Some(false)).unwrap();
+        for rest in [
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"ci",
+            "<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tool_call>",
+        ] {
+            let text = format!(
+                "<tool_call>\n{{\"name\": \"now\", \"arguments\": {{}}}}\n</tool_call>\n{rest}"
+            );
+            let (content, calls) = t.parse(&text, Some(FinishReason::Length));
+            assert_eq!(content, "", "{rest}");
+            let names: Vec<&str> = calls.iter().map(|c| c.name.as_str()).collect();
+            assert_eq!(names, ["now"], "{rest}");
+        }
     }
 
     #[test]
@@ -667,7 +711,7 @@ mod tests {
     #[test]
     fn a_choice_of_none_or_no_tools_means_no_tools_and_a_bad_name_is_refused() {
         assert!(tools(Some(ToolChoiceIn::Mode("none".into()))).is_none());
-        assert!(Tools::from_request(None, None).unwrap().is_none());
+        assert!(Tools::from_request(None, None, None).unwrap().is_none());
         let named = ToolChoiceIn::Named {
             kind: "function".into(),
             function: NamedFunction {
@@ -677,13 +721,13 @@ mod tests {
         let list: Vec<ToolIn> =
             serde_json::from_value(json!([{"type": "function", "function": {"name": "now"}}]))
                 .unwrap();
-        let error = Tools::from_request(Some(&list), Some(&named)).unwrap_err();
+        let error = Tools::from_request(Some(&list), Some(&named), None).unwrap_err();
         assert_eq!(error.param.as_deref(), Some("tool_choice.function.name"));
         let bad: Vec<ToolIn> = serde_json::from_value(
             json!([{"type": "function", "function": {"name": "has space"}}]),
         )
         .unwrap();
-        assert!(Tools::from_request(Some(&bad), None).is_err());
+        assert!(Tools::from_request(Some(&bad), None, None).is_err());
     }
 
     #[test]
@@ -696,7 +740,9 @@ mod tests {
                 {"type": "function", "function": {"name": "second", "parameters": parameters}},
             ]))
             .unwrap();
-            Tools::from_request(Some(&list), None).unwrap().unwrap()
+            Tools::from_request(Some(&list), None, None)
+                .unwrap()
+                .unwrap()
         };
         for constrained in [false, true] {
             assert!(

@@ -225,3 +225,22 @@ fn a_name_repeated_within_an_object_is_refused_wherever_it_stands() {
     assert_eq!(keys, ["z", "a"]);
     assert_eq!(object["messages"][1]["role"], "assistant");
 }
+
+#[test]
+fn parallel_tool_calls_reaches_the_tools_and_must_be_a_boolean() {
+    let tools = r#""tools": [{"type": "function", "function": {"name": "now"}}]"#;
+    let parallel = |setting: &str| {
+        let body = format!(r#"{{"messages": [], {tools}{setting}}}"#);
+        let fields: ChatFields = typed(&chat(&body).unwrap()).unwrap();
+        format!("{:?}", fields.tools().unwrap().unwrap())
+    };
+    assert!(
+        parallel("").contains("parallel: true"),
+        "absent: OpenAI's default"
+    );
+    assert!(parallel(r#", "parallel_tool_calls": null"#).contains("parallel: true"));
+    assert!(parallel(r#", "parallel_tool_calls": false"#).contains("parallel: false"));
+    let body = format!(r#"{{"messages": [], {tools}, "parallel_tool_calls": "no"}}"#);
+    let error = typed::<ChatFields>(&chat(&body).unwrap()).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("parallel_tool_calls"));
+}
