@@ -79,6 +79,9 @@ pub enum ServerError {
     /// error, never its message (which may quote a value).
     #[error("the response store's PostgreSQL server failed: {0}")]
     StorePostgres(String),
+    /// The response store did not answer within its deadline.
+    #[error("the response store did not answer within {} s", crate::stored::STORE_DEADLINE.as_secs())]
+    StoreTimeout,
     /// A stored response could not be read back.
     #[error("a stored response is damaged")]
     StoredDamaged,

@@ -566,6 +566,87 @@ async fn an_unwritable_default_store_falls_back_to_memory_and_a_named_one_stops_
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_store_that_stops_answering_costs_its_requests_seconds_and_nobody_anything() {
+    let Some(postgres) = crate::common::Postgres::start() else {
+        return;
+    };
+    let server = Server::start(&["--responses-store", &postgres.url]);
+    let (status, first) = post(&server.url("/v1/responses"), None, ask("hi", json!({}))).await;
+    assert_eq!(status, 200, "{first}");
+    let id = first["id"].as_str().unwrap().to_string();
+    let frozen = postgres.freeze();
+
+    // A continuation, which reads the store before its text work: it
+    // waits the store's deadline, then is told to retry.
+    let continuation = tokio::spawn({
+        let url = server.url("/v1/responses");
+        let body = ask("more", json!({"previous_response_id": id, "store": false}));
+        async move { post(&url, None, body).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // Meanwhile the same tenant's chat is served at once: the stuck read
+    // holds no text-work slot. (It held the tenant's only one, and every
+    // request of the tenant waited for the database.)
+    let started = std::time::Instant::now();
+    let chat_url = server.url("/v1/chat/completions");
+    let chat = post(
+        &chat_url,
+        None,
+        json!({"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}],
+               "max_tokens": 2}),
+    );
+    let (status, chat) = tokio::time::timeout(std::time::Duration::from_secs(20), chat)
+        .await
+        .expect("the chat is not held up by another request's store read");
+    assert_eq!(status, 200, "{chat}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(4),
+        "the chat waited {:?} on another request's store read",
+        started.elapsed()
+    );
+    let (status, refused) = tokio::time::timeout(std::time::Duration::from_secs(30), continuation)
+        .await
+        .expect("a continuation is answered within the store's deadline")
+        .unwrap();
+    assert_eq!(status, 503, "{refused}");
+    assert_eq!(refused["error"]["code"], "store_unavailable", "{refused}");
+
+    // An answer to keep is answered, said not to be kept.
+    let (status, unkept) = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        post(&server.url("/v1/responses"), None, ask("again", json!({}))),
+    )
+    .await
+    .expect("an answer is not held up by the store for long");
+    assert_eq!(status, 200, "{unkept}");
+    assert_eq!(unkept["store"], false, "{unkept}");
+    let unkept_id = unkept["id"].as_str().unwrap().to_string();
+
+    // The database answers again: so does the store, and what was said
+    // not to be kept was not.
+    drop(frozen);
+    let mut read = None;
+    for _ in 0..100 {
+        let answer = reqwest::get(server.url(&format!("/v1/responses/{id}")))
+            .await
+            .unwrap();
+        if answer.status() == 200 {
+            read = Some(answer);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(
+        read.is_some(),
+        "the first response reads back once the database answers"
+    );
+    let gone = reqwest::get(server.url(&format!("/v1/responses/{unkept_id}")))
+        .await
+        .unwrap();
+    assert_eq!(gone.status().as_u16(), 404, "store: false was the truth");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn the_postgresql_store_speaks_tls_verified_against_the_operator_s_ca() {
     let Some((postgres, ca)) = crate::common::Postgres::start_tls() else {
         return;

@@ -589,16 +589,21 @@ async fn prepare_off_runtime(
             "the request could not be prepared",
         )
     };
+    let continued = match endpoint {
+        Endpoint::Responses => stored::continued_items(state, tenant, &body).await,
+        Endpoint::Chat | Endpoint::Completions => Ok(Vec::new()),
+    };
     let _slot = state
         .text_work
         .slot(&tenant.name)
         .await
         .ok_or_else(internal)?;
     let (state, tenant) = (Arc::clone(state), Arc::clone(tenant));
-    let prepared =
-        tokio::task::spawn_blocking(move || prepare(&state, &tenant, &body, endpoint, objective))
-            .await
-            .map_err(|_| internal())?;
+    let prepared = tokio::task::spawn_blocking(move || {
+        prepare(&state, &tenant, &body, endpoint, objective, continued)
+    })
+    .await
+    .map_err(|_| internal())?;
     match endpoint {
         // Errors about the chat request it became name the Responses field.
         Endpoint::Responses => prepared.map_err(responses::rename_param),

@@ -32,12 +32,15 @@ pub(super) fn objective_priority(
     state.tenants.objective(name).map(Some)
 }
 
+/// `continued`: the stored items a Responses request continues, read
+/// before ([`super::stored::continued_items`]).
 pub(super) fn prepare(
     state: &AppState,
     tenant: &Tenant,
     body: &[u8],
     endpoint: Endpoint,
     objective: Option<i32>,
+    continued: Result<Vec<Value>, ApiError>,
 ) -> Result<Prepared, ApiError> {
     let mut echo = Value::Null;
     let mut to_store = None;
@@ -46,7 +49,7 @@ pub(super) fn prepare(
         Endpoint::Completions => parse_object(body, COMPLETION_FIELDS)?,
         Endpoint::Responses => {
             let object = parse_object(body, RESPONSES_FIELDS)?;
-            let (translated, keep) = super::stored::translate(state, tenant, &object)?;
+            let (translated, keep) = super::stored::translate(state, &object, continued)?;
             echo = translated.echo;
             to_store = keep;
             translated.chat

@@ -11,7 +11,7 @@ use tracing::warn;
 
 use super::*;
 use crate::error::ServerError;
-use crate::stored::{ResponseStore, Stored};
+use crate::stored::{ResponseStore, STORE_DEADLINE, Stored};
 
 /// What a Responses request will keep once it is answered.
 pub(super) struct ToStore {
@@ -47,13 +47,13 @@ pub(super) fn store_failed() -> ApiError {
     )
 }
 
-/// A Responses request as its chat request, after the stored conversation
-/// it continues; and what it will keep. Runs on a blocking thread (the
-/// store is read here).
+/// A Responses request as its chat request, after the stored items it
+/// continues — `earlier`, read from the store before its text work
+/// ([`continued_items`]) — and what it will keep.
 pub(super) fn translate(
     state: &AppState,
-    tenant: &Tenant,
     object: &Map<String, Value>,
+    earlier: Result<Vec<Value>, ApiError>,
 ) -> Result<(responses::Translated, Option<ToStore>), ApiError> {
     let asks = responses::Storing::of(object)?;
     let off = |field: &str| {
@@ -71,28 +71,11 @@ pub(super) fn translate(
         (Some(_), Some(false)) => None,
         (Some(store), _) => Some(store),
     };
-    let failed = |error: ServerError| {
-        warn!(%error, tenant = %tenant.name, "reading the response store failed");
-        store_failed()
-    };
     let earlier = match (&state.responses, &asks.previous, &asks.conversation) {
         (_, None, None) => Vec::new(),
         (None, Some(_), _) => return Err(off("previous_response_id")),
         (None, _, Some(_)) => return Err(off("conversation")),
-        (Some(store), Some(id), _) => {
-            store
-                .get(&tenant.name, id, unix_now())
-                .map_err(failed)?
-                .ok_or_else(|| not_found("response", Some("previous_response_id")))?
-                .conversation
-        }
-        (Some(store), None, Some(id)) => {
-            store
-                .conversation(&tenant.name, id)
-                .map_err(failed)?
-                .ok_or_else(|| not_found("conversation", Some("conversation")))?
-                .items
-        }
+        (Some(_), _, _) => earlier?,
     };
     let mut translated = responses::to_chat(object, &earlier)?;
     translated.echo["store"] = store.is_some().into();
@@ -109,6 +92,69 @@ pub(super) fn translate(
     Ok((translated, keep))
 }
 
+/// The stored items a Responses request's body continues — its
+/// `previous_response_id`'s conversation or its `conversation`'s items —
+/// read before its text work, outside the text-work slot it will hold: a
+/// store that does not answer then costs this request its
+/// [`STORE_DEADLINE`] and nobody else anything. A body these fields cannot
+/// be read from, or that continues nothing, reads nothing here; its text
+/// work says what is wrong with it.
+pub(super) async fn continued_items(
+    state: &Arc<AppState>,
+    tenant: &Arc<Tenant>,
+    body: &Bytes,
+) -> Result<Vec<Value>, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Continues {
+        previous_response_id: Option<Value>,
+        conversation: Option<Value>,
+    }
+    let Ok(continues) = serde_json::from_slice::<Continues>(body) else {
+        return Ok(Vec::new());
+    };
+    let mut fields = Map::new();
+    let named = [
+        ("previous_response_id", continues.previous_response_id),
+        ("conversation", continues.conversation),
+    ];
+    for (name, value) in named {
+        if let Some(value) = value {
+            fields.insert(name.into(), value);
+        }
+    }
+    let Ok(asks) = responses::Storing::of(&fields) else {
+        return Ok(Vec::new());
+    };
+    if state.responses.is_none() || (asks.previous.is_none() && asks.conversation.is_none()) {
+        return Ok(Vec::new());
+    }
+    on_store(
+        state,
+        Arc::clone(tenant),
+        store_failed(),
+        move |store, tenant| {
+            let failed = |error: ServerError| {
+                warn!(%error, %tenant, "reading the response store failed");
+                store_error(error)
+            };
+            match (asks.previous, asks.conversation) {
+                (Some(id), _) => Ok(store
+                    .get(tenant, &id, unix_now())
+                    .map_err(failed)?
+                    .ok_or_else(|| not_found("response", Some("previous_response_id")))?
+                    .conversation),
+                (None, Some(id)) => Ok(store
+                    .conversation(tenant, &id)
+                    .map_err(failed)?
+                    .ok_or_else(|| not_found("conversation", Some("conversation")))?
+                    .items),
+                (None, None) => Ok(Vec::new()),
+            }
+        },
+    )
+    .await
+}
+
 impl Reply {
     /// Keeps the finished response `body` if its request asked to, and
     /// adds its input and output to the conversation it named, before the
@@ -119,15 +165,16 @@ impl Reply {
         let Some(to_store) = self.to_store.take() else {
             return;
         };
-        // A task that panicked kept nothing of what was asked.
+        // A task that panicked, or did not end in time, kept nothing of
+        // what was asked.
         let lost = (
             to_store
                 .response
-                .then(|| Err("the store's task failed".to_string())),
+                .then(|| Err("the store's task failed or overran".to_string())),
             to_store
                 .conversation
                 .is_some()
-                .then(|| Err("the store's task failed".to_string())),
+                .then(|| Err("the store's task failed or overran".to_string())),
         );
         let (state, tenant, id, response) = (
             Arc::clone(&self.state),
@@ -135,9 +182,9 @@ impl Reply {
             self.id.clone(),
             body.clone(),
         );
-        let kept =
-            tokio::task::spawn_blocking(move || to_store.keep(&state, &tenant, &id, response))
-                .await;
+        // Past the deadline the write is rolled back, not committed: the
+        // answer says it was not kept, and it was not.
+        let kept = within_deadline(move || to_store.keep(&state, &tenant, &id, response)).await;
         let (stored, joined) = kept.unwrap_or(lost);
         let request = self.choices[0].handle.id();
         if let Some(Err(error)) = stored {
@@ -278,14 +325,49 @@ pub(super) fn tenant_of(
     Ok((tenant, admission))
 }
 
-/// The store failed: logged (never with stored text), answered as a 500.
+/// The store failed: logged (never with stored text), answered as a 500 —
+/// or, when it did not answer in time, as a 503 to retry.
 pub(super) fn store_error(error: ServerError) -> ApiError {
     warn!(%error, "the response store failed");
-    store_failed()
+    match error {
+        ServerError::StoreTimeout => store_unavailable(),
+        _ => store_failed(),
+    }
 }
 
-/// Runs `work` on the response store, on a blocking thread, for `tenant`;
-/// `off` answers when the server keeps nothing.
+/// The store did not answer within [`STORE_DEADLINE`].
+pub(super) fn store_unavailable() -> ApiError {
+    ApiError::new(
+        ErrorType::ServiceUnavailable,
+        "store_unavailable",
+        format!(
+            "the response store did not answer within {} s; retry later",
+            STORE_DEADLINE.as_secs()
+        ),
+    )
+}
+
+/// Runs `work` on a blocking thread and waits for it until a little after
+/// [`STORE_DEADLINE`], by which every store operation has ended or given
+/// up — except one stuck inside the database's answer, which is left to
+/// end on its own. `None`: it panicked or overran.
+async fn within_deadline<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let task = tokio::task::spawn_blocking(work);
+    match tokio::time::timeout(STORE_DEADLINE + std::time::Duration::from_secs(1), task).await {
+        Ok(Ok(done)) => Some(done),
+        Ok(Err(_)) => None,
+        Err(_) => {
+            warn!("a response store operation overran its deadline; answered without it");
+            None
+        }
+    }
+}
+
+/// Runs `work` on the response store, on a blocking thread, for `tenant`,
+/// within the store's deadline; `off` answers when the server keeps
+/// nothing.
 pub(super) async fn on_store<T: Send + 'static>(
     state: &Arc<AppState>,
     tenant: Arc<Tenant>,
@@ -293,12 +375,12 @@ pub(super) async fn on_store<T: Send + 'static>(
     work: impl FnOnce(&ResponseStore, &str) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let state = Arc::clone(state);
-    tokio::task::spawn_blocking(move || match &state.responses {
+    within_deadline(move || match &state.responses {
         Some(store) => work(store, &tenant.name),
         None => Err(off),
     })
     .await
-    .map_err(|_| store_failed())?
+    .unwrap_or_else(|| Err(store_unavailable()))
 }
 
 /// [`on_store`] for the tenant the headers name.

@@ -8,10 +8,20 @@
 //! locked for an edit — is asked of the backend.
 
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::error::ServerError;
+
+/// How long one operation on the store may take, its wait for the store
+/// included. Past it the operation is given up — rolled back if it got
+/// that far — and its request is answered without it (`store: false`, or a
+/// 503), so a database that stops answering costs a request this long at
+/// most; and once an operation has held the store longer than this, the
+/// next ones fail at once instead of queueing behind it (their blocking
+/// threads, and the text-work slots of the requests that wait on them,
+/// are everyone's).
+pub(crate) const STORE_DEADLINE: Duration = Duration::from_secs(5);
 
 /// A value bound to a statement: the store binds text and integers only.
 #[derive(Debug, Clone, Copy)]
@@ -119,7 +129,7 @@ const POSTGRES_SCHEMA: &str = "
 
 /// A database the store runs on.
 pub(super) enum Backend {
-    Sqlite(Mutex<rusqlite::Connection>),
+    Sqlite(Gate<rusqlite::Connection>),
     /// The server's URL, and a client connected to it — again after the
     /// connection broke (a database restart is not the router's).
     Postgres {
@@ -127,8 +137,89 @@ pub(super) enum Backend {
         /// TLS to the server, verified against the operator's CA; `None`
         /// connects in the clear.
         tls: Option<tokio_postgres_rustls::MakeRustlsConnect>,
-        client: Mutex<Option<Box<postgres::Client>>>,
+        client: Gate<Option<Box<postgres::Client>>>,
     },
+}
+
+/// A connection one operation uses at a time, waited for until the
+/// operation's deadline at most — and not at all once its holder has
+/// overrun its own: that holder is stuck on a database that does not
+/// answer, and waiting behind it only piles threads up.
+pub(super) struct Gate<T> {
+    connection: parking_lot::Mutex<T>,
+    /// How long one operation may take: [`STORE_DEADLINE`].
+    limit: Duration,
+    /// When the holder took it, in nanoseconds after `epoch` plus one; 0
+    /// while nobody holds it.
+    taken: AtomicU64,
+    epoch: Instant,
+}
+
+/// The connection, held until dropped.
+struct Held<'g, T> {
+    connection: parking_lot::MutexGuard<'g, T>,
+    taken: &'g AtomicU64,
+}
+
+impl<T> Gate<T> {
+    fn new(connection: T) -> Gate<T> {
+        Gate::with_limit(connection, STORE_DEADLINE)
+    }
+
+    fn with_limit(connection: T, limit: Duration) -> Gate<T> {
+        Gate {
+            connection: parking_lot::Mutex::new(connection),
+            limit,
+            taken: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+
+    fn stamp(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX - 1)
+            + 1
+    }
+
+    /// The connection, for an operation starting now, and the deadline
+    /// it must end by.
+    fn take(&self) -> Result<(Held<'_, T>, Instant), ServerError> {
+        let deadline = Instant::now() + self.limit;
+        let taken = self.taken.load(Ordering::Acquire);
+        let held_for = self.stamp(Instant::now()).saturating_sub(taken);
+        if taken != 0 && u128::from(held_for) > self.limit.as_nanos() {
+            return Err(ServerError::StoreTimeout);
+        }
+        let connection = self
+            .connection
+            .try_lock_until(deadline)
+            .ok_or(ServerError::StoreTimeout)?;
+        self.taken
+            .store(self.stamp(Instant::now()), Ordering::Release);
+        let held = Held {
+            connection,
+            taken: &self.taken,
+        };
+        Ok((held, deadline))
+    }
+}
+
+impl<T> Drop for Held<'_, T> {
+    fn drop(&mut self) {
+        self.taken.store(0, Ordering::Release);
+    }
+}
+
+impl<T> std::ops::Deref for Held<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.connection
+    }
+}
+
+impl<T> std::ops::DerefMut for Held<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.connection
+    }
 }
 
 impl std::fmt::Debug for Backend {
@@ -139,14 +230,6 @@ impl std::fmt::Debug for Backend {
             Backend::Postgres { .. } => "Postgres",
         })
     }
-}
-
-/// Locks `mutex`: a panic while it was held left no half-done statement
-/// behind (each transaction is all or nothing), so what it guards is sound.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Backend {
@@ -162,7 +245,7 @@ impl Backend {
         db.pragma_update_and_check(None, "journal_mode", "WAL", |_| Ok(()))?;
         db.pragma_update(None, "synchronous", "NORMAL")?;
         db.execute_batch(SQLITE_SCHEMA)?;
-        Ok(Backend::Sqlite(Mutex::new(db)))
+        Ok(Backend::Sqlite(Gate::new(db)))
     }
 
     /// The PostgreSQL database at `url`, its tables made; over TLS
@@ -172,7 +255,7 @@ impl Backend {
         let backend = Backend::Postgres {
             url: url.to_string(),
             tls,
-            client: Mutex::new(None),
+            client: Gate::new(None),
         };
         backend.transaction(|_| Ok(()))?;
         Ok(backend)
@@ -205,14 +288,24 @@ impl Backend {
         self.run(false, work)
     }
 
+    /// Runs `work` in one transaction, committed if it writes, within
+    /// [`STORE_DEADLINE`]: a transaction that would commit past it is
+    /// rolled back instead, since its caller has answered without it.
     fn run<T>(
         &self,
         writes: bool,
         work: impl FnOnce(&mut dyn Tx) -> Result<T, ServerError>,
     ) -> Result<T, ServerError> {
+        let in_time = |deadline: Instant| {
+            if Instant::now() > deadline {
+                Err(ServerError::StoreTimeout)
+            } else {
+                Ok(())
+            }
+        };
         match self {
             Backend::Sqlite(db) => {
-                let mut db = lock(db);
+                let (mut db, deadline) = db.take()?;
                 // A writer takes the lock at the start, so another
                 // process's writer waits there, never between a read and
                 // the write it decides.
@@ -223,15 +316,17 @@ impl Backend {
                 };
                 let mut tx = db.transaction_with_behavior(behavior)?;
                 let done = work(&mut tx)?;
+                in_time(deadline)?;
                 tx.commit()?;
                 Ok(done)
             }
             Backend::Postgres { url, tls, client } => {
-                let mut client = lock(client);
+                let (mut client, deadline) = client.take()?;
                 if client.as_ref().is_none_or(|client| client.is_closed()) {
+                    let config = bounded_config(url)?;
                     let mut fresh = match tls {
-                        Some(tls) => postgres::Client::connect(url, tls.clone())?,
-                        None => postgres::Client::connect(url, postgres::NoTls)?,
+                        Some(tls) => config.connect(tls.clone())?,
+                        None => config.connect(postgres::NoTls)?,
                     };
                     fresh.batch_execute(POSTGRES_SCHEMA)?;
                     *client = Some(Box::new(fresh));
@@ -241,11 +336,29 @@ impl Backend {
                     .expect("a client was connected just above if there was none");
                 let mut tx = client.transaction()?;
                 let done = work(&mut tx)?;
+                in_time(deadline)?;
                 tx.commit()?;
                 Ok(done)
             }
         }
     }
+}
+
+/// The connection settings of `url`, with bounds in time where the URL
+/// sets none: connecting, and data the server does not acknowledge (a
+/// host gone from the network), each give up after [`STORE_DEADLINE`], so
+/// the connection an operation overran on breaks and the next one
+/// connects again. (A server that acknowledges but never answers is
+/// bounded by the deadline of each operation instead.)
+fn bounded_config(url: &str) -> Result<postgres::Config, ServerError> {
+    let mut config: postgres::Config = url.parse()?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(STORE_DEADLINE);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(STORE_DEADLINE);
+    }
+    Ok(config)
 }
 
 /// A TLS connector that trusts exactly the certificates in `ca_pem` (the
@@ -354,5 +467,70 @@ impl Tx for postgres::Transaction<'_> {
 
     fn for_update(&self) -> &'static str {
         " FOR UPDATE"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::mpsc;
+
+    use super::*;
+
+    /// A gate whose holder is stuck — on a database that does not answer —
+    /// until `release` is sent.
+    fn stuck(gate: &'static Gate<()>) -> mpsc::Sender<()> {
+        let (release, wait) = mpsc::channel::<()>();
+        let (taken, is_taken) = mpsc::channel();
+        std::thread::spawn(move || {
+            let held = gate.take().unwrap();
+            taken.send(()).unwrap();
+            let _ = wait.recv();
+            drop(held);
+        });
+        is_taken.recv().unwrap();
+        release
+    }
+
+    #[test]
+    fn an_operation_waits_for_a_stuck_one_until_its_deadline_then_not_at_all() {
+        let limit = Duration::from_millis(200);
+        let gate: &'static Gate<()> = Box::leak(Box::new(Gate::with_limit((), limit)));
+        let release = stuck(gate);
+        // Behind a holder within its time: waits, up to its own deadline.
+        let started = Instant::now();
+        assert!(matches!(gate.take(), Err(ServerError::StoreTimeout)));
+        assert!(started.elapsed() >= limit, "it waited for its turn");
+        // The holder has now overrun its own deadline: the next ones do
+        // not queue behind it.
+        std::thread::sleep(limit);
+        let started = Instant::now();
+        assert!(matches!(gate.take(), Err(ServerError::StoreTimeout)));
+        assert!(started.elapsed() < limit, "{:?}", started.elapsed());
+        // Once it ends, the store is whole again.
+        release.send(()).unwrap();
+        let started = Instant::now();
+        while gate.take().is_err() {
+            assert!(started.elapsed() < Duration::from_secs(10), "freed");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn a_transaction_that_overran_is_rolled_back_not_committed() {
+        let db = rusqlite::Connection::open_in_memory().unwrap();
+        db.execute_batch("CREATE TABLE t (v INTEGER)").unwrap();
+        let backend = Backend::Sqlite(Gate::with_limit(db, Duration::from_millis(50)));
+        let slow = backend.transaction(|tx| {
+            tx.run("INSERT INTO t (v) VALUES ($1)", &[Param::Int(1)])?;
+            std::thread::sleep(Duration::from_millis(100));
+            Ok(())
+        });
+        assert!(matches!(slow, Err(ServerError::StoreTimeout)));
+        let count = backend
+            .read(|tx| tx.row("SELECT COUNT(*) FROM t", &[], &[Kind::Int]))
+            .unwrap();
+        assert_eq!(count.unwrap()[0], Cell::Int(0), "nothing of it was kept");
     }
 }

@@ -25,6 +25,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::error::ServerError;
+pub(crate) use backend::STORE_DEADLINE;
 use backend::{Backend, Cell, Kind, Param, Tx};
 
 /// How much the store keeps, and for how long.

@@ -644,6 +644,45 @@ impl Postgres {
     }
 }
 
+/// A PostgreSQL server stopped in its tracks (SIGSTOP): its sockets stay
+/// open and the kernel acknowledges what is sent, but nothing answers — a
+/// database stuck on its disk or a lock. It goes on when this is dropped.
+pub struct Frozen {
+    pids: Vec<String>,
+}
+
+impl Postgres {
+    /// Stops every process of the server until the returned guard drops.
+    pub fn freeze(&self) -> Frozen {
+        let pid_file =
+            std::fs::read_to_string(self.dir.path().join("data/postmaster.pid")).unwrap();
+        let postmaster = pid_file.lines().next().unwrap().trim().to_string();
+        let children = Command::new("pgrep")
+            .args(["-P", &postmaster])
+            .output()
+            .unwrap();
+        let mut pids = vec![postmaster];
+        pids.extend(
+            String::from_utf8_lossy(&children.stdout)
+                .split_whitespace()
+                .map(str::to_string),
+        );
+        let stopped = Command::new("kill")
+            .arg("-STOP")
+            .args(&pids)
+            .status()
+            .unwrap();
+        assert!(stopped.success(), "SIGSTOP to the PostgreSQL server");
+        Frozen { pids }
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").arg("-CONT").args(&self.pids).status();
+    }
+}
+
 impl Drop for Postgres {
     fn drop(&mut self) {
         let _ = Postgres::command(&self.bin, self.as_postgres, "pg_ctl")
