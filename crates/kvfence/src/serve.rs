@@ -590,7 +590,7 @@ impl ServeArgs {
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     args.check_mode()?;
-    kvfence_server::init_logging();
+    let _log = kvfence_server::init_logging();
     let _traces = args.traces.export("serve")?;
     let tenants = tenants(&args.http)?;
     let mut model = match &args.model {

@@ -139,12 +139,12 @@ pub(crate) struct RouterArgs {
     traces: TraceArgs,
 }
 
-/// The parts every worker starts from: credentials, model and pool.
+/// The parts every worker starts from: credentials, model and pool (its
+/// log started before).
 fn start_worker(
     args: &WorkerArgs,
     role: Role,
 ) -> anyhow::Result<(Credentials, Arc<LoadedModel>, Pool, Option<Traces>)> {
-    kvfence_server::init_logging();
     let traces = args.traces.export(match role {
         Role::Prefill => "prefill",
         _ => "decode",
@@ -216,6 +216,7 @@ fn run_until_drained(
 }
 
 pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
+    let _log = kvfence_server::init_logging();
     let (credentials, model, pool, _traces) = start_worker(&args.worker, Role::Prefill)?;
     let listener = TcpListener::bind(args.worker.listen)
         .with_context(|| format!("binding {}", args.worker.listen))?;
@@ -228,6 +229,7 @@ pub(crate) fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
 }
 
 pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
+    let _log = kvfence_server::init_logging();
     let prefills = PeerNames::parse(&args.prefill, "prefill worker")?;
     let (credentials, model, pool, _traces) = start_worker(&args.worker, Role::Decode)?;
     let engine = start_decode_worker(
@@ -252,7 +254,7 @@ pub(crate) fn decode(args: DecodeArgs) -> anyhow::Result<()> {
 }
 
 pub(crate) fn router(args: RouterArgs) -> anyhow::Result<()> {
-    kvfence_server::init_logging();
+    let _log = kvfence_server::init_logging();
     let _traces = args.traces.export("router")?;
     let names = PeerNames::parse(&args.decode, "decode worker")?;
     let credentials = args.tls.credentials(Role::Router)?;

@@ -32,7 +32,7 @@ pub use admission::Capacity;
 pub use connections::Ticket;
 use connections::Watched;
 pub use error::{ApiError, ErrorType, ServerError};
-pub use logging::init_logging;
+pub use logging::{LogGuard, init_logging};
 pub use metrics::Metrics;
 pub use openai::{CHAT_FIELDS, COMPLETION_FIELDS, FieldUse, SHARED_FIELDS};
 pub use redact::Redacted;

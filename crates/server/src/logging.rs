@@ -2,6 +2,24 @@
 //! filter no directive can lift — the third-party crates that see request
 //! content or credentials log nothing more verbose than it allows, so no
 //! prompt, completion or key reaches a log line at any level (I10).
+//!
+//! Lines are written by a thread of their own, from a bounded buffer: a
+//! reader of stderr that stops reading (a paused pipe, a log shipper
+//! behind) then costs lines, counted in `kvfence_log_lines_dropped_total`,
+//! never a request. (Written in place, the first full pipe stopped every
+//! thread that logs — each request logs — and the API with them, while
+//! `/health`, which logs nothing, still answered.)
+
+use std::sync::OnceLock;
+
+use tracing_appender::non_blocking::{ErrorCounter, NonBlocking, NonBlockingBuilder, WorkerGuard};
+
+/// Lines the log's buffer holds while stderr does not take them: about a
+/// megabyte or two of the usual lines, and every line of a long burst.
+const BUFFERED_LINES: usize = 8192;
+
+/// The count of lines dropped because stderr did not take them.
+static DROPPED: OnceLock<ErrorCounter> = OnceLock::new();
 
 /// Third-party targets that see request content or credentials, and the
 /// most verbose level each may log at: the tokenizer logs every character
@@ -55,14 +73,65 @@ where
         .with(tracing_subscriber::filter::filter_fn(loggable))
 }
 
-/// Logs to stderr, `info` unless `RUST_LOG` says otherwise. Never request
+/// The log's writer thread: dropping it writes what is still buffered
+/// (waiting a second at most) and ends the thread. Keep it until the
+/// process is done.
+#[must_use = "dropping it ends the log"]
+pub struct LogGuard {
+    writer: Option<(NonBlocking, WorkerGuard)>,
+}
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        let Some((mut probe, guard)) = self.writer.take() else {
+            return;
+        };
+        // With the buffer full — stderr not read — tracing-appender's guard
+        // reports so on stdout, which may be just as stuck (and a closed
+        // stdout makes that a panic whose message goes to stderr): the
+        // process would never exit. So it is dropped, flushing the buffer,
+        // only if the buffer takes an empty line; otherwise the process
+        // exits without its buffered lines, which nobody was reading.
+        let before = probe.error_counter().dropped_lines();
+        let _ = std::io::Write::write(&mut probe, &[]);
+        if probe.error_counter().dropped_lines() > before {
+            std::mem::forget(guard);
+        }
+    }
+}
+
+/// Logs to stderr, `info` unless `RUST_LOG` says otherwise, through a
+/// buffer that drops lines rather than wait for stderr. Never request
 /// text, at any level (I10).
-pub fn init_logging() {
+pub fn init_logging() -> LogGuard {
     let rust_log = std::env::var("RUST_LOG").ok();
-    let subscriber = log_subscriber(rust_log.as_deref(), std::io::stderr);
+    let (writer, guard) = NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(BUFFERED_LINES)
+        .thread_name("kvfence-log")
+        .finish(std::io::stderr());
+    let dropped = writer.error_counter();
+    let probe = writer.clone();
+    let subscriber = log_subscriber(rust_log.as_deref(), writer);
     // Also takes records of crates that log through `log` (the tokenizer
-    // does), so they pass the same filter. A second call keeps the first.
-    let _ = tracing_subscriber::util::SubscriberInitExt::try_init(subscriber);
+    // does), so they pass the same filter. A second call keeps the first,
+    // and its writer.
+    match tracing_subscriber::util::SubscriberInitExt::try_init(subscriber) {
+        Ok(()) => {
+            let _ = DROPPED.set(dropped);
+            LogGuard {
+                writer: Some((probe, guard)),
+            }
+        }
+        Err(_) => LogGuard { writer: None },
+    }
+}
+
+/// Log lines this process dropped because stderr did not take them.
+pub fn log_lines_dropped() -> u64 {
+    DROPPED
+        .get()
+        .map_or(0, |counter| counter.dropped_lines() as u64)
 }
 
 #[cfg(test)]

@@ -410,6 +410,23 @@ impl ProcessGauges {
     }
 }
 
+/// Log lines this process dropped because stderr did not take them
+/// ([`crate::logging`]): a reader of the log that fell behind.
+#[derive(Debug)]
+struct LogLinesDropped;
+
+impl Collector for LogLinesDropped {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let family = encoder.encode_descriptor(
+            "log_lines_dropped",
+            "Log lines this process dropped because stderr did not take them (its reader fell behind); requests never wait for the log.",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(crate::logging::log_lines_dropped()).encode(family)
+    }
+}
+
 /// Every metric the server exports.
 pub struct Metrics {
     registry: Registry,
@@ -492,6 +509,7 @@ impl Metrics {
             tenant_labels,
         });
         registry.register_collector(Box::new(Arc::clone(&workers)));
+        registry.register_collector(Box::new(LogLinesDropped));
 
         max_context.set(capacity.max_context as i64);
         context_clamped.set(i64::from(capacity.clamped));

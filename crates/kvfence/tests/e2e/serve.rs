@@ -782,6 +782,36 @@ async fn sigterm_lets_in_flight_requests_finish_then_exits_cleanly() {
     assert!(server.wait().success());
 }
 
+/// A reader of the log that stops reading — a paused pipe, a log shipper
+/// fallen behind — costs log lines, counted, never a request: the API goes
+/// on answering with stderr's pipe full, and SIGTERM still drains it.
+/// (Logged in place, the first full pipe stopped every request, while
+/// `/health`, which logs nothing, still answered.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_log_nobody_reads_costs_lines_never_requests() {
+    let mut server = Server::start_with_env(&[], &[("RUST_LOG", "trace")]);
+    server.stall_log(true);
+    let url = server.url("/v1/completions");
+    for i in 0..300 {
+        let request = post(
+            &url,
+            None,
+            json!({"prompt": "count", "max_tokens": 24, "ignore_eos": true}),
+        );
+        let (code, body) = tokio::time::timeout(Duration::from_secs(20), request)
+            .await
+            .unwrap_or_else(|_| panic!("request {i} waited for the log"));
+        assert_eq!(code, 200, "{body}");
+    }
+    let dropped = server.metric("kvfence_log_lines_dropped_total").await;
+    assert!(dropped > 0.0, "the full pipe cost lines: {dropped}");
+    server.terminate();
+    let status = server
+        .exited_within(Duration::from_secs(30))
+        .expect("SIGTERM ends a server whose log is not read");
+    assert!(status.success(), "{status}");
+}
+
 /// I10 at the most verbose level: every role — `serve`'s router, prefill
 /// and decode workers in one process, and the three roles as separate
 /// processes — runs with `RUST_LOG=trace` while prompts carry a marker of

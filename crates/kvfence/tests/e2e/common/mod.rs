@@ -6,6 +6,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,8 @@ pub struct Server {
     /// Where `/metrics` is served: a listener of its own, or the API's.
     pub metrics_base: String,
     log: Arc<Mutex<String>>,
+    /// While set, nothing reads the server's stderr: its pipe fills.
+    log_stalled: Arc<AtomicBool>,
 }
 
 impl Server {
@@ -68,11 +71,18 @@ impl Server {
             .spawn()
             .expect("the kvfence binary starts");
         let log = Arc::new(Mutex::new(String::new()));
+        let log_stalled = Arc::new(AtomicBool::new(false));
         let mut stderr = child.stderr.take().unwrap();
-        let sink = Arc::clone(&log);
+        let (sink, stalled) = (Arc::clone(&log), Arc::clone(&log_stalled));
         std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
-            while let Ok(n) = stderr.read(&mut buf) {
+            loop {
+                while stalled.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let Ok(n) = stderr.read(&mut buf) else {
+                    break;
+                };
                 if n == 0 {
                     break;
                 }
@@ -107,7 +117,14 @@ impl Server {
             base,
             metrics_base,
             log,
+            log_stalled,
         }
+    }
+
+    /// Stops reading the server's stderr (`true`), as a log reader that
+    /// fell behind does — its pipe fills — or reads it again (`false`).
+    pub fn stall_log(&self, stalled: bool) {
+        self.log_stalled.store(stalled, Ordering::Release);
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -270,6 +287,20 @@ impl Server {
         assert!(status.success(), "exited with {status}:\n{log}");
         std::mem::forget(self);
         log
+    }
+
+    /// How the process exited, if it did within `limit`.
+    pub fn exited_within(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Waits for the process to exit by itself.
