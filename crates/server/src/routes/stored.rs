@@ -104,48 +104,29 @@ pub(super) async fn continued_items(
     tenant: &Arc<Tenant>,
     body: &Bytes,
 ) -> Result<Vec<Value>, ApiError> {
-    #[derive(serde::Deserialize)]
-    struct Continues {
-        previous_response_id: Option<Value>,
-        conversation: Option<Value>,
-    }
-    let Ok(continues) = serde_json::from_slice::<Continues>(body) else {
-        return Ok(Vec::new());
-    };
-    let mut fields = Map::new();
-    let named = [
-        ("previous_response_id", continues.previous_response_id),
-        ("conversation", continues.conversation),
-    ];
-    for (name, value) in named {
-        if let Some(value) = value {
-            fields.insert(name.into(), value);
-        }
-    }
-    let Ok(asks) = responses::Storing::of(&fields) else {
-        return Ok(Vec::new());
-    };
-    if state.responses.is_none() || (asks.previous.is_none() && asks.conversation.is_none()) {
+    if state.responses.is_none() {
         return Ok(Vec::new());
     }
+    let body = body.clone();
+    // The body is read on the blocking thread too: a large one must not
+    // hold up the async runtime.
     on_store(
         state,
         Arc::clone(tenant),
         store_failed(),
         move |store, tenant| {
-            let failed = |error: ServerError| {
-                warn!(%error, %tenant, "reading the response store failed");
-                store_error(error)
+            let Some(asks) = continues(&body) else {
+                return Ok(Vec::new());
             };
             match (asks.previous, asks.conversation) {
                 (Some(id), _) => Ok(store
                     .get(tenant, &id, unix_now())
-                    .map_err(failed)?
+                    .map_err(store_error)?
                     .ok_or_else(|| not_found("response", Some("previous_response_id")))?
                     .conversation),
                 (None, Some(id)) => Ok(store
                     .conversation(tenant, &id)
-                    .map_err(failed)?
+                    .map_err(store_error)?
                     .ok_or_else(|| not_found("conversation", Some("conversation")))?
                     .items),
                 (None, None) => Ok(Vec::new()),
@@ -153,6 +134,27 @@ pub(super) async fn continued_items(
         },
     )
     .await
+}
+
+/// What a Responses body asks of the store, if its `previous_response_id`
+/// and `conversation` can be read; the body's whole reading reports what
+/// is wrong with one that cannot.
+fn continues(body: &[u8]) -> Option<responses::Storing> {
+    #[derive(serde::Deserialize)]
+    struct Continues {
+        previous_response_id: Option<Value>,
+        conversation: Option<Value>,
+    }
+    let continues: Continues = serde_json::from_slice(body).ok()?;
+    let named = [
+        ("previous_response_id", continues.previous_response_id),
+        ("conversation", continues.conversation),
+    ];
+    let fields: Map<String, Value> = named
+        .into_iter()
+        .filter_map(|(name, value)| Some((name.to_string(), value?)))
+        .collect();
+    responses::Storing::of(&fields).ok()
 }
 
 impl Reply {
