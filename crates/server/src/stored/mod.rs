@@ -49,6 +49,11 @@ impl Default for StoreLimits {
     }
 }
 
+/// Expired responses one write removes at most, so that its transaction
+/// stays within the store's deadline however many expired at once (reads
+/// never see them: every read asks for `expires` after now).
+const PURGE_BATCH: usize = 256;
+
 /// One stored response.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stored {
@@ -184,7 +189,12 @@ impl ResponseStore {
             return Err(ServerError::StoredTooLarge { bytes, limit });
         }
         let expires = now.saturating_add(self.limits.ttl.as_secs());
-        let purge = self.sql("DELETE FROM {responses} WHERE expires <= $1");
+        // A batch of what expired, oldest first; each write takes the next.
+        let purge = self.sql(&format!(
+            "DELETE FROM {{responses}} WHERE (tenant, id) IN (
+                SELECT tenant, id FROM {{responses}} WHERE expires <= $1
+                ORDER BY expires LIMIT {PURGE_BATCH})"
+        ));
         let insert = self.sql(
             "INSERT INTO {responses}
                 (tenant, id, created, expires, bytes, response, input, conversation)
@@ -522,6 +532,36 @@ mod tests {
             .transaction(|tx| tx.row("SELECT COUNT(*) FROM responses", &[], &[Kind::Int]))
             .unwrap();
         assert_eq!(rows, Some(vec![Cell::Int(1)]));
+    }
+
+    #[test]
+    fn a_write_removes_a_bounded_number_of_expired_responses() {
+        // A write's transaction must end within the store's deadline, so
+        // it removes what expired a batch at a time: a burst of answers
+        // that expires at once would otherwise make every write remove all
+        // of them, overrun, roll back — and no write would ever land.
+        let store = store(StoreLimits {
+            ttl: Duration::from_secs(60),
+            ..StoreLimits::default()
+        });
+        let burst = 2 * PURGE_BATCH + 10;
+        for i in 0..burst {
+            store
+                .put("alpha", &format!("resp_{i}"), &stored("a"), 1_000)
+                .unwrap();
+        }
+        let count = || {
+            let row = store
+                .db
+                .read(|tx| tx.row("SELECT COUNT(*) FROM responses", &[], &[Kind::Int]))
+                .unwrap();
+            row.unwrap()[0].clone().int().unwrap()
+        };
+        store.put("beta", "resp_b", &stored("b"), 2_000).unwrap();
+        assert_eq!(count(), (burst - PURGE_BATCH + 1) as i64);
+        store.put("beta", "resp_c", &stored("c"), 2_001).unwrap();
+        store.put("beta", "resp_d", &stored("d"), 2_002).unwrap();
+        assert_eq!(count(), 3, "every expired response is gone in the end");
     }
 
     #[test]
