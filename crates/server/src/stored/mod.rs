@@ -403,28 +403,35 @@ impl ResponseStore {
         let oldest = self.sql(
             "DELETE FROM {responses} WHERE tenant = $1 AND id = (
                 SELECT id FROM {responses} WHERE tenant = $1 AND id != $2
-                ORDER BY created, id LIMIT 1)",
+                ORDER BY created, id LIMIT 1)
+             RETURNING bytes",
         );
-        loop {
-            let row = tx.row(&total, &[Param::Text(tenant)], &[Kind::Int])?;
-            let total = match row.and_then(|cells| cells.into_iter().next()) {
-                Some(cell) => u64::try_from(cell.int()?).unwrap_or(0),
-                None => 0,
-            };
-            if total <= limit {
-                return Ok(());
+        let first_cell = |row: Option<Vec<Cell>>| -> Result<u64, ServerError> {
+            match row.and_then(|cells| cells.into_iter().next()) {
+                Some(cell) => Ok(u64::try_from(cell.int()?).unwrap_or(0)),
+                None => Ok(0),
             }
-            let removed = tx.run(
+        };
+        // Summed once, then less what each removal frees: a tenant of many
+        // small rows makes room in as many steps as rows it loses, never a
+        // sum over all it holds per step (which held the store for every
+        // tenant for as long).
+        let mut total = first_cell(tx.row(&total, &[Param::Text(tenant)], &[Kind::Int])?)?;
+        while total > limit {
+            let removed = tx.row(
                 &oldest,
                 &[Param::Text(tenant), Param::Text(keep.unwrap_or(""))],
+                &[Kind::Int],
             )?;
-            if removed == 0 {
+            if removed.is_none() {
                 return Err(ServerError::StoredTooLarge {
                     bytes: total,
                     limit,
                 });
             }
+            total = total.saturating_sub(first_cell(removed)?);
         }
+        Ok(())
     }
 }
 
