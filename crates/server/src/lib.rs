@@ -46,7 +46,7 @@ pub struct AppState {
     engine: Box<dyn Backend>,
     model: Arc<TextModel>,
     model_id: String,
-    tenants: Tenants,
+    tenants: Arc<Tenants>,
     capacity: Capacity,
     metrics: Metrics,
     default_max_tokens: usize,
@@ -180,7 +180,7 @@ impl AppState {
             engine,
             model,
             model_id: options.model_id,
-            tenants: options.tenants,
+            tenants: Arc::new(options.tenants),
             capacity: options.capacity,
             default_max_tokens: options.default_max_tokens,
             limits: options.limits,
@@ -523,10 +523,7 @@ pub async fn serve(
     grace: Duration,
 ) -> std::io::Result<()> {
     let app = router(Arc::clone(&state));
-    let tenants = tokio::spawn({
-        let state = Arc::clone(&state);
-        async move { state.tenants.watch(TENANTS_FILE_POLL).await }
-    });
+    let tenants = tokio::spawn(Arc::clone(&state.tenants).watch(TENANTS_FILE_POLL));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     accept(&listener, &app, state.limits, &graceful, shutdown).await;
     drop(listener);

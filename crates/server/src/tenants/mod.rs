@@ -329,9 +329,11 @@ impl Tenants {
     }
 
     /// Keeps the tenants file in force: reads it again on SIGHUP and when
-    /// its text changes (looked at every `every`). Runs until dropped;
-    /// returns at once in local mode.
-    pub async fn watch(&self, every: Duration) {
+    /// its text changes (looked at every `every`), on a blocking thread —
+    /// a file system that stalls (a network mount) holds up the reload,
+    /// never the async runtime's threads. Runs until dropped; returns at
+    /// once in local mode.
+    pub async fn watch(self: Arc<Self>, every: Duration) {
         let Some(source) = &self.source else { return };
         #[cfg(unix)]
         let mut hangup =
@@ -352,7 +354,16 @@ impl Tenants {
                 _ = hangup_received => true,
                 _ = tick.tick() => false,
             };
-            match self.reload(force) {
+            let reloaded = tokio::task::spawn_blocking({
+                let tenants = Arc::clone(&self);
+                move || tenants.reload(force)
+            })
+            .await;
+            let Ok(reloaded) = reloaded else {
+                warn!("reading the tenants file failed; the previous one stays in force");
+                continue;
+            };
+            match reloaded {
                 Ok(Reload::Unchanged) if force => {
                     info!(file = %source.path.display(), "SIGHUP: tenants file unchanged");
                 }
@@ -527,6 +538,47 @@ mod tests {
         assert!(Tenants::from_toml(&twice, "t").is_err());
         let none = "[[tenants]]\nname = 'a'\nkey_sha256 = []\n";
         assert!(Tenants::from_toml(none, "t").is_err());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_tenants_file_that_stalls_holds_up_no_other_task() {
+        // A network mount that stops answering, as a FIFO nobody writes
+        // to: opening it blocks. The watcher reads on a blocking thread,
+        // so the runtime's own thread (here the only one) goes on.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tenants.toml");
+        let (_, hash) = new_key();
+        std::fs::write(
+            &path,
+            format!("[[tenants]]\nname = 'a'\nkey_sha256 = ['{hash}']\n"),
+        )
+        .unwrap();
+        let tenants = Arc::new(Tenants::from_file(&path).unwrap());
+        std::fs::remove_file(&path).unwrap();
+        let made = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(made.success(), "mkfifo");
+        let (went_on, did) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                tokio::spawn(tenants.watch(Duration::from_millis(5)));
+                // Long enough for the watcher to have tried the file.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let _ = went_on.send(());
+            });
+            runtime.shutdown_background();
+        });
+        let outcome = did.recv_timeout(Duration::from_secs(10));
+        // Let the stalled open return: a writer comes and goes.
+        drop(std::fs::OpenOptions::new().write(true).open(&path));
+        outcome.expect("the runtime went on while the tenants file stalled");
     }
 
     #[test]
