@@ -185,7 +185,8 @@ impl Reply {
             body.clone(),
         );
         // Past the deadline the write is rolled back, not committed: the
-        // answer says it was not kept, and it was not.
+        // answer says it was not kept, and it was not (unless the database
+        // was already committing it when the time ran out).
         let kept = within_deadline(move || to_store.keep(&state, &tenant, &id, response)).await;
         let (stored, joined) = kept.unwrap_or(lost);
         let request = self.choices[0].handle.id();

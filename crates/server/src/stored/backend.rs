@@ -183,9 +183,10 @@ impl<T> Gate<T> {
     /// The connection, for an operation starting now, and the deadline
     /// it must end by.
     fn take(&self) -> Result<(Held<'_, T>, Instant), ServerError> {
-        let deadline = Instant::now() + self.limit;
+        let now = Instant::now();
+        let deadline = now + self.limit;
         let taken = self.taken.load(Ordering::Acquire);
-        let held_for = self.stamp(Instant::now()).saturating_sub(taken);
+        let held_for = self.stamp(now).saturating_sub(taken);
         if taken != 0 && u128::from(held_for) > self.limit.as_nanos() {
             return Err(ServerError::StoreTimeout);
         }
