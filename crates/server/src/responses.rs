@@ -34,12 +34,12 @@ pub const RESPONSES_FIELDS: &[(&str, FieldUse)] = &[
     ("stream_options", FieldUse::Metadata),
     ("previous_response_id", FieldUse::Honoured),
     ("conversation", FieldUse::Honoured),
-    ("include", FieldUse::RefusedUnlessNeutral),
+    ("include", FieldUse::Honoured),
+    ("top_logprobs", FieldUse::Honoured),
     ("reasoning", FieldUse::RefusedUnlessNeutral),
     ("background", FieldUse::RefusedUnlessNeutral),
     ("truncation", FieldUse::RefusedUnlessNeutral),
     ("max_tool_calls", FieldUse::RefusedUnlessNeutral),
-    ("top_logprobs", FieldUse::RefusedUnlessNeutral),
     ("prompt", FieldUse::RefusedUnlessNeutral),
 ];
 
@@ -157,6 +157,10 @@ pub fn to_chat(object: &Map<String, Value>, earlier: &[Value]) -> Result<Transla
     if let Some(parallel) = object.get("parallel_tool_calls") {
         chat.insert("parallel_tool_calls".into(), parallel.clone());
     }
+    if let Some(alternatives) = logprobs_wanted(object)? {
+        chat.insert("logprobs".into(), true.into());
+        chat.insert("top_logprobs".into(), alternatives.into());
+    }
     if let Some(text) = object.get("text").filter(|t| !t.is_null()) {
         let Value::Object(settings) = text else {
             return Err(ApiError::invalid("text", "text must be an object"));
@@ -195,6 +199,48 @@ pub fn to_chat(object: &Map<String, Value>, earlier: &[Value]) -> Result<Transla
         echo: Value::Object(echo),
         input,
     })
+}
+
+/// What `include` may hold: the one output this server can add, the
+/// message text's log-probabilities. (OpenAI's others add the results of
+/// tools it runs, images and reasoning, none of which is served here.)
+const LOGPROBS_INCLUDED: &str = "message.output_text.logprobs";
+
+/// Reads `include` and `top_logprobs`: with the message text's
+/// log-probabilities included, how many alternatives each token lists
+/// (0 to 20); `None` when not included. Alternatives asked for without the
+/// log-probabilities would change nothing, so they are refused, as chat's
+/// `top_logprobs` is without `logprobs`.
+fn logprobs_wanted(object: &Map<String, Value>) -> Result<Option<u64>, ApiError> {
+    let included = match object.get("include") {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(values)) => {
+            if values.iter().any(|value| value != LOGPROBS_INCLUDED) {
+                return Err(ApiError::invalid(
+                    "include",
+                    format!("include may hold only \"{LOGPROBS_INCLUDED}\" on this server"),
+                ));
+            }
+            !values.is_empty()
+        }
+        Some(_) => return Err(ApiError::invalid("include", "include must be a list")),
+    };
+    let alternatives = match object.get("top_logprobs") {
+        None | Some(Value::Null) => 0,
+        Some(value) => value.as_u64().filter(|n| *n <= 20).ok_or_else(|| {
+            ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs must be an integer from 0 to 20",
+            )
+        })?,
+    };
+    if alternatives > 0 && !included {
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            format!("top_logprobs needs include: [\"{LOGPROBS_INCLUDED}\"]"),
+        ));
+    }
+    Ok(included.then_some(alternatives))
 }
 
 /// A Conversations API `items` list checked as input items (at most 20, as
@@ -514,19 +560,30 @@ pub fn item_id(prefix: &str) -> String {
     format!("{prefix}_{:024x}", rand::random::<u128>() >> 32)
 }
 
-/// The assistant's text as an output item.
-pub fn message_item(id: &str, text: &str, status: &str) -> Value {
+/// The assistant's text as an output item, with its tokens'
+/// log-probabilities (empty unless the request included them).
+pub fn message_item(id: &str, text: &str, status: &str, logprobs: &[Value]) -> Value {
     to_value(OutputItem::Message {
         id,
         status,
         role: "assistant",
-        content: [OutputText::new(text)],
+        content: [OutputText {
+            r#type: "output_text",
+            text,
+            annotations: [],
+            logprobs,
+        }],
     })
 }
 
-/// `text` as a message's content part (`output_text`).
-pub fn output_text(text: &str) -> Value {
-    to_value(OutputText::new(text))
+/// An empty message part (`output_text`), as a stream opens it.
+pub fn empty_output_text() -> Value {
+    to_value(OutputText {
+        r#type: "output_text",
+        text: "",
+        annotations: [],
+        logprobs: &[],
+    })
 }
 
 /// A function call as an output item.
@@ -566,16 +623,9 @@ struct OutputText<'a> {
     r#type: &'static str,
     text: &'a str,
     annotations: [Value; 0],
-}
-
-impl<'a> OutputText<'a> {
-    fn new(text: &'a str) -> OutputText<'a> {
-        OutputText {
-            r#type: "output_text",
-            text,
-            annotations: [],
-        }
-    }
+    /// The log-probabilities of the tokens that spell `text` (OpenAI's
+    /// parts carry the list, empty when not included).
+    logprobs: &'a [Value],
 }
 
 /// A response's token counts.
@@ -822,7 +872,7 @@ mod tests {
         assert_eq!(item["type"], "message");
         assert!(item["id"].as_str().unwrap().starts_with("msg_"));
         let mut earlier = first.input.clone();
-        earlier.push(message_item("msg_out", "hi there", "completed"));
+        earlier.push(message_item("msg_out", "hi there", "completed", &[]));
         let next = to_chat(
             &object(json!({"input": [{"role": "user", "content": "again"}]})),
             &earlier,

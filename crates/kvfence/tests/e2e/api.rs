@@ -934,6 +934,124 @@ async fn the_responses_api_answers_streams_and_calls_tools_in_every_mode() {
     }
 }
 
+/// The log-probabilities a list of them spells: their `bytes`, joined.
+fn spelled(logprobs: &[Value]) -> String {
+    let bytes: Vec<u8> = logprobs
+        .iter()
+        .flat_map(|entry| entry["bytes"].as_array().unwrap().clone())
+        .map(|b| b.as_u64().unwrap() as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn responses_carry_logprobs_when_included_streamed_or_not_in_every_mode() {
+    for mode in modes() {
+        let server = Server::start(mode);
+        let url = server.url("/v1/responses");
+        let ask = json!({"model": "builtin:tiny", "input": "count", "max_output_tokens": 6,
+                         "temperature": 0, "ignore_eos": true,
+                         "include": ["message.output_text.logprobs"], "top_logprobs": 3});
+        let (status, answer) = post(&url, None, ask.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+        let part = &answer["output"][0]["content"][0];
+        let logprobs = part["logprobs"].as_array().unwrap().clone();
+        assert_eq!(logprobs.len(), 6, "one entry per token: {answer}");
+        for entry in &logprobs {
+            assert_eq!(
+                entry["top_logprobs"].as_array().unwrap().len(),
+                3,
+                "{entry}"
+            );
+        }
+        assert_eq!(spelled(&logprobs), part["text"].as_str().unwrap());
+        // The same entries chat gives for the same conversation.
+        let (_, chat_answer) = post(
+            &server.url("/v1/chat/completions"),
+            None,
+            json!({"model": "builtin:tiny", "messages": [{"role": "user", "content": "count"}],
+                   "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+                   "logprobs": true, "top_logprobs": 3}),
+        )
+        .await;
+        assert_eq!(
+            chat_answer["choices"][0]["logprobs"]["content"],
+            json!(logprobs),
+            "{mode:?}"
+        );
+        // Not asked: an empty list, as OpenAI's parts carry.
+        let mut plain = ask.clone();
+        plain.as_object_mut().unwrap().remove("include");
+        plain.as_object_mut().unwrap().remove("top_logprobs");
+        let (status, answer) = post(&url, None, plain).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["output"][0]["content"][0]["logprobs"], json!([]));
+        // Streamed: each delta carries its own tokens' entries, which add
+        // up to the whole answer's; the text's `done` carries them all.
+        let (_, data) = sse(&url, None, with(ask.clone(), json!({"stream": true}))).await;
+        let events: Vec<Value> = data
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let deltas: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .collect();
+        for delta in &deltas {
+            let own = delta["logprobs"].as_array().unwrap();
+            assert_eq!(spelled(own), delta["delta"].as_str().unwrap(), "{delta}");
+        }
+        let streamed: Vec<Value> = deltas
+            .iter()
+            .flat_map(|e| e["logprobs"].as_array().unwrap().clone())
+            .collect();
+        assert_eq!(streamed, logprobs, "{mode:?}");
+        let done = events
+            .iter()
+            .find(|e| e["type"] == "response.output_text.done")
+            .unwrap();
+        assert_eq!(done["logprobs"], json!(logprobs));
+        let finished = events.last().unwrap();
+        assert_eq!(
+            finished["response"]["output"][0]["content"][0]["logprobs"],
+            json!(logprobs)
+        );
+        // What is not served, or asks for alternatives nobody reads, is
+        // refused by its name.
+        for (patch, param) in [
+            (
+                json!({"include": ["reasoning.encrypted_content"]}),
+                "include",
+            ),
+            (json!({"include": ["bogus"]}), "include"),
+            (
+                json!({"include": "message.output_text.logprobs"}),
+                "include",
+            ),
+            (json!({"include": null, "top_logprobs": 3}), "top_logprobs"),
+            (json!({"top_logprobs": 21}), "top_logprobs"),
+            (json!({"top_logprobs": -1}), "top_logprobs"),
+            (json!({"top_logprobs": "3"}), "top_logprobs"),
+        ] {
+            let (status, answer) = post(&url, None, with(ask.clone(), patch.clone())).await;
+            assert_eq!(
+                (status, &answer["error"]["param"]),
+                (400, &json!(param)),
+                "{patch}: {answer}"
+            );
+        }
+        // Empty and zero are what SDKs send when nothing is asked.
+        let (status, answer) = post(
+            &url,
+            None,
+            with(ask.clone(), json!({"include": [], "top_logprobs": 0})),
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["output"][0]["content"][0]["logprobs"], json!([]));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn errors_name_the_clients_own_field_and_echo_nothing_long() {
     let (key, lines) = crate::common::tenant("capped", &["--max-tokens", "8"]);

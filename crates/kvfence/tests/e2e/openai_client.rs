@@ -62,6 +62,6 @@ fn the_official_python_client_works() {
     ] {
         let server = Server::start(mode);
         let passed = client_checks("client_suite.py", &server, &[]);
-        assert_eq!(passed.len(), 14, "{passed:?}");
+        assert_eq!(passed.len(), 15, "{passed:?}");
     }
 }

@@ -296,6 +296,23 @@ def _():
     assert after.usage.input_tokens > called.usage.input_tokens
 
 
+@check("responses.create with logprobs included, streamed too")
+def _():
+    asked = dict(model=MODEL, input="hello", max_output_tokens=5, temperature=0,
+                 include=["message.output_text.logprobs"], top_logprobs=2)
+    reply = client.responses.create(**asked)
+    part = reply.output[0].content[0]
+    assert len(part.logprobs) == reply.usage.output_tokens, part
+    for entry in part.logprobs:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+    streamed = []
+    with client.responses.stream(**asked) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                streamed += event.logprobs
+    assert [e.token for e in streamed] == [e.token for e in part.logprobs]
+
+
 @check("stored responses: continued, retrieved, input items listed, deleted")
 def _():
     first = client.responses.create(

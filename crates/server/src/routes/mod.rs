@@ -164,27 +164,10 @@ impl Endpoint {
         offset: usize,
     ) -> render::Logprobs {
         match self {
-            Endpoint::Chat | Endpoint::Responses => {
-                let entry = |token: u32, logprob: f32| {
-                    let bytes = state.token_bytes(token);
-                    render::Alternative {
-                        token: String::from_utf8_lossy(bytes).into_owned(),
-                        logprob: f64::from(logprob),
-                        bytes: bytes.to_vec(),
-                    }
-                };
-                let content = tokens
-                    .iter()
-                    .map(|t| render::TokenLogprob {
-                        token: entry(t.token, t.logprob),
-                        top_logprobs: t.top.iter().map(|&(id, lp)| entry(id, lp)).collect(),
-                    })
-                    .collect();
-                render::Logprobs::Chat {
-                    content,
-                    refusal: None,
-                }
-            }
+            Endpoint::Chat | Endpoint::Responses => render::Logprobs::Chat {
+                content: token_logprobs(state, tokens),
+                refusal: None,
+            },
             Endpoint::Completions => {
                 let text = |id: u32| String::from_utf8_lossy(state.token_bytes(id)).into_owned();
                 render::Logprobs::Legacy {
@@ -310,6 +293,27 @@ fn listed_prompt_logprobs(state: &AppState, scores: &[PromptLogprob]) -> Value {
         Value::Object(position)
     });
     Value::Array(std::iter::once(Value::Null).chain(listed).collect())
+}
+
+/// Tokens' log-probabilities as chat lists them (and the Responses API
+/// in a message's text): each token's text, bytes and log-probability,
+/// with its alternatives.
+fn token_logprobs(state: &AppState, tokens: &[TokenLogprobs]) -> Vec<render::TokenLogprob> {
+    let entry = |token: u32, logprob: f32| {
+        let bytes = state.token_bytes(token);
+        render::Alternative {
+            token: String::from_utf8_lossy(bytes).into_owned(),
+            logprob: f64::from(logprob),
+            bytes: bytes.to_vec(),
+        }
+    };
+    tokens
+        .iter()
+        .map(|t| render::TokenLogprob {
+            token: entry(t.token, t.logprob),
+            top_logprobs: t.top.iter().map(|&(id, lp)| entry(id, lp)).collect(),
+        })
+        .collect()
 }
 
 fn unix_now() -> u64 {
@@ -786,7 +790,7 @@ impl Admitting<'_> {
             to_store: prepared.to_store,
             output: Vec::new(),
             sequence: 0,
-            streamed: String::new(),
+            streamed: reply::StreamedMessage::default(),
             n: prepared.n,
             logprobs: prepared.logprobs,
             prompt_logprobs: prepared.prompt_logprobs,

@@ -66,8 +66,8 @@ pub(super) struct Reply {
     pub(super) to_store: Option<super::stored::ToStore>,
     pub(super) output: Vec<Value>,
     pub(super) sequence: u64,
-    /// The message text streamed so far.
-    pub(super) streamed: String,
+    /// Responses: the message streamed so far.
+    pub(super) streamed: StreamedMessage,
     /// Choices per prompt.
     pub(super) n: usize,
     pub(super) logprobs: bool,
@@ -102,6 +102,17 @@ impl Drop for Reply {
             );
         }
     }
+}
+
+/// Responses: the message text streamed so far, and its tokens'
+/// log-probabilities as listed (when the request included them).
+#[derive(Debug, Default)]
+pub(super) struct StreamedMessage {
+    pub(super) text: String,
+    pub(super) logprobs: Vec<Value>,
+    /// Bytes of text shown that no listed token spells yet: the part of a
+    /// token shown ahead of the rest of it.
+    pub(super) unspelled: usize,
 }
 
 /// What the next event of a reply's choices says.

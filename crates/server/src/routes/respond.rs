@@ -9,17 +9,20 @@ use super::*;
 impl Reply {
     /// Choice 0's answer as output items: its text as a message (unless it
     /// is only calls), then each call.
-    pub(super) fn response_items(&self, text: &str, status: &str) -> Vec<Value> {
+    pub(super) fn response_items(&mut self, text: &str, status: &str) -> Vec<Value> {
         let (content, calls) = match &self.tools {
             Some(tools) => tools.parse(text, self.choices[0].finish.map(|(reason, _)| reason)),
             None => (text.to_string(), Vec::new()),
         };
+        // A call's tokens are not the message's.
+        let logprobs = self.shown_logprobs((!calls.is_empty()).then_some(content.len()));
         let mut items = Vec::new();
         if calls.is_empty() || !content.is_empty() {
             items.push(responses::message_item(
                 &responses::item_id("msg"),
                 &content,
                 status,
+                &logprobs,
             ));
         }
         for call in &calls {
@@ -31,6 +34,36 @@ impl Reply {
             ));
         }
         items
+    }
+
+    /// The log-probabilities of the tokens that spell the next `shown`
+    /// bytes of choice 0's message text (every token left with `None`), as
+    /// a message part lists them; empty unless the request included them.
+    /// A token not all shown yet (the start of a character or of a call
+    /// held back) waits for the rest; tokens left when the message ends
+    /// with a call are the call's, and are not listed.
+    pub(super) fn shown_logprobs(&mut self, shown: Option<usize>) -> Vec<Value> {
+        if !self.logprobs {
+            return Vec::new();
+        }
+        let pending = &self.choices[0].logprobs;
+        let count = match shown {
+            None => {
+                self.streamed.unspelled = 0;
+                pending.len()
+            }
+            Some(bytes) => {
+                let lengths = pending.iter().map(|t| self.state.text_bytes(t.token).len());
+                let (count, unspelled) = spelling(lengths, self.streamed.unspelled + bytes);
+                self.streamed.unspelled = unspelled;
+                count
+            }
+        };
+        let tokens: Vec<TokenLogprobs> = self.choices[0].logprobs.drain(..count).collect();
+        token_logprobs(&self.state, &tokens)
+            .into_iter()
+            .map(render::to_value)
+            .collect()
     }
 
     /// `completed`, or `incomplete` when `max_output_tokens` ran out.
@@ -91,7 +124,7 @@ impl Reply {
             return id.to_string();
         }
         let id = responses::item_id("msg");
-        let mut item = responses::message_item(&id, "", "in_progress");
+        let mut item = responses::message_item(&id, "", "in_progress", &[]);
         item["content"] = json!([]);
         self.output.push(item.clone());
         let added = self.event(
@@ -101,7 +134,7 @@ impl Reply {
                 item: &item,
             },
         );
-        let empty = responses::output_text("");
+        let empty = responses::empty_output_text();
         let part = self.event(
             "response.content_part.added",
             EventBody::Part {
@@ -127,7 +160,9 @@ impl Reply {
         }
         let mut events = Vec::new();
         let id = self.open_message(&mut events);
-        self.streamed.push_str(&text);
+        let logprobs = self.shown_logprobs(Some(text.len()));
+        self.streamed.text.push_str(&text);
+        self.streamed.logprobs.extend_from_slice(&logprobs);
         let delta = self.event(
             "response.output_text.delta",
             EventBody::TextDelta {
@@ -135,6 +170,7 @@ impl Reply {
                 output_index: 0,
                 content_index: 0,
                 delta: &text,
+                logprobs: &logprobs,
             },
         );
         events.push(delta);
@@ -156,6 +192,8 @@ impl Reply {
         let mut events = Vec::new();
         if !self.output.is_empty() || calls.is_empty() || !rest.is_empty() {
             let id = self.open_message(&mut events);
+            // A call's tokens are not the message's.
+            let logprobs = self.shown_logprobs((!calls.is_empty()).then_some(rest.len()));
             if !rest.is_empty() {
                 let delta = self.event(
                     "response.output_text.delta",
@@ -164,13 +202,16 @@ impl Reply {
                         output_index: 0,
                         content_index: 0,
                         delta: &rest,
+                        logprobs: &logprobs,
                     },
                 );
                 events.push(delta);
             }
-            self.streamed.push_str(&rest);
-            let text = std::mem::take(&mut self.streamed);
-            let item = responses::message_item(&id, &text, status);
+            self.streamed.text.push_str(&rest);
+            self.streamed.logprobs.extend(logprobs);
+            let streamed = std::mem::take(&mut self.streamed);
+            let (text, logprobs) = (streamed.text, streamed.logprobs);
+            let item = responses::message_item(&id, &text, status, &logprobs);
             self.output[0] = item.clone();
             let part = item["content"][0].clone();
             let done = [
@@ -181,6 +222,7 @@ impl Reply {
                         output_index: 0,
                         content_index: 0,
                         text: &text,
+                        logprobs: &logprobs,
                     },
                 ),
                 (
@@ -311,6 +353,21 @@ impl Reply {
     }
 }
 
+/// How many of the tokens of these text `lengths` (in bytes) the next
+/// `shown` bytes of text spell whole, and the bytes shown past them.
+fn spelling(lengths: impl Iterator<Item = usize>, mut shown: usize) -> (usize, usize) {
+    let count = lengths
+        .take_while(|&len| {
+            let whole = len <= shown;
+            if whole {
+                shown -= len;
+            }
+            whole
+        })
+        .count();
+    (count, shown)
+}
+
 /// Where a Responses stream stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ResponsePhase {
@@ -350,19 +407,23 @@ pub(super) enum EventBody<'a> {
         content_index: usize,
         part: &'a Value,
     },
-    /// `response.output_text.delta`.
+    /// `response.output_text.delta`: the text, and the log-probabilities
+    /// of the tokens that spell it (empty unless included).
     TextDelta {
         item_id: &'a str,
         output_index: usize,
         content_index: usize,
         delta: &'a str,
+        logprobs: &'a [Value],
     },
-    /// `response.output_text.done`.
+    /// `response.output_text.done`: the whole text and its tokens'
+    /// log-probabilities.
     TextDone {
         item_id: &'a str,
         output_index: usize,
         content_index: usize,
         text: &'a str,
+        logprobs: &'a [Value],
     },
     /// `response.function_call_arguments.delta`.
     ArgumentsDelta {
@@ -416,11 +477,13 @@ mod tests {
                     item_id: "msg_1",
                     output_index: 0,
                     content_index: 0,
-                    delta: "Hel"
+                    delta: "Hel",
+                    logprobs: &[]
                 }
             ),
             json!({"type": "response.output_text.delta", "sequence_number": 4,
-                   "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": "Hel"})
+                   "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": "Hel",
+                   "logprobs": []})
         );
         assert_eq!(
             sent(
@@ -437,11 +500,25 @@ mod tests {
     }
 
     #[test]
+    fn a_delta_lists_the_tokens_it_shows_whole() {
+        // Tokens of 3, 2 and 4 bytes (a special token spells nothing: 0).
+        let lengths = [3, 2, 0, 4];
+        assert_eq!(spelling(lengths.into_iter(), 3), (1, 0));
+        // Part of a token shown (a character's first bytes): it waits.
+        assert_eq!(spelling(lengths[1..].iter().copied(), 1), (0, 1));
+        // The rest of it comes; a token of no text goes with the one before.
+        assert_eq!(spelling(lengths[1..].iter().copied(), 1 + 1), (2, 0));
+        assert_eq!(spelling(lengths[3..].iter().copied(), 5), (1, 1));
+        assert_eq!(spelling(std::iter::empty(), 2), (0, 2));
+    }
+
+    #[test]
     fn output_items_are_openais() {
         assert_eq!(
-            responses::message_item("msg_1", "hi", "completed"),
+            responses::message_item("msg_1", "hi", "completed", &[json!({"token": "hi"})]),
             json!({"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
-                   "content": [{"type": "output_text", "text": "hi", "annotations": []}]})
+                   "content": [{"type": "output_text", "text": "hi", "annotations": [],
+                                "logprobs": [{"token": "hi"}]}]})
         );
         let call = Call {
             id: "call_1".into(),

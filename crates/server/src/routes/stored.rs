@@ -217,8 +217,9 @@ impl Reply {
         if let Some(message) = output.first_mut().filter(|item| item["type"] == "message") {
             *message = responses::message_item(
                 message["id"].as_str().unwrap_or_default(),
-                &self.streamed,
+                &self.streamed.text,
                 "incomplete",
+                &self.streamed.logprobs,
             );
         }
         let body = self.response_body(status, output, None);
