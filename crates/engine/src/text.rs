@@ -111,10 +111,13 @@ mod tests {
     use super::*;
 
     fn run(text: &str, stops: &[&str]) -> (Vec<String>, bool, String) {
+        let stops = StopStrings::new(stops.iter().map(|s| s.to_string()).collect()).unwrap();
+        run_with(text, stops)
+    }
+
+    fn run_with(text: &str, stops: StopStrings) -> (Vec<String>, bool, String) {
         let tok = Tokenizer::byte_level(288).unwrap();
-        let mut stream = TextStream::new(
-            StopStrings::new(stops.iter().map(|s| s.to_string()).collect()).unwrap(),
-        );
+        let mut stream = TextStream::new(stops);
         let mut deltas = Vec::new();
         let mut stopped = false;
         for id in tok.encode(text).unwrap() {
@@ -159,6 +162,20 @@ mod tests {
         assert_eq!(deltas.concat(), "hello ");
         assert_eq!(text, "hello ");
         assert!(deltas.iter().all(|d| !d.contains('E')), "{deltas:?}");
+    }
+
+    #[test]
+    fn a_kept_stop_ends_the_text_after_it_and_streams_as_it_comes() {
+        let stops = StopStrings::new(vec!["END".into()])
+            .unwrap()
+            .keeping(vec!["</call>".into()])
+            .unwrap();
+        let (deltas, stopped, text) = run_with("go <call>{}</call> <call>{}</call>", stops);
+        assert!(stopped);
+        assert_eq!(text, "go <call>{}</call>");
+        assert_eq!(deltas.concat(), text);
+        // Not held back: each byte of it went out as it came.
+        assert_eq!(deltas.last().map(String::as_str), Some(">"), "{deltas:?}");
     }
 
     #[test]

@@ -456,12 +456,17 @@ pub fn argmax(logits: &[f32]) -> u32 {
     u32::try_from(best).expect("vocabulary sizes fit in u32")
 }
 
-/// The stop strings of one request, matched against generated text. On a
-/// link they are their strings, checked again as they are read.
+/// The stop strings of one request, matched against generated text: the
+/// client's, which end the completion where they begin (excluded from it),
+/// and kept ones, which end it where they end (included: the end of a tool
+/// call, when an answer may make one call only). On a link they are their
+/// strings, checked again as they are read: a list when none is kept (the
+/// form a client's stops always had), else `{"stops": [...], "kept": [...]}`.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
-#[serde(try_from = "Vec<String>", into = "Vec<String>")]
+#[serde(try_from = "StopsForm", into = "StopsForm")]
 pub struct StopStrings {
     stops: Vec<String>,
+    kept: Vec<String>,
 }
 
 /// The most bytes all of a request's stop strings may hold together. Matching
@@ -473,12 +478,28 @@ pub const MAX_STOP_BYTES: usize = 4096;
 impl StopStrings {
     /// At most four non-empty strings of at most [`MAX_STOP_BYTES`] together.
     pub fn new(stops: Vec<String>) -> Result<StopStrings, ModelError> {
-        if stops.len() > 4 || stops.iter().any(String::is_empty) {
-            return Err(ModelError::InvalidSampling {
-                reason: "stop takes at most 4 non-empty strings".into(),
-            });
+        StopStrings {
+            stops,
+            kept: Vec::new(),
         }
-        let total: usize = stops.iter().map(String::len).sum();
+        .checked()
+    }
+
+    /// These stops, and `kept` ones that end the completion after
+    /// themselves (at most four more, within the same byte bound).
+    pub fn keeping(self, kept: Vec<String>) -> Result<StopStrings, ModelError> {
+        StopStrings { kept, ..self }.checked()
+    }
+
+    fn checked(self) -> Result<StopStrings, ModelError> {
+        for list in [&self.stops, &self.kept] {
+            if list.len() > 4 || list.iter().any(String::is_empty) {
+                return Err(ModelError::InvalidSampling {
+                    reason: "stop takes at most 4 non-empty strings".into(),
+                });
+            }
+        }
+        let total: usize = self.stops.iter().chain(&self.kept).map(String::len).sum();
         if total > MAX_STOP_BYTES {
             return Err(ModelError::InvalidSampling {
                 reason: format!(
@@ -486,23 +507,30 @@ impl StopStrings {
                 ),
             });
         }
-        Ok(StopStrings { stops })
+        Ok(self)
     }
 
-    /// The stop strings.
+    /// The stop strings that end the completion before themselves.
     pub fn strings(&self) -> &[String] {
         &self.stops
     }
 
-    /// Byte offset where the earliest stop string begins in `text`, if any:
-    /// the completion ends there, the stop string excluded.
+    /// The stop strings that end the completion after themselves.
+    pub fn kept(&self) -> &[String] {
+        &self.kept
+    }
+
+    /// Byte offset where `text`'s completion ends, if a stop string is in
+    /// it: where the earliest cut falls (an excluded stop's start, a kept
+    /// stop's end).
     pub fn find(&self, text: &str) -> Option<usize> {
         let mut matcher = self.matcher();
         matcher.push(text)
     }
 
     /// Bytes at the end of `text` that could be the start of a stop string
-    /// and so must not be streamed yet.
+    /// and so must not be streamed yet (a kept stop is streamed as it comes:
+    /// it stays in the text either way).
     pub fn holdback(&self, text: &str) -> usize {
         let mut matcher = self.matcher();
         let _ = matcher.push(text);
@@ -511,24 +539,47 @@ impl StopStrings {
 
     /// An incremental matcher over text that grows at its end.
     pub fn matcher(&self) -> StopMatcher {
+        let excluded = self.stops.iter().map(|s| (Kmp::new(s.as_bytes()), false));
+        let kept = self.kept.iter().map(|s| (Kmp::new(s.as_bytes()), true));
         StopMatcher {
-            stops: self.stops.iter().map(|s| Kmp::new(s.as_bytes())).collect(),
+            stops: excluded.chain(kept).collect(),
             seen: 0,
         }
     }
 }
 
-impl TryFrom<Vec<String>> for StopStrings {
+/// [`StopStrings`]' form on a link.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+enum StopsForm {
+    Excluded(Vec<String>),
+    WithKept {
+        stops: Vec<String>,
+        kept: Vec<String>,
+    },
+}
+
+impl TryFrom<StopsForm> for StopStrings {
     type Error = ModelError;
 
-    fn try_from(stops: Vec<String>) -> Result<StopStrings, ModelError> {
-        StopStrings::new(stops)
+    fn try_from(form: StopsForm) -> Result<StopStrings, ModelError> {
+        match form {
+            StopsForm::Excluded(stops) => StopStrings::new(stops),
+            StopsForm::WithKept { stops, kept } => StopStrings::new(stops)?.keeping(kept),
+        }
     }
 }
 
-impl From<StopStrings> for Vec<String> {
-    fn from(stops: StopStrings) -> Vec<String> {
-        stops.stops
+impl From<StopStrings> for StopsForm {
+    fn from(stops: StopStrings) -> StopsForm {
+        if stops.kept.is_empty() {
+            StopsForm::Excluded(stops.stops)
+        } else {
+            StopsForm::WithKept {
+                stops: stops.stops,
+                kept: stops.kept,
+            }
+        }
     }
 }
 
@@ -584,37 +635,42 @@ impl Kmp {
 /// a request's stop strings cannot slow the step every request shares.
 #[derive(Debug, Clone)]
 pub struct StopMatcher {
-    stops: Vec<Kmp>,
+    /// Each stop's automaton, and whether it is kept in the text.
+    stops: Vec<(Kmp, bool)>,
     /// Bytes fed so far.
     seen: usize,
 }
 
 impl StopMatcher {
     /// Feeds text appended after everything fed before. Returns the offset
-    /// (from the start of all text fed) where the earliest stop string
-    /// ending in `appended` begins, if one does.
+    /// (from the start of all text fed) where the completion ends if a stop
+    /// string ends in `appended`: the earliest cut among them (where an
+    /// excluded stop begins, where a kept one ends).
     pub fn push(&mut self, appended: &str) -> Option<usize> {
         let mut earliest: Option<usize> = None;
-        for stop in &mut self.stops {
+        for (stop, kept) in &mut self.stops {
             let mut first = None;
             for (i, &byte) in appended.as_bytes().iter().enumerate() {
                 if stop.step(byte) && first.is_none() {
-                    first = Some(self.seen + i + 1 - stop.pattern.len());
+                    let end = self.seen + i + 1;
+                    first = Some(if *kept { end } else { end - stop.pattern.len() });
                 }
             }
-            if let Some(start) = first {
-                earliest = Some(earliest.map_or(start, |e| e.min(start)));
+            if let Some(cut) = first {
+                earliest = Some(earliest.map_or(cut, |e| e.min(cut)));
             }
         }
         self.seen += appended.len();
         earliest
     }
 
-    /// Bytes at the end of the text fed that could begin a stop string.
+    /// Bytes at the end of the text fed that could begin an excluded stop
+    /// string.
     pub fn holdback(&self) -> usize {
         self.stops
             .iter()
-            .map(|stop| stop.state.min(stop.pattern.len().saturating_sub(1)))
+            .filter(|(_, kept)| !kept)
+            .map(|(stop, _)| stop.state.min(stop.pattern.len().saturating_sub(1)))
             .max()
             .unwrap_or(0)
     }

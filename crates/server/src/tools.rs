@@ -439,9 +439,22 @@ impl Tools {
         ))
     }
 
+    /// Strings that end an answer after themselves (kept in it): without
+    /// `parallel_tool_calls`, the end of a call, so the model stops at its
+    /// first call instead of writing more that would be dropped — and that
+    /// its tenant would be charged for.
+    pub fn kept_stops(&self) -> Vec<String> {
+        if self.parallel {
+            Vec::new()
+        } else {
+            vec![CLOSE.to_string()]
+        }
+    }
+
     /// The calls in a finished answer, and the text before the first; no
     /// calls if a complete one is not a call this request's tools allow
-    /// (the answer is then text). Without `parallel_tool_calls`, only the
+    /// (the answer is then text). A call whose closing tag never came is a
+    /// call if its object was written whole. Without `parallel_tool_calls`, only the
     /// first call: what follows it is dropped, as text after calls is. A call cut off by the end of the answer
     /// (`finish` is `Length`: `max_tokens`) is never text: it becomes a call
     /// with the arguments written so far, as OpenAI returns one, if its
@@ -462,29 +475,47 @@ impl Tools {
         while let Some(start) = rest.find(OPEN) {
             let body = &rest[start + OPEN.len()..];
             let Some(end) = body.find(CLOSE) else {
-                calls.extend(self.cut_call(body));
+                // The closing tag never came. An object written whole is a
+                // call (models end an answer without the tag); one cut by
+                // max_tokens is a call with its arguments so far; anything
+                // else the model ended its answer in is text, as it would
+                // be between the tags.
+                let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+                match values.next() {
+                    Some(Ok(value)) => match self.call_in(&value) {
+                        Some(call) => calls.push(call),
+                        None => return (text.to_string(), Vec::new()),
+                    },
+                    _ if finish == Some(FinishReason::Length) => calls.extend(self.cut_call(body)),
+                    _ => return (text.to_string(), Vec::new()),
+                }
                 break;
             };
             let (json_text, after) = (&body[..end], &body[end + CLOSE.len()..]);
             let Ok(value) = serde_json::from_str::<Value>(json_text.trim()) else {
                 return (text.to_string(), Vec::new());
             };
-            let (Some(name), Some(arguments)) = (
-                value["name"].as_str(),
-                value.get("arguments").filter(|a| a.is_object()),
-            ) else {
+            let Some(call) = self.call_in(&value) else {
                 return (text.to_string(), Vec::new());
             };
-            if !self.tools.iter().any(|t| t.name == name) {
-                return (text.to_string(), Vec::new());
-            }
-            calls.push(Call::new(name, arguments.to_string()));
+            calls.push(call);
             if !self.parallel {
                 break;
             }
             rest = after;
         }
         (text[..first].trim_end().to_string(), calls)
+    }
+
+    /// The call `value` makes, if it is one these tools allow: a known
+    /// function's `name` and object `arguments`.
+    fn call_in(&self, value: &Value) -> Option<Call> {
+        let name = value["name"].as_str()?;
+        let arguments = value.get("arguments").filter(|a| a.is_object())?;
+        self.tools
+            .iter()
+            .any(|t| t.name == name)
+            .then(|| Call::new(name, arguments.to_string()))
     }
 
     /// A call whose end never came: `{"name": "NAME", "arguments": ...`
@@ -605,6 +636,17 @@ mod tests {
         assert_eq!(names(None), ["now", "get_weather"], "parallel by default");
         assert_eq!(names(Some(true)), ["now", "get_weather"]);
         assert_eq!(names(Some(false)), ["now"]);
+        // And the answer ends where its first call does.
+        let stops = |parallel| tools_in_parallel(None, parallel).unwrap().kept_stops();
+        assert_eq!(stops(Some(false)), [CLOSE]);
+        assert!(stops(None).is_empty() && stops(Some(true)).is_empty());
+        let kept = kvfence_model::StopStrings::default()
+            .keeping(stops(Some(false)))
+            .unwrap();
+        assert_eq!(
+            kept.find(answer),
+            answer.find(CLOSE).map(|at| at + CLOSE.len())
+        );
         // What follows the first call is dropped whatever it is: a second
         // call cut off by max_tokens, or one the tools do not allow.
         let t = tools_in_parallel(None, Some(false)).unwrap();
@@ -681,6 +723,32 @@ mod tests {
             (calls[0].name.as_str(), calls[0].arguments.as_str()),
             ("now", "")
         );
+    }
+
+    #[test]
+    fn a_call_left_unclosed_is_a_call_if_whole_and_text_if_the_model_ended_it_unfinished() {
+        let t = tools(None).unwrap();
+        // The object written whole, the closing tag never: a call with its
+        // arguments, at the end of the answer or cut by max_tokens.
+        let whole = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n";
+        for finish in [FinishReason::Stop, FinishReason::Length] {
+            let (content, calls) = t.parse(whole, Some(finish));
+            assert_eq!(content, "Checking.", "{finish:?}");
+            assert_eq!(calls.len(), 1, "{finish:?}");
+            assert_eq!(calls[0].arguments, r#"{"city":"Paris"}"#, "{finish:?}");
+        }
+        // The model ended its answer inside something that is not a call
+        // (here its tools' own description, echoed): text, as a closed
+        // tag around the same would be.
+        for unfinished in [
+            "Sure.\n<tool_call>\n{\"name\":\"get_weather\",\"description\":\"Weather\"}\nIf no function helps, answer in plain text.",
+            "<tool_call>\n{\"name\": \"now\"",
+            "<tool_call>\n{\"name\": \"now\", \"arguments\": {\"a\": 1}",
+        ] {
+            let (content, calls) = t.parse(unfinished, Some(FinishReason::Stop));
+            assert!(calls.is_empty(), "{unfinished}");
+            assert_eq!(content, unfinished);
+        }
     }
 
     #[test]

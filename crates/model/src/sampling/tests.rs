@@ -7,6 +7,15 @@ fn naive_find(stops: &[String], text: &str) -> Option<usize> {
     stops.iter().filter_map(|s| text.find(s.as_str())).min()
 }
 
+/// Where a completion ends with `stops` excluded and `kept` kept: the
+/// earliest of the excluded ones' starts and the kept ones' ends.
+fn naive_cut(stops: &[String], kept: &[String], text: &str) -> Option<usize> {
+    let ends = kept
+        .iter()
+        .filter_map(|s| text.find(s.as_str()).map(|at| at + s.len()));
+    naive_find(stops, text).into_iter().chain(ends).min()
+}
+
 fn naive_holdback(stops: &[String], text: &str) -> usize {
     stops
         .iter()
@@ -26,10 +35,11 @@ proptest::proptest! {
     #[test]
     fn the_incremental_matcher_agrees_with_searching_the_whole_text(
         stops in proptest::collection::vec("[ab✓]{1,6}", 1..4),
+        kept in proptest::collection::vec("[ab✓]{1,6}", 0..3),
         text in "[ab✓ ]{0,40}",
         cuts in proptest::collection::vec(0usize..40, 0..6),
     ) {
-        let stop_strings = StopStrings::new(stops.clone()).unwrap();
+        let stop_strings = StopStrings::new(stops.clone()).unwrap().keeping(kept.clone()).unwrap();
         let mut matcher = stop_strings.matcher();
         let mut bounds: Vec<usize> = cuts.into_iter().filter(|&c| text.is_char_boundary(c.min(text.len()))).map(|c| c.min(text.len())).collect();
         bounds.push(text.len());
@@ -39,7 +49,7 @@ proptest::proptest! {
             if bound < fed { continue; }
             let found = matcher.push(&text[fed..bound]);
             fed = bound;
-            let whole = naive_find(&stops, &text[..fed]);
+            let whole = naive_cut(&stops, &kept, &text[..fed]);
             // A stop found now is the earliest; until one is, none exists.
             if found.is_some() {
                 proptest::prop_assert_eq!(found, whole);
@@ -387,6 +397,46 @@ fn out_of_range_parameters_are_refused() {
     assert!(Sampler::new(params(2.5, 0, 1.0, 0)).is_err());
     assert!(Sampler::new(params(1.0, 0, 0.0, 0)).is_err());
     assert!(StopStrings::new(vec![String::new()]).is_err());
+}
+
+#[test]
+fn kept_stops_end_the_text_after_themselves_and_are_not_held_back() {
+    let stops = StopStrings::new(vec!["END".into()])
+        .unwrap()
+        .keeping(vec!["</c>".into()])
+        .unwrap();
+    assert_eq!(stops.find("a</c>bEND"), Some(5));
+    assert_eq!(stops.find("aENDb</c>"), Some(1));
+    assert_eq!(stops.holdback("a</c"), 0);
+    assert_eq!(stops.holdback("aEN"), 2);
+    // Bounded as the client's are, together with them.
+    let big = "x".repeat(MAX_STOP_BYTES / 2 + 1);
+    let client = StopStrings::new(vec![big.clone()]).unwrap();
+    assert!(client.keeping(vec![big]).is_err());
+    assert!(StopStrings::default().keeping(vec![String::new()]).is_err());
+}
+
+#[test]
+fn stop_strings_cross_a_link_as_a_list_unless_some_are_kept() {
+    let plain = StopStrings::new(vec!["END".into()]).unwrap();
+    assert_eq!(
+        serde_json::to_value(&plain).unwrap(),
+        serde_json::json!(["END"])
+    );
+    let with_kept = plain.keeping(vec!["</c>".into()]).unwrap();
+    let form = serde_json::to_value(&with_kept).unwrap();
+    assert_eq!(
+        form,
+        serde_json::json!({"stops": ["END"], "kept": ["</c>"]})
+    );
+    let back: StopStrings = serde_json::from_value(form).unwrap();
+    assert_eq!(
+        (back.strings(), back.kept()),
+        (&["END".to_string()][..], &["</c>".to_string()][..])
+    );
+    // Checked again as they are read.
+    let five = serde_json::json!({"stops": [], "kept": ["a", "b", "c", "d", "e"]});
+    assert!(serde_json::from_value::<StopStrings>(five).is_err());
 }
 
 #[test]

@@ -191,7 +191,15 @@ pub(super) fn prepare(
     };
     let asked_prompt_logprobs = params.prompt_logprobs()?;
     let prompt_logprobs = asked_prompt_logprobs.max(echo_logprobs);
-    let stop = params.stop_strings()?;
+    let mut stop = params.stop_strings()?;
+    if let Some(tools) = &tools {
+        stop = stop.keeping(tools.kept_stops()).map_err(|_| {
+            ApiError::invalid(
+                "stop",
+                "stop strings and the tool-call end together exceed the bound on stop bytes",
+            )
+        })?;
+    }
     // The namespace is the tenant the key named (I9); the body may only
     // subdivide it.
     let cache = Some(CacheScope::tenant(
