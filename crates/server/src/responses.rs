@@ -491,7 +491,7 @@ fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
                 ));
             }
             let mut function = Map::new();
-            for field in ["name", "description", "parameters"] {
+            for field in ["name", "description", "parameters", "strict"] {
                 if let Some(value) = tool.get(field).filter(|v| !v.is_null()) {
                     function.insert(field.into(), value.clone());
                 }

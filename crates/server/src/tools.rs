@@ -38,8 +38,7 @@ pub struct ToolIn {
     pub function: FunctionIn,
 }
 
-/// A function the model may call. `strict` is honoured whatever it says:
-/// a constrained call's arguments always match the schema.
+/// A function the model may call.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FunctionIn {
@@ -49,8 +48,12 @@ pub struct FunctionIn {
     pub description: Option<Redacted>,
     /// A JSON schema of its arguments (an object); absent means none.
     pub parameters: Option<RedactedJson>,
-    #[serde(default, rename = "strict")]
-    _strict: Option<bool>,
+    /// Whether its calls must match `parameters`. Calls are held to their
+    /// schemas wherever they are constrained (a `required` or named
+    /// choice, `auto` beside a `response_format`); under plain `auto` a
+    /// strict tool constrains them too.
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 /// `tool_choice`.
@@ -119,6 +122,8 @@ struct Tool {
     name: String,
     description: String,
     parameters: Value,
+    /// Its calls must match `parameters`, under plain `auto` too.
+    strict: bool,
 }
 
 /// A request's tools and how they must be used.
@@ -280,6 +285,7 @@ impl Tools {
                 }
             };
             held.push(Tool {
+                strict: function.strict == Some(true),
                 name: function.name.clone(),
                 description: function
                     .description
@@ -345,6 +351,13 @@ impl Tools {
         Ok(())
     }
 
+    /// Whether calls are held to their schemas: always where every answer
+    /// is a call or beside a `response_format` (`format`), and under plain
+    /// `auto` when a tool is `strict`.
+    pub fn constrains_calls(&self, format: bool) -> bool {
+        self.calls_only() || format || self.tools.iter().any(|t| t.strict)
+    }
+
     /// Whether every answer is a call (`required` or a named function):
     /// the grammar is then the tools' alone, whatever `response_format`
     /// says.
@@ -395,6 +408,7 @@ impl Tools {
             return Ok(Some(self.calls_grammar("start")));
         }
         let answer = match format {
+            None if self.constrains_calls(false) => return Ok(Some(self.text_or_calls())),
             None => return Ok(None),
             Some(Grammar::JsonObject) => json!({ "type": "object" }),
             Some(Grammar::JsonSchema(schema)) => schema,
@@ -413,6 +427,30 @@ impl Tools {
         Ok(Some(Grammar::Lark(format!(
             "start: call | answer\n{calls}answer: %json {answer}\n"
         ))))
+    }
+
+    /// Under plain `auto` with a strict tool: free text with no call in it,
+    /// or text up to a call and calls held to their schemas (one, without
+    /// `parallel_tool_calls`), then the end. The text before a call is
+    /// generated until `<tool_call>` is written (llguidance's `suffix`),
+    /// so the call's opening is the text's own end.
+    fn text_or_calls(&self) -> kvfence_model::Grammar {
+        let kvfence_model::Grammar::Lark(calls) = self.calls_grammar("call") else {
+            unreachable!("calls_grammar writes Lark")
+        };
+        let more = if self.parallel {
+            " (\"\\n\" call)*"
+        } else {
+            ""
+        };
+        kvfence_model::Grammar::Lark(format!(
+            "start: plain | lead first{more}\n\
+             plain: PLAIN\n\
+             PLAIN: /(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/\n\
+             lead[suffix=\"{OPEN}\"]: /(?s:.*)/\n\
+             first: \"\\n\" arguments \"\\n{CLOSE}\"\n\
+             {calls}"
+        ))
     }
 
     /// A Lark grammar whose rule `rule` is one call of an allowed function
@@ -872,6 +910,83 @@ mod tests {
             assert!(mask.allows(u32::from(b'<')));
             assert!(!mask.allows(u32::from(b'x')));
         }
+    }
+
+    /// Whether `constraint` takes every byte of `text`, and then its end
+    /// if `end`.
+    fn takes(constraint: &mut kvfence_model::Constraint, text: &str, end: bool) -> bool {
+        for byte in text.bytes() {
+            if !constraint.mask().unwrap().allows(u32::from(byte)) {
+                return false;
+            }
+            constraint.accept(u32::from(byte)).unwrap();
+        }
+        !end || constraint.mask().unwrap().allows(256)
+    }
+
+    #[test]
+    fn under_auto_a_strict_tool_holds_every_call_to_its_schema_and_leaves_text_free() {
+        let tokenizer = kvfence_model::Tokenizer::byte_level(260).unwrap();
+        let grammars = kvfence_model::Grammars::new(&tokenizer, 260, &[256]).unwrap();
+        let strict = |strict: Option<bool>, parallel: Option<bool>| {
+            let list: Vec<ToolIn> = serde_json::from_value(json!([
+                {"type": "function", "function": {"name": "get_weather", "strict": strict,
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                "required": ["city"], "additionalProperties": false}}},
+                {"type": "function", "function": {"name": "now"}},
+            ]))
+            .unwrap();
+            Tools::from_request(Some(&list), None, parallel)
+                .unwrap()
+                .unwrap()
+        };
+        // Not strict: the model writes freely, as before.
+        for loose in [None, Some(false)] {
+            assert!(!strict(loose, None).constrains_calls(false));
+            assert!(strict(loose, None).grammar(None).unwrap().is_none());
+        }
+        let tools = strict(Some(true), None);
+        assert!(tools.constrains_calls(false));
+        let grammar = tools.grammar(None).unwrap().unwrap();
+        let call = |city: &str| {
+            format!(
+                "{OPEN}\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"{city}\"}}}}\n{CLOSE}"
+            )
+        };
+        let now = format!("{OPEN}\n{{\"name\": \"now\", \"arguments\": {{}}}}\n{CLOSE}");
+        for (text, end, taken) in [
+            // Text with no call is free, `<` and all.
+            ("It is sunny <b>today</b>, I think.", true, true),
+            ("", true, true),
+            // Text, then calls held to their schemas, then the end.
+            (&*format!("Checking.\n{}", call("Paris")), true, true),
+            (&*format!("{}\n{now}", call("Paris")), true, true),
+            // Arguments off the schema, an unknown function, text after
+            // the calls: never written.
+            (
+                &*format!("{OPEN}\n{{\"name\": \"get_weather\", \"arguments\": {{\"town\""),
+                false,
+                false,
+            ),
+            (&*format!("{OPEN}\n{{\"name\": \"rm_rf\""), false, false),
+            (&*format!("{} and more", call("Paris")), false, false),
+        ] {
+            let mut constraint = grammars.compile(&grammar).unwrap();
+            assert_eq!(takes(&mut constraint, text, end), taken, "{text}");
+        }
+        // Without parallel calls, one call and the end.
+        let grammar = strict(Some(true), Some(false))
+            .grammar(None)
+            .unwrap()
+            .unwrap();
+        let mut constraint = grammars.compile(&grammar).unwrap();
+        assert!(!takes(
+            &mut constraint,
+            &format!("{}\n{now}", call("Paris")),
+            true
+        ));
+        let mut constraint = grammars.compile(&grammar).unwrap();
+        assert!(takes(&mut constraint, &call("Paris"), true));
     }
 
     #[test]

@@ -1,4 +1,5 @@
 //! The real model over HTTP: the README's question gets its real answer,
+//! structured outputs and strict tools hold it to their schemas,
 //! disaggregated serving (TCP hand-off) answers concurrent requests exactly
 //! as a colocated server does, and so does a server held to narrower
 //! hand-written kernels (`KVFENCE_MAX_ISA`).
@@ -48,6 +49,7 @@ async fn smollm2_answers_and_disaggregated_equals_colocated() {
     let models = colocated.get_json("/v1/models").await;
     assert_eq!(models["data"][0]["id"], "smollm2");
     structured_outputs_validate(&colocated).await;
+    strict_tools_hold_calls_under_auto(&colocated).await;
     drop(colocated);
     let disaggregated = Server::start(&[&args[..], &["--handoff", "tcp"]].concat());
     assert_eq!(answers(&disaggregated).await, expected);
@@ -145,6 +147,63 @@ async fn structured_outputs_validate(server: &Server) {
             "{colours}"
         );
     }
+}
+
+/// The real model with a `strict` tool under `tool_choice: auto`, after a
+/// turn that showed it two calls: its calls' arguments match the schema
+/// (this model, unheld, writes the tool's own description there and never
+/// closes the call), and without `parallel_tool_calls` it makes one call
+/// and stops.
+async fn strict_tools_hold_calls_under_auto(server: &Server) {
+    let url = server.url("/v1/chat/completions");
+    let tools = |strict: bool| {
+        json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+            "strict": strict, "parameters": {"type": "object", "additionalProperties": false,
+            "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])
+    };
+    let messages = json!([
+        {"role": "user", "content": "Weather in Oslo and Bergen?"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\"}"}},
+            {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Bergen\"}"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "3C"},
+        {"role": "tool", "tool_call_id": "b", "content": "5C"},
+        {"role": "assistant", "content": "Oslo 3C, Bergen 5C."},
+        {"role": "user", "content": "Weather in Paris and London?"},
+    ]);
+    let ask = |strict: bool, parallel: bool| {
+        json!({"model": "smollm2", "messages": messages, "tools": tools(strict),
+               "parallel_tool_calls": parallel, "temperature": 0, "max_tokens": 120})
+    };
+    let valid = |call: &serde_json::Value| {
+        serde_json::from_str::<serde_json::Value>(call["function"]["arguments"].as_str().unwrap())
+            .ok()
+            .and_then(|a| a.as_object().cloned())
+            .is_some_and(|a| a.len() == 1 && a["city"].is_string())
+    };
+    // Unheld, the answer makes no valid call: what strict changes.
+    let (status, loose) = post(&url, None, ask(false, true)).await;
+    assert_eq!(status, 200, "{loose}");
+    let loose_calls = loose["choices"][0]["message"]["tool_calls"].as_array();
+    assert!(!loose_calls.into_iter().flatten().any(valid), "{loose}");
+    let mut tokens = Vec::new();
+    for parallel in [true, false] {
+        let (status, answer) = post(&url, None, ask(true, parallel)).await;
+        assert_eq!(status, 200, "{answer}");
+        let choice = &answer["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{answer}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert!(
+            !calls.is_empty() && (parallel || calls.len() == 1),
+            "{answer}"
+        );
+        assert!(calls.iter().all(valid), "{answer}");
+        tokens.push(answer["usage"]["completion_tokens"].as_u64().unwrap());
+    }
+    assert!(
+        tokens[1] < tokens[0],
+        "one call costs fewer tokens: {tokens:?}"
+    );
 }
 
 /// No pip on the PATH and an empty model cache: the machine is offline.

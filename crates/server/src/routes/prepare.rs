@@ -159,8 +159,7 @@ pub(super) fn prepare(
     }
     let format = params.grammar()?;
     if let Some(tools) = &tools {
-        let constrained = tools.calls_only() || format.is_some();
-        tools.check_schemas(state.grammars()?, constrained)?;
+        tools.check_schemas(state.grammars()?, tools.constrains_calls(format.is_some()))?;
     }
     // What a grammar that cannot be used is blamed on: each tool's schema
     // passed above, so a call-only grammar fails on the tools as a whole
