@@ -54,6 +54,7 @@ const ECHOED: &[&str] = &[
     "text",
     "tool_choice",
     "tools",
+    "top_logprobs",
     "top_p",
     "user",
 ];

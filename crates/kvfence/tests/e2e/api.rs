@@ -954,6 +954,7 @@ async fn responses_carry_logprobs_when_included_streamed_or_not_in_every_mode() 
                          "include": ["message.output_text.logprobs"], "top_logprobs": 3});
         let (status, answer) = post(&url, None, ask.clone()).await;
         assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["top_logprobs"], 3, "repeated, as OpenAI's are");
         let part = &answer["output"][0]["content"][0];
         let logprobs = part["logprobs"].as_array().unwrap().clone();
         assert_eq!(logprobs.len(), 6, "one entry per token: {answer}");
