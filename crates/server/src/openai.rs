@@ -449,11 +449,9 @@ fn is_neutral(key: &str, value: &Value) -> bool {
     match value {
         Value::Null | Value::Bool(false) => true,
         Value::Array(items) if items.is_empty() => true,
-        Value::Number(n) => key == "top_logprobs" && n.as_u64() == Some(0),
         Value::String(s) if s.is_empty() => true,
         Value::String(s) => {
             s == "none" && matches!(key, "tool_choice" | "function_call" | "reasoning_effort")
-                || s == "disabled" && key == "truncation"
                 // OpenAI's own default: the model answers as it does.
                 || s == "medium" && key == "verbosity"
         }

@@ -38,7 +38,7 @@ pub const RESPONSES_FIELDS: &[(&str, FieldUse)] = &[
     ("top_logprobs", FieldUse::Honoured),
     ("reasoning", FieldUse::RefusedUnlessNeutral),
     ("background", FieldUse::RefusedUnlessNeutral),
-    ("truncation", FieldUse::RefusedUnlessNeutral),
+    ("truncation", FieldUse::Honoured),
     ("max_tool_calls", FieldUse::RefusedUnlessNeutral),
     ("prompt", FieldUse::RefusedUnlessNeutral),
 ];
@@ -56,6 +56,7 @@ const ECHOED: &[&str] = &[
     "tools",
     "top_logprobs",
     "top_p",
+    "truncation",
     "user",
 ];
 
@@ -128,6 +129,9 @@ pub struct Translated {
     /// Its own input as input items, each with an id (what
     /// `input_items` lists and a continuation replays).
     pub input: Vec<Value>,
+    /// `truncation: "auto"`: a conversation past the context loses its
+    /// oldest turns rather than failing.
+    pub truncate: bool,
 }
 
 /// The chat request a Responses request means, after the `earlier` items
@@ -188,6 +192,17 @@ pub fn to_chat(object: &Map<String, Value>, earlier: &[Value]) -> Result<Transla
             }
         }
     }
+    let truncate = match object.get("truncation") {
+        None | Some(Value::Null) => false,
+        Some(value) if value == "disabled" => false,
+        Some(value) if value == "auto" => true,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "truncation",
+                "truncation must be auto or disabled",
+            ));
+        }
+    };
     let mut echo = Map::new();
     for &field in ECHOED {
         echo.insert(
@@ -199,6 +214,7 @@ pub fn to_chat(object: &Map<String, Value>, earlier: &[Value]) -> Result<Transla
         chat,
         echo: Value::Object(echo),
         input,
+        truncate,
     })
 }
 
@@ -702,6 +718,7 @@ pub fn response_object(
         ("tool_choice", json!("auto")),
         ("parallel_tool_calls", json!(true)),
         ("metadata", json!({})),
+        ("truncation", json!("disabled")),
     ] {
         if response[key].is_null() {
             response[key] = default;

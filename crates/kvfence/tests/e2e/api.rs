@@ -934,6 +934,65 @@ async fn the_responses_api_answers_streams_and_calls_tools_in_every_mode() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn responses_truncation_auto_drops_the_oldest_turns_to_fit_the_context() {
+    let server = Server::start(&[]);
+    let url = server.url("/v1/responses");
+    // builtin:tiny reads bytes: 4,096 tokens of context. Twelve turns of
+    // 600 bytes do not fit; the last question and a few turns do.
+    let mut input: Vec<Value> = (0..12)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            json!({"role": role, "content": format!("{i:02} {}", "x".repeat(597))})
+        })
+        .collect();
+    input.push(json!({"role": "user", "content": "and now?"}));
+    let ask = |truncation: Value, input: &[Value]| {
+        json!({"model": "builtin:tiny", "instructions": "Be brief.", "input": input,
+               "max_output_tokens": 8, "temperature": 0, "truncation": truncation})
+    };
+    for disabled in [Value::Null, json!("disabled")] {
+        let (status, answer) = post(&url, None, ask(disabled, &input)).await;
+        assert_eq!(status, 400, "{answer}");
+        assert_eq!(answer["error"]["code"], "context_length_exceeded");
+    }
+    let (status, answer) = post(&url, None, ask(json!("auto"), &input)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["truncation"], "auto", "repeated: {answer}");
+    let used = &answer["usage"]["input_tokens"];
+    // The same as sending only the latest turns that fit: the most of
+    // them, with the instructions kept.
+    let mut fitting = Vec::new();
+    for kept in 0..12 {
+        let tail = &input[input.len() - 1 - kept..];
+        let (status, alone) = post(&url, None, ask(Value::Null, tail)).await;
+        if status == 200 {
+            fitting.push((kept, alone));
+        }
+    }
+    let (kept, alone) = fitting.last().unwrap();
+    assert!(*kept >= 1, "{fitting:?}");
+    assert_eq!(&alone["usage"]["input_tokens"], used, "{alone}");
+    assert_eq!(
+        alone["output"][0]["content"][0]["text"],
+        answer["output"][0]["content"][0]["text"]
+    );
+    // A question alone past the context still fails; anything else is a 400.
+    let huge = [json!({"role": "user", "content": "y".repeat(5000)})];
+    let (status, answer) = post(&url, None, ask(json!("auto"), &huge)).await;
+    assert_eq!(
+        (status, &answer["error"]["code"]),
+        (400, &json!("context_length_exceeded")),
+        "{answer}"
+    );
+    let (status, answer) = post(&url, None, ask(json!("sometimes"), &input)).await;
+    assert_eq!(
+        (status, &answer["error"]["param"]),
+        (400, &json!("truncation")),
+        "{answer}"
+    );
+}
+
 /// The log-probabilities a list of them spells: their `bytes`, joined.
 fn spelled(logprobs: &[Value]) -> String {
     let bytes: Vec<u8> = logprobs

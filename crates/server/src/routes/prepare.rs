@@ -44,6 +44,7 @@ pub(super) fn prepare(
 ) -> Result<Prepared, ApiError> {
     let mut echo = Value::Null;
     let mut to_store = None;
+    let mut truncate = false;
     let object = match endpoint {
         Endpoint::Chat => parse_object(body, CHAT_FIELDS)?,
         Endpoint::Completions => parse_object(body, COMPLETION_FIELDS)?,
@@ -52,6 +53,7 @@ pub(super) fn prepare(
             let (translated, keep) = super::stored::translate(state, &object, continued)?;
             echo = translated.echo;
             to_store = keep;
+            truncate = translated.truncate;
             translated.chat
         }
     };
@@ -75,18 +77,26 @@ pub(super) fn prepare(
             })?;
             // The template's markers become control tokens; what the
             // messages say never does (I9).
-            let ids = template
-                .encode(
-                    &state.model.tokenizer,
-                    &chat.messages(tools.as_ref())?,
-                    true,
-                )
-                .map_err(|e| match e {
-                    kvfence_model::ModelError::Tokenizer { .. } => {
-                        ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string())
-                    }
-                    _ => ApiError::invalid("messages", e.to_string()),
-                })?;
+            let encode = |messages: &[kvfence_model::ChatMessage]| {
+                template
+                    .encode(&state.model.tokenizer, messages, true)
+                    .map_err(|e| match e {
+                        kvfence_model::ModelError::Tokenizer { .. } => {
+                            ApiError::new(ErrorType::ServerError, "tokenizer_error", e.to_string())
+                        }
+                        _ => ApiError::invalid("messages", e.to_string()),
+                    })
+            };
+            let messages = chat.messages(tools.as_ref())?;
+            let mut ids = encode(&messages)?;
+            let room = params.max_tokens()?.unwrap_or(1);
+            let fits = |ids: &[u32]| ids.len() + room <= state.capacity.max_context;
+            if truncate
+                && !fits(&ids)
+                && let Some(latest) = latest_turns_that_fit(&messages, fits, encode)?
+            {
+                ids = latest;
+            }
             (vec![(ids, None)], chat.logprobs()?)
         }
         Endpoint::Completions => {
@@ -298,6 +308,52 @@ pub(super) fn prepare(
     })
 }
 
+/// `truncation: "auto"` (Responses): the prompt of the most recent turns
+/// of `messages` that `fits` — the system message kept, the oldest turns
+/// dropped whole, a tool's result never kept without the call before it —
+/// or `None` when even the last turn alone does not. A binary search over
+/// where the kept turns begin: each try renders and tokenizes them, a
+/// dozen or so tries for the longest conversation a body can hold.
+fn latest_turns_that_fit(
+    messages: &[kvfence_model::ChatMessage],
+    fits: impl Fn(&[u32]) -> bool,
+    encode: impl Fn(&[kvfence_model::ChatMessage]) -> Result<Vec<u32>, ApiError>,
+) -> Result<Option<Vec<u32>>, ApiError> {
+    let head = usize::from(messages.first().is_some_and(|m| m.role == "system"));
+    let starts: Vec<usize> = (head..messages.len())
+        .filter(|&i| messages[i].role != "tool")
+        .collect();
+    let keeping = |start: usize| {
+        let kept: Vec<kvfence_model::ChatMessage> = messages[..head]
+            .iter()
+            .chain(&messages[start..])
+            .cloned()
+            .collect();
+        encode(&kept)
+    };
+    let Some(&last) = starts.last() else {
+        return Ok(None);
+    };
+    let mut fitting = keeping(last)?;
+    if !fits(&fitting) {
+        return Ok(None);
+    }
+    // `fitting` is always the prompt from starts[hi], which fits; the
+    // first start that fits is sought (earlier starts keep more turns).
+    let (mut lo, mut hi) = (0, starts.len() - 1);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        let ids = keeping(starts[mid])?;
+        if fits(&ids) {
+            hi = mid;
+            fitting = ids;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Ok(Some(fitting))
+}
+
 pub(super) fn encode_prompt(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
     let mut ids = state
         .model
@@ -310,4 +366,65 @@ pub(super) fn encode_prompt(state: &AppState, text: &str) -> Result<Vec<u32>, Ap
         ids.insert(0, bos);
     }
     Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfence_model::ChatMessage;
+
+    fn message(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    /// A token per byte of the roles and contents kept, and which roles.
+    fn encode(messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+        Ok(messages
+            .iter()
+            .flat_map(|m| m.role.bytes().chain(m.content.bytes()))
+            .map(u32::from)
+            .collect())
+    }
+
+    #[test]
+    fn truncation_keeps_the_system_message_the_latest_turns_and_calls_with_their_results() {
+        let conversation = [
+            message("system", "S"),
+            message("user", "aaaa"),
+            message("assistant", "<call>"),
+            message("tool", "r1"),
+            message("tool", "r2"),
+            message("user", "bbbb"),
+            message("assistant", "<call>"),
+            message("tool", "r3"),
+        ];
+        let kept = |limit: usize| {
+            latest_turns_that_fit(&conversation, |ids| ids.len() <= limit, encode)
+                .unwrap()
+                .map(|ids| String::from_utf8(ids.iter().map(|&b| b as u8).collect()).unwrap())
+        };
+        let whole = encode(&conversation).unwrap().len();
+        assert_eq!(
+            kept(whole).unwrap().len(),
+            whole,
+            "nothing dropped when all fit"
+        );
+        // The last call and its result, never the result alone.
+        let last = "systemSassistant<call>toolr3";
+        assert_eq!(kept(last.len()).as_deref(), Some(last));
+        assert_eq!(kept(last.len() - 1), None);
+        // One byte short of keeping the call before: it goes with both its
+        // results, and the next turn that may lead is the user's.
+        let from_user = "systemSuserbbbbassistant<call>toolr3";
+        let from_call = "systemSassistant<call>toolr1toolr2userbbbbassistant<call>toolr3";
+        assert_eq!(kept(from_call.len() - 1).as_deref(), Some(from_user));
+        assert_eq!(kept(from_call.len()).as_deref(), Some(from_call));
+        // No system message: every turn may go.
+        let plain = [message("user", "aaaa"), message("user", "b")];
+        let one = latest_turns_that_fit(&plain, |ids| ids.len() <= 5, encode).unwrap();
+        assert_eq!(one.map(|ids| ids.len()), Some(5));
+    }
 }
