@@ -373,7 +373,10 @@ mod tests {
                 seed: 11,
                 ..SamplingParams::greedy()
             },
-            stop: StopStrings::new(vec!["x".into()]).unwrap(),
+            stop: StopStrings::new(vec!["x".into()])
+                .unwrap()
+                .keeping(vec!["</tool_call>".into()])
+                .unwrap(),
             ignore_eos: true,
             cache: Some(CacheScope::tenant("acme", Some("salt".into()))),
             constraint: Some(Grammar::Regex("[a-z]+".into()).into()),
@@ -399,6 +402,7 @@ mod tests {
         assert_eq!((request.prompt, request.max_tokens), (vec![1, 2], 3));
         assert_eq!(request.sampling.top_k, 4);
         assert_eq!(request.stop.strings(), ["x"]);
+        assert_eq!(request.stop.kept(), ["</tool_call>"]);
         assert!(request.ignore_eos);
         assert_eq!(
             request.cache,
