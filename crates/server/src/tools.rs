@@ -429,26 +429,29 @@ impl Tools {
         ))))
     }
 
-    /// Under plain `auto` with a strict tool: free text with no call in it,
-    /// or text up to a call and calls held to their schemas (one, without
-    /// `parallel_tool_calls`), then the end. The text before a call is
-    /// generated until `<tool_call>` is written (llguidance's `suffix`),
-    /// so the call's opening is the text's own end.
+    /// Under plain `auto` with a strict tool: text is free, but each call in
+    /// it is held to its schema. Text before a call is generated until
+    /// `<tool_call>` is written (llguidance's `suffix`), so the call's
+    /// opening is the text's own end; after a call the model may end, call
+    /// again or write text — which the answer drops, as it drops text
+    /// after calls unheld — so a model that ends its calls with a remark is
+    /// never pushed into another call. Without `parallel_tool_calls`, one
+    /// call and the end (its closing tag is a kept stop too).
     fn text_or_calls(&self) -> kvfence_model::Grammar {
         let kvfence_model::Grammar::Lark(calls) = self.calls_grammar("call") else {
             unreachable!("calls_grammar writes Lark")
         };
-        let more = if self.parallel {
-            " (\"\\n\" call)*"
+        let turns = if self.parallel {
+            "turn+ plain?"
         } else {
-            ""
+            "turn"
         };
         kvfence_model::Grammar::Lark(format!(
-            "start: plain | lead first{more}\n\
+            "start: plain | {turns}\n\
+             turn: lead \"\\n\" arguments \"\\n{CLOSE}\"\n\
              plain: PLAIN\n\
              PLAIN: /(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/\n\
              lead[suffix=\"{OPEN}\"]: /(?s:.*)/\n\
-             first: \"\\n\" arguments \"\\n{CLOSE}\"\n\
              {calls}"
         ))
     }
@@ -961,15 +964,22 @@ mod tests {
             // Text, then calls held to their schemas, then the end.
             (&*format!("Checking.\n{}", call("Paris")), true, true),
             (&*format!("{}\n{now}", call("Paris")), true, true),
-            // Arguments off the schema, an unknown function, text after
-            // the calls: never written.
+            // A remark after the calls is free (the answer drops it), and
+            // a call in it is held all the same.
+            (&*format!("{}\nHope that helps.", call("Paris")), true, true),
+            (&*format!("{}\nAlso: {now}", call("Paris")), true, true),
+            (
+                &*format!("{}\nAlso: {OPEN}\n{{\"name\": \"rm_rf\"", call("Paris")),
+                false,
+                false,
+            ),
+            // Arguments off the schema, an unknown function: never written.
             (
                 &*format!("{OPEN}\n{{\"name\": \"get_weather\", \"arguments\": {{\"town\""),
                 false,
                 false,
             ),
             (&*format!("{OPEN}\n{{\"name\": \"rm_rf\""), false, false),
-            (&*format!("{} and more", call("Paris")), false, false),
         ] {
             let mut constraint = grammars.compile(&grammar).unwrap();
             assert_eq!(takes(&mut constraint, text, end), taken, "{text}");
@@ -982,8 +992,8 @@ mod tests {
         let mut constraint = grammars.compile(&grammar).unwrap();
         assert!(!takes(
             &mut constraint,
-            &format!("{}\n{now}", call("Paris")),
-            true
+            &format!("{}\n", call("Paris")),
+            false
         ));
         let mut constraint = grammars.compile(&grammar).unwrap();
         assert!(takes(&mut constraint, &call("Paris"), true));
