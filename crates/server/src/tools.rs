@@ -438,9 +438,7 @@ impl Tools {
     /// never pushed into another call. Without `parallel_tool_calls`, one
     /// call and the end (its closing tag is a kept stop too).
     fn text_or_calls(&self) -> kvfence_model::Grammar {
-        let kvfence_model::Grammar::Lark(calls) = self.calls_grammar("call") else {
-            unreachable!("calls_grammar writes Lark")
-        };
+        let arguments = self.arguments_rule();
         let turns = if self.parallel {
             "turn+ plain?"
         } else {
@@ -452,13 +450,22 @@ impl Tools {
              plain: PLAIN\n\
              PLAIN: /(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/\n\
              lead[suffix=\"{OPEN}\"]: /(?s:.*)/\n\
-             {calls}"
+             {arguments}"
         ))
     }
 
     /// A Lark grammar whose rule `rule` is one call of an allowed function
     /// (any, for `auto`).
     fn calls_grammar(&self, rule: &str) -> kvfence_model::Grammar {
+        let arguments = self.arguments_rule();
+        kvfence_model::Grammar::Lark(format!(
+            "{rule}: \"{OPEN}\\n\" arguments \"\\n{CLOSE}\"\n{arguments}"
+        ))
+    }
+
+    /// The Lark rule `arguments`: the JSON object between a call's tags,
+    /// an allowed function's name and arguments that match its schema.
+    fn arguments_rule(&self) -> String {
         let allowed: Vec<&Tool> = match &self.choice {
             ToolChoice::Auto | ToolChoice::Required => self.tools.iter().collect(),
             ToolChoice::Named(name) => self.tools.iter().filter(|t| &t.name == name).collect(),
@@ -475,9 +482,7 @@ impl Tools {
             })
             .collect();
         let schema = with_layout(json!({ "anyOf": calls }));
-        kvfence_model::Grammar::Lark(format!(
-            "{rule}: \"{OPEN}\\n\" arguments \"\\n{CLOSE}\"\narguments: %json {schema}\n"
-        ))
+        format!("arguments: %json {schema}\n")
     }
 
     /// Strings that end an answer after themselves (kept in it): without
@@ -494,13 +499,14 @@ impl Tools {
 
     /// The calls in a finished answer, and the text before the first; no
     /// calls if a complete one is not a call this request's tools allow
-    /// (the answer is then text). A call whose closing tag never came is a
-    /// call if its object was written whole. Without `parallel_tool_calls`, only the
-    /// first call: what follows it is dropped, as text after calls is. A call cut off by the end of the answer
-    /// (`finish` is `Length`: `max_tokens`) is never text: it becomes a call
-    /// with the arguments written so far, as OpenAI returns one, if its
-    /// function's name was written whole and is a known one, and is dropped
-    /// otherwise — as is an answer's end cut inside `<tool_call>` itself.
+    /// (the answer is then text). Without `parallel_tool_calls`, only the
+    /// first call: what follows it is dropped, as text after calls is. A
+    /// call whose closing tag never came is a call if its object was
+    /// written whole. A call cut off by the end of the answer (`finish` is
+    /// `Length`: `max_tokens`) is never text: it becomes a call with the
+    /// arguments written so far, as OpenAI returns one, if its function's
+    /// name was written whole and is a known one, and is dropped otherwise
+    /// — as is an answer's end cut inside `<tool_call>` itself.
     pub fn parse(&self, text: &str, finish: Option<FinishReason>) -> (String, Vec<Call>) {
         let Some(first) = text.find(OPEN) else {
             let cut_tag = match finish {

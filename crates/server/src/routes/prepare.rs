@@ -89,7 +89,13 @@ pub(super) fn prepare(
             };
             let messages = chat.messages(tools.as_ref())?;
             let mut ids = encode(&messages)?;
-            let room = params.max_tokens()?.unwrap_or(1);
+            // Room for the answer: what it asks for, or what a request
+            // that asks for nothing gets.
+            let room = params.max_tokens()?.unwrap_or_else(|| {
+                state
+                    .default_max_tokens
+                    .min(tenant.limits().max_tokens.unwrap_or(usize::MAX))
+            });
             let fits = |ids: &[u32]| ids.len() + room <= state.capacity.max_context;
             if truncate
                 && !fits(&ids)
