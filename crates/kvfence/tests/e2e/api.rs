@@ -977,6 +977,16 @@ async fn responses_truncation_auto_drops_the_oldest_turns_to_fit_the_context() {
         alone["output"][0]["content"][0]["text"],
         answer["output"][0]["content"][0]["text"]
     );
+    // Asking for no length leaves room for the default answer (256).
+    let mut unbounded = ask(json!("auto"), &input);
+    unbounded
+        .as_object_mut()
+        .unwrap()
+        .remove("max_output_tokens");
+    let (status, answer) = post(&url, None, unbounded).await;
+    assert_eq!(status, 200, "{answer}");
+    let read = answer["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(read + 256 <= 4096 && read + 256 + 610 > 4096, "{read}");
     // A question alone past the context still fails; anything else is a 400.
     let huge = [json!({"role": "user", "content": "y".repeat(5000)})];
     let (status, answer) = post(&url, None, ask(json!("auto"), &huge)).await;
