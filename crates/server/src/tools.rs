@@ -405,7 +405,7 @@ impl Tools {
     ) -> Result<Option<kvfence_model::Grammar>, ApiError> {
         use kvfence_model::Grammar;
         if self.choice != ToolChoice::Auto {
-            return Ok(Some(self.calls_grammar("start")));
+            return Ok(Some(Grammar::Lark(self.call_rule("start"))));
         }
         let answer = match format {
             None if self.constrains_calls(false) => return Ok(Some(self.text_or_calls())),
@@ -420,10 +420,7 @@ impl Tools {
             }
         };
         let answer = with_layout(answer);
-        let calls = self.calls_grammar("call");
-        let Grammar::Lark(calls) = calls else {
-            unreachable!("calls_grammar writes Lark")
-        };
+        let calls = self.call_rule("call");
         Ok(Some(Grammar::Lark(format!(
             "start: call | answer\n{calls}answer: %json {answer}\n"
         ))))
@@ -454,13 +451,11 @@ impl Tools {
         ))
     }
 
-    /// A Lark grammar whose rule `rule` is one call of an allowed function
+    /// Lark rules whose rule `rule` is one call of an allowed function
     /// (any, for `auto`).
-    fn calls_grammar(&self, rule: &str) -> kvfence_model::Grammar {
+    fn call_rule(&self, rule: &str) -> String {
         let arguments = self.arguments_rule();
-        kvfence_model::Grammar::Lark(format!(
-            "{rule}: \"{OPEN}\\n\" arguments \"\\n{CLOSE}\"\n{arguments}"
-        ))
+        format!("{rule}: \"{OPEN}\\n\" arguments \"\\n{CLOSE}\"\n{arguments}")
     }
 
     /// The Lark rule `arguments`: the JSON object between a call's tags,
