@@ -74,7 +74,7 @@ use kvfence_pool::{Keys, KvElement, ReadView};
 
 use crate::config::ModelConfig;
 #[cfg(target_arch = "x86_64")]
-use crate::isa::IsaCap;
+use crate::isa::{IsaCap, per_isa};
 use crate::kernels::exp;
 
 #[cfg(target_arch = "x86_64")]
@@ -274,26 +274,20 @@ enum TaskOutput {
     Chunks(ChunkStates),
 }
 
-/// `(e^a, e^b)`, compiled per instruction set so `exp`'s rounding and
-/// multiply-adds are instructions, not library calls.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn fold_weights(a: f32, b: f32) -> (f32, f32) {
-    (exp(a), exp(b))
+per_isa! {
+    /// `(e^a, e^b)`, compiled per instruction set so `exp`'s rounding and
+    /// multiply-adds are instructions, not library calls.
+    fn fold_weights(a: f32, b: f32) -> (f32, f32) {
+        (exp(a), exp(b))
+    }
 }
 
-/// `dst = add_weight · add + dst · keep`, element by element.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn rescale_add(dst: &mut [f32], keep: f32, add: &[f32], add_weight: f32) {
-    for (d, &n) in dst.iter_mut().zip(add) {
-        *d = n.mul_add(add_weight, *d * keep);
+per_isa! {
+    /// `dst = add_weight · add + dst · keep`, element by element.
+    fn rescale_add(dst: &mut [f32], keep: f32, add: &[f32], add_weight: f32) {
+        for (d, &n) in dst.iter_mut().zip(add) {
+            *d = n.mul_add(add_weight, *d * keep);
+        }
     }
 }
 
@@ -945,70 +939,67 @@ struct ChunkData<'a, V: ?Sized = [f32], K = &'a [f32]> {
     den: &'a mut [f32],
 }
 
-/// Scores, softmax and weighted values of one chunk for a tile's query
-/// heads: per head its maximum, denominator and unnormalised output. Heads
-/// whose row sees no position of the chunk are left as they were.
-///
-/// Compiled for several instruction sets and picked by CPU features; every
-/// product-and-sum is `f32::mul_add`, rounded once, so every variant gives
-/// the same bits.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
-    let ChunkData {
-        queries,
-        keys,
-        values,
-        scores,
-        out,
-        max: maxes,
-        den: dens,
-    } = data;
-    let ChunkShape {
-        heads,
-        head_dim: hd,
-        cols,
-        ..
-    } = shape;
-    // Scores: up to QUERY_STEP heads × KEY_STEP keys in registers.
-    let mut h = 0;
-    while h < heads {
-        let step = QUERY_STEP.min(heads - h);
-        let q = &queries[h * hd..(h + step) * hd];
-        let s = &mut scores[h * CHUNK..(h + step) * CHUNK];
-        match step {
-            6 => score_step::<6>(q, keys, hd, cols, s),
-            5 => score_step::<5>(q, keys, hd, cols, s),
-            4 => score_step::<4>(q, keys, hd, cols, s),
-            3 => score_step::<3>(q, keys, hd, cols, s),
-            2 => score_step::<2>(q, keys, hd, cols, s),
-            _ => score_step::<1>(q, keys, hd, cols, s),
-        }
-        h += step;
-    }
-    softmax_rows(scores, maxes, dens, shape);
-    // Weighted values. Heads that see the same positions share each loaded
-    // value row: every head of the tile when the whole chunk lies before
-    // its first row (and within its last row's window), else the heads of
-    // one row.
-    for (first, end, n) in value_groups(shape) {
-        let mut h = first;
-        while h < end {
-            let step = QUERY_STEP.min(end - h);
-            let w = &scores[h * CHUNK..(h + step) * CHUNK];
-            let o = &mut out[h * hd..(h + step) * hd];
+per_isa! {
+    /// Scores, softmax and weighted values of one chunk for a tile's query
+    /// heads: per head its maximum, denominator and unnormalised output. Heads
+    /// whose row sees no position of the chunk are left as they were.
+    ///
+    /// Compiled per instruction set ([`per_isa!`]); every product-and-sum
+    /// is `f32::mul_add`, rounded once, so every variant gives the same
+    /// bits.
+    fn chunk_kernel<'a>(data: ChunkData<'a>, shape: ChunkShape) {
+        let ChunkData {
+            queries,
+            keys,
+            values,
+            scores,
+            out,
+            max: maxes,
+            den: dens,
+        } = data;
+        let ChunkShape {
+            heads,
+            head_dim: hd,
+            cols,
+            ..
+        } = shape;
+        // Scores: up to QUERY_STEP heads × KEY_STEP keys in registers.
+        let mut h = 0;
+        while h < heads {
+            let step = QUERY_STEP.min(heads - h);
+            let q = &queries[h * hd..(h + step) * hd];
+            let s = &mut scores[h * CHUNK..(h + step) * CHUNK];
             match step {
-                6 => value_step::<6>(w, values, hd, n, o),
-                5 => value_step::<5>(w, values, hd, n, o),
-                4 => value_step::<4>(w, values, hd, n, o),
-                3 => value_step::<3>(w, values, hd, n, o),
-                2 => value_step::<2>(w, values, hd, n, o),
-                _ => value_step::<1>(w, values, hd, n, o),
+                6 => score_step::<6>(q, keys, hd, cols, s),
+                5 => score_step::<5>(q, keys, hd, cols, s),
+                4 => score_step::<4>(q, keys, hd, cols, s),
+                3 => score_step::<3>(q, keys, hd, cols, s),
+                2 => score_step::<2>(q, keys, hd, cols, s),
+                _ => score_step::<1>(q, keys, hd, cols, s),
             }
             h += step;
+        }
+        softmax_rows(scores, maxes, dens, shape);
+        // Weighted values. Heads that see the same positions share each loaded
+        // value row: every head of the tile when the whole chunk lies before
+        // its first row (and within its last row's window), else the heads of
+        // one row.
+        for (first, end, n) in value_groups(shape) {
+            let mut h = first;
+            while h < end {
+                let step = QUERY_STEP.min(end - h);
+                let w = &scores[h * CHUNK..(h + step) * CHUNK];
+                let o = &mut out[h * hd..(h + step) * hd];
+                match step {
+                    6 => value_step::<6>(w, values, hd, n, o),
+                    5 => value_step::<5>(w, values, hd, n, o),
+                    4 => value_step::<4>(w, values, hd, n, o),
+                    3 => value_step::<3>(w, values, hd, n, o),
+                    2 => value_step::<2>(w, values, hd, n, o),
+                    _ => value_step::<1>(w, values, hd, n, o),
+                }
+                h += step;
+            }
         }
     }
 }

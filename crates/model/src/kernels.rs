@@ -19,6 +19,7 @@
 
 use rayon::prelude::*;
 
+use crate::isa::per_isa;
 pub use crate::isa::{IsaCap, widest_isa};
 use crate::quant::QuantMatrix;
 
@@ -149,47 +150,44 @@ pub fn matmul(x: &[f32], m: usize, w: &PackedMatrix, out: &mut [f32]) {
     }
 }
 
-/// One panel for every row: tiles of `ROW_TILE` rows, then single rows,
-/// with identical per-element arithmetic in both.
-///
-/// Compiled for several instruction sets and picked at run time by CPU
-/// features. Rust never fuses a multiply and an add unless asked, so every
-/// variant rounds exactly alike: dispatch changes speed, never bits.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn panel_kernel(x: &[f32], m: usize, k: usize, panel: &[f32], out: &mut [f32]) {
-    let mut row = 0;
-    while row + ROW_TILE <= m {
-        let mut acc = [[0.0f32; PANEL]; ROW_TILE];
-        let rows: [&[f32]; ROW_TILE] =
-            std::array::from_fn(|i| &x[(row + i) * k..(row + i + 1) * k]);
-        for (kk, w) in panel.chunks_exact(PANEL).enumerate() {
-            for (acc_row, x_row) in acc.iter_mut().zip(rows) {
+per_isa! {
+    /// One panel for every row: tiles of `ROW_TILE` rows, then single rows,
+    /// with identical per-element arithmetic in both.
+    ///
+    /// Compiled per instruction set ([`per_isa!`]). Rust never fuses a
+    /// multiply and an add unless asked, so every variant rounds exactly
+    /// alike: dispatch changes speed, never bits.
+    fn panel_kernel(x: &[f32], m: usize, k: usize, panel: &[f32], out: &mut [f32]) {
+        let mut row = 0;
+        while row + ROW_TILE <= m {
+            let mut acc = [[0.0f32; PANEL]; ROW_TILE];
+            let rows: [&[f32]; ROW_TILE] =
+                std::array::from_fn(|i| &x[(row + i) * k..(row + i + 1) * k]);
+            for (kk, w) in panel.chunks_exact(PANEL).enumerate() {
+                for (acc_row, x_row) in acc.iter_mut().zip(rows) {
+                    let a = x_row[kk];
+                    for (o, &wj) in acc_row.iter_mut().zip(w) {
+                        *o += a * wj;
+                    }
+                }
+            }
+            for (i, acc_row) in acc.iter().enumerate() {
+                out[(row + i) * PANEL..][..PANEL].copy_from_slice(acc_row);
+            }
+            row += ROW_TILE;
+        }
+        while row < m {
+            let mut acc = [0.0f32; PANEL];
+            let x_row = &x[row * k..(row + 1) * k];
+            for (kk, w) in panel.chunks_exact(PANEL).enumerate() {
                 let a = x_row[kk];
-                for (o, &wj) in acc_row.iter_mut().zip(w) {
+                for (o, &wj) in acc.iter_mut().zip(w) {
                     *o += a * wj;
                 }
             }
+            out[row * PANEL..][..PANEL].copy_from_slice(&acc);
+            row += 1;
         }
-        for (i, acc_row) in acc.iter().enumerate() {
-            out[(row + i) * PANEL..][..PANEL].copy_from_slice(acc_row);
-        }
-        row += ROW_TILE;
-    }
-    while row < m {
-        let mut acc = [0.0f32; PANEL];
-        let x_row = &x[row * k..(row + 1) * k];
-        for (kk, w) in panel.chunks_exact(PANEL).enumerate() {
-            let a = x_row[kk];
-            for (o, &wj) in acc.iter_mut().zip(w) {
-                *o += a * wj;
-            }
-        }
-        out[row * PANEL..][..PANEL].copy_from_slice(&acc);
-        row += 1;
     }
 }
 
@@ -264,19 +262,16 @@ fn gated(gate_up: &[f32], width: usize, out: &mut [f32], f: impl Fn(f32) -> f32 
     }
 }
 
-/// One row of [`gated`], compiled per instruction set: `f` is built from
-/// [`exp`], whose every operation is an instruction that rounds alike in
-/// scalar and vector form, so the loop vectorises and every lane keeps the
-/// scalar bits. (A libm `expf` or `tanhf` per element, which this replaced,
-/// was a sixth of a 512-token Gemma 3 prefill.)
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn gated_row<F: Fn(f32) -> f32>(gate: &[f32], up: &[f32], out: &mut [f32], f: F) {
-    for ((d, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *d = f(g) * u;
+per_isa! {
+    /// One row of [`gated`], compiled per instruction set: `f` is built from
+    /// [`exp`], whose every operation is an instruction that rounds alike in
+    /// scalar and vector form, so the loop vectorises and every lane keeps the
+    /// scalar bits. (A libm `expf` or `tanhf` per element, which this replaced,
+    /// was a sixth of a 512-token Gemma 3 prefill.)
+    fn gated_row<F: Fn(f32) -> f32>(gate: &[f32], up: &[f32], out: &mut [f32], f: F) {
+        for ((d, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *d = f(g) * u;
+        }
     }
 }
 

@@ -33,6 +33,8 @@ pub(crate) mod avx2;
 pub(crate) mod avx512;
 pub(crate) mod lanes;
 
+use crate::isa::per_isa;
+
 /// Weights per block: the block size of Q4_0, Q4_1 and Q8_0, and the lanes
 /// of every accumulator.
 pub(crate) const BLOCK: usize = 32;
@@ -484,7 +486,7 @@ pub(crate) fn tile<const M: usize, const R: usize, W: BlockRow>(
 /// Which implementation of [`tile`] a driver calls.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Isa {
-    /// The portable code, compiled per instruction set by `multiversion`.
+    /// The portable code, compiled per instruction set ([`per_isa!`]).
     Portable,
     /// Hand-written AVX2 ([`avx2::tile`]), on an x86-64 CPU without
     /// AVX-512.
@@ -704,23 +706,20 @@ pub(crate) fn dots_decoded(decoded: &[f32], x: &[f32], k: usize, stride: usize, 
     dots_of(Decoded(decoded), decoded.len() / k, x, k, stride, out);
 }
 
-// The portable drivers, each compiled for several instruction sets and
-// picked at run time by the CPU's features (`multiversion`).
+// The portable drivers, each compiled per instruction set and picked at
+// run time within `KVFENCE_MAX_ISA`'s cap.
 
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn portable_dots<W: Source>(
-    rows: W,
-    count: usize,
-    x: &[f32],
-    k: usize,
-    stride: usize,
-    out: &mut [f32],
-) {
-    dots(Isa::Portable, rows, count, x, k, stride, out)
+per_isa! {
+    fn portable_dots<W: Source>(
+        rows: W,
+        count: usize,
+        x: &[f32],
+        k: usize,
+        stride: usize,
+        out: &mut [f32],
+    ) {
+        dots(Isa::Portable, rows, count, x, k, stride, out)
+    }
 }
 
 /// Decodes the first `out.len() / k` rows of `rows` into `out`, back to
@@ -735,13 +734,10 @@ pub(crate) fn decode_rows_of<W: Source>(rows: W, k: usize, out: &mut [f32]) {
     }
 }
 
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn portable_decode_rows<W: BlockRow>(rows: W, k: usize, out: &mut [f32]) {
-    decode_rows(rows, k, out)
+per_isa! {
+    fn portable_decode_rows<W: BlockRow>(rows: W, k: usize, out: &mut [f32]) {
+        decode_rows(rows, k, out)
+    }
 }
 
 /// Rows are back to back, so block `b` of the set is block `b` of `out`.

@@ -27,6 +27,7 @@ use std::cell::Cell;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::isa::per_isa;
 use crate::qtile::lanes::{self, LaneKernel};
 use crate::qtile::{self, Bytes, FiveBits, Half, Nibbles, SixBits};
 
@@ -232,133 +233,130 @@ fn decode_block32(format: QuantFormat, b: &[u8]) -> [f32; 32] {
     }
 }
 
-/// Decodes one row (a whole number of blocks) into `out`.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512vl+avx2+fma+f16c",
-    "x86_64+avx2+fma+f16c",
-    "aarch64+neon"
-))]
-pub fn dequantize_row(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
-    debug_assert_eq!(bytes.len(), format.row_bytes(out.len()));
-    let blocks = bytes
-        .chunks_exact(format.block_bytes())
-        .zip(out.chunks_exact_mut(format.block_elements()));
-    match format {
-        QuantFormat::F32 => {
-            for (b, o) in blocks {
-                o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+per_isa! {
+    /// Decodes one row (a whole number of blocks) into `out`.
+    pub fn dequantize_row(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
+        debug_assert_eq!(bytes.len(), format.row_bytes(out.len()));
+        let blocks = bytes
+            .chunks_exact(format.block_bytes())
+            .zip(out.chunks_exact_mut(format.block_elements()));
+        match format {
+            QuantFormat::F32 => {
+                for (b, o) in blocks {
+                    o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
             }
-        }
-        QuantFormat::F16 => {
-            for (b, o) in blocks {
-                o[0] = half_at(b, 0);
+            QuantFormat::F16 => {
+                for (b, o) in blocks {
+                    o[0] = half_at(b, 0);
+                }
             }
-        }
-        QuantFormat::BF16 => {
-            for (b, o) in blocks {
-                o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            QuantFormat::BF16 => {
+                for (b, o) in blocks {
+                    o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
             }
-        }
-        QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => {
-            for (b, o) in blocks {
-                let o: &mut [f32; 32] = o.try_into().expect("a 32-weight block");
-                *o = decode_block32(format, b);
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => {
+                for (b, o) in blocks {
+                    let o: &mut [f32; 32] = o.try_into().expect("a 32-weight block");
+                    *o = decode_block32(format, b);
+                }
             }
-        }
-        QuantFormat::Q4_K => {
-            for (b, o) in blocks {
-                let (d, dmin) = (half_at(b, 0), half_at(b, 2));
-                let (scales, qs) = (&b[4..16], &b[16..144]);
-                for (pair, (q, o)) in qs.chunks_exact(32).zip(o.chunks_exact_mut(64)).enumerate() {
-                    let (s1, m1) = k_scale_min(2 * pair, scales);
-                    let (s2, m2) = k_scale_min(2 * pair + 1, scales);
-                    for (l, &byte) in q.iter().enumerate() {
-                        o[l] = d * s1 * f32::from(byte & 0x0F) - dmin * m1;
-                        o[l + 32] = d * s2 * f32::from(byte >> 4) - dmin * m2;
+            QuantFormat::Q4_K => {
+                for (b, o) in blocks {
+                    let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+                    let (scales, qs) = (&b[4..16], &b[16..144]);
+                    for (pair, (q, o)) in qs.chunks_exact(32).zip(o.chunks_exact_mut(64)).enumerate() {
+                        let (s1, m1) = k_scale_min(2 * pair, scales);
+                        let (s2, m2) = k_scale_min(2 * pair + 1, scales);
+                        for (l, &byte) in q.iter().enumerate() {
+                            o[l] = d * s1 * f32::from(byte & 0x0F) - dmin * m1;
+                            o[l + 32] = d * s2 * f32::from(byte >> 4) - dmin * m2;
+                        }
                     }
                 }
             }
-        }
-        QuantFormat::Q5_1 => {
-            for (b, o) in blocks {
-                let (d, m) = (half_at(b, 0), half_at(b, 2));
-                let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-                let qs = &b[8..24];
-                for (j, o) in o.iter_mut().enumerate() {
-                    let nibble = (qs[j % 16] >> (4 * (j / 16))) & 0x0F;
-                    let q = nibble | (((qh >> j) & 1) as u8) << 4;
-                    *o = d * f32::from(q) + m;
+            QuantFormat::Q5_1 => {
+                for (b, o) in blocks {
+                    let (d, m) = (half_at(b, 0), half_at(b, 2));
+                    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                    let qs = &b[8..24];
+                    for (j, o) in o.iter_mut().enumerate() {
+                        let nibble = (qs[j % 16] >> (4 * (j / 16))) & 0x0F;
+                        let q = nibble | (((qh >> j) & 1) as u8) << 4;
+                        *o = d * f32::from(q) + m;
+                    }
                 }
             }
-        }
-        QuantFormat::Q2_K => {
-            for (b, o) in blocks {
-                let (scales, qs) = (&b[..16], &b[16..80]);
-                let (d, dmin) = (half_at(b, 80), half_at(b, 82));
-                for (k, o) in o.iter_mut().enumerate() {
-                    let sc = scales[k / 16];
-                    let dl = d * f32::from(sc & 0x0F);
-                    let ml = dmin * f32::from(sc >> 4);
-                    let q = (qs[k / 128 * 32 + k % 32] >> (2 * (k % 128 / 32))) & 3;
-                    *o = dl * f32::from(q) - ml;
+            QuantFormat::Q2_K => {
+                for (b, o) in blocks {
+                    let (scales, qs) = (&b[..16], &b[16..80]);
+                    let (d, dmin) = (half_at(b, 80), half_at(b, 82));
+                    for (k, o) in o.iter_mut().enumerate() {
+                        let sc = scales[k / 16];
+                        let dl = d * f32::from(sc & 0x0F);
+                        let ml = dmin * f32::from(sc >> 4);
+                        let q = (qs[k / 128 * 32 + k % 32] >> (2 * (k % 128 / 32))) & 3;
+                        *o = dl * f32::from(q) - ml;
+                    }
                 }
             }
-        }
-        QuantFormat::Q3_K => {
-            for (b, o) in blocks {
-                let (hmask, qs, scales) = (&b[..32], &b[32..96], &b[96..108]);
-                let d = half_at(b, 108);
-                // Sixteen 6-bit scales: low four bits in bytes 0..8 (two
-                // per byte), high two in bytes 8..12 (four per byte).
-                let scale = |i: usize| {
-                    let low = (scales[i % 8] >> (4 * (i / 8))) & 0x0F;
-                    let high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
-                    f32::from((low | high << 4) as i8 - 32)
-                };
-                for (k, o) in o.iter_mut().enumerate() {
-                    let low = (qs[k / 128 * 32 + k % 32] >> (2 * (k % 128 / 32))) & 3;
-                    let high = (hmask[k % 32] >> (k / 32)) & 1;
-                    let q = low as i8 - if high == 0 { 4 } else { 0 };
-                    *o = d * scale(k / 16) * f32::from(q);
+            QuantFormat::Q3_K => {
+                for (b, o) in blocks {
+                    let (hmask, qs, scales) = (&b[..32], &b[32..96], &b[96..108]);
+                    let d = half_at(b, 108);
+                    // Sixteen 6-bit scales: low four bits in bytes 0..8 (two
+                    // per byte), high two in bytes 8..12 (four per byte).
+                    let scale = |i: usize| {
+                        let low = (scales[i % 8] >> (4 * (i / 8))) & 0x0F;
+                        let high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+                        f32::from((low | high << 4) as i8 - 32)
+                    };
+                    for (k, o) in o.iter_mut().enumerate() {
+                        let low = (qs[k / 128 * 32 + k % 32] >> (2 * (k % 128 / 32))) & 3;
+                        let high = (hmask[k % 32] >> (k / 32)) & 1;
+                        let q = low as i8 - if high == 0 { 4 } else { 0 };
+                        *o = d * scale(k / 16) * f32::from(q);
+                    }
                 }
             }
-        }
-        QuantFormat::Q5_K => {
-            for (b, o) in blocks {
-                let (d, dmin) = (half_at(b, 0), half_at(b, 2));
-                let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
-                for (k, o) in o.iter_mut().enumerate() {
-                    let (sc, m) = k_scale_min(k / 32, scales);
-                    let low = (qs[k / 64 * 32 + k % 32] >> (4 * (k % 64 / 32))) & 0x0F;
-                    let high = (qh[k % 32] >> (k / 32)) & 1;
-                    *o = d * sc * f32::from(low | high << 4) - dmin * m;
+            QuantFormat::Q5_K => {
+                for (b, o) in blocks {
+                    let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+                    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+                    for (k, o) in o.iter_mut().enumerate() {
+                        let (sc, m) = k_scale_min(k / 32, scales);
+                        let low = (qs[k / 64 * 32 + k % 32] >> (4 * (k % 64 / 32))) & 0x0F;
+                        let high = (qh[k % 32] >> (k / 32)) & 1;
+                        *o = d * sc * f32::from(low | high << 4) - dmin * m;
+                    }
                 }
             }
-        }
-        QuantFormat::Q6_K => {
-            // Weight `32q + l` of a 128-weight half (quarter `q`, 0 ≤ l < 32):
-            // four low bits from `ql[l + 32 (q % 2)]` (its high nibble when
-            // q ≥ 2), two high bits `2q` up in `qh[l]`, minus 32, times
-            // `d · scale[2q + l / 16]` (its 16-weight run). Run by run, so each
-            // inner loop is 16 lanes of the same shifts (it vectorises).
-            for (b, o) in blocks {
-                let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
-                let d = half_at(b, 208);
-                for half in 0..2 {
-                    let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
-                    let sc = &scales[8 * half..];
-                    for quarter in 0..4 {
-                        let (low_at, low_shift) = (32 * (quarter % 2), 4 * (quarter / 2));
-                        for run in 0..2 {
-                            let scale = d * f32::from(sc[run + 2 * quarter] as i8);
-                            let first = 16 * run;
-                            let out = &mut o[128 * half + 32 * quarter + first..][..16];
-                            let low = &ql[low_at + first..][..16];
-                            let high = &qh[first..][..16];
-                            for ((y, &l), &h) in out.iter_mut().zip(low).zip(high) {
-                                let q =
-                                    ((l >> low_shift) & 0x0F) | (((h >> (2 * quarter)) & 3) << 4);
-                                *y = scale * f32::from(q as i8 - 32);
+            QuantFormat::Q6_K => {
+                // Weight `32q + l` of a 128-weight half (quarter `q`, 0 ≤ l < 32):
+                // four low bits from `ql[l + 32 (q % 2)]` (its high nibble when
+                // q ≥ 2), two high bits `2q` up in `qh[l]`, minus 32, times
+                // `d · scale[2q + l / 16]` (its 16-weight run). Run by run, so each
+                // inner loop is 16 lanes of the same shifts (it vectorises).
+                for (b, o) in blocks {
+                    let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
+                    let d = half_at(b, 208);
+                    for half in 0..2 {
+                        let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
+                        let sc = &scales[8 * half..];
+                        for quarter in 0..4 {
+                            let (low_at, low_shift) = (32 * (quarter % 2), 4 * (quarter / 2));
+                            for run in 0..2 {
+                                let scale = d * f32::from(sc[run + 2 * quarter] as i8);
+                                let first = 16 * run;
+                                let out = &mut o[128 * half + 32 * quarter + first..][..16];
+                                let low = &ql[low_at + first..][..16];
+                                let high = &qh[first..][..16];
+                                for ((y, &l), &h) in out.iter_mut().zip(low).zip(high) {
+                                    let q =
+                                        ((l >> low_shift) & 0x0F) | (((h >> (2 * quarter)) & 3) << 4);
+                                    *y = scale * f32::from(q as i8 - 32);
+                                }
                             }
                         }
                     }
