@@ -560,6 +560,10 @@ pub(crate) fn load_model(name: &str) -> anyhow::Result<Arc<LoadedModel>> {
         model.name,
         started.elapsed().as_secs_f64()
     );
+    info!(
+        kernels = %kvfence_model::kernels::instruction_sets(),
+        "compute kernels chosen"
+    );
     Ok(model)
 }
 

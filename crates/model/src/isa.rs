@@ -95,6 +95,28 @@ impl Compiled {
     }
 }
 
+/// How a process's start-up log names its kernels: the hand-written ones
+/// it runs (`hand_written`, `Portable` for none), the variant of the
+/// compiled code, and the cap when one is set.
+pub(crate) fn describe(hand_written: IsaCap, compiled: Compiled, cap: IsaCap) -> String {
+    let hand_written = match hand_written {
+        IsaCap::Avx512 => "hand-written AVX-512 kernels",
+        IsaCap::Avx2 => "hand-written AVX2 kernels",
+        IsaCap::Portable => "no hand-written kernels",
+    };
+    let compiled = match compiled {
+        Compiled::Avx512 => "AVX-512",
+        Compiled::Avx2 => "AVX2",
+        Compiled::Baseline => "the baseline",
+    };
+    let cap = match cap {
+        IsaCap::Avx512 => "",
+        IsaCap::Avx2 => " (KVFENCE_MAX_ISA=avx2)",
+        IsaCap::Portable => " (KVFENCE_MAX_ISA=portable)",
+    };
+    format!("{hand_written}, the rest compiled for {compiled}{cap}")
+}
+
 /// Defines a function whose body is compiled three times — for the
 /// baseline, for AVX2 (with FMA and F16C) and for AVX-512 — and runs the
 /// variant [`Compiled::current`] names. The body is plain Rust that the
@@ -163,6 +185,22 @@ mod tests {
         for (cpu, cap, runs) in cases {
             assert_eq!(cpu.within(cap), runs, "{cpu:?} capped at {cap:?}");
         }
+    }
+
+    #[test]
+    fn the_log_names_the_kernels_and_the_cap() {
+        assert_eq!(
+            describe(IsaCap::Avx512, Compiled::Avx512, IsaCap::Avx512),
+            "hand-written AVX-512 kernels, the rest compiled for AVX-512"
+        );
+        assert_eq!(
+            describe(IsaCap::Avx2, Compiled::Avx2, IsaCap::Avx2),
+            "hand-written AVX2 kernels, the rest compiled for AVX2 (KVFENCE_MAX_ISA=avx2)"
+        );
+        assert_eq!(
+            describe(IsaCap::Portable, Compiled::Baseline, IsaCap::Portable),
+            "no hand-written kernels, the rest compiled for the baseline (KVFENCE_MAX_ISA=portable)"
+        );
     }
 
     per_isa! {

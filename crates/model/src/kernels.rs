@@ -23,6 +23,17 @@ use crate::isa::per_isa;
 pub use crate::isa::{IsaCap, widest_isa};
 use crate::quant::QuantMatrix;
 
+/// The instruction sets this process's kernels run, in words for its
+/// start-up log: the hand-written kernels' (within `KVFENCE_MAX_ISA`), the
+/// compiled code's, and the cap if one is set.
+pub fn instruction_sets() -> String {
+    crate::isa::describe(
+        crate::qtile::hand_written(),
+        crate::isa::Compiled::current(),
+        widest_isa(),
+    )
+}
+
 /// Output columns per packed panel.
 pub const PANEL: usize = 16;
 /// Rows computed together, sharing each loaded weight vector.

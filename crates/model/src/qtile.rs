@@ -535,6 +535,17 @@ impl Isa {
     }
 }
 
+/// The widest hand-written tiles this process runs (`Portable`: none).
+pub(crate) fn hand_written() -> crate::isa::IsaCap {
+    match best_isa() {
+        Isa::Portable => crate::isa::IsaCap::Portable,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2(_) => crate::isa::IsaCap::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512(_) => crate::isa::IsaCap::Avx512,
+    }
+}
+
 /// `out[r * stride + c] = x[r] · rows[c]` for every activation row of `x`
 /// (rows of `k`) and each of the first `count` weight rows: tiles of up to
 /// [`Isa::max_tile_rows`] activation rows by two or four weight rows.
