@@ -188,7 +188,8 @@ pub(crate) struct EngineArgs {
     /// (its API key) and `cache_salt` only: full pages of a prompt are
     /// sealed and shared read-only with that tenant's later requests, and
     /// output stays bit-identical to computing them. Prefill and colocated
-    /// workers keep a cache; a decode worker computes no prompts.
+    /// workers keep a cache of what they computed; a decode worker keeps
+    /// the prompts it received, so a hand-off ships only pages it lacks.
     #[arg(long, value_enum, default_value_t = Switch::On)]
     pub(crate) prefix_cache: Switch,
     /// Share of a worker's KV pool one tenant's cached pages may fill, in

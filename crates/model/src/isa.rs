@@ -30,12 +30,13 @@ pub enum IsaCap {
     Avx512,
 }
 
-/// The cap set by `KVFENCE_MAX_ISA`, read once per process. An unknown
-/// value is reported on stderr and ignored.
+/// The cap set by `KVFENCE_MAX_ISA`, read once per process. An empty
+/// value is no cap; an unknown one is reported on stderr and ignored.
 pub fn widest_isa() -> IsaCap {
     static CAP: OnceLock<IsaCap> = OnceLock::new();
     *CAP.get_or_init(|| match std::env::var("KVFENCE_MAX_ISA").as_deref() {
-        Err(_) | Ok("avx512") => IsaCap::Avx512,
+        // Set but empty, as a manifest's blank value leaves it: no cap.
+        Err(_) | Ok("" | "avx512") => IsaCap::Avx512,
         Ok("avx2") => IsaCap::Avx2,
         Ok("portable") => IsaCap::Portable,
         Ok(other) => {
