@@ -55,6 +55,7 @@ pub(crate) enum Compiled {
     /// AVX2 with FMA and F16C.
     Avx2,
     /// AVX-512 (F and VL) on top of those.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Avx512,
 }
 
