@@ -47,15 +47,17 @@ pub fn widest_isa() -> IsaCap {
 }
 
 /// The variant of the code compiled per instruction set ([`per_isa!`]) a
-/// process runs.
+/// process runs. Off x86-64 there is only the baseline (which is NEON's
+/// on AArch64).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Compiled {
     /// The target's baseline (SSE2 on x86-64; every other target's default).
     Baseline,
     /// AVX2 with FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
     Avx2,
     /// AVX-512 (F and VL) on top of those.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[cfg(target_arch = "x86_64")]
     Avx512,
 }
 
@@ -91,8 +93,9 @@ impl Compiled {
     /// portable cap turns only the hand-written kernels off.
     fn within(self, cap: IsaCap) -> Compiled {
         match cap {
+            #[cfg(target_arch = "x86_64")]
             IsaCap::Avx2 => self.min(Compiled::Avx2),
-            IsaCap::Avx512 | IsaCap::Portable => self,
+            _ => self,
         }
     }
 }
@@ -107,7 +110,9 @@ pub(crate) fn describe(hand_written: IsaCap, compiled: Compiled, cap: IsaCap) ->
         IsaCap::Portable => "no hand-written kernels",
     };
     let compiled = match compiled {
+        #[cfg(target_arch = "x86_64")]
         Compiled::Avx512 => "AVX-512",
+        #[cfg(target_arch = "x86_64")]
         Compiled::Avx2 => "AVX2",
         Compiled::Baseline => "the baseline",
     };
@@ -171,6 +176,7 @@ mod tests {
 
     /// The AVX2 cap holds the compiled code to AVX2 on an AVX-512 CPU, as
     /// it holds the hand-written kernels; no cap lends a CPU what it lacks.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_cap_holds_the_compiled_code_to_what_a_capped_cpu_runs() {
         use Compiled::{Avx2, Avx512, Baseline};
@@ -189,6 +195,7 @@ mod tests {
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_log_names_the_kernels_and_the_cap() {
         assert_eq!(
