@@ -348,6 +348,10 @@ pub struct ChatFields {
     pub tool_choice: Option<ToolChoiceIn>,
     /// Whether one answer may make several calls (absent: yes).
     pub parallel_tool_calls: Option<bool>,
+    /// The most calls one answer makes. Responses' `max_tool_calls`,
+    /// translated: a chat request that sends it is refused as an unknown
+    /// field before it is read here.
+    pub max_tool_calls: Option<u32>,
 }
 
 /// `prompt` of `/v1/completions`.
@@ -774,13 +778,22 @@ impl ChatFields {
         }
     }
 
-    /// The request's tools, if it has any to use.
+    /// The request's tools, if it has any to use; [`Tools::unused`] if it
+    /// has tools it may not call, or made calls earlier in the
+    /// conversation and has none now.
     pub fn tools(&self) -> Result<Option<Tools>, ApiError> {
-        Tools::from_request(
+        let tools = Tools::from_request(
             self.tools.as_deref(),
             self.tool_choice.as_ref(),
             self.parallel_tool_calls,
-        )
+            self.max_tool_calls,
+        )?;
+        let given = self.tools.as_ref().is_some_and(|t| !t.is_empty());
+        let called = self
+            .messages
+            .iter()
+            .any(|m| m.role == "tool" || m.tool_calls.as_ref().is_some_and(|c| !c.is_empty()));
+        Ok(tools.or_else(|| (given || called).then(Tools::unused)))
     }
 
     /// The messages as plain chat messages for the template: earlier tool
@@ -791,7 +804,7 @@ impl ChatFields {
         tools: Option<&Tools>,
     ) -> Result<Vec<kvfence_model::ChatMessage>, ApiError> {
         let mut messages = self.plain_messages()?;
-        if let Some(tools) = tools {
+        if let Some(tools) = tools.filter(|t| t.callable()) {
             match messages.first_mut() {
                 Some(first) if first.role == "system" => {
                     first.content = format!("{}\n\n{}", first.content, tools.instruction());

@@ -39,7 +39,7 @@ pub const RESPONSES_FIELDS: &[(&str, FieldUse)] = &[
     ("reasoning", FieldUse::RefusedUnlessNeutral),
     ("background", FieldUse::RefusedUnlessNeutral),
     ("truncation", FieldUse::Honoured),
-    ("max_tool_calls", FieldUse::RefusedUnlessNeutral),
+    ("max_tool_calls", FieldUse::Honoured),
     ("prompt", FieldUse::RefusedUnlessNeutral),
 ];
 
@@ -48,6 +48,7 @@ const ECHOED: &[&str] = &[
     "instructions",
     "previous_response_id",
     "max_output_tokens",
+    "max_tool_calls",
     "metadata",
     "parallel_tool_calls",
     "temperature",
@@ -159,8 +160,10 @@ pub fn to_chat(object: &Map<String, Value>, earlier: &[Value]) -> Result<Transla
     if let Some(choice) = object.get("tool_choice").filter(|c| !c.is_null()) {
         chat.insert("tool_choice".into(), chat_tool_choice(choice)?);
     }
-    if let Some(parallel) = object.get("parallel_tool_calls") {
-        chat.insert("parallel_tool_calls".into(), parallel.clone());
+    for field in ["parallel_tool_calls", "max_tool_calls"] {
+        if let Some(value) = object.get(field) {
+            chat.insert(field.into(), value.clone());
+        }
     }
     if let Some(alternatives) = logprobs_wanted(object)? {
         chat.insert("logprobs".into(), true.into());
@@ -833,13 +836,14 @@ mod tests {
     }
 
     #[test]
-    fn tools_come_as_chat_tools_with_their_choice_and_parallel_setting() {
+    fn tools_come_as_chat_tools_with_their_choice_and_call_limits() {
         let Translated { chat, echo, .. } = to_chat(
             &object(json!({
                 "input": "x",
                 "tools": [{"type": "function", "name": "now", "parameters": {"type": "object"}}],
                 "tool_choice": "auto",
                 "parallel_tool_calls": false,
+                "max_tool_calls": 3,
             })),
             &[],
         )
@@ -847,10 +851,12 @@ mod tests {
         assert_eq!(chat["tools"][0]["function"]["name"], "now");
         assert_eq!(chat["tool_choice"], "auto");
         assert_eq!(chat["parallel_tool_calls"], false);
+        assert_eq!(chat["max_tool_calls"], 3);
         assert_eq!(
             echo["parallel_tool_calls"], false,
             "the response repeats it"
         );
+        assert_eq!(echo["max_tool_calls"], 3, "and the bound");
     }
 
     #[test]

@@ -131,9 +131,11 @@ struct Tool {
 pub struct Tools {
     tools: Vec<Tool>,
     choice: ToolChoice,
-    /// `parallel_tool_calls`: whether an answer may make more than one
-    /// call. When it may not, only the first is taken.
-    parallel: bool,
+    /// The most calls an answer makes, if any bound: one without
+    /// `parallel_tool_calls`, at most Responses' `max_tool_calls`. The
+    /// first calls are taken; later ones are dropped, as text after calls
+    /// is.
+    max_calls: Option<usize>,
 }
 
 /// Names, descriptions and schemas are client content: `Debug` shows how
@@ -143,7 +145,7 @@ impl std::fmt::Debug for Tools {
         f.debug_struct("Tools")
             .field("count", &self.tools.len())
             .field("required", &(self.choice != ToolChoice::Auto))
-            .field("parallel", &self.parallel)
+            .field("max_calls", &self.max_calls)
             .finish()
     }
 }
@@ -206,13 +208,17 @@ fn valid_name(name: &str) -> bool {
 }
 
 impl Tools {
-    /// The tools of a request, or `None` when it has none or
-    /// `tool_choice` is `none`. `parallel` is `parallel_tool_calls`
-    /// (absent: true, as OpenAI's).
+    /// The tools of a request, or `None` when it has none, `tool_choice` is
+    /// `none` or `max_calls` is 0 under `auto`. `parallel` is
+    /// `parallel_tool_calls` (absent: true, as OpenAI's); `max_calls` is
+    /// Responses' `max_tool_calls` (OpenAI's bounds calls of its built-in
+    /// tools; this server has none, so it bounds the function calls an
+    /// answer makes).
     pub fn from_request(
         tools: Option<&[ToolIn]>,
         choice: Option<&ToolChoiceIn>,
         parallel: Option<bool>,
+        max_calls: Option<u32>,
     ) -> Result<Option<Tools>, ApiError> {
         let tools = tools.unwrap_or_default();
         let choice = match choice {
@@ -244,6 +250,15 @@ impl Tools {
                 _ => Err(ApiError::invalid(
                     "tool_choice",
                     "tool_choice asks for a call, but no tools are given",
+                )),
+            };
+        }
+        if max_calls == Some(0) {
+            return match choice {
+                ToolChoice::Auto => Ok(None),
+                _ => Err(ApiError::invalid(
+                    "max_tool_calls",
+                    "max_tool_calls is 0, but tool_choice asks for a call",
                 )),
             };
         }
@@ -306,8 +321,35 @@ impl Tools {
         Ok(Some(Tools {
             tools: held,
             choice,
-            parallel: parallel.unwrap_or(true),
+            max_calls: [
+                (parallel == Some(false)).then_some(1),
+                max_calls.map(|n| n as usize),
+            ]
+            .into_iter()
+            .flatten()
+            .min(),
         }))
+    }
+
+    /// Tools no answer may call: the request's are unused (`tool_choice:
+    /// "none"`, `max_tool_calls: 0`) or it has none after a conversation
+    /// that made calls. The model may still write the call markup it saw
+    /// in that conversation; the answer is text and ends where a call
+    /// would begin (the opening tag is a kept stop, and [`Tools::parse`]
+    /// drops it), so no markup shows as text and no tokens go on a call
+    /// nobody takes.
+    pub fn unused() -> Tools {
+        Tools {
+            tools: Vec::new(),
+            choice: ToolChoice::Auto,
+            max_calls: Some(0),
+        }
+    }
+
+    /// Whether an answer may call these tools (they are described to the
+    /// model only then).
+    pub fn callable(&self) -> bool {
+        self.max_calls != Some(0)
     }
 
     /// Refuses, by its tool, a `parameters` schema that cannot do its job,
@@ -326,6 +368,9 @@ impl Tools {
         grammars: &kvfence_model::Grammars,
         constrained: bool,
     ) -> Result<(), ApiError> {
+        if !self.callable() {
+            return Ok(());
+        }
         let compiles = |mut schema: Value| {
             if !constrained && let Some(object) = schema.as_object_mut() {
                 // llguidance's own switch: what it cannot enforce, it skips.
@@ -404,6 +449,9 @@ impl Tools {
         format: Option<kvfence_model::Grammar>,
     ) -> Result<Option<kvfence_model::Grammar>, ApiError> {
         use kvfence_model::Grammar;
+        if !self.callable() {
+            return Ok(format);
+        }
         if self.choice != ToolChoice::Auto {
             return Ok(Some(Grammar::Lark(self.call_rule("start"))));
         }
@@ -432,14 +480,15 @@ impl Tools {
     /// opening is the text's own end; after a call the model may end, call
     /// again or write text — which the answer drops, as it drops text
     /// after calls unheld — so a model that ends its calls with a remark is
-    /// never pushed into another call. Without `parallel_tool_calls`, one
-    /// call and the end (its closing tag is a kept stop too).
+    /// never pushed into another call. At most one call (no
+    /// `parallel_tool_calls`): that call and the end (its closing tag is a
+    /// kept stop too); at most `n`: `n` calls, then text without a call.
     fn text_or_calls(&self) -> kvfence_model::Grammar {
         let arguments = self.arguments_rule();
-        let turns = if self.parallel {
-            "turn+ plain?"
-        } else {
-            "turn"
+        let turns = match self.max_calls {
+            None => "turn+ plain?".to_string(),
+            Some(1) => "turn".to_string(),
+            Some(n) => format!("turn{{1,{n}}} plain?"),
         };
         kvfence_model::Grammar::Lark(format!(
             "start: plain | {turns}\n\
@@ -480,22 +529,24 @@ impl Tools {
         format!("arguments: %json {schema}\n")
     }
 
-    /// Strings that end an answer after themselves (kept in it): without
-    /// `parallel_tool_calls`, the end of a call, so the model stops at its
+    /// Strings that end an answer after themselves (kept in it): when it
+    /// makes one call at most, the end of a call, so the model stops at its
     /// first call instead of writing more that would be dropped — and that
     /// its tenant would be charged for.
     pub fn kept_stops(&self) -> Vec<String> {
-        if self.parallel {
-            Vec::new()
-        } else {
-            vec![CLOSE.to_string()]
+        match self.max_calls {
+            // None at all: the answer ends where a call would begin.
+            Some(0) => vec![OPEN.to_string()],
+            Some(1) => vec![CLOSE.to_string()],
+            _ => Vec::new(),
         }
     }
 
     /// The calls in a finished answer, and the text before the first; no
     /// calls if a complete one is not a call this request's tools allow
-    /// (the answer is then text). Without `parallel_tool_calls`, only the
-    /// first call: what follows it is dropped, as text after calls is. A
+    /// (the answer is then text). Only the first calls up to the bound
+    /// (one without `parallel_tool_calls`): what follows them is dropped,
+    /// as text after calls is. A
     /// call whose closing tag never came is a call if its object was
     /// written whole. A call cut off by the end of the answer (`finish` is
     /// `Length`: `max_tokens`) is never text: it becomes a call with the
@@ -512,6 +563,10 @@ impl Tools {
             let text = if cut_tag > 0 { text.trim_end() } else { text };
             return (text.to_string(), Vec::new());
         };
+        if !self.callable() {
+            // No call may be made: the answer ends where one begins.
+            return (text[..first].trim_end().to_string(), Vec::new());
+        }
         let mut calls = Vec::new();
         let mut rest = &text[first..];
         while let Some(start) = rest.find(OPEN) {
@@ -541,7 +596,7 @@ impl Tools {
                 return (text.to_string(), Vec::new());
             };
             calls.push(call);
-            if !self.parallel {
+            if self.max_calls.is_some_and(|most| calls.len() >= most) {
                 break;
             }
             rest = after;
@@ -663,7 +718,7 @@ mod tests {
             {"type": "function", "function": {"name": "now"}},
         ]))
         .unwrap();
-        Tools::from_request(Some(&list), choice.as_ref(), parallel).unwrap()
+        Tools::from_request(Some(&list), choice.as_ref(), parallel, None).unwrap()
     }
 
     #[test]
@@ -704,6 +759,73 @@ mod tests {
             let names: Vec<&str> = calls.iter().map(|c| c.name.as_str()).collect();
             assert_eq!(names, ["now"], "{rest}");
         }
+    }
+
+    #[test]
+    fn max_tool_calls_keeps_the_first_calls_and_zero_calls_none() {
+        let list: Vec<ToolIn> = serde_json::from_value(json!([
+            {"type": "function", "function": {"name": "get_weather"}},
+            {"type": "function", "function": {"name": "now"}},
+        ]))
+        .unwrap();
+        let limited = |parallel, most| Tools::from_request(Some(&list), None, parallel, most);
+        let answer = format!(
+            "{OPEN}\n{{\"name\": \"now\", \"arguments\": {{}}}}\n{CLOSE}\n\
+             {OPEN}\n{{\"name\": \"get_weather\", \"arguments\": {{}}}}\n{CLOSE}\n\
+             {OPEN}\n{{\"name\": \"now\", \"arguments\": {{}}}}\n{CLOSE}"
+        );
+        let names = |parallel, most| {
+            let t = limited(parallel, most).unwrap().unwrap();
+            let (_, calls) = t.parse(&answer, Some(FinishReason::Stop));
+            calls.into_iter().map(|c| c.name).collect::<Vec<_>>()
+        };
+        assert_eq!(names(None, None), ["now", "get_weather", "now"]);
+        assert_eq!(names(None, Some(2)), ["now", "get_weather"]);
+        assert_eq!(names(Some(true), Some(3)), ["now", "get_weather", "now"]);
+        assert_eq!(names(None, Some(1)), ["now"]);
+        // The stricter of the two limits holds.
+        assert_eq!(names(Some(false), Some(3)), ["now"]);
+        // One call at most ends the answer at that call, as without
+        // parallel calls; more leave the end to the model.
+        let stops = |most| limited(None, most).unwrap().unwrap().kept_stops();
+        assert_eq!(stops(Some(1)), [CLOSE]);
+        assert!(stops(Some(2)).is_empty());
+        // None at all: the tools go unused, as under tool_choice none —
+        // unless a call is required, which cannot be kept.
+        assert!(limited(None, Some(0)).unwrap().is_none());
+        for choice in [
+            json!("required"),
+            json!({"type": "function", "function": {"name": "now"}}),
+        ] {
+            let choice: ToolChoiceIn = serde_json::from_value(choice).unwrap();
+            let error = Tools::from_request(Some(&list), Some(&choice), None, Some(0)).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some("max_tool_calls"));
+        }
+    }
+
+    #[test]
+    fn unused_tools_end_the_answer_where_a_call_would_begin() {
+        let t = Tools::unused();
+        assert!(!t.callable());
+        let call = format!("{OPEN}\n{{\"name\": \"now\", \"arguments\": {{}}}}\n{CLOSE}");
+        for finish in [FinishReason::Stop, FinishReason::Length] {
+            let (content, calls) = t.parse(&format!("It is late.\n{call}"), Some(finish));
+            assert_eq!((content.as_str(), calls.len()), ("It is late.", 0));
+            let (content, calls) = t.parse(&call, Some(finish));
+            assert_eq!((content.as_str(), calls.len()), ("", 0));
+        }
+        // The opening tag ends generation, kept so the parse above drops it.
+        assert_eq!(t.kept_stops(), [OPEN]);
+        // Nothing to describe, check or join to a format.
+        let format = kvfence_model::Grammar::JsonObject;
+        assert!(matches!(
+            t.grammar(Some(format)).unwrap(),
+            Some(kvfence_model::Grammar::JsonObject)
+        ));
+        assert!(t.grammar(None).unwrap().is_none());
+        let tokenizer = kvfence_model::Tokenizer::byte_level(260).unwrap();
+        let grammars = kvfence_model::Grammars::new(&tokenizer, 260, &[256]).unwrap();
+        assert!(t.check_schemas(&grammars, true).is_ok());
     }
 
     #[test]
@@ -821,7 +943,11 @@ mod tests {
     #[test]
     fn a_choice_of_none_or_no_tools_means_no_tools_and_a_bad_name_is_refused() {
         assert!(tools(Some(ToolChoiceIn::Mode("none".into()))).is_none());
-        assert!(Tools::from_request(None, None, None).unwrap().is_none());
+        assert!(
+            Tools::from_request(None, None, None, None)
+                .unwrap()
+                .is_none()
+        );
         let named = ToolChoiceIn::Named {
             kind: "function".into(),
             function: NamedFunction {
@@ -831,13 +957,13 @@ mod tests {
         let list: Vec<ToolIn> =
             serde_json::from_value(json!([{"type": "function", "function": {"name": "now"}}]))
                 .unwrap();
-        let error = Tools::from_request(Some(&list), Some(&named), None).unwrap_err();
+        let error = Tools::from_request(Some(&list), Some(&named), None, None).unwrap_err();
         assert_eq!(error.param.as_deref(), Some("tool_choice.function.name"));
         let bad: Vec<ToolIn> = serde_json::from_value(
             json!([{"type": "function", "function": {"name": "has space"}}]),
         )
         .unwrap();
-        assert!(Tools::from_request(Some(&bad), None, None).is_err());
+        assert!(Tools::from_request(Some(&bad), None, None, None).is_err());
     }
 
     #[test]
@@ -850,7 +976,7 @@ mod tests {
                 {"type": "function", "function": {"name": "second", "parameters": parameters}},
             ]))
             .unwrap();
-            Tools::from_request(Some(&list), None, None)
+            Tools::from_request(Some(&list), None, None, None)
                 .unwrap()
                 .unwrap()
         };
@@ -932,15 +1058,17 @@ mod tests {
     fn under_auto_a_strict_tool_holds_every_call_to_its_schema_and_leaves_text_free() {
         let tokenizer = kvfence_model::Tokenizer::byte_level(260).unwrap();
         let grammars = kvfence_model::Grammars::new(&tokenizer, 260, &[256]).unwrap();
-        let strict = |strict: Option<bool>, parallel: Option<bool>| {
-            let list: Vec<ToolIn> = serde_json::from_value(json!([
+        let strict_list = |strict: Option<bool>| -> Vec<ToolIn> {
+            serde_json::from_value(json!([
                 {"type": "function", "function": {"name": "get_weather", "strict": strict,
                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                 "required": ["city"], "additionalProperties": false}}},
                 {"type": "function", "function": {"name": "now"}},
             ]))
-            .unwrap();
-            Tools::from_request(Some(&list), None, parallel)
+            .unwrap()
+        };
+        let strict = |strict: Option<bool>, parallel: Option<bool>| {
+            Tools::from_request(Some(&strict_list(strict)), None, parallel, None)
                 .unwrap()
                 .unwrap()
         };
@@ -981,6 +1109,21 @@ mod tests {
                 false,
             ),
             (&*format!("{OPEN}\n{{\"name\": \"rm_rf\""), false, false),
+        ] {
+            let mut constraint = grammars.compile(&grammar).unwrap();
+            assert_eq!(takes(&mut constraint, text, end), taken, "{text}");
+        }
+        // At most two calls: two, and a remark after them, but no third.
+        let grammar = Tools::from_request(Some(&strict_list(Some(true))), None, None, Some(2))
+            .unwrap()
+            .unwrap()
+            .grammar(None)
+            .unwrap()
+            .unwrap();
+        for (text, end, taken) in [
+            (&*format!("{}\n{now}", call("Paris")), true, true),
+            (&*format!("{}\n{now}\nDone.", call("Paris")), true, true),
+            (&*format!("{}\n{now}\n{OPEN}", call("Paris")), false, false),
         ] {
             let mut constraint = grammars.compile(&grammar).unwrap();
             assert_eq!(takes(&mut constraint, text, end), taken, "{text}");

@@ -50,6 +50,7 @@ async fn smollm2_answers_and_disaggregated_equals_colocated() {
     assert_eq!(models["data"][0]["id"], "smollm2");
     structured_outputs_validate(&colocated).await;
     strict_tools_hold_calls_under_auto(&colocated).await;
+    calls_are_bounded_and_never_show_as_text(&colocated).await;
     drop(colocated);
     let disaggregated = Server::start(&[&args[..], &["--handoff", "tcp"]].concat());
     assert_eq!(answers(&disaggregated).await, expected);
@@ -204,6 +205,75 @@ async fn strict_tools_hold_calls_under_auto(server: &Server) {
         tokens[1] < tokens[0],
         "one call costs fewer tokens: {tokens:?}"
     );
+}
+
+/// Through the Responses API, after a turn that made two calls: asked for
+/// the weather in two cities the model calls twice, under
+/// `max_tool_calls: 1` once (and stops there), and where no call may be
+/// made (`tool_choice: "none"`, `max_tool_calls: 0`, or no tools) it makes
+/// none and its answer shows none of the call markup it wants to write.
+async fn calls_are_bounded_and_never_show_as_text(server: &Server) {
+    let url = server.url("/v1/responses");
+    let input = json!([
+        {"role": "user", "content": "Weather in Oslo and Bergen?"},
+        {"type": "function_call", "call_id": "a", "name": "get_weather", "arguments": "{\"city\":\"Oslo\"}"},
+        {"type": "function_call", "call_id": "b", "name": "get_weather", "arguments": "{\"city\":\"Bergen\"}"},
+        {"type": "function_call_output", "call_id": "a", "output": "3C"},
+        {"type": "function_call_output", "call_id": "b", "output": "5C"},
+        {"role": "assistant", "content": "Oslo 3C, Bergen 5C."},
+        {"role": "user", "content": "Weather in Paris and London?"},
+    ]);
+    let tools = json!([{"type": "function", "name": "get_weather", "description": "Weather in a city",
+        "strict": true, "parameters": {"type": "object", "additionalProperties": false,
+        "properties": {"city": {"type": "string"}}, "required": ["city"]}}]);
+    let ask = |extra: serde_json::Value| {
+        let mut body = json!({"model": "smollm2", "input": input, "tools": tools,
+                              "temperature": 0, "max_output_tokens": 120, "store": false});
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        body
+    };
+    let calls = |answer: &serde_json::Value| {
+        answer["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|item| item["type"] == "function_call")
+            .count()
+    };
+    let (status, free) = post(&url, None, ask(json!({}))).await;
+    assert_eq!(status, 200, "{free}");
+    assert_eq!(calls(&free), 2, "{free}");
+    let (status, one) = post(&url, None, ask(json!({"max_tool_calls": 1}))).await;
+    assert_eq!(status, 200, "{one}");
+    assert_eq!(calls(&one), 1, "{one}");
+    assert_eq!(one["max_tool_calls"], 1, "the answer repeats the bound");
+    assert!(
+        one["usage"]["output_tokens"].as_u64() < free["usage"]["output_tokens"].as_u64(),
+        "the answer ends at its one call: {one} {free}"
+    );
+    let mut no_tools = ask(json!({}));
+    no_tools.as_object_mut().unwrap().remove("tools");
+    for body in [
+        ask(json!({"tool_choice": "none"})),
+        ask(json!({"max_tool_calls": 0})),
+        no_tools,
+    ] {
+        let (status, answer) = post(&url, None, body.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(calls(&answer), 0, "{answer}");
+        assert!(!answer.to_string().contains("tool_call>"), "{answer}");
+        assert_eq!(answer["status"], "completed", "{answer}");
+    }
+    let (status, refused) = post(
+        &url,
+        None,
+        ask(json!({"max_tool_calls": 0, "tool_choice": "required"})),
+    )
+    .await;
+    assert_eq!(status, 400, "{refused}");
+    assert_eq!(refused["error"]["param"], "max_tool_calls", "{refused}");
 }
 
 /// No pip on the PATH and an empty model cache: the machine is offline.

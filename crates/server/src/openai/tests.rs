@@ -235,12 +235,59 @@ fn parallel_tool_calls_reaches_the_tools_and_must_be_a_boolean() {
         format!("{:?}", fields.tools().unwrap().unwrap())
     };
     assert!(
-        parallel("").contains("parallel: true"),
-        "absent: OpenAI's default"
+        parallel("").contains("max_calls: None"),
+        "absent: OpenAI's default, any number of calls"
     );
-    assert!(parallel(r#", "parallel_tool_calls": null"#).contains("parallel: true"));
-    assert!(parallel(r#", "parallel_tool_calls": false"#).contains("parallel: false"));
+    assert!(parallel(r#", "parallel_tool_calls": null"#).contains("max_calls: None"));
+    assert!(parallel(r#", "parallel_tool_calls": false"#).contains("max_calls: Some(1)"));
     let body = format!(r#"{{"messages": [], {tools}, "parallel_tool_calls": "no"}}"#);
     let error = typed::<ChatFields>(&chat(&body).unwrap()).unwrap_err();
     assert_eq!(error.param.as_deref(), Some("parallel_tool_calls"));
+    // `max_tool_calls` is Responses' alone: chat refuses it as unknown,
+    // and where it is read it must be a count.
+    let body = format!(r#"{{"messages": [], {tools}, "max_tool_calls": 2}}"#);
+    assert_eq!(
+        chat(&body).unwrap_err().param.as_deref(),
+        Some("max_tool_calls")
+    );
+    for bad in ["-1", "1.5", "\"2\""] {
+        let object = serde_json::from_str(&format!(
+            r#"{{"messages": [], {tools}, "max_tool_calls": {bad}}}"#
+        ))
+        .unwrap();
+        let error = typed::<ChatFields>(&object).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("max_tool_calls"), "{bad}");
+    }
+}
+
+#[test]
+fn tools_that_may_not_be_called_or_earlier_calls_make_the_answer_stop_at_call_markup() {
+    let tools = r#""tools": [{"type": "function", "function": {"name": "now"}}]"#;
+    let calls = r#"{"role": "assistant", "content": null, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "now", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "a", "content": "noon"}"#;
+    let user = r#"{"role": "user", "content": "hi"}"#;
+    let read = |body: String| {
+        let fields: ChatFields = typed(&serde_json::from_str(&body).unwrap()).unwrap();
+        fields.tools().unwrap().map(|t| {
+            (
+                t.callable(),
+                fields.messages(Some(&t)).unwrap()[0].role.clone(),
+            )
+        })
+    };
+    // A plain chat has none.
+    assert_eq!(read(format!(r#"{{"messages": [{user}]}}"#)), None);
+    // Tools it may call are described in a system message.
+    assert_eq!(
+        read(format!(r#"{{"messages": [{user}], {tools}}}"#)),
+        Some((true, "system".to_string()))
+    );
+    // Tools it may not call, or earlier calls and no tools: unused, and
+    // not described.
+    for body in [
+        format!(r#"{{"messages": [{user}], {tools}, "tool_choice": "none"}}"#),
+        format!(r#"{{"messages": [{user}], {tools}, "max_tool_calls": 0}}"#),
+        format!(r#"{{"messages": [{user}, {calls}, {user}]}}"#),
+    ] {
+        assert_eq!(read(body), Some((false, "user".to_string())));
+    }
 }
