@@ -442,8 +442,8 @@ impl Tools {
     /// against its schema (the format is for a text answer, and there is
     /// none); with `auto`, such a call of any of the tools *or* an answer
     /// in the format — the Agents SDK's tools with a structured output —,
-    /// or nothing to constrain without a format. A regex or Lark format
-    /// cannot be joined to calls: 400.
+    /// or without a format free text and calls ([`Tools::text_or_calls`]).
+    /// A regex or Lark format cannot be joined to calls: 400.
     pub fn grammar(
         &self,
         format: Option<kvfence_model::Grammar>,
@@ -456,8 +456,7 @@ impl Tools {
             return Ok(Some(Grammar::Lark(self.call_rule("start"))));
         }
         let answer = match format {
-            None if self.constrains_calls(false) => return Ok(Some(self.text_or_calls())),
-            None => return Ok(None),
+            None => return Ok(Some(self.text_or_calls(self.constrains_calls(false)))),
             Some(Grammar::JsonObject) => json!({ "type": "object" }),
             Some(Grammar::JsonSchema(schema)) => schema,
             Some(Grammar::Regex(_) | Grammar::Lark(_)) => {
@@ -474,8 +473,11 @@ impl Tools {
         ))))
     }
 
-    /// Under plain `auto` with a strict tool: text is free, but each call in
-    /// it is held to its schema. Text before a call is generated until
+    /// Under plain `auto`: text is free, but each call in it is a call —
+    /// an allowed function's name and an arguments object, held to the
+    /// function's schema too where `schemas` (a strict tool): a model that
+    /// starts a call cannot leave it as markup in its text, or write a
+    /// name no tool has. Text before a call is generated until
     /// `<tool_call>` is written (llguidance's `suffix`), so the call's
     /// opening is the text's own end; after a call the model may end, call
     /// again or write text — which the answer drops, as it drops text
@@ -483,8 +485,8 @@ impl Tools {
     /// never pushed into another call. At most one call (no
     /// `parallel_tool_calls`): that call and the end (its closing tag is a
     /// kept stop too); at most `n`: `n` calls, then text without a call.
-    fn text_or_calls(&self) -> kvfence_model::Grammar {
-        let arguments = self.arguments_rule();
+    fn text_or_calls(&self, schemas: bool) -> kvfence_model::Grammar {
+        let arguments = self.arguments_rule(schemas);
         let turns = match self.max_calls {
             None => "turn+ plain?".to_string(),
             Some(1) => "turn".to_string(),
@@ -503,13 +505,14 @@ impl Tools {
     /// Lark rules whose rule `rule` is one call of an allowed function
     /// (any, for `auto`).
     fn call_rule(&self, rule: &str) -> String {
-        let arguments = self.arguments_rule();
+        let arguments = self.arguments_rule(true);
         format!("{rule}: \"{OPEN}\\n\" arguments \"\\n{CLOSE}\"\n{arguments}")
     }
 
     /// The Lark rule `arguments`: the JSON object between a call's tags,
-    /// an allowed function's name and arguments that match its schema.
-    fn arguments_rule(&self) -> String {
+    /// an allowed function's name and arguments that match its schema
+    /// (`schemas`), or any object.
+    fn arguments_rule(&self, schemas: bool) -> String {
         let allowed: Vec<&Tool> = match &self.choice {
             ToolChoice::Auto | ToolChoice::Required => self.tools.iter().collect(),
             ToolChoice::Named(name) => self.tools.iter().filter(|t| &t.name == name).collect(),
@@ -519,7 +522,10 @@ impl Tools {
             .map(|t| {
                 json!({
                     "type": "object",
-                    "properties": { "name": { "const": t.name }, "arguments": t.parameters },
+                    "properties": {
+                        "name": { "const": t.name },
+                        "arguments": if schemas { t.parameters.clone() } else { json!({ "type": "object" }) },
+                    },
                     "required": ["name", "arguments"],
                     "additionalProperties": false,
                 })
@@ -1021,8 +1027,7 @@ mod tests {
     }
 
     #[test]
-    fn required_and_named_choices_compile_to_a_grammar_auto_does_not() {
-        assert!(tools(None).unwrap().grammar(None).unwrap().is_none());
+    fn required_and_named_choices_compile_to_a_grammar_of_calls_only() {
         let tokenizer = kvfence_model::Tokenizer::byte_level(260).unwrap();
         let grammars = kvfence_model::Grammars::new(&tokenizer, 260, &[256]).unwrap();
         for choice in [
@@ -1072,19 +1077,44 @@ mod tests {
                 .unwrap()
                 .unwrap()
         };
-        // Not strict: the model writes freely, as before.
-        for loose in [None, Some(false)] {
-            assert!(!strict(loose, None).constrains_calls(false));
-            assert!(strict(loose, None).grammar(None).unwrap().is_none());
-        }
-        let tools = strict(Some(true), None);
-        assert!(tools.constrains_calls(false));
-        let grammar = tools.grammar(None).unwrap().unwrap();
         let call = |city: &str| {
             format!(
                 "{OPEN}\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"{city}\"}}}}\n{CLOSE}"
             )
         };
+        // Not strict: text is free and a call is a call — a known name and
+        // an arguments object — but its arguments are not held to the
+        // schema.
+        for loose in [None, Some(false)] {
+            assert!(!strict(loose, None).constrains_calls(false));
+            let grammar = strict(loose, None).grammar(None).unwrap().unwrap();
+            for (text, end, taken) in [
+                ("It is sunny <b>today</b>, I think.", true, true),
+                (&*format!("Checking.\n{}", call("Paris")), true, true),
+                (
+                    &*format!(
+                        "{OPEN}\n{{\"name\": \"get_weather\", \"arguments\": {{\"town\": 1}}}}\n{CLOSE}"
+                    ),
+                    true,
+                    true,
+                ),
+                // What SmolLM2 wrote unheld: the tool's description in a
+                // call it never closed, shown as text.
+                (
+                    &*format!("{OPEN}\n{{\"name\": \"get_weather\", \"description\""),
+                    false,
+                    false,
+                ),
+                (&*format!("{OPEN}\n{{\"name\": \"rm_rf\""), false, false),
+                (&*format!("{OPEN}\nnot a call\n{CLOSE}"), false, false),
+            ] {
+                let mut constraint = grammars.compile(&grammar).unwrap();
+                assert_eq!(takes(&mut constraint, text, end), taken, "{text}");
+            }
+        }
+        let tools = strict(Some(true), None);
+        assert!(tools.constrains_calls(false));
+        let grammar = tools.grammar(None).unwrap().unwrap();
         let now = format!("{OPEN}\n{{\"name\": \"now\", \"arguments\": {{}}}}\n{CLOSE}");
         for (text, end, taken) in [
             // Text with no call is free, `<` and all.
