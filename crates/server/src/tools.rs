@@ -27,6 +27,11 @@ const CLOSE: &str = "</tool_call>";
 /// Most tools one request may describe.
 pub const MAX_TOOLS: usize = 128;
 
+/// The most calls a grammar counts: a bound of `n` calls repeats the call
+/// rule `n` times in it, and a client's `max_tool_calls` must not make a
+/// grammar of any size it likes.
+const GRAMMAR_MAX_CALLS: usize = 16;
+
 /// One entry of `tools`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -323,7 +328,7 @@ impl Tools {
             choice,
             max_calls: [
                 (parallel == Some(false)).then_some(1),
-                max_calls.map(|n| n as usize),
+                max_calls.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
             ]
             .into_iter()
             .flatten()
@@ -484,13 +489,15 @@ impl Tools {
     /// after calls unheld — so a model that ends its calls with a remark is
     /// never pushed into another call. At most one call (no
     /// `parallel_tool_calls`): that call and the end (its closing tag is a
-    /// kept stop too); at most `n`: `n` calls, then text without a call.
+    /// kept stop too); at most `n`: `n` calls, then text without a call
+    /// — up to [`GRAMMAR_MAX_CALLS`], past which the grammar allows any
+    /// number and the parse alone keeps the first `n`.
     fn text_or_calls(&self, schemas: bool) -> kvfence_model::Grammar {
         let arguments = self.arguments_rule(schemas);
         let turns = match self.max_calls {
-            None => "turn+ plain?".to_string(),
             Some(1) => "turn".to_string(),
-            Some(n) => format!("turn{{1,{n}}} plain?"),
+            Some(n) if n <= GRAMMAR_MAX_CALLS => format!("turn{{1,{n}}} plain?"),
+            _ => "turn+ plain?".to_string(),
         };
         kvfence_model::Grammar::Lark(format!(
             "start: plain | {turns}\n\
@@ -791,6 +798,22 @@ mod tests {
         assert_eq!(names(None, Some(1)), ["now"]);
         // The stricter of the two limits holds.
         assert_eq!(names(Some(false), Some(3)), ["now"]);
+        // A bound past what a grammar counts is the parse's alone, and
+        // costs the grammar nothing.
+        let huge = limited(None, Some(u32::MAX)).unwrap().unwrap();
+        let kvfence_model::Grammar::Lark(grammar) = huge.text_or_calls(false) else {
+            panic!("plain auto's grammar is Lark");
+        };
+        assert!(grammar.contains("turn+ plain?"), "{grammar}");
+        // The largest bound a grammar counts compiles.
+        let tokenizer = kvfence_model::Tokenizer::byte_level(260).unwrap();
+        let grammars = kvfence_model::Grammars::new(&tokenizer, 260, &[256]).unwrap();
+        let most = limited(None, Some(GRAMMAR_MAX_CALLS as u32))
+            .unwrap()
+            .unwrap();
+        let grammar = most.grammar(None).unwrap().unwrap();
+        grammars.compile(&grammar).unwrap().mask().unwrap();
+        assert_eq!(names(None, Some(u32::MAX)), ["now", "get_weather", "now"]);
         // One call at most ends the answer at that call, as without
         // parallel calls; more leave the end to the model.
         let stops = |most| limited(None, most).unwrap().unwrap().kept_stops();
