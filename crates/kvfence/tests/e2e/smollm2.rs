@@ -259,17 +259,31 @@ async fn calls_are_bounded_and_never_show_as_text(server: &Server) {
         one["usage"]["output_tokens"].as_u64() < free["usage"]["output_tokens"].as_u64(),
         "the answer ends at its one call: {one} {free}"
     );
-    let mut no_tools = ask(json!({}));
+    let logprobs = json!(["message.output_text.logprobs"]);
+    let mut no_tools = ask(json!({ "include": logprobs }));
     no_tools.as_object_mut().unwrap().remove("tools");
     for body in [
-        ask(json!({"tool_choice": "none"})),
-        ask(json!({"max_tool_calls": 0})),
+        ask(json!({"tool_choice": "none", "include": logprobs})),
+        ask(json!({"max_tool_calls": 0, "include": logprobs})),
         no_tools,
     ] {
         let (status, answer) = post(&url, None, body.clone()).await;
         assert_eq!(status, 200, "{answer}");
         assert_eq!(calls(&answer), 0, "{answer}");
-        assert!(!answer.to_string().contains("tool_call>"), "{answer}");
+        assert!(
+            !answer["output"].to_string().contains("tool_call>"),
+            "{answer}"
+        );
+        // Nor in the tokens the message's log-probabilities list: they
+        // spell its text.
+        let part = &answer["output"][0]["content"][0];
+        let spelled: String = part["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|entry| entry["token"].as_str().unwrap())
+            .collect();
+        assert_eq!(spelled, part["text"].as_str().unwrap(), "{answer}");
         assert_eq!(answer["status"], "completed", "{answer}");
     }
     let (status, refused) = post(

@@ -14,8 +14,9 @@ impl Reply {
             Some(tools) => tools.parse(text, self.choices[0].finish.map(|(reason, _)| reason)),
             None => (text.to_string(), Vec::new()),
         };
-        // A call's tokens are not the message's.
-        let logprobs = self.shown_logprobs((!calls.is_empty()).then_some(content.len()));
+        // A call's tokens are not the message's, nor are those of a call
+        // that could not be made (the parse keeps the text before either).
+        let logprobs = self.shown_logprobs((content.len() < text.len()).then_some(content.len()));
         let mut items = Vec::new();
         if calls.is_empty() || !content.is_empty() {
             items.push(responses::message_item(
@@ -182,18 +183,22 @@ impl Reply {
     pub(super) fn response_finish(&mut self) -> Vec<SseEvent> {
         let mut rest = std::mem::take(&mut self.choices[0].text);
         let mut calls = Vec::new();
+        // Whether the parse left out the end of the text (a call, or one
+        // that could not be made): its tokens are not the message's.
+        let mut cut = false;
         if let Some(tools) = &self.tools {
             let choice = &mut self.choices[0];
             let mut held = choice.split.push(&rest);
             held.push_str(&choice.split.finish());
             (rest, calls) = tools.parse(&held, choice.finish.map(|(reason, _)| reason));
+            cut = rest.len() < held.len();
         }
         let status = self.response_status();
         let mut events = Vec::new();
         if !self.output.is_empty() || calls.is_empty() || !rest.is_empty() {
             let id = self.open_message(&mut events);
             // A call's tokens are not the message's.
-            let logprobs = self.shown_logprobs((!calls.is_empty()).then_some(rest.len()));
+            let logprobs = self.shown_logprobs(cut.then_some(rest.len()));
             if !rest.is_empty() {
                 let delta = self.event(
                     "response.output_text.delta",
