@@ -6,7 +6,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common::{Server, post};
+use crate::common::{Server, post, sse};
 use serde_json::json;
 
 async fn answers(server: &Server) -> Vec<String> {
@@ -286,6 +286,24 @@ async fn calls_are_bounded_and_never_show_as_text(server: &Server) {
         assert_eq!(spelled, part["text"].as_str().unwrap(), "{answer}");
         assert_eq!(answer["status"], "completed", "{answer}");
     }
+    // Streamed, no delta carries the markup either.
+    let (status, events) = sse(
+        &url,
+        None,
+        ask(json!({"tool_choice": "none", "stream": true})),
+    )
+    .await;
+    assert_eq!(status, 200, "{events:?}");
+    assert!(
+        events.iter().any(|e| e.contains("response.completed")),
+        "{events:?}"
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|e| e.contains("tool_call>") || e.contains("\"function_call\"")),
+        "{events:?}"
+    );
     let (status, refused) = post(
         &url,
         None,
